@@ -1,0 +1,32 @@
+"""Test setup: without CUDA, kernels run through Triton's interpreter on CPU tensors.
+
+``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates a function, so it is set here,
+before any tilefuse kernel module is imported.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tilefuse._interpreter import patch_interpreter_numerics  # noqa: E402
+
+patch_interpreter_numerics()
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not ON_GPU:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device():
+    return DEVICE
