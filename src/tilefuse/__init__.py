@@ -1,3 +1,40 @@
-"""tilefuse: fused Triton kernels for large-model inference and training."""
+"""tilefuse: fused Triton kernels for large-model inference and training.
+
+Public names resolve lazily, so ``import tilefuse`` stays cheap and works without CUDA:
+
+* indexer (DeepGEMM-compatible): ``fp8_mqa_logits``, ``fp8_fp4_mqa_logits``,
+  ``get_mqa_logits_metadata``, ``fp8_paged_mqa_logits``, ``fp8_fp4_paged_mqa_logits``,
+  ``get_paged_mqa_logits_metadata``;
+* tensor-parallel fused GEMMs: ``tilefuse.dist.ag_gemm``, ``tilefuse.dist.gemm_rs``;
+* formats and references: ``tilefuse.formats``, ``tilefuse.reference``.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "fp8_mqa_logits": "tilefuse.indexer.prefill",
+    "fp8_fp4_mqa_logits": "tilefuse.indexer.prefill",
+    "get_mqa_logits_metadata": "tilefuse.indexer.prefill",
+    "fp8_paged_mqa_logits": "tilefuse.indexer.paged",
+    "fp8_fp4_paged_mqa_logits": "tilefuse.indexer.paged",
+    "get_paged_mqa_logits_metadata": "tilefuse.indexer.paged",
+}
+
+__all__ = sorted(_PUBLIC) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tilefuse' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -1,0 +1,1 @@
+"""Drop-in modules that mirror other libraries' Python APIs."""
