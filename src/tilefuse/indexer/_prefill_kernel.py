@@ -1,0 +1,188 @@
+"""Triton kernels for the indexer prefill logits (private; see ``prefill.py`` for the op).
+
+One program owns a tile of ``BLOCK_Q`` query rows x ``BLOCK_N`` keys. It loads the key tile
+once, walks the H heads (one ``tl.dot`` of [BLOCK_Q, D] x [D, BLOCK_N] each) and accumulates
+``relu(score) * w`` in fp32, so the [rows, heads, keys] scores never leave registers. The
+grid is 2-D over (key block, query block): with few query rows the key blocks alone fill the
+SMs (a split over keys with no reduction, since every key is an independent output column).
+
+Formats (``FMT``): 0 = FP8 (per-key fp32 scale applied after the head sum), 1 = MXFP8,
+2 = MXFP4. Hopper has no block-scaled tensor-core instruction, so MX runs one of two paths
+(``MX_SPLIT``):
+* 0: dequantise both operands to bf16 in registers (exact: E4M3/E2M1 times a power of two
+  fits bf16) and run a bf16 dot;
+* 1: one FP8 dot per 32-element block (K = 32, the native FP8 wgmma depth) and a scaled
+  accumulation of the partial scores on CUDA cores; FP4 values are widened to E4M3 (exact).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FMT_FP8 = 0
+FMT_MXFP8 = 1
+FMT_MXFP4 = 2
+
+
+@triton.jit
+def _ue8m0_byte_scale(packed, byte_idx):
+    """fp32 ``2^(e-127)`` of byte ``byte_idx`` of each packed int32 (shapes broadcast)."""
+    e = (packed >> (byte_idx * 8)) & 0xFF
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_to_f32(code):
+    """E2M1 nibble codes (int32, 0..15) to fp32 by assembling the bits."""
+    sign = (code & 8) << 28
+    e = (code >> 1) & 3
+    m = code & 1
+    normal = ((e + 126) << 23) | (m << 22)
+    sub = tl.where(m == 1, 126 << 23, 0)  # e == 0: 0.0 or 0.5
+    return (tl.where(e == 0, sub, normal) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _unpack_fp4(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """int8 [ROWS, COLS/2] of packed nibbles -> fp32 [ROWS, COLS] (element 2k = low nibble)."""
+    b = packed.to(tl.int32) & 0xFF
+    lo = _e2m1_to_f32(b & 0xF)
+    hi = _e2m1_to_f32(b >> 4)
+    return tl.reshape(tl.join(lo, hi), (ROWS, COLS))
+
+
+@triton.jit
+def _dequant_tile(raw, packed_sf, ROWS: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr):
+    """MX tile [ROWS, D] (or [ROWS, D/2] packed FP4) with packed scales [ROWS] -> bf16 [ROWS, D]."""
+    if FMT == 2:
+        vals = _unpack_fp4(raw, ROWS, D)
+    else:
+        vals = raw.to(tl.float32)
+    blk = tl.arange(0, D) // 32
+    scale = _ue8m0_byte_scale(packed_sf[:, None], blk[None, :])
+    return (vals * scale).to(tl.bfloat16)
+
+
+@triton.jit
+def _mx_chunk_dot(q_desc, row0, col, k_chunk, FMT: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """FP8 dot of one 32-element block of q against the matching key block (both E4M3)."""
+    q_raw = q_desc.load([row0, col])
+    if FMT == 2:
+        q8 = _unpack_fp4(q_raw, BLOCK_Q, 32).to(tl.float8e4nv)
+    else:
+        q8 = q_raw
+    return tl.dot(q8, tl.trans(k_chunk))
+
+
+@triton.jit
+def _load_k_chunk(k_desc, n0, b: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+    if FMT == 2:
+        return _unpack_fp4(k_desc.load([n0, b * 16]), BLOCK_N, 32).to(tl.float8e4nv)
+    return k_desc.load([n0, b * 32])
+
+
+@triton.jit
+def prefill_logits_kernel(
+    q_desc, q_sf_ptr, stride_qsf,
+    k_desc, k_scale_ptr,
+    w_ptr, stride_w,
+    ks_ptr, ke_ptr,
+    out_ptr, stride_out,
+    S_q, S_k,
+    H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, MX_SPLIT: tl.constexpr,
+    CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_q = tl.program_id(1)
+    q0 = pid_q * BLOCK_Q
+    n0 = pid_n * BLOCK_N
+    rows = q0 + tl.arange(0, BLOCK_Q)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < S_q
+    ks = tl.load(ks_ptr + rows, mask=row_ok, other=0)
+    ke = tl.minimum(tl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
+    valid = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None]) & row_ok[:, None]
+    out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_out
+
+    lo = tl.min(tl.where(row_ok & (ks < ke), ks, S_k), axis=0)
+    hi = tl.max(tl.where(row_ok & (ks < ke), ke, 0), axis=0)
+    if (n0 >= hi) | (n0 + BLOCK_N <= lo):
+        # No row of this tile sees these keys: skip the math, write the -inf of the full layout.
+        if CLEAN and not COMPRESSED:
+            fill = tl.full((BLOCK_Q, BLOCK_N), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
+            tl.store(out_rows + cols[None, :], fill, mask=row_ok[:, None] & (cols[None, :] < S_k))
+        return
+
+    acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.float32)
+    w_rows = w_ptr + rows.to(tl.int64) * stride_w
+    if FMT == 0:
+        k = k_desc.load([n0, 0])
+        kt = tl.trans(k)
+        for h in range(H):
+            q = q_desc.load([q0, h * D])
+            w = tl.load(w_rows + h, mask=row_ok, other=0.0).to(tl.float32)
+            s = tl.dot(q, kt)
+            acc += tl.maximum(s, 0.0) * w[:, None]
+        k_scale = tl.load(k_scale_ptr + cols, mask=cols < S_k, other=0.0)
+        acc = acc * k_scale[None, :]
+    else:
+        k_sf = tl.load(k_scale_ptr + cols, mask=cols < S_k, other=0)
+        qsf_rows = q_sf_ptr + rows.to(tl.int64) * stride_qsf
+        DQ: tl.constexpr = D // 2 if FMT == 2 else D
+        if MX_SPLIT:
+            NB: tl.constexpr = D // 32
+            CQ: tl.constexpr = 16 if FMT == 2 else 32
+            k0 = _load_k_chunk(k_desc, n0, 0, FMT, BLOCK_N)
+            k1 = _load_k_chunk(k_desc, n0, 1 % NB, FMT, BLOCK_N)
+            k2 = _load_k_chunk(k_desc, n0, 2 % NB, FMT, BLOCK_N)
+            k3 = _load_k_chunk(k_desc, n0, 3 % NB, FMT, BLOCK_N)
+            for h in range(H):
+                w = tl.load(w_rows + h, mask=row_ok, other=0.0).to(tl.float32)
+                q_sf = tl.load(qsf_rows + h, mask=row_ok, other=0)
+                base = h * DQ
+                s = _mx_chunk_dot(q_desc, q0, base, k0, FMT, BLOCK_Q) * (
+                    _ue8m0_byte_scale(q_sf, 0)[:, None] * _ue8m0_byte_scale(k_sf, 0)[None, :])
+                if NB > 1:
+                    s += _mx_chunk_dot(q_desc, q0, base + CQ, k1, FMT, BLOCK_Q) * (
+                        _ue8m0_byte_scale(q_sf, 1)[:, None] * _ue8m0_byte_scale(k_sf, 1)[None, :])
+                if NB > 2:
+                    s += _mx_chunk_dot(q_desc, q0, base + 2 * CQ, k2, FMT, BLOCK_Q) * (
+                        _ue8m0_byte_scale(q_sf, 2)[:, None] * _ue8m0_byte_scale(k_sf, 2)[None, :])
+                    s += _mx_chunk_dot(q_desc, q0, base + 3 * CQ, k3, FMT, BLOCK_Q) * (
+                        _ue8m0_byte_scale(q_sf, 3)[:, None] * _ue8m0_byte_scale(k_sf, 3)[None, :])
+                acc += tl.maximum(s, 0.0) * w[:, None]
+        else:
+            kt = tl.trans(_dequant_tile(k_desc.load([n0, 0]), k_sf, BLOCK_N, D, FMT))
+            for h in range(H):
+                w = tl.load(w_rows + h, mask=row_ok, other=0.0).to(tl.float32)
+                q_sf = tl.load(qsf_rows + h, mask=row_ok, other=0)
+                q = _dequant_tile(q_desc.load([q0, h * DQ]), q_sf, BLOCK_Q, D, FMT)
+                s = tl.dot(q, kt)
+                acc += tl.maximum(s, 0.0) * w[:, None]
+
+    if CLEAN and not COMPRESSED:
+        acc = tl.where(valid, acc, float("-inf"))
+    val = acc.to(out_ptr.dtype.element_ty)
+    if COMPRESSED:
+        # Column c of row i holds key ks[i] + c; only in-window keys are stored.
+        tl.store(out_rows + (cols[None, :] - ks[:, None]), val, mask=valid)
+    else:
+        tl.store(out_rows + cols[None, :], val, mask=row_ok[:, None] & (cols[None, :] < S_k))
+
+
+@triton.jit
+def fill_compressed_tail_kernel(out_ptr, stride_out, ks_ptr, ke_ptr, S_q, S_k, max_seqlen_k,
+                                BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Compressed layout, clean: ``-inf`` in columns ``[ke - ks, max_seqlen_k)`` of every row."""
+    rows = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_ok = rows < S_q
+    ks = tl.load(ks_ptr + rows, mask=row_ok, other=0)
+    ke = tl.minimum(tl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
+    length = tl.maximum(ke - ks, 0)
+    mask = row_ok[:, None] & (cols[None, :] >= length[:, None]) & (cols[None, :] < max_seqlen_k)
+    fill = tl.full((BLOCK_Q, BLOCK_C), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], fill, mask=mask)
+

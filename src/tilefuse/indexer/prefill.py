@@ -1,0 +1,396 @@
+"""Indexer prefill logits: ``logits[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j])`` for ``ks[i] <= j < ke[i]``.
+
+DeepGEMM-compatible names, argument order and defaults (``fp8_mqa_logits``,
+``fp8_fp4_mqa_logits``, ``get_mqa_logits_metadata``), on FP8, MXFP8 and MXFP4 inputs, for any
+head count that is a multiple of 4 up to 128 and head dims 32/64/128 (FP4: 64/128). The ops
+are ``torch.library`` custom ops with fake implementations, so they trace under
+``torch.compile`` without graph breaks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from tilefuse.formats import FP8_DTYPE, format_of
+from tilefuse.indexer import _prefill_kernel as kern
+
+_FORMAT_CODE = {"fp8": kern.FMT_FP8, "mxfp8": kern.FMT_MXFP8, "mxfp4": kern.FMT_MXFP4}
+_LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+# Output rows are padded to this many elements so every row starts 64-byte aligned.
+_ROW_ALIGN = 16
+
+
+# ---------------------------------------------------------------------------------------
+# Launch configuration: an explicit table, no autotuning at run time.
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Tile shape and pipelining of the prefill kernel.
+
+    ``mx_split`` picks the MX path on Hopper: False = dequantise to bf16 and run a bf16 dot
+    (exact), True = one FP8 dot per 32-element block with scaled accumulation.
+    """
+
+    block_q: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 2
+    mx_split: bool = False
+
+
+def default_config(fmt: str, num_heads: int, head_dim: int) -> PrefillConfig:
+    """Measured defaults for H200 (benchmarks/NOTES.md has the numbers behind each row).
+
+    FP8: 64 rows x 128 keys, 4 warps, 2 stages (the measured sweet spot of the head loop).
+    MX: the bf16-upcast path with the same tile.
+    """
+    del num_heads, head_dim  # one tile fits every supported H and D so far
+    if fmt == "fp8":
+        return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=2)
+    return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=2, mx_split=False)
+
+
+def resolve_config(fmt: str, num_heads: int, head_dim: int, config: PrefillConfig | None = None) -> PrefillConfig:
+    """``config`` if given, else the default; ``TILEFUSE_PREFILL_CONFIG="block_n=64,num_warps=8"``
+    overrides single fields for experiments."""
+    cfg = config or default_config(fmt, num_heads, head_dim)
+    spec = os.environ.get("TILEFUSE_PREFILL_CONFIG", "").strip()
+    if spec:
+        fields = {f.name: f.type for f in dataclasses.fields(PrefillConfig)}
+        updates = {}
+        for item in spec.split(","):
+            key, _, value = item.partition("=")
+            key = key.strip()
+            if key not in fields:
+                raise ValueError(f"TILEFUSE_PREFILL_CONFIG: unknown field {key!r}; fields are {sorted(fields)}")
+            updates[key] = value.strip().lower() in ("1", "true", "yes") if key == "mx_split" else int(value)
+        cfg = dataclasses.replace(cfg, **updates)
+    if cfg.block_q < 16 or cfg.block_n < 16 or cfg.block_q & (cfg.block_q - 1) or cfg.block_n & (cfg.block_n - 1):
+        raise ValueError(f"block_q and block_n must be powers of two >= 16, got {cfg}")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------
+def _expect_tensor(x, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _expect(cond: bool, exc: type, msg: str) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+def _check_tma_rows(t: torch.Tensor, name: str) -> None:
+    """Tensor-descriptor rules: unit last stride, 16-byte aligned base and row stride."""
+    row_bytes = t.stride(0) * t.element_size()
+    _expect(t.stride(-1) == 1, ValueError, f"{name}: last dim must be contiguous (stride 1), got strides {t.stride()}")
+    _expect(row_bytes % 16 == 0, ValueError, f"{name}: row stride must be a multiple of 16 bytes, got {row_bytes}")
+    _expect(t.data_ptr() % 16 == 0, ValueError, f"{name}: data pointer must be 16-byte aligned")
+
+
+def _check_inputs(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype):
+    """Validate shapes, dtypes, strides and devices; return ``(fmt, S_q, H, D, S_k)``."""
+    for name, t in (("q", q), ("kv[0]", k), ("kv[1]", k_scale), ("weights", weights),
+                    ("cu_seq_len_k_start", ks), ("cu_seq_len_k_end", ke)):
+        _expect_tensor(t, name)
+    if q_sf is not None:
+        _expect_tensor(q_sf, "q[1] (query scales)")
+    fmt = format_of(q, q_sf)
+
+    _expect(q.dim() == 3, ValueError, f"q: expected [S_q, H, D], got shape {tuple(q.shape)}")
+    s_q, h, dq = q.shape
+    if fmt == "mxfp4":
+        _expect(q.dtype == torch.int8, TypeError, f"q: MXFP4 values must be int8 (packed), got {q.dtype}")
+        d = dq * 2
+        _expect(d in (64, 128), ValueError, f"q: MXFP4 head dim must be 64 or 128 (packed last dim 32/64), got {d}")
+    else:
+        _expect(q.dtype == FP8_DTYPE, TypeError, f"q: expected {FP8_DTYPE} values, got {q.dtype}")
+        d = dq
+        _expect(d in (32, 64, 128), ValueError, f"q: head dim must be 32, 64 or 128, got {d}")
+    _expect(h % 4 == 0 and 4 <= h <= 128, ValueError, f"q: head count must be a multiple of 4 in [4, 128], got {h}")
+    _expect(q.stride(2) == 1 and q.stride(1) == dq, ValueError,
+            f"q: heads and head dim must be contiguous, got strides {q.stride()}")
+    _check_tma_rows(q, "q")
+
+    _expect(k.dim() == 2, ValueError, f"kv[0]: expected [S_k, {dq}], got shape {tuple(k.shape)}")
+    _expect(k.dtype == q.dtype, TypeError, f"kv[0]: expected {q.dtype} like q, got {k.dtype}")
+    _expect(k.shape[1] == dq, ValueError, f"kv[0]: last dim must be {dq} like q, got {k.shape[1]}")
+    _check_tma_rows(k, "kv[0]")
+    s_k = k.shape[0]
+
+    scale_dtype = torch.float32 if fmt == "fp8" else torch.int32
+    _expect(k_scale.dtype == scale_dtype, TypeError,
+            f"kv[1]: {fmt} keys need {scale_dtype} scales, got {k_scale.dtype}")
+    _expect(tuple(k_scale.shape) == (s_k,) and k_scale.stride(0) == 1, ValueError,
+            f"kv[1]: expected a contiguous [{s_k}] tensor, got shape {tuple(k_scale.shape)}")
+    if q_sf is not None:
+        _expect(q_sf.dtype == torch.int32, TypeError, f"q[1]: query scales must be int32 (packed UE8M0), got {q_sf.dtype}")
+        _expect(tuple(q_sf.shape) == (s_q, h) and q_sf.stride(1) == 1, ValueError,
+                f"q[1]: expected [{s_q}, {h}] with unit last stride, got shape {tuple(q_sf.shape)}")
+
+    _expect(weights.dtype in _WEIGHT_DTYPES, TypeError, f"weights: expected fp32 or bf16, got {weights.dtype}")
+    _expect(tuple(weights.shape) == (s_q, h) and weights.stride(1) == 1, ValueError,
+            f"weights: expected [{s_q}, {h}] with unit last stride, got shape {tuple(weights.shape)} "
+            f"strides {weights.stride()}")
+    for name, t in (("cu_seq_len_k_start", ks), ("cu_seq_len_k_end", ke)):
+        _expect(t.dtype == torch.int32, TypeError, f"{name}: expected int32, got {t.dtype}")
+        _expect(tuple(t.shape) == (s_q,) and t.stride(0) == 1, ValueError,
+                f"{name}: expected a contiguous [{s_q}] tensor, got shape {tuple(t.shape)}")
+    _expect(isinstance(max_seqlen_k, int) and max_seqlen_k >= 0, ValueError,
+            f"max_seqlen_k: expected an int >= 0, got {max_seqlen_k!r}")
+    _expect(logits_dtype in _LOGITS_DTYPES, TypeError, f"logits_dtype: expected float32 or bfloat16, got {logits_dtype}")
+
+    tensors = {"q": q, "kv[0]": k, "kv[1]": k_scale, "weights": weights, "cu_seq_len_k_start": ks,
+               "cu_seq_len_k_end": ke}
+    if q_sf is not None:
+        tensors["q[1]"] = q_sf
+    for name, t in tensors.items():
+        _expect(t.device == q.device, ValueError, f"{name}: expected device {q.device} like q, got {t.device}")
+    return fmt, s_q, h, d, s_k
+
+
+def _window_checks_enabled() -> bool:
+    if os.environ.get("TILEFUSE_CHECK_WINDOWS", "1") == "0":
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _check_windows(ks: torch.Tensor, ke: torch.Tensor, s_k: int, max_seqlen_k: int) -> None:
+    """Value checks on the windows: one small reduction and one host sync.
+
+    Skipped inside CUDA-graph capture and torch.compile tracing, and when
+    ``TILEFUSE_CHECK_WINDOWS=0`` (serving hot paths that validated upstream).
+    """
+    if ks.numel() == 0 or not _window_checks_enabled():
+        return
+    longest = (ke.clamp(max=s_k) - ks).max()
+    neg, inverted, longest = torch.stack([(ks < 0).any().int(), (ks > ke).any().int(), longest.int()]).tolist()
+    _expect(not neg, ValueError, "cu_seq_len_k_start: window starts must be >= 0")
+    _expect(not inverted, ValueError, "cu_seq_len_k_start/cu_seq_len_k_end: every window needs ks <= ke")
+    if max_seqlen_k > 0:
+        _expect(longest <= max_seqlen_k, ValueError,
+                f"max_seqlen_k: {max_seqlen_k} is smaller than the longest window ({longest} keys)")
+
+
+# ---------------------------------------------------------------------------------------
+# The custom op
+# ---------------------------------------------------------------------------------------
+def _out_shape(s_q: int, s_k: int, max_seqlen_k: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    cols = max_seqlen_k if max_seqlen_k > 0 else s_k
+    row = max(_ROW_ALIGN, triton.cdiv(cols, _ROW_ALIGN) * _ROW_ALIGN)
+    return (s_q, cols), (row, 1)
+
+
+@torch.library.custom_op("tilefuse::mqa_logits", mutates_args=())
+def _mqa_logits(
+    q: torch.Tensor,
+    q_sf: torch.Tensor | None,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    clean_logits: bool,
+    max_seqlen_k: int,
+    logits_dtype: torch.dtype,
+    block_q: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+    mx_split: bool,
+) -> torch.Tensor:
+    fmt = format_of(q, q_sf)
+    s_q, h, dq = q.shape
+    d = dq * 2 if fmt == "mxfp4" else dq
+    s_k = k.shape[0]
+    shape, stride = _out_shape(s_q, s_k, max_seqlen_k)
+    out = torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
+    if s_q == 0:
+        return out
+    if max_seqlen_k > 0 and clean_logits:
+        _fill_compressed_tail(out, ks, ke, s_k, max_seqlen_k)
+    if s_k == 0:
+        return out
+
+    # With MX split, each load is one 32-element block (16 bytes of packed FP4).
+    split = fmt != "fp8" and mx_split
+    q_cols = (16 if fmt == "mxfp4" else 32) if split else dq
+    q_desc = TensorDescriptor(q, [s_q, h * dq], [q.stride(0), 1], [block_q, q_cols])
+    k_desc = TensorDescriptor(k, [s_k, dq], [k.stride(0), 1], [block_n, q_cols])
+    q_sf_arg = q_sf if q_sf is not None else ks  # unused for FP8
+    grid = (triton.cdiv(s_k, block_n), triton.cdiv(s_q, block_q))
+    kern.prefill_logits_kernel[grid](
+        q_desc, q_sf_arg, q_sf.stride(0) if q_sf is not None else 0,
+        k_desc, k_scale,
+        weights, weights.stride(0),
+        ks, ke,
+        out, out.stride(0),
+        s_q, s_k,
+        H=h, D=d, FMT=_FORMAT_CODE[fmt], MX_SPLIT=split,
+        CLEAN=clean_logits, COMPRESSED=max_seqlen_k > 0,
+        BLOCK_Q=block_q, BLOCK_N=block_n,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+@_mqa_logits.register_fake
+def _mqa_logits_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype,
+                     block_q, block_n, num_warps, num_stages, mx_split):
+    shape, stride = _out_shape(q.shape[0], k.shape[0], max_seqlen_k)
+    return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
+
+
+def _fill_compressed_tail(out, ks, ke, s_k, max_seqlen_k, block_q: int = 32, block_c: int = 128) -> None:
+    grid = (triton.cdiv(max_seqlen_k, block_c), triton.cdiv(out.shape[0], block_q))
+    kern.fill_compressed_tail_kernel[grid](out, out.stride(0), ks, ke, out.shape[0], s_k, max_seqlen_k,
+                                           BLOCK_Q=block_q, BLOCK_C=block_c)
+
+
+# ---------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------
+def fp8_fp4_mqa_logits(
+    q: tuple[torch.Tensor, torch.Tensor | None],
+    kv: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor,
+    cu_seq_len_k_start: torch.Tensor,
+    cu_seq_len_k_end: torch.Tensor,
+    clean_logits: bool = True,
+    max_seqlen_k: int = 0,
+    logits_dtype: torch.dtype = torch.float32,
+    schedule_meta: torch.Tensor | None = None,
+    *,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """Indexer logits over FP8, MXFP8 or MXFP4 queries and keys.
+
+    Args:
+        q: ``(values, sf)``. FP8: e4m3 ``[S_q, H, D]`` and ``None``. MXFP8: e4m3 ``[S_q, H, D]``
+            and int32 ``[S_q, H]`` packed UE8M0. MXFP4: int8 ``[S_q, H, D/2]`` (packed nibbles)
+            and int32 ``[S_q, H]``. Passing query scales selects MX mode.
+        kv: ``(k, k_sf)``: keys ``[S_k, D]`` (``[S_k, D/2]`` int8 for MXFP4) with fp32 ``[S_k]``
+            per-row scales (FP8) or int32 ``[S_k]`` packed UE8M0 (MX).
+        weights: fp32 or bf16 ``[S_q, H]``, last stride 1 (row stride may be padded).
+        cu_seq_len_k_start, cu_seq_len_k_end: int32 ``[S_q]``, the window ``[ks, ke)`` of each
+            row; ``ke > S_k`` is clamped.
+        clean_logits: write ``-inf`` to every column outside the window (in compressed mode:
+            past each row's length; DeepGEMM rejects that combination, tilefuse supports it).
+        max_seqlen_k: 0 for the full ``[S_q, S_k]`` layout; ``> 0`` for the compressed layout
+            ``[S_q, max_seqlen_k]`` where column ``c`` holds key ``ks[i] + c``.
+        logits_dtype: torch.float32 or torch.bfloat16.
+        schedule_meta: from :func:`get_mqa_logits_metadata`; the output is bitwise identical
+            with or without it.
+        config: launch configuration override (see :class:`PrefillConfig`).
+
+    Returns:
+        ``[S_q, S_k]`` (or ``[S_q, max_seqlen_k]``) logits, last stride 1, row stride padded to a
+        multiple of 16 elements (read ``logits.stride(0)``).
+
+    Raises:
+        TypeError: a non-tensor argument, or a wrong dtype (q, kv[0], kv[1], q[1], weights,
+            windows, logits_dtype).
+        ValueError: a wrong shape; H not a multiple of 4 in [4, 128]; D not in {32, 64, 128}
+            (FP4: {64, 128}); non-contiguous heads/head dim, a row stride or base not 16-byte
+            aligned; tensors on different devices; ``ks < 0`` or ``ks > ke``; ``max_seqlen_k``
+            negative or smaller than the longest window; schedule_meta of the wrong
+            dtype, shape or device.
+    """
+    if not isinstance(q, (tuple, list)) or len(q) != 2:
+        raise TypeError("q: expected a tuple (values, sf); sf is None for FP8")
+    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+        raise TypeError("kv: expected a tuple (k, k_sf)")
+    q_values, q_sf = q
+    k, k_scale = kv
+    fmt, s_q, h, d, s_k = _check_inputs(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start,
+                                        cu_seq_len_k_end, max_seqlen_k, logits_dtype)
+    cfg = resolve_config(fmt, h, d, config)
+    if schedule_meta is not None:
+        # The 2-D grid derives the same per-block key ranges in each program, so the result
+        # does not depend on the metadata; it is validated here for the caller's sake.
+        _check_metadata(schedule_meta, s_q, q_values.device)
+    _check_windows(cu_seq_len_k_start, cu_seq_len_k_end, s_k, max_seqlen_k)
+    return _mqa_logits(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end,
+                       bool(clean_logits), max_seqlen_k, logits_dtype, cfg.block_q, cfg.block_n,
+                       cfg.num_warps, cfg.num_stages, cfg.mx_split)
+
+
+def fp8_mqa_logits(
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor,
+    cu_seq_len_k_start: torch.Tensor,
+    cu_seq_len_k_end: torch.Tensor,
+    clean_logits: bool = True,
+    max_seqlen_k: int = 0,
+) -> torch.Tensor:
+    """FP8 indexer logits with DeepGEMM's ``fp8_mqa_logits`` signature: ``q`` is a bare e4m3
+    ``[S_q, H, D]`` tensor, ``kv = (k e4m3 [S_k, D], k_scale fp32 [S_k])``, fp32 logits.
+
+    See :func:`fp8_fp4_mqa_logits` for the arguments and the errors raised.
+    """
+    _expect_tensor(q, "q")
+    return fp8_fp4_mqa_logits((q, None), kv, weights, cu_seq_len_k_start, cu_seq_len_k_end,
+                              clean_logits, max_seqlen_k)
+
+
+# ---------------------------------------------------------------------------------------
+# Schedule metadata
+# ---------------------------------------------------------------------------------------
+_META_HEADER_ROWS = 1
+
+
+def get_mqa_logits_metadata(
+    cu_seq_len_k_start: torch.Tensor,
+    cu_seq_len_k_end: torch.Tensor,
+    num_kv_tokens: int,
+    num_heads: int,
+) -> torch.Tensor:
+    """Schedule metadata for :func:`fp8_fp4_mqa_logits`, computed once and reusable by every layer.
+
+    Layout (int32 ``[1 + num_q_blocks, 2]``): row 0 holds the tile ``(block_q, block_n)``; row
+    ``1 + b`` holds the half-open range of key blocks ``[lo, hi)`` that query block ``b`` must
+    compute (blocks outside it are only ``-inf`` fills). It depends only on its arguments.
+    """
+    _expect_tensor(cu_seq_len_k_start, "cu_seq_len_k_start")
+    _expect_tensor(cu_seq_len_k_end, "cu_seq_len_k_end")
+    _expect(cu_seq_len_k_start.shape == cu_seq_len_k_end.shape and cu_seq_len_k_start.dim() == 1, ValueError,
+            "cu_seq_len_k_start/cu_seq_len_k_end: expected two [S_q] tensors of one shape")
+    _expect(num_heads % 4 == 0 and 4 <= num_heads <= 128, ValueError,
+            f"num_heads: expected a multiple of 4 in [4, 128], got {num_heads}")
+    cfg = default_config("fp8", num_heads, 128)
+    s_q = cu_seq_len_k_start.shape[0]
+    nqb = triton.cdiv(s_q, cfg.block_q)
+    pad = nqb * cfg.block_q - s_q
+    ks = torch.nn.functional.pad(cu_seq_len_k_start.long(), (0, pad), value=num_kv_tokens)
+    ke = torch.nn.functional.pad(cu_seq_len_k_end.long().clamp(max=num_kv_tokens), (0, pad), value=0)
+    nonempty = ke > ks
+    lo = torch.where(nonempty, ks, num_kv_tokens).view(nqb, cfg.block_q).amin(dim=1)
+    hi = torch.where(nonempty, ke, 0).view(nqb, cfg.block_q).amax(dim=1)
+    lo_blk = torch.div(lo, cfg.block_n, rounding_mode="floor")
+    hi_blk = torch.where(hi > lo, torch.div(hi + cfg.block_n - 1, cfg.block_n, rounding_mode="floor"), lo_blk)
+    header = torch.tensor([[cfg.block_q, cfg.block_n]], dtype=torch.int64, device=lo.device)
+    return torch.cat([header, torch.stack([lo_blk, hi_blk], dim=1)]).to(torch.int32)
+
+
+def _check_metadata(meta: torch.Tensor, s_q: int, device: torch.device) -> None:
+    _expect_tensor(meta, "schedule_meta")
+    _expect(meta.dtype == torch.int32 and meta.dim() == 2 and meta.shape[1] == 2, ValueError,
+            f"schedule_meta: expected int32 [1 + num_q_blocks, 2] from get_mqa_logits_metadata, "
+            f"got {meta.dtype} {tuple(meta.shape)}")
+    _expect(meta.device == device, ValueError, f"schedule_meta: expected device {device}, got {meta.device}")
+    block_q = default_config("fp8", 4, 128).block_q
+    _expect(meta.shape[0] == _META_HEADER_ROWS + triton.cdiv(s_q, block_q), ValueError,
+            f"schedule_meta: made for another number of query rows ({meta.shape[0] - 1} blocks, S_q = {s_q})")

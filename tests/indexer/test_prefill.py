@@ -1,0 +1,342 @@
+"""Indexer prefill logits against both references, with the contract's rules:
+exact -inf masks, every element written (poisoned outputs), bitwise reruns, bad inputs raise.
+
+On CPU the kernels run through Triton's interpreter at small shapes (with small tiles so
+several programs and partial tiles are exercised); on a GPU the same checks run at full size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilefuse
+import tilefuse.compat.deep_gemm as deep_gemm
+from tilefuse import formats as F
+from tilefuse import reference as R
+from tilefuse.indexer import _prefill_kernel as kern
+from tilefuse.indexer import prefill
+from tilefuse.indexer import windows as W
+
+from ..conftest import DEVICE, ON_GPU
+
+# Small tiles on CPU: more programs, partial tiles and skipped tiles at interpreter-sized shapes.
+SMALL = prefill.PrefillConfig(block_q=16, block_n=32)
+VARIANTS = {  # name -> (format, mx_split)
+    "fp8": ("fp8", False),
+    "mxfp8": ("mxfp8", False),
+    "mxfp8-split": ("mxfp8", True),
+    "mxfp4": ("mxfp4", False),
+    "mxfp4-split": ("mxfp4", True),
+}
+BF16_THRESHOLD = {"fp8": 1e-3, "mxfp8": 0.02, "mxfp4": 0.02}
+
+
+def make_inputs(s_q, s_k, h, d, fmt, seed, weights_dtype=torch.float32, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(s_q, h, d, generator=g) * scale).to(torch.bfloat16)
+    k = (torch.randn(s_k, d, generator=g) * scale).to(torch.bfloat16)
+    w = torch.randn(s_q, h, generator=g).to(weights_dtype)
+    qq = tuple(None if t is None else t.to(DEVICE) for t in F.quantize_q(q, fmt))
+    kk = tuple(t.to(DEVICE) for t in F.quantize_k(k, fmt))
+    return q.to(DEVICE), k.to(DEVICE), w.to(DEVICE), qq, kk
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every fresh allocation starts as NaN, so an element the kernel skips shows up."""
+    real = torch.empty_strided
+
+    def nan_filled(*args, **kwargs):
+        t = real(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty_strided", nan_filled)
+
+
+def check_logits(out, qq, kk, q, k, w, ks, ke, fmt, clean=True, max_seqlen_k=0, logits_dtype=torch.float32):
+    """The §5 rules: both references, exact -inf masks, every element written."""
+    s_k = k.shape[0]
+    ref = R.fp8_fp4_mqa_logits_ref(qq, kk, w, ks, ke, clean, max_seqlen_k, torch.float32)
+    unquant = R.mqa_logits_ref(q, k, w, ks, ke)
+    if max_seqlen_k:
+        unquant = R.compress_logits(unquant, ks, ke, max_seqlen_k)
+    cols = max_seqlen_k or s_k
+    assert out.shape == (q.shape[0], cols) and out.stride(1) == 1 and out.dtype == logits_dtype
+    inside = ~torch.isneginf(ref)
+    out32 = out.float()
+    if clean:
+        assert torch.equal(torch.isneginf(out32), ~inside), "-inf mask differs from the reference"
+        assert not out32.isnan().any(), "an element was not written"
+    else:
+        assert not out32[inside].isnan().any(), "an in-window element was not written"
+        out32 = torch.where(inside, out32, ref)
+    bf16 = logits_dtype == torch.bfloat16 or w.dtype == torch.bfloat16
+    tight = 3e-5 if bf16 else 5e-6
+    assert R.calc_diff(out32, ref) < tight
+    # Against unquantised inputs the error is quantisation noise (FP8 sits near 7e-4 against a
+    # 1e-3 bar): a statistic that needs a sample, so tiny cases check the tight bar only.
+    if int(inside.sum()) * q.shape[1] >= 8192:
+        assert R.calc_diff(out32, unquant) < BF16_THRESHOLD[fmt]
+
+
+def run(qq, kk, w, ks, ke, config=SMALL, **kw):
+    return tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=config, **kw)
+
+
+def shapes(cpu, gpu):
+    return gpu if ON_GPU else cpu
+
+
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("windows", ["causal", "zigzag", "random", "overhang"])
+def test_formats_and_windows(variant, windows, poisoned):
+    fmt, split = VARIANTS[variant]
+    s_q, s_k = shapes((32, 256), (512, 8192))
+    q, k, w, qq, kk = make_inputs(s_q, s_k, 8, 64, fmt, seed=hash((variant, windows)) % 1000)
+    g = torch.Generator().manual_seed(7)
+    if windows == "random":
+        ks, ke = W.random_windows(s_q, s_k, generator=g, empty_fraction=0.25, device=DEVICE)
+    elif windows == "overhang":  # ke > S_k is clamped
+        ks, ke = W.random_windows(s_q, s_k, generator=g, overhang=s_k // 2, device=DEVICE)
+    else:
+        ks, ke = W.GENERATORS[windows](s_q, s_k, device=DEVICE)
+    cfg = prefill.PrefillConfig(block_q=SMALL.block_q, block_n=SMALL.block_n, mx_split=split) if not ON_GPU else \
+        prefill.PrefillConfig(mx_split=split)
+    out = run(qq, kk, w, ks, ke, config=cfg)
+    check_logits(out, qq, kk, q, k, w, ks, ke, fmt)
+
+
+@pytest.mark.parametrize("h", [4, 8, 32, 64])
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+def test_heads_and_head_dims(h, d, fmt):
+    if fmt == "mxfp4" and d == 32:
+        pytest.skip("FP4 supports D in {64, 128}")
+    if fmt != "fp8" and h in (4, 32) and not ON_GPU:
+        pytest.skip("interpreter time: MX covered at H in {8, 64}")
+    s_q, s_k = shapes((16, 96), (256, 4096))
+    q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=h * 1000 + d)
+    ks, ke = W.causal_tail(s_q, s_k, device=DEVICE)
+    check_logits(run(qq, kk, w, ks, ke), qq, kk, q, k, w, ks, ke, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_weight_and_logit_dtypes(fmt, weights_dtype, logits_dtype, poisoned):
+    s_q, s_k = shapes((16, 128), (256, 4096))
+    q, k, w, qq, kk = make_inputs(s_q, s_k, 8, 64, fmt, seed=3, weights_dtype=weights_dtype)
+    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(1), device=DEVICE)
+    out = run(qq, kk, w, ks, ke, logits_dtype=logits_dtype)
+    check_logits(out, qq, kk, q, k, w, ks, ke, fmt, logits_dtype=logits_dtype)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+@pytest.mark.parametrize("clean", [True, False])
+def test_compressed_layout(fmt, clean, poisoned):
+    s_q, s_k = shapes((24, 200), (512, 8192))
+    q, k, w, qq, kk = make_inputs(s_q, s_k, 8, 64, fmt, seed=11)
+    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(5), empty_fraction=0.2,
+                              overhang=16, device=DEVICE)
+    longest = int((ke.clamp(max=s_k) - ks).max())
+    out = run(qq, kk, w, ks, ke, clean_logits=clean, max_seqlen_k=longest + 3)
+    check_logits(out, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=longest + 3)
+
+
+def test_unaligned_shape_129_by_4100(poisoned):
+    """The contract's odd shape, with the default (large) tiles: partial tiles on both axes."""
+    q, k, w, qq, kk = make_inputs(129, 4100, 4, 32, "fp8", seed=5)
+    ks, ke = W.random_windows(129, 4100, generator=torch.Generator().manual_seed(2), empty_fraction=0.1,
+                              overhang=50, device=DEVICE)
+    out = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke)
+    assert out.stride(0) % 16 == 0
+    check_logits(out, qq, kk, q, k, w, ks, ke, "fp8")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_one_query_row_and_all_empty_rows(fmt, poisoned):
+    q, k, w, qq, kk = make_inputs(1, 200, 8, 64, fmt, seed=9)
+    ks = torch.tensor([17], dtype=torch.int32, device=DEVICE)
+    ke = torch.tensor([190], dtype=torch.int32, device=DEVICE)
+    check_logits(run(qq, kk, w, ks, ke), qq, kk, q, k, w, ks, ke, fmt)
+    # Every row empty (including ks == ke == S_k): all -inf.
+    q, k, w, qq, kk = make_inputs(5, 200, 8, 64, fmt, seed=9)
+    ks = torch.tensor([0, 50, 199, 200, 200], dtype=torch.int32, device=DEVICE)
+    out = run(qq, kk, w, ks, ks.clone())
+    assert torch.isneginf(out).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+def test_all_zero_inputs_with_unit_scales(fmt, poisoned):
+    """Zeros everywhere: logits are exactly 0 inside the windows and -inf outside."""
+    s_q, s_k, h, d = 16, 100, 8, 64
+    if fmt == "fp8":
+        qq = (torch.zeros(s_q, h, d, device=DEVICE).to(F.FP8_DTYPE), None)
+        kk = (torch.zeros(s_k, d, device=DEVICE).to(F.FP8_DTYPE), torch.ones(s_k, device=DEVICE))
+    else:
+        one = F.pack_ue8m0(torch.full((1, d // 32), 127)).item()
+        vals = torch.zeros if fmt == "mxfp8" else (lambda *s, **kw: torch.zeros(*s[:-1], s[-1] // 2, **kw))
+        qv = vals(s_q, h, d, device=DEVICE)
+        kv = vals(s_k, d, device=DEVICE)
+        qv = qv.to(F.FP8_DTYPE) if fmt == "mxfp8" else qv.to(torch.int8)
+        kv = kv.to(F.FP8_DTYPE) if fmt == "mxfp8" else kv.to(torch.int8)
+        qq = (qv, torch.full((s_q, h), one, dtype=torch.int32, device=DEVICE))
+        kk = (kv, torch.full((s_k,), one, dtype=torch.int32, device=DEVICE))
+    w = torch.randn(s_q, h, device=DEVICE)
+    ks, ke = W.causal_tail(s_q, s_k, device=DEVICE)
+    out = run(qq, kk, w, ks, ke)
+    mask = R.window_mask(ks, ke, s_k)
+    assert torch.equal(torch.isneginf(out), ~mask)
+    assert (out[mask] == 0).all()
+
+
+@pytest.mark.parametrize("variant", ["fp8", "mxfp8-split", "mxfp4"])
+def test_bitwise_reruns_and_schedule_meta(variant):
+    fmt, split = VARIANTS[variant]
+    s_q, s_k = shapes((16, 64), (2048, 32768))
+    _, _, w, qq, kk = make_inputs(s_q, s_k, 8 if not ON_GPU else 64, 64 if not ON_GPU else 128, fmt, seed=4)
+    ks, ke = W.zigzag(s_q, s_k, device=DEVICE)
+    cfg = prefill.PrefillConfig(mx_split=split)
+    meta = tilefuse.get_mqa_logits_metadata(ks, ke, s_k, qq[0].shape[1])
+    first = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=cfg)
+    reruns = 20 if ON_GPU else 3
+    for i in range(reruns):
+        again = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=cfg, schedule_meta=meta if i % 2 else None)
+        assert torch.equal(first.view(torch.int32), again.view(torch.int32)), f"rerun {i} differs"
+
+
+def test_metadata_depends_only_on_arguments():
+    ks, ke = W.zigzag(128, 1024, device=DEVICE)
+    a = tilefuse.get_mqa_logits_metadata(ks, ke, 1024, 64)
+    b = tilefuse.get_mqa_logits_metadata(ks.clone(), ke.clone(), 1024, 64)
+    assert a.dtype == torch.int32 and a.shape == (1 + 2, 2) and torch.equal(a, b)
+    # Query block 0 (rows 0..63) ends at key 128*... : [lo, hi) brackets every window.
+    block_n = int(a[0, 1])
+    for blk in range(2):
+        lo, hi = (int(x) for x in a[1 + blk])
+        rows = slice(blk * 64, (blk + 1) * 64)
+        assert lo * block_n <= int(ks[rows].min()) and hi * block_n >= int(ke[rows].max())
+
+
+def test_fp8_mqa_logits_matches_deepgemm_signature_and_compat_module():
+    q, k, w, qq, kk = make_inputs(16, 64, 4, 32, "fp8", seed=1)
+    ks, ke = W.causal_tail(16, 64, device=DEVICE)
+    a = deep_gemm.fp8_mqa_logits(qq[0], kk, w, ks, ke)  # positional, DeepGEMM order and defaults
+    b = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, True, 0, torch.float32, None)
+    assert torch.equal(a, b)
+    assert deep_gemm.fp8_fp4_mqa_logits is tilefuse.fp8_fp4_mqa_logits
+
+
+def test_ops_run_the_triton_kernel(monkeypatch):
+    """On CPU tensors the op goes through the Triton kernel (interpreter), not the reference."""
+    launched = []
+    real = kern.prefill_logits_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(kern, "prefill_logits_kernel", Spy())
+    _, _, w, qq, kk = make_inputs(16, 64, 4, 32, "fp8", seed=1)
+    ks, ke = W.causal_tail(16, 64, device=DEVICE)
+    tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=SMALL)
+    assert launched == [(2, 1)]
+
+
+def test_fake_impl_traces_without_data():
+    """The custom op's fake implementation gives the real output's shape, dtype and strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _, _, w, qq, kk = make_inputs(16, 100, 4, 32, "mxfp8", seed=1)
+    ks, ke = W.causal_tail(16, 100, device=DEVICE)
+    real = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, logits_dtype=torch.bfloat16, config=SMALL)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        args = [mode.from_tensor(t) for t in (qq[0], qq[1], kk[0], kk[1], w, ks, ke)]
+        fake = torch.ops.tilefuse.mqa_logits(*args, True, 0, torch.bfloat16, 16, 32, 4, 2, False)
+    assert fake.shape == real.shape and fake.stride() == real.stride() and fake.dtype == real.dtype
+
+
+# ---------------------------------------------------------------------------------------
+# Bad inputs: a clear error naming the argument, never a wrong answer.
+# ---------------------------------------------------------------------------------------
+def _good():
+    _, _, w, qq, kk = make_inputs(8, 64, 4, 64, "mxfp8", seed=0)
+    ks, ke = W.causal_tail(8, 64, device=DEVICE)
+    return dict(q=qq, kv=kk, weights=w, cu_seq_len_k_start=ks, cu_seq_len_k_end=ke)
+
+
+def _with(**changes):
+    args = _good()
+    for key, fn in changes.items():
+        args[key] = fn(args[key])
+    return args
+
+
+BAD_INPUTS = {
+    "q-not-tuple": (TypeError, "q:", dict(q=lambda q: q[0])),
+    "q-dtype": (TypeError, "q:", dict(q=lambda q: (q[0].float(), q[1]))),
+    "q-heads": (ValueError, "head count", dict(q=lambda q: (q[0][:, :3].contiguous(), q[1][:, :3].contiguous()))),
+    "q-head-dim": (ValueError, "head dim", dict(q=lambda q: (q[0][..., :48].contiguous(), q[1]))),
+    "q-strided": (ValueError, "q:", dict(q=lambda q: (q[0].transpose(0, 1).contiguous().transpose(0, 1), q[1]))),
+    "q-sf-dtype": (TypeError, "q[1]", dict(q=lambda q: (q[0], q[1].float()))),
+    "q-sf-shape": (ValueError, "q[1]", dict(q=lambda q: (q[0], q[1][:, :2].contiguous()))),
+    "k-dtype": (TypeError, "kv[0]", dict(kv=lambda kv: (kv[0].view(torch.int8), kv[1]))),
+    "k-dim": (ValueError, "kv[0]", dict(kv=lambda kv: (kv[0][:, :32].contiguous(), kv[1]))),
+    "k-scale-dtype": (TypeError, "kv[1]", dict(kv=lambda kv: (kv[0], kv[1].float()))),
+    "k-scale-shape": (ValueError, "kv[1]", dict(kv=lambda kv: (kv[0], kv[1][:10]))),
+    "weights-dtype": (TypeError, "weights", dict(weights=lambda w: w.half())),
+    "weights-shape": (ValueError, "weights", dict(weights=lambda w: w[:, :2])),
+    "weights-stride": (ValueError, "weights", dict(weights=lambda w: w.t().contiguous().t())),
+    "ks-dtype": (TypeError, "cu_seq_len_k_start", dict(cu_seq_len_k_start=lambda t: t.long())),
+    "ke-shape": (ValueError, "cu_seq_len_k_end", dict(cu_seq_len_k_end=lambda t: t[:4])),
+    "ks-negative": (ValueError, "cu_seq_len_k_start", dict(cu_seq_len_k_start=lambda t: t - 1)),
+    "ks-after-ke": (ValueError, "ks <= ke", dict(cu_seq_len_k_start=lambda t: t + 1000)),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs_raise(case):
+    exc, text, changes = BAD_INPUTS[case]
+    with pytest.raises(exc, match=text.replace("[", r"\[").replace("]", r"\]")):
+        tilefuse.fp8_fp4_mqa_logits(**_with(**changes))
+
+
+def test_bad_scalars_and_modes_raise():
+    args = _good()
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        tilefuse.fp8_fp4_mqa_logits(**args, max_seqlen_k=-1)
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        tilefuse.fp8_fp4_mqa_logits(**args, max_seqlen_k=3)  # windows are 56..63 keys long
+    with pytest.raises(TypeError, match="logits_dtype"):
+        tilefuse.fp8_fp4_mqa_logits(**args, logits_dtype=torch.float16)
+    with pytest.raises(ValueError, match="schedule_meta"):
+        tilefuse.fp8_fp4_mqa_logits(**args, schedule_meta=torch.zeros(7, 2, dtype=torch.int32, device=DEVICE))
+    q, kv = args["q"], args["kv"]
+    with pytest.raises(TypeError, match=r"kv\[1\]"):  # FP8 queries with MX key scales
+        tilefuse.fp8_fp4_mqa_logits((q[0], None), kv, *list(args.values())[2:])
+    with pytest.raises(ValueError, match="unknown field"):
+        import os
+
+        os.environ["TILEFUSE_PREFILL_CONFIG"] = "block_z=3"
+        try:
+            tilefuse.fp8_fp4_mqa_logits(**args)
+        finally:
+            del os.environ["TILEFUSE_PREFILL_CONFIG"]
+
+
+# ---------------------------------------------------------------------------------------
+# Full-size checks on the GPU (the reference shapes of the contract).
+# ---------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_q,s_k", [(2048, 32768), (4096, 8192), (128, 32768), (16, 65536)])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+def test_reference_shapes_on_gpu(s_q, s_k, fmt, poisoned):
+    q, k, w, qq, kk = make_inputs(s_q, s_k, 64, 128, fmt, seed=s_q)
+    ks, ke = W.causal_tail(s_q, s_k, device=DEVICE)
+    out = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke)
+    check_logits(out, qq, kk, q, k, w, ks, ke, fmt)
