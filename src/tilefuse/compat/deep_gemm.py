@@ -7,18 +7,19 @@ Names resolve on first use, like ``tilefuse`` itself.
 
 import tilefuse
 
-__all__ = [
+_NAMES = (
     "fp8_mqa_logits",
     "fp8_fp4_mqa_logits",
     "get_mqa_logits_metadata",
     "fp8_paged_mqa_logits",
     "fp8_fp4_paged_mqa_logits",
     "get_paged_mqa_logits_metadata",
-]
+)
+__all__ = list(_NAMES)
 
 
 def __getattr__(name: str):
-    if name not in __all__:
+    if name not in _NAMES:
         raise AttributeError(f"module 'tilefuse.compat.deep_gemm' has no attribute {name!r}")
     return getattr(tilefuse, name)
 

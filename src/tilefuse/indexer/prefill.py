@@ -134,7 +134,8 @@ def _check_inputs(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dty
     _expect(tuple(k_scale.shape) == (s_k,) and k_scale.stride(0) == 1, ValueError,
             f"kv[1]: expected a contiguous [{s_k}] tensor, got shape {tuple(k_scale.shape)}")
     if q_sf is not None:
-        _expect(q_sf.dtype == torch.int32, TypeError, f"q[1]: query scales must be int32 (packed UE8M0), got {q_sf.dtype}")
+        _expect(q_sf.dtype == torch.int32, TypeError,
+                f"q[1]: query scales must be int32 (packed UE8M0), got {q_sf.dtype}")
         _expect(tuple(q_sf.shape) == (s_q, h) and q_sf.stride(1) == 1, ValueError,
                 f"q[1]: expected [{s_q}, {h}] with unit last stride, got shape {tuple(q_sf.shape)}")
 
@@ -148,7 +149,8 @@ def _check_inputs(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dty
                 f"{name}: expected a contiguous [{s_q}] tensor, got shape {tuple(t.shape)}")
     _expect(isinstance(max_seqlen_k, int) and max_seqlen_k >= 0, ValueError,
             f"max_seqlen_k: expected an int >= 0, got {max_seqlen_k!r}")
-    _expect(logits_dtype in _LOGITS_DTYPES, TypeError, f"logits_dtype: expected float32 or bfloat16, got {logits_dtype}")
+    _expect(logits_dtype in _LOGITS_DTYPES, TypeError,
+            f"logits_dtype: expected float32 or bfloat16, got {logits_dtype}")
 
     tensors = {"q": q, "kv[0]": k, "kv[1]": k_scale, "weights": weights, "cu_seq_len_k_start": ks,
                "cu_seq_len_k_end": ke}
