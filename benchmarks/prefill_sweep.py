@@ -1,0 +1,127 @@
+"""Launch-configuration sweep of the indexer prefill kernel on one GPU.
+
+Times every (shape, format, config) row in graph mode against the FP8 and BF16 matmul
+ceilings measured in the same run, after checking each config's complete output against the
+dequantised reference. This is the measurement behind ``default_config`` in
+``tilefuse/indexer/prefill.py``; the outcome of each run goes to ``benchmarks/NOTES.md``.
+
+    python benchmarks/prefill_sweep.py --output sweep.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+
+os.environ.setdefault("TILEFUSE_CHECK_WINDOWS", "0")
+
+import tilefuse  # noqa: E402
+from tilefuse import formats as F  # noqa: E402
+from tilefuse import reference as R  # noqa: E402
+from tilefuse.bench import ceilings, env, timing  # noqa: E402
+from tilefuse.indexer import windows as W  # noqa: E402
+from tilefuse.indexer.prefill import PrefillConfig  # noqa: E402
+
+FP8_CONFIGS = [PrefillConfig(bq, bn, nw, ns) for bq, bn, nw, ns in [
+    (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3),
+    (64, 256, 8, 2), (128, 64, 4, 2), (64, 64, 4, 3), (128, 256, 8, 2),
+]]
+MX_CONFIGS = [PrefillConfig(bq, bn, nw, ns, split) for (bq, bn, nw, ns), split in itertools.product(
+    [(64, 128, 4, 2), (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2)], [False, True])]
+
+
+def make(s_q, s_k, h, d, fmt, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(s_q, h, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(s_k, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(s_q, h, device="cuda", generator=g)
+    return F.quantize_q(q, fmt), F.quantize_k(k, fmt), w
+
+
+def check(out, ref, logits_dtype, clean):
+    inside = ~torch.isneginf(ref)
+    mask_ok = bool(torch.equal(torch.isneginf(out.float()), ~inside)) if clean else True
+    diff = R.calc_diff(torch.where(inside, out.float(), ref), ref)
+    bar = 3e-5 if logits_dtype == torch.bfloat16 else 5e-6
+    return {"ok": mask_ok and diff < bar, "calc_diff": diff, "mask_exact": mask_ok}
+
+
+def rows(quick: bool):
+    big = [(2048, 32768)]
+    if not quick:
+        big += [(8192, 65536), (4096, 8192), (128, 32768), (16, 65536)]
+    for s_q, s_k in big:
+        yield dict(s_q=s_q, s_k=s_k, h=64, d=128, fmt="fp8", clean=True, logits=torch.float32), FP8_CONFIGS
+    yield dict(s_q=2048, s_k=32768, h=64, d=128, fmt="fp8", clean=False, logits=torch.float32), FP8_CONFIGS[:3]
+    yield dict(s_q=2048, s_k=32768, h=64, d=128, fmt="fp8", clean=True, logits=torch.bfloat16), FP8_CONFIGS[:3]
+    yield dict(s_q=2048, s_k=32768, h=32, d=128, fmt="fp8", clean=True, logits=torch.float32), FP8_CONFIGS
+    for fmt in ("mxfp8", "mxfp4"):
+        yield dict(s_q=2048, s_k=32768, h=64, d=128, fmt=fmt, clean=True, logits=torch.float32), MX_CONFIGS
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--output", default="prefill-sweep.json")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--samples", type=int, default=20)
+    args = ap.parse_args(argv)
+    record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": []}
+    fp8_ceiling = ceilings.ceiling_value(record["ceilings"], "fp8_matmul")
+    bf16_ceiling = ceilings.ceiling_value(record["ceilings"], "bf16_matmul")
+    print(f"ceilings: fp8 {fp8_ceiling:.0f}  bf16 {bf16_ceiling:.0f} TFLOP/s", flush=True)
+    table = []
+    for shape, configs in rows(args.quick):
+        qq, kk, w = make(shape["s_q"], shape["s_k"], shape["h"], shape["d"], shape["fmt"])
+        ks, ke = W.causal_tail(shape["s_q"], shape["s_k"], device="cuda")
+        flops = 2 * W.valid_pairs(ks, ke, shape["s_k"]) * shape["h"] * shape["d"]
+        ref = R.fp8_fp4_mqa_logits_ref(qq, kk, w, ks, ke)
+        fns, checks = {}, {}
+        for cfg in configs:
+            name = f"{cfg.block_q}x{cfg.block_n}/w{cfg.num_warps}s{cfg.num_stages}" + ("/split" if cfg.mx_split else "")
+            fn = (lambda cfg=cfg: tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, shape["clean"], 0, shape["logits"],
+                                                              config=cfg))
+            try:
+                t0 = time.time()
+                out = fn()
+                torch.cuda.synchronize()
+                checks[name] = check(out, ref, shape["logits"], shape["clean"])
+                checks[name]["first_call_s"] = time.time() - t0
+                del out
+                fns[name] = fn
+            except Exception as e:  # a config that does not compile or launch is a row, not a crash
+                checks[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        del ref
+        # Every captured call keeps its output alive: stay within ~40 GiB of retained logits.
+        out_bytes = shape["s_q"] * shape["s_k"] * 4
+        calls = max(1, min(5, (40 << 30) // max(1, out_bytes * len(fns))))
+        stats = timing.time_graph(fns, calls=calls, samples=args.samples) if fns else {}
+        ceiling = fp8_ceiling if shape["fmt"] == "fp8" else bf16_ceiling
+        label = (f"{shape['fmt']} H{shape['h']} {shape['s_q']}/{shape['s_k']} clean={int(shape['clean'])} "
+                 f"{str(shape['logits']).replace('torch.', '')}")
+        for name in checks:
+            row = {**{k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in shape.items()}, "config": name,
+                   "check": checks[name]}
+            if name in stats:
+                tflops = flops / (stats[name].median_us * 1e-6) / 1e12
+                row.update(stats=stats[name].to_dict(), tflops=tflops, ceiling_ratio=tflops / ceiling)
+                table.append((label, name, stats[name].median_us, tflops, tflops / ceiling, checks[name]["ok"]))
+            else:
+                table.append((label, name, float("nan"), float("nan"), float("nan"), False))
+            record["rows"].append(row)
+        torch.cuda.empty_cache()
+    with open(args.output, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"\n{'shape':44s} {'config':22s} {'us':>9s} {'TFLOP/s':>8s} {'ceil':>5s} ok")
+    for label, name, us, tf, ratio, ok in table:
+        print(f"{label:44s} {name:22s} {us:9.1f} {tf:8.0f} {ratio:5.2f} {'y' if ok else 'N'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
