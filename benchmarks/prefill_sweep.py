@@ -11,6 +11,7 @@ dequantised reference. This is the measurement behind ``default_config`` in
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -84,8 +85,8 @@ def main(argv=None):
         fns, checks = {}, {}
         for cfg in configs:
             name = f"{cfg.block_q}x{cfg.block_n}/w{cfg.num_warps}s{cfg.num_stages}" + ("/split" if cfg.mx_split else "")
-            fn = (lambda cfg=cfg: tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, shape["clean"], 0, shape["logits"],
-                                                              config=cfg))
+            fn = functools.partial(tilefuse.fp8_fp4_mqa_logits, qq, kk, w, ks, ke, shape["clean"], 0,
+                                   shape["logits"], config=cfg)
             try:
                 t0 = time.time()
                 out = fn()
