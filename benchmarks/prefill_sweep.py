@@ -45,10 +45,10 @@ def make(s_q, s_k, h, d, fmt, seed=0):
     return F.quantize_q(q, fmt), F.quantize_k(k, fmt), w
 
 
-def check(out, ref, logits_dtype, clean):
+def check(out, ref, idx, full_mask, logits_dtype, clean):
+    mask_ok = bool(torch.equal(torch.isneginf(out.float()), ~full_mask)) if clean else True
     inside = ~torch.isneginf(ref)
-    mask_ok = bool(torch.equal(torch.isneginf(out.float()), ~inside)) if clean else True
-    diff = R.calc_diff(torch.where(inside, out.float(), ref), ref)
+    diff = R.calc_diff(torch.where(inside, out[idx].float(), ref), ref)
     bar = 3e-5 if logits_dtype == torch.bfloat16 else 5e-6
     return {"ok": mask_ok and diff < bar, "calc_diff": diff, "mask_exact": mask_ok}
 
@@ -81,7 +81,11 @@ def main(argv=None):
         qq, kk, w = make(shape["s_q"], shape["s_k"], shape["h"], shape["d"], shape["fmt"])
         ks, ke = W.causal_tail(shape["s_q"], shape["s_k"], device="cuda")
         flops = 2 * W.valid_pairs(ks, ke, shape["s_k"]) * shape["h"] * shape["d"]
-        ref = R.fp8_fp4_mqa_logits_ref(qq, kk, w, ks, ke)
+        # Complete -inf masks; values on 256 rows spread over the output (fp32 reference cost).
+        idx = torch.linspace(0, shape["s_q"] - 1, min(256, shape["s_q"]), device="cuda").round().long().unique()
+        full_mask = R.window_mask(ks, ke, shape["s_k"])
+        q_rows = (qq[0][idx], None if qq[1] is None else qq[1][idx])
+        ref = R.fp8_fp4_mqa_logits_ref(q_rows, kk, w[idx], ks[idx], ke[idx])
         fns, checks = {}, {}
         for cfg in configs:
             name = f"{cfg.block_q}x{cfg.block_n}/w{cfg.num_warps}s{cfg.num_stages}" + ("/split" if cfg.mx_split else "")
@@ -91,13 +95,13 @@ def main(argv=None):
                 t0 = time.time()
                 out = fn()
                 torch.cuda.synchronize()
-                checks[name] = check(out, ref, shape["logits"], shape["clean"])
+                checks[name] = check(out, ref, idx, full_mask, shape["logits"], shape["clean"])
                 checks[name]["first_call_s"] = time.time() - t0
                 del out
                 fns[name] = fn
             except Exception as e:  # a config that does not compile or launch is a row, not a crash
                 checks[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        del ref
+        del ref, full_mask
         # Every captured call keeps its output alive: stay within ~40 GiB of retained logits.
         out_bytes = shape["s_q"] * shape["s_k"] * 4
         calls = max(1, min(5, (40 << 30) // max(1, out_bytes * len(fns))))
