@@ -1,0 +1,230 @@
+"""The ``tilefuse`` command.
+
+    tilefuse env                                  environment record (what result files carry)
+    tilefuse bench indexer [--reproduce] [...]    prefill logits at the reference shapes
+    tilefuse bench paged [...]                    paged decode logits
+    tilefuse bench ag-gemm|gemm-rs [...]          fused tensor-parallel GEMMs (tilefuse.dist.bench)
+    tilefuse compare before.json after.json       per-row speedups; exit 1 on a regression
+    tilefuse plot results.json -o out.png         PNG of a result file
+    tilefuse kernels [...]                        kernel checks (tilefuse.kernelcheck.cli)
+
+Exit codes: 0 success; 1 a regression (compare) or a row that failed its check (bench);
+2 bad usage or a part of tilefuse that is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import sys
+
+from tilefuse.bench import timing
+
+_DELEGATED_BENCH = {"ag-gemm", "gemm-rs"}
+# Interpreter runs take a fraction of a second per call: a few samples show the flow.
+_CPU_DEFAULTS = {"samples": 3, "calls": 2, "iters": 2, "warmup": 1}
+
+
+def _delegate(module: str, func: str, argv: list[str], what: str) -> int:
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and (module == e.name or module.startswith(e.name + ".")):
+            print(f"tilefuse {what}: {module} is not part of this installation of tilefuse", file=sys.stderr)
+            return 2
+        raise
+    rc = getattr(mod, func)(argv)
+    return int(rc or 0)
+
+
+# ---------------------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------------------
+def _add_bench_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=timing.MODES, default="graph",
+                   help="timing mode (default graph; periter numbers are not comparable)")
+    p.add_argument("--samples", type=int, help="timed samples per row (default 40; 3 on CPU)")
+    p.add_argument("--calls", type=int, help="calls captured per graph in graph mode (default 5)")
+    p.add_argument("--iters", type=int, help="launches per sample in batch mode (default 20)")
+    p.add_argument("--warmup", type=int, help="warm-up launches in batch/periter mode (default 5)")
+    p.add_argument("--l2-flush", action="store_true", help="flush L2 before each timed replay/launch")
+    p.add_argument("--no-clocks", action="store_true", help="do not sample clocks and power with NVML")
+    p.add_argument("--shapes", nargs="+", help="only these shapes (see the suite's help)")
+    p.add_argument("--output", "-o", help="result JSON (default benchmarks/results/<gpu>/<suite>-<time>.json)")
+    p.add_argument("--no-output", action="store_true", help="do not write a result file")
+    p.add_argument("--plot", help="also write a PNG plot here")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress, no table")
+
+
+def _settings(args, on_gpu: bool):
+    from tilefuse.bench.runner import Settings
+
+    defaults = {} if on_gpu else _CPU_DEFAULTS
+    kw = {"mode": args.mode, "l2_flush": args.l2_flush, "clocks": not args.no_clocks}
+    for name in ("samples", "calls", "iters", "warmup"):
+        value = getattr(args, name)
+        if value is None:
+            value = defaults.get(name)
+        if value is not None:
+            kw[name] = value
+    return Settings(**kw)
+
+
+def _run_bench(suite: str, args) -> int:
+    from tilefuse.bench import report
+    from tilefuse.bench.env import gpu_slug, on_gpu
+    from tilefuse.bench.runner import run_suite
+
+    gpu = on_gpu()
+    device = "cuda" if gpu else "cpu"
+    settings = _settings(args, gpu)
+    if suite == "indexer":
+        from tilefuse.bench.suites import indexer as mod
+
+        fmts = tuple(f.strip() for f in args.formats.split(",") if f.strip())
+        cases = mod.cases(on_gpu=gpu, device=device, shapes=mod.parse_shapes(args.shapes), fmts=fmts,
+                          reproduce=args.reproduce)
+        extra = {"reproduce": args.reproduce, "formats": list(fmts)}
+        name = "indexer-reproduce" if args.reproduce else "indexer"
+    else:
+        from tilefuse.bench.suites import paged as mod
+
+        fmts = tuple(f.strip() for f in args.formats.split(",") if f.strip())
+        cases = mod.cases(on_gpu=gpu, device=device, shapes=mod.parse_shapes(args.shapes), fmts=fmts)
+        extra = {"formats": list(fmts)}
+        name = "paged"
+    progress = report.Progress(len(cases), enabled=not args.quiet)
+    if not gpu:
+        progress.note("no CUDA device: tiny shapes through the Triton interpreter (not performance numbers)")
+    with mod.no_window_validation() if hasattr(mod, "no_window_validation") else contextlib.nullcontext():
+        result = run_suite(name, cases, settings, progress=progress, extra_settings=extra)
+    if not args.quiet:
+        print(report.results_table(result))
+    if not args.no_output:
+        path = args.output or report.default_output_path(name, gpu_slug())
+        print(f"results: {report.write_result(result, path)}", file=sys.stderr)
+    if args.plot:
+        from tilefuse.bench.plot import plot_result
+
+        print(f"plot: {plot_result(result, args.plot)}", file=sys.stderr)
+    bad = [r for r in result["rows"] if r["status"] in ("failed", "error")]
+    for r in bad:
+        print(f"{r['status'].upper()}: {r['key']}: {r['note']}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+# ---------------------------------------------------------------------------------------
+# other commands
+# ---------------------------------------------------------------------------------------
+def _cmd_env(args) -> int:
+    from tilefuse.bench.env import environment
+
+    env = environment()
+    if args.json:
+        print(json.dumps(env, indent=1))
+    else:
+        width = max(len(k) for k in env)
+        for k, v in env.items():
+            print(f"{k.ljust(width)}  {v}")
+    return 0
+
+
+def _cmd_compare(args) -> int:
+    from tilefuse.bench.compare import compare, comparison_table, context_warnings
+    from tilefuse.bench.report import load_result
+
+    before, after = load_result(args.before), load_result(args.after)
+    diffs = compare(before, after, tolerance=args.tolerance, fail_on_missing=args.fail_on_missing,
+                    significant_only=args.significant_only)
+    for w in context_warnings(before, after):
+        print(f"warning: {w}", file=sys.stderr)
+    print(comparison_table(diffs))
+    regressions = [d for d in diffs if d.regression]
+    print(f"{len(regressions)} regression(s) beyond {args.tolerance:.1%} in {len(diffs)} rows")
+    return 1 if regressions else 0
+
+
+def _cmd_plot(args) -> int:
+    from tilefuse.bench.plot import plot_result
+    from tilefuse.bench.report import load_result
+
+    print(plot_result(load_result(args.results), args.output, title=args.title))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tilefuse", description="fused Triton kernels and their measurements")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("env", help="print the environment record")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_env)
+
+    bench = sub.add_parser("bench", help="run a benchmark suite")
+    bsub = bench.add_subparsers(dest="suite", required=True)
+    p = bsub.add_parser("indexer", help="prefill logits (shapes as S_QxS_K, e.g. 2048x32768)")
+    _add_bench_options(p)
+    p.add_argument("--formats", default="fp8,mxfp8,mxfp4", help="comma-separated formats")
+    p.add_argument("--reproduce", action="store_true",
+                   help="check all-zero and random outputs, then time clean x metadata x format on one shape")
+    p.set_defaults(func=lambda a: _run_bench("indexer", a))
+    p = bsub.add_parser("paged", help="paged decode logits (shapes as BxNEXT_NxCTX, e.g. 64x1x8192)")
+    _add_bench_options(p)
+    p.add_argument("--formats", default="fp8", help="comma-separated formats (fp8, mxfp8, mxfp4)")
+    p.set_defaults(func=lambda a: _run_bench("paged", a))
+    for name in sorted(_DELEGATED_BENCH):
+        bsub.add_parser(name, help=f"fused tensor-parallel GEMM ({name}); options: tilefuse bench {name} --help")
+
+    p = sub.add_parser("compare", help="compare two result files; exit 1 on a regression")
+    p.add_argument("before")
+    p.add_argument("after")
+    p.add_argument("--tolerance", type=float, default=0.05, help="allowed slowdown as a fraction (default 0.05)")
+    p.add_argument("--fail-on-missing", action="store_true", help="a row missing from AFTER is a regression")
+    p.add_argument("--significant-only", action="store_true",
+                   help="only slowdowns larger than the p10-p90 spread count as regressions")
+    p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("plot", help="PNG of a result file")
+    p.add_argument("results")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--title")
+    p.set_defaults(func=_cmd_plot)
+
+    sub.add_parser("kernels", help="kernel checks (see tilefuse kernels --help)")
+    return parser
+
+
+def _use_interpreter_without_cuda() -> None:
+    """Without CUDA the kernels run through Triton's interpreter; the variable must be set
+    before any kernel module is imported, and the interpreter's float numerics fixed."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from tilefuse._interpreter import patch_interpreter_numerics
+
+    patch_interpreter_numerics()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _use_interpreter_without_cuda()
+    # Delegated commands take their own options: hand them the rest of the line untouched.
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in _DELEGATED_BENCH:
+        return _delegate("tilefuse.dist.bench", "main", [argv[1], *argv[2:]], f"bench {argv[1]}")
+    if argv and argv[0] == "kernels":
+        return _delegate("tilefuse.kernelcheck.cli", "main", argv[1:], "kernels")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tilefuse {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
