@@ -15,7 +15,6 @@ Exit codes: 0 success; 1 a regression (compare) or a row that failed its check (
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import os
@@ -77,6 +76,7 @@ def _run_bench(suite: str, args) -> int:
     from tilefuse.bench import report
     from tilefuse.bench.env import gpu_slug, on_gpu
     from tilefuse.bench.runner import run_suite
+    from tilefuse.bench.suites import no_window_validation
 
     gpu = on_gpu()
     device = "cuda" if gpu else "cpu"
@@ -99,7 +99,7 @@ def _run_bench(suite: str, args) -> int:
     progress = report.Progress(len(cases), enabled=not args.quiet)
     if not gpu:
         progress.note("no CUDA device: tiny shapes through the Triton interpreter (not performance numbers)")
-    with mod.no_window_validation() if hasattr(mod, "no_window_validation") else contextlib.nullcontext():
+    with no_window_validation():
         result = run_suite(name, cases, settings, progress=progress, extra_settings=extra)
     if not args.quiet:
         print(report.results_table(result))

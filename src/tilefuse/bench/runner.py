@@ -72,6 +72,7 @@ class Impl:
     group: str = "main"
     samples: int | None = None
     out_bytes: int = 0
+    ceiling: str | None = None  # overrides the case's ceiling (e.g. MX variants in an FP8 case)
 
 
 @dataclass
@@ -137,6 +138,7 @@ def _error_note(e: BaseException) -> str:
 
 
 def _run_check(impl: Impl, device: str, poison: bool) -> dict:
+    poison = poison and impl.out_bytes > 0
     span = poison_allocator(impl.out_bytes, device) if poison else None
     out = impl.fn()
     if device.startswith("cuda"):
@@ -167,7 +169,7 @@ def _base_row(suite: str, case: Case, impl: Impl) -> dict:
         "bytes": case.bytes,
         "tflops": None,
         "tbps": None,
-        "ceiling": case.ceiling,
+        "ceiling": impl.ceiling or case.ceiling,
         "ratio_to_ceiling": None,
         "peer_ratio": {},
         "clocks": None,

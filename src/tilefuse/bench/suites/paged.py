@@ -1,0 +1,247 @@
+"""``tilefuse bench paged``: indexer decode logits over a paged KV cache.
+
+Rows (GPU): B in {1, 64, 256} x next_n in {1, 2} x mean context in {8K, 32K, 64K}; per request
+a length drawn uniformly in 0.7-1.3 of the mean; pages of 64 tokens handed out in shuffled
+order; H=64, D=128; 2-D context lengths (``[B, next_n]``, row ``t`` of request ``b`` sees
+``len_b - next_n + 1 + t`` keys); fp32 weights and logits; no clean. Each row times tilefuse
+beside DeepGEMM (when ``import deep_gemm`` works, FP8) and an eager torch implementation. On
+a CPU machine the rows run at tiny shapes through the Triton interpreter, labelled.
+
+Bytes = the KV pages read (whole pages of ``block_kv * (D + 4)`` bytes; MXFP4 ``D/2 + 4``)
+plus the logits written (the valid entries of each row); the ratio is to the device copy
+bandwidth (read + written) measured in the same run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tilefuse import formats
+from tilefuse.bench import ceilings as ceil
+from tilefuse.bench.runner import Case, Impl
+from tilefuse.bench.suites.indexer import DEQUANT_LIMIT_FP32, ORIGINAL_LIMIT, deep_gemm_module
+
+GPU_ROWS = [(b, n, c) for b in (1, 64, 256) for n in (1, 2) for c in (8192, 32768, 65536)]
+CPU_ROWS = [(1, 1, 512), (4, 1, 256), (4, 2, 256)]
+GPU_HEADS, CPU_HEADS = 64, 16
+HEAD_DIM = 128
+BLOCK_KV = 64
+SPREAD = (0.7, 1.3)
+FORMATS = ("fp8", "mxfp8", "mxfp4")
+CPU_WORKERS = 8  # metadata workers when there is no GPU to size them by
+EAGER_BYTES_LIMIT = 24 << 30
+EAGER_SAMPLES = 10
+
+
+@dataclass(frozen=True)
+class Spec:
+    fmt: str
+    batch: int
+    next_n: int
+    mean_ctx: int
+    heads: int
+    head_dim: int = HEAD_DIM
+    block_kv: int = BLOCK_KV
+
+    @property
+    def shape(self) -> str:
+        return f"B{self.batch} n{self.next_n} ctx{self.mean_ctx}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.fmt} H{self.heads} D{self.head_dim} {self.shape} block{self.block_kv}"
+
+    def params(self) -> dict:
+        return {
+            "format": self.fmt,
+            "batch": self.batch,
+            "next_n": self.next_n,
+            "mean_context": self.mean_ctx,
+            "context_spread": list(SPREAD),
+            "heads": self.heads,
+            "head_dim": self.head_dim,
+            "block_kv": self.block_kv,
+            "context_lens": "2-D",
+            "clean_logits": False,
+            "logits_dtype": "float32",
+        }
+
+
+def parse_shapes(items: list[str] | None) -> list[tuple[int, int, int]] | None:
+    """``["64x1x8192", "256x2x32768"]`` -> ``[(64, 1, 8192), (256, 2, 32768)]`` (B x next_n x ctx)."""
+    if not items:
+        return None
+    out = []
+    for item in items:
+        for part in item.split(","):
+            fields = part.strip().split("x")
+            if len(fields) != 3 or not all(f.isdigit() and int(f) >= 1 for f in fields):
+                raise ValueError(f"--shapes: expected BxNEXT_NxCTX such as 64x1x8192, got {part!r}")
+            out.append(tuple(int(f) for f in fields))
+    return out
+
+
+def context_lengths(spec: Spec, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-request lengths ``[B]`` (uniform in the spread around the mean, at least next_n) and the
+    2-D lengths ``[B, next_n]`` the op takes, on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = SPREAD
+    u = torch.rand(spec.batch, generator=g)
+    lens = (spec.mean_ctx * (lo + (hi - lo) * u)).long().clamp(min=spec.next_n)
+    t = torch.arange(spec.next_n)
+    lens2d = lens[:, None] - spec.next_n + 1 + t[None, :]
+    return lens.to(torch.int32), lens2d.to(torch.int32)
+
+
+def bytes_moved(spec: Spec, lens: torch.Tensor, lens2d: torch.Tensor) -> int:
+    width = spec.head_dim // 2 if spec.fmt == "mxfp4" else spec.head_dim
+    pages = (lens.long() + spec.block_kv - 1) // spec.block_kv
+    kv = int(pages.sum()) * spec.block_kv * (width + 4)
+    logits = int(lens2d.long().sum()) * 4
+    return kv + logits
+
+
+def eager_paged_logits(qq, kv_cache, weights, lens2d, block_table, max_context_len, fmt, head_dim):
+    """The eager torch implementation: gather every request's pages through the block table,
+    dequantise to bf16, einsum, ReLU, weighted head sum, mask."""
+    from tilefuse.reference import paged_valid_mask
+
+    nb, bkv, _, width = kv_cache.shape
+    value_bytes = width - 4
+    b, next_n = qq[0].shape[:2]
+    pages = kv_cache.as_strided((nb, bkv * width), (kv_cache.stride(0), 1), kv_cache.storage_offset())
+    raw = pages[block_table.long()]  # [B, max_pages, page bytes]
+    tokens = raw.shape[1] * bkv
+    values = raw[..., : bkv * value_bytes].reshape(b, tokens, value_bytes)
+    scales = raw[..., bkv * value_bytes :].contiguous().view(torch.float32 if fmt == "fp8" else torch.int32)
+    values = values.view(torch.int8) if fmt == "mxfp4" else values.view(formats.FP8_DTYPE)
+    k = formats.dequantize_k(values, scales.reshape(b, tokens)).to(torch.bfloat16)
+    q = formats.dequantize_q(*qq).to(torch.bfloat16)
+    scores = torch.einsum("bthd,bjd->bthj", q, k).relu_()
+    w = weights.view(b, next_n, -1).to(torch.bfloat16)
+    logits = torch.einsum("bthj,bth->btj", scores, w).float().reshape(b * next_n, tokens)
+    out = torch.full((b * next_n, max_context_len), float("-inf"), device=q.device)
+    n = min(tokens, max_context_len)
+    out[:, :n] = logits[:, :n]
+    return out.masked_fill_(~paged_valid_mask(lens2d, next_n, max_context_len), float("-inf"))
+
+
+def check_paged(out, ref: torch.Tensor, limit: float, ref_orig=None, limit_orig=None) -> dict:
+    """Without clean only the valid entries are specified: they must be finite and match."""
+    from tilefuse.reference import calc_diff
+
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(ref.shape):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return {"passed": False, "failed": f"output shape {got}, expected {tuple(ref.shape)}"}
+    valid = ~torch.isneginf(ref)
+    res = {"inside_finite": bool(torch.isfinite(out[valid]).all())}
+    failures = [] if res["inside_finite"] else ["non-finite value at a valid entry (unwritten?)"]
+    res["calc_diff"] = calc_diff(out.float(), ref.float())
+    res["limit"] = limit
+    if not res["calc_diff"] < limit:
+        failures.append(f"calc_diff {res['calc_diff']:.3g} >= {limit:g}")
+    if ref_orig is not None:
+        res["calc_diff_original"] = calc_diff(out.float(), ref_orig)
+        res["limit_original"] = limit_orig
+        if not res["calc_diff_original"] < limit_orig:
+            failures.append(f"calc_diff vs unquantised {res['calc_diff_original']:.3g} >= {limit_orig:g}")
+    res["passed"] = not failures
+    if failures:
+        res["failed"] = "; ".join(failures)
+    return res
+
+
+def _num_workers(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    return CPU_WORKERS
+
+
+def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) -> Case:
+    lens, lens2d = context_lengths(spec)
+
+    def build() -> list[Impl]:
+        import tilefuse
+        from tilefuse.indexer import paged
+        from tilefuse.reference import fp8_fp4_paged_mqa_logits_ref, paged_mqa_logits_ref
+
+        g = torch.Generator(device=device).manual_seed(1)
+        longest = int(lens.max())
+        max_len = longest
+        keys = torch.randn(spec.batch, longest, spec.head_dim, device=device, generator=g).to(torch.bfloat16)
+        q = torch.randn(spec.batch, spec.next_n, spec.heads, spec.head_dim, device=device, generator=g)
+        q = q.to(torch.bfloat16)
+        weights = torch.randn(spec.batch * spec.next_n, spec.heads, device=device, generator=g)
+        ctx = lens2d.to(device)
+        cache, table = paged.make_paged_kv_cache(keys, ctx, spec.block_kv, spec.fmt,
+                                                 generator=torch.Generator().manual_seed(2))
+        qq = formats.quantize_q(q, spec.fmt)
+        meta = tilefuse.get_paged_mqa_logits_metadata(ctx, spec.block_kv, _num_workers(device))
+        ref = fp8_fp4_paged_mqa_logits_ref(qq, cache, weights, ctx, table, max_len)
+        ref_orig = paged_mqa_logits_ref(q, keys, weights, ctx, max_len)
+        del keys
+
+        def check(out):
+            return check_paged(out, ref, DEQUANT_LIMIT_FP32, ref_orig, ORIGINAL_LIMIT[spec.fmt])
+
+        out_bytes = spec.batch * spec.next_n * (-(-max_len // 16) * 16) * 4
+        impls = [
+            Impl(
+                "tilefuse",
+                lambda: tilefuse.fp8_fp4_paged_mqa_logits(qq, cache, weights, ctx, table, meta, max_len),
+                check,
+                out_bytes=out_bytes,
+            )
+        ]
+        if peer is None:
+            impls.append(Impl("deep_gemm", skipped=peer_skip))
+        elif spec.fmt != "fp8":
+            impls.append(Impl("deep_gemm", skipped="skipped: DeepGEMM has no MX formats on SM90"))
+        else:
+            dg_meta = peer.get_paged_mqa_logits_metadata(ctx, spec.block_kv, _num_workers(device))
+            impls.append(
+                Impl(
+                    "deep_gemm",
+                    lambda: peer.fp8_paged_mqa_logits(qq[0], cache, weights, ctx, table, dg_meta, max_len, False),
+                    check,
+                    out_bytes=out_bytes,
+                )
+            )
+        pages_bytes = spec.batch * table.shape[1] * spec.block_kv
+        eager_bytes = pages_bytes * spec.head_dim * 6 + pages_bytes * spec.next_n * spec.heads * 2
+        if eager_bytes > EAGER_BYTES_LIMIT:
+            impls.append(Impl("torch eager", skipped=f"skipped: needs {eager_bytes / 2**30:.0f} GiB"))
+        else:
+            impls.append(
+                Impl(
+                    "torch eager",
+                    lambda: eager_paged_logits(qq, cache, weights, ctx, table, max_len, spec.fmt, spec.head_dim),
+                    lambda out: check_paged(out, ref, ORIGINAL_LIMIT[spec.fmt]),
+                    group="eager",
+                    samples=EAGER_SAMPLES,
+                )
+            )
+        return impls
+
+    return Case(
+        name=spec.name,
+        build=build,
+        x=spec.shape,
+        series=f"{spec.fmt} H{spec.heads}",
+        params=spec.params(),
+        bytes=bytes_moved(spec, lens, lens2d),
+        ceiling=ceil.COPY,
+    )
+
+
+def cases(*, on_gpu: bool, device: str, shapes=None, fmts=("fp8",)) -> list[Case]:
+    """The cases of ``tilefuse bench paged``."""
+    for f in fmts:
+        if f not in FORMATS:
+            raise ValueError(f"--formats: expected some of {FORMATS}, got {f!r}")
+    rows = shapes or (GPU_ROWS if on_gpu else CPU_ROWS)
+    heads = GPU_HEADS if on_gpu else CPU_HEADS
+    peer, skip = deep_gemm_module()
+    return [make_case(Spec(f, b, n, c, heads), device, peer, skip) for f in fmts for b, n, c in rows]
