@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
 import os
 import sys
@@ -29,12 +28,26 @@ from tilefuse.bench import ceilings, env, timing  # noqa: E402
 from tilefuse.indexer import windows as W  # noqa: E402
 from tilefuse.indexer.prefill import PrefillConfig  # noqa: E402
 
-FP8_CONFIGS = [PrefillConfig(bq, bn, nw, ns) for bq, bn, nw, ns in [
-    (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3),
-    (64, 256, 8, 2), (128, 64, 4, 2), (64, 64, 4, 3), (128, 256, 8, 2),
-]]
-MX_CONFIGS = [PrefillConfig(bq, bn, nw, ns, split) for (bq, bn, nw, ns), split in itertools.product(
-    [(64, 128, 4, 2), (64, 128, 8, 2), (128, 128, 8, 2), (64, 64, 4, 2)], [False, True])]
+C = PrefillConfig
+FP8_CONFIGS = [
+    C(64, 128, 4, 3), C(64, 128, 4, 2), C(64, 128, 4, 3, head_unroll=2), C(64, 128, 4, 4, head_unroll=2),
+    C(64, 128, 4, 2, head_unroll=2), C(128, 128, 8, 3, head_unroll=2), C(64, 128, 4, 3, keys_major=True),
+    C(64, 128, 4, 3, keys_major=True, head_unroll=2),
+]
+SMALL_Q_CONFIGS = FP8_CONFIGS[:1] + [
+    C(16, 128, 4, 3, keys_major=True), C(32, 128, 4, 3, keys_major=True), C(16, 256, 8, 3, keys_major=True),
+    C(16, 64, 4, 3, keys_major=True), C(32, 128, 4, 3, keys_major=True, head_unroll=2), C(64, 256, 8, 3),
+]
+MX_CONFIGS = [
+    C(64, 128, 4, 2), C(64, 128, 4, 3), C(64, 128, 4, 2, head_unroll=2), C(64, 256, 8, 2), C(64, 256, 8, 3),
+    C(128, 128, 8, 2), C(64, 128, 4, 2, keys_major=True), C(64, 128, 4, 2, keys_major=True, head_unroll=2),
+    C(64, 64, 4, 2, mx_split=True),
+]
+
+
+def config_name(cfg: PrefillConfig) -> str:
+    flags = [f for f, on in (("split", cfg.mx_split), ("km", cfg.keys_major), ("u2", cfg.head_unroll == 2)) if on]
+    return "/".join([f"{cfg.block_q}x{cfg.block_n}", f"w{cfg.num_warps}s{cfg.num_stages}", *flags])
 
 
 def make(s_q, s_k, h, d, fmt, seed=0):
@@ -54,11 +67,11 @@ def check(out, ref, idx, full_mask, logits_dtype, clean):
 
 
 def rows(quick: bool):
-    big = [(2048, 32768)]
-    if not quick:
-        big += [(8192, 65536), (4096, 8192), (128, 32768), (16, 65536)]
+    big = [(2048, 32768)] + ([] if quick else [(8192, 65536), (4096, 8192)])
     for s_q, s_k in big:
         yield dict(s_q=s_q, s_k=s_k, h=64, d=128, fmt="fp8", clean=True, logits=torch.float32), FP8_CONFIGS
+    for s_q, s_k in [(128, 32768), (16, 65536)]:
+        yield dict(s_q=s_q, s_k=s_k, h=64, d=128, fmt="fp8", clean=True, logits=torch.float32), SMALL_Q_CONFIGS
     yield dict(s_q=2048, s_k=32768, h=64, d=128, fmt="fp8", clean=False, logits=torch.float32), FP8_CONFIGS[:3]
     yield dict(s_q=2048, s_k=32768, h=64, d=128, fmt="fp8", clean=True, logits=torch.bfloat16), FP8_CONFIGS[:3]
     yield dict(s_q=2048, s_k=32768, h=32, d=128, fmt="fp8", clean=True, logits=torch.float32), FP8_CONFIGS
@@ -88,7 +101,7 @@ def main(argv=None):
         ref = R.fp8_fp4_mqa_logits_ref(q_rows, kk, w[idx], ks[idx], ke[idx])
         fns, checks = {}, {}
         for cfg in configs:
-            name = f"{cfg.block_q}x{cfg.block_n}/w{cfg.num_warps}s{cfg.num_stages}" + ("/split" if cfg.mx_split else "")
+            name = config_name(cfg)
             fn = functools.partial(tilefuse.fp8_fp4_mqa_logits, qq, kk, w, ks, ke, shape["clean"], 0,
                                    shape["logits"], config=cfg)
             try:

@@ -22,12 +22,15 @@ from ..conftest import DEVICE, ON_GPU
 
 # Small tiles on CPU: more programs, partial tiles and skipped tiles at interpreter-sized shapes.
 SMALL = prefill.PrefillConfig(block_q=16, block_n=32)
-VARIANTS = {  # name -> (format, mx_split)
-    "fp8": ("fp8", False),
-    "mxfp8": ("mxfp8", False),
-    "mxfp8-split": ("mxfp8", True),
-    "mxfp4": ("mxfp4", False),
-    "mxfp4-split": ("mxfp4", True),
+VARIANTS = {  # name -> (format, config fields beyond the tile)
+    "fp8": ("fp8", {}),
+    "fp8-keys-major": ("fp8", dict(keys_major=True)),
+    "fp8-unroll2": ("fp8", dict(head_unroll=2)),
+    "mxfp8": ("mxfp8", {}),
+    "mxfp8-keys-major-unroll2": ("mxfp8", dict(keys_major=True, head_unroll=2)),
+    "mxfp8-split": ("mxfp8", dict(mx_split=True)),
+    "mxfp4": ("mxfp4", {}),
+    "mxfp4-split": ("mxfp4", dict(mx_split=True)),
 }
 BF16_THRESHOLD = {"fp8": 1e-3, "mxfp8": 0.02, "mxfp4": 0.02}
 
@@ -112,7 +115,7 @@ def shapes(cpu, gpu):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("windows", ["causal", "zigzag", "random", "overhang"])
 def test_formats_and_windows(variant, windows, poisoned):
-    fmt, split = VARIANTS[variant]
+    fmt, fields = VARIANTS[variant]
     s_q, s_k = shapes((32, 256), (512, 8192))
     q, k, w, qq, kk = make_inputs(s_q, s_k, 8, 64, fmt, seed=hash((variant, windows)) % 1000)
     g = torch.Generator().manual_seed(7)
@@ -122,8 +125,8 @@ def test_formats_and_windows(variant, windows, poisoned):
         ks, ke = W.random_windows(s_q, s_k, generator=g, overhang=s_k // 2, device=DEVICE)
     else:
         ks, ke = W.GENERATORS[windows](s_q, s_k, device=DEVICE)
-    cfg = prefill.PrefillConfig(block_q=SMALL.block_q, block_n=SMALL.block_n, mx_split=split) if not ON_GPU else \
-        prefill.PrefillConfig(mx_split=split)
+    tile = dict(block_q=SMALL.block_q, block_n=SMALL.block_n) if not ON_GPU else {}
+    cfg = prefill.PrefillConfig(**tile, **fields)
     out = run(qq, kk, w, ks, ke, config=cfg)
     check_logits(out, qq, kk, q, k, w, ks, ke, fmt)
 
@@ -212,13 +215,13 @@ def test_all_zero_inputs_with_unit_scales(fmt, poisoned):
     assert (out[mask] == 0).all()
 
 
-@pytest.mark.parametrize("variant", ["fp8", "mxfp8-split", "mxfp4"])
+@pytest.mark.parametrize("variant", ["fp8", "fp8-keys-major", "mxfp8-split", "mxfp4"])
 def test_bitwise_reruns_and_schedule_meta(variant):
-    fmt, split = VARIANTS[variant]
+    fmt, fields = VARIANTS[variant]
     s_q, s_k = shapes((16, 64), (2048, 32768))
     _, _, w, qq, kk = make_inputs(s_q, s_k, 8 if not ON_GPU else 64, 64 if not ON_GPU else 128, fmt, seed=4)
     ks, ke = W.zigzag(s_q, s_k, device=DEVICE)
-    cfg = prefill.PrefillConfig(mx_split=split)
+    cfg = prefill.PrefillConfig(**fields)
     meta = tilefuse.get_mqa_logits_metadata(ks, ke, s_k, qq[0].shape[1])
     first = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=cfg)
     reruns = 20 if ON_GPU else 3
@@ -275,7 +278,7 @@ def test_fake_impl_traces_without_data():
     real = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, logits_dtype=torch.bfloat16, config=SMALL)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         args = [mode.from_tensor(t) for t in (qq[0], qq[1], kk[0], kk[1], w, ks, ke)]
-        fake = torch.ops.tilefuse.mqa_logits(*args, True, 0, torch.bfloat16, 16, 32, 4, 2, False)
+        fake = torch.ops.tilefuse.mqa_logits(*args, True, 0, torch.bfloat16, 16, 32, 4, 2, False, False, 1)
     assert fake.shape == real.shape and fake.stride() == real.stride() and fake.dtype == real.dtype
 
 

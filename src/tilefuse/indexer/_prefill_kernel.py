@@ -78,8 +78,41 @@ def _mx_chunk_dot(q_desc, row0, col, k_chunk, FMT: tl.constexpr, BLOCK_Q: tl.con
 @triton.jit
 def _load_k_chunk(k_desc, n0, b: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
     if FMT == 2:
-        return _unpack_fp4(k_desc.load([n0, b * 16]), BLOCK_N, 32).to(tl.float8e4nv)
-    return k_desc.load([n0, b * 32])
+        chunk = _unpack_fp4(k_desc.load([n0, b * 16]), BLOCK_N, 32).to(tl.float8e4nv)
+    else:
+        chunk = k_desc.load([n0, b * 32])
+    return chunk
+
+
+@triton.jit
+def _q_operand(q_desc, q0, h, qsf_rows, row_ok, D: tl.constexpr, FMT: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Head ``h`` of the query tile as a dot operand: raw E4M3 (FP8) or dequantised bf16 (MX)."""
+    if FMT == 0:
+        q = q_desc.load([q0, h * D])
+    else:
+        DQ: tl.constexpr = D // 2 if FMT == 2 else D
+        q_sf = tl.load(qsf_rows + h, mask=row_ok, other=0)
+        q = _dequant_tile(q_desc.load([q0, h * DQ]), q_sf, BLOCK_Q, D, FMT)
+    return q
+
+
+@triton.jit
+def _score(q, k, KEYS_MAJOR: tl.constexpr):
+    """q . k for one head: [BLOCK_Q, BLOCK_N], or [BLOCK_N, BLOCK_Q] with keys as the MMA rows."""
+    if KEYS_MAJOR:
+        s = tl.dot(k, tl.trans(q))
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s
+
+
+@triton.jit
+def _add_relu_weighted(acc, s, w, KEYS_MAJOR: tl.constexpr):
+    if KEYS_MAJOR:
+        acc += tl.maximum(s, 0.0) * w[None, :]
+    else:
+        acc += tl.maximum(s, 0.0) * w[:, None]
+    return acc
 
 
 @triton.jit
@@ -92,7 +125,7 @@ def prefill_logits_kernel(
     S_q, S_k,
     H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, MX_SPLIT: tl.constexpr,
     CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_MAJOR: tl.constexpr, HEAD_UNROLL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_q = tl.program_id(1)
@@ -115,52 +148,58 @@ def prefill_logits_kernel(
             tl.store(out_rows + cols[None, :], fill, mask=row_ok[:, None] & (cols[None, :] < S_k))
         return
 
-    acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.float32)
     w_rows = w_ptr + rows.to(tl.int64) * stride_w
-    if FMT == 0:
-        k = k_desc.load([n0, 0])
-        kt = tl.trans(k)
-        for h in range(H):
-            q = q_desc.load([q0, h * D])
-            w = tl.load(w_rows + h, mask=row_ok, other=0.0).to(tl.float32)
-            s = tl.dot(q, kt)
-            acc += tl.maximum(s, 0.0) * w[:, None]
-        k_scale = tl.load(k_scale_ptr + cols, mask=cols < S_k, other=0.0)
-        acc = acc * k_scale[None, :]
-    else:
-        k_sf = tl.load(k_scale_ptr + cols, mask=cols < S_k, other=0)
-        qsf_rows = q_sf_ptr + rows.to(tl.int64) * stride_qsf
-        DQ: tl.constexpr = D // 2 if FMT == 2 else D
-        if MX_SPLIT:
-            NB: tl.constexpr = D // 32
-            CQ: tl.constexpr = 16 if FMT == 2 else 32
-            k0 = _load_k_chunk(k_desc, n0, 0, FMT, BLOCK_N)
-            k1 = _load_k_chunk(k_desc, n0, 1 % NB, FMT, BLOCK_N)
-            k2 = _load_k_chunk(k_desc, n0, 2 % NB, FMT, BLOCK_N)
-            k3 = _load_k_chunk(k_desc, n0, 3 % NB, FMT, BLOCK_N)
-            for h in range(H):
-                w = tl.load(w_rows + h, mask=row_ok, other=0.0).to(tl.float32)
-                q_sf = tl.load(qsf_rows + h, mask=row_ok, other=0)
-                base = h * DQ
-                s = _mx_chunk_dot(q_desc, q0, base, k0, FMT, BLOCK_Q) * (
-                    _ue8m0_byte_scale(q_sf, 0)[:, None] * _ue8m0_byte_scale(k_sf, 0)[None, :])
-                if NB > 1:
-                    s += _mx_chunk_dot(q_desc, q0, base + CQ, k1, FMT, BLOCK_Q) * (
-                        _ue8m0_byte_scale(q_sf, 1)[:, None] * _ue8m0_byte_scale(k_sf, 1)[None, :])
-                if NB > 2:
-                    s += _mx_chunk_dot(q_desc, q0, base + 2 * CQ, k2, FMT, BLOCK_Q) * (
-                        _ue8m0_byte_scale(q_sf, 2)[:, None] * _ue8m0_byte_scale(k_sf, 2)[None, :])
-                    s += _mx_chunk_dot(q_desc, q0, base + 3 * CQ, k3, FMT, BLOCK_Q) * (
-                        _ue8m0_byte_scale(q_sf, 3)[:, None] * _ue8m0_byte_scale(k_sf, 3)[None, :])
-                acc += tl.maximum(s, 0.0) * w[:, None]
+    qsf_rows = q_sf_ptr + rows.to(tl.int64) * stride_qsf
+    k_sf = tl.load(k_scale_ptr + cols, mask=cols < S_k, other=0)
+    if FMT == 0 or not MX_SPLIT:
+        # One loop for all formats: FP8 feeds the raw E4M3 tiles to the dot, MX the bf16 upcast.
+        if FMT == 0:
+            k = k_desc.load([n0, 0])
         else:
-            kt = tl.trans(_dequant_tile(k_desc.load([n0, 0]), k_sf, BLOCK_N, D, FMT))
-            for h in range(H):
-                w = tl.load(w_rows + h, mask=row_ok, other=0.0).to(tl.float32)
-                q_sf = tl.load(qsf_rows + h, mask=row_ok, other=0)
-                q = _dequant_tile(q_desc.load([q0, h * DQ]), q_sf, BLOCK_Q, D, FMT)
-                s = tl.dot(q, kt)
-                acc += tl.maximum(s, 0.0) * w[:, None]
+            k = _dequant_tile(k_desc.load([n0, 0]), k_sf, BLOCK_N, D, FMT)
+        if KEYS_MAJOR:
+            acc = tl.zeros((BLOCK_N, BLOCK_Q), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.float32)
+        # Two heads per step let the second head's MMA run while the first one's ReLU*w runs.
+        for h in range(0, H, HEAD_UNROLL):
+            s0 = _score(_q_operand(q_desc, q0, h, qsf_rows, row_ok, D, FMT, BLOCK_Q), k, KEYS_MAJOR)
+            w0 = tl.load(w_rows + h, mask=row_ok, other=0.0).to(tl.float32)
+            if HEAD_UNROLL == 2:
+                s1 = _score(_q_operand(q_desc, q0, h + 1, qsf_rows, row_ok, D, FMT, BLOCK_Q), k, KEYS_MAJOR)
+                w1 = tl.load(w_rows + h + 1, mask=row_ok, other=0.0).to(tl.float32)
+                acc = _add_relu_weighted(acc, s0, w0, KEYS_MAJOR)
+                acc = _add_relu_weighted(acc, s1, w1, KEYS_MAJOR)
+            else:
+                acc = _add_relu_weighted(acc, s0, w0, KEYS_MAJOR)
+        if KEYS_MAJOR:
+            acc = tl.trans(acc)
+        if FMT == 0:
+            acc = acc * k_sf[None, :]
+    else:
+        NB: tl.constexpr = D // 32
+        CQ: tl.constexpr = 16 if FMT == 2 else 32
+        DQ: tl.constexpr = D // 2 if FMT == 2 else D
+        acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.float32)
+        k0 = _load_k_chunk(k_desc, n0, 0, FMT, BLOCK_N)
+        k1 = _load_k_chunk(k_desc, n0, 1 % NB, FMT, BLOCK_N)
+        k2 = _load_k_chunk(k_desc, n0, 2 % NB, FMT, BLOCK_N)
+        k3 = _load_k_chunk(k_desc, n0, 3 % NB, FMT, BLOCK_N)
+        for h in range(H):
+            w = tl.load(w_rows + h, mask=row_ok, other=0.0).to(tl.float32)
+            q_sf = tl.load(qsf_rows + h, mask=row_ok, other=0)
+            base = h * DQ
+            s = _mx_chunk_dot(q_desc, q0, base, k0, FMT, BLOCK_Q) * (
+                _ue8m0_byte_scale(q_sf, 0)[:, None] * _ue8m0_byte_scale(k_sf, 0)[None, :])
+            if NB > 1:
+                s += _mx_chunk_dot(q_desc, q0, base + CQ, k1, FMT, BLOCK_Q) * (
+                    _ue8m0_byte_scale(q_sf, 1)[:, None] * _ue8m0_byte_scale(k_sf, 1)[None, :])
+            if NB > 2:
+                s += _mx_chunk_dot(q_desc, q0, base + 2 * CQ, k2, FMT, BLOCK_Q) * (
+                    _ue8m0_byte_scale(q_sf, 2)[:, None] * _ue8m0_byte_scale(k_sf, 2)[None, :])
+                s += _mx_chunk_dot(q_desc, q0, base + 3 * CQ, k3, FMT, BLOCK_Q) * (
+                    _ue8m0_byte_scale(q_sf, 3)[:, None] * _ue8m0_byte_scale(k_sf, 3)[None, :])
+            acc += tl.maximum(s, 0.0) * w[:, None]
 
     if CLEAN and not COMPRESSED:
         acc = tl.where(valid, acc, float("-inf"))

@@ -35,31 +35,39 @@ class PrefillConfig:
 
     ``mx_split`` picks the MX path on Hopper: False = dequantise to bf16 and run a bf16 dot
     (exact), True = one FP8 dot per 32-element block with scaled accumulation.
+    ``keys_major`` puts keys on the MMA's M side (for few query rows: a 16-row query tile
+    then wastes nothing); ``head_unroll`` = 2 issues two heads' dots per loop step. Neither
+    applies to the MX split path.
     """
 
     block_q: int = 64
     block_n: int = 128
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     mx_split: bool = False
+    keys_major: bool = False
+    head_unroll: int = 1
 
 
-def default_config(fmt: str, num_heads: int, head_dim: int) -> PrefillConfig:
+def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None) -> PrefillConfig:
     """Measured defaults for H200 (benchmarks/NOTES.md has the numbers behind each row).
 
-    FP8: 64 rows x 128 keys, 4 warps, 2 stages (the measured sweet spot of the head loop).
-    MX: the bf16-upcast path with the same tile.
+    FP8: 64 query rows x 128 keys, 4 warps, 3 stages: 1036 TFLOP/s at H64 D128 2048/32768,
+    ahead of 64x128/2 stages (1000), 64x64 (884) and every 8-warp tile (460-768).
+    MX: the bf16-upcast path with the 64x128 / 4-warp / 2-stage tile: 378 (MXFP8) and 228
+    (MXFP4) TFLOP/s, while the per-block FP8 path reached 79-278.
     """
-    del num_heads, head_dim  # one tile fits every supported H and D so far
+    del num_heads, head_dim, num_q_rows  # one tile per format fits every H, D and S_q measured so far
     if fmt == "fp8":
-        return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=2)
-    return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=2, mx_split=False)
+        return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3)
+    return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=2)
 
 
-def resolve_config(fmt: str, num_heads: int, head_dim: int, config: PrefillConfig | None = None) -> PrefillConfig:
+def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
+                   config: PrefillConfig | None = None) -> PrefillConfig:
     """``config`` if given, else the default; ``TILEFUSE_PREFILL_CONFIG="block_n=64,num_warps=8"``
     overrides single fields for experiments."""
-    cfg = config or default_config(fmt, num_heads, head_dim)
+    cfg = config or default_config(fmt, num_heads, head_dim, num_q_rows)
     spec = os.environ.get("TILEFUSE_PREFILL_CONFIG", "").strip()
     if spec:
         fields = {f.name: f.type for f in dataclasses.fields(PrefillConfig)}
@@ -69,10 +77,13 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, config: PrefillConfi
             key = key.strip()
             if key not in fields:
                 raise ValueError(f"TILEFUSE_PREFILL_CONFIG: unknown field {key!r}; fields are {sorted(fields)}")
-            updates[key] = value.strip().lower() in ("1", "true", "yes") if key == "mx_split" else int(value)
+            is_flag = key in ("mx_split", "keys_major")
+            updates[key] = value.strip().lower() in ("1", "true", "yes") if is_flag else int(value)
         cfg = dataclasses.replace(cfg, **updates)
     if cfg.block_q < 16 or cfg.block_n < 16 or cfg.block_q & (cfg.block_q - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"block_q and block_n must be powers of two >= 16, got {cfg}")
+    if cfg.head_unroll not in (1, 2):
+        raise ValueError(f"head_unroll must be 1 or 2, got {cfg.head_unroll}")
     return cfg
 
 
@@ -212,6 +223,8 @@ def _mqa_logits(
     num_warps: int,
     num_stages: int,
     mx_split: bool,
+    keys_major: bool,
+    head_unroll: int,
 ) -> torch.Tensor:
     fmt = format_of(q, q_sf)
     s_q, h, dq = q.shape
@@ -242,7 +255,7 @@ def _mqa_logits(
         s_q, s_k,
         H=h, D=d, FMT=_FORMAT_CODE[fmt], MX_SPLIT=split,
         CLEAN=clean_logits, COMPRESSED=max_seqlen_k > 0,
-        BLOCK_Q=block_q, BLOCK_N=block_n,
+        BLOCK_Q=block_q, BLOCK_N=block_n, KEYS_MAJOR=keys_major and not split, HEAD_UNROLL=head_unroll,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -250,7 +263,7 @@ def _mqa_logits(
 
 @_mqa_logits.register_fake
 def _mqa_logits_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype,
-                     block_q, block_n, num_warps, num_stages, mx_split):
+                     block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll):
     shape, stride = _out_shape(q.shape[0], k.shape[0], max_seqlen_k)
     return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
 
@@ -318,7 +331,7 @@ def fp8_fp4_mqa_logits(
     k, k_scale = kv
     fmt, s_q, h, d, s_k = _check_inputs(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start,
                                         cu_seq_len_k_end, max_seqlen_k, logits_dtype)
-    cfg = resolve_config(fmt, h, d, config)
+    cfg = resolve_config(fmt, h, d, s_q, config)
     if schedule_meta is not None:
         # The 2-D grid derives the same per-block key ranges in each program, so the result
         # does not depend on the metadata; it is validated here for the caller's sake.
@@ -326,7 +339,7 @@ def fp8_fp4_mqa_logits(
     _check_windows(cu_seq_len_k_start, cu_seq_len_k_end, s_k, max_seqlen_k)
     return _mqa_logits(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end,
                        bool(clean_logits), max_seqlen_k, logits_dtype, cfg.block_q, cfg.block_n,
-                       cfg.num_warps, cfg.num_stages, cfg.mx_split)
+                       cfg.num_warps, cfg.num_stages, cfg.mx_split, cfg.keys_major, cfg.head_unroll)
 
 
 def fp8_mqa_logits(
