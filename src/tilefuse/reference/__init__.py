@@ -7,11 +7,23 @@ from tilefuse.reference.indexer import (
     mqa_logits_ref,
     window_mask,
 )
+from tilefuse.reference.paged import (
+    fp8_fp4_paged_mqa_logits_ref,
+    gather_paged_keys,
+    paged_key_extent,
+    paged_mqa_logits_ref,
+    paged_valid_mask,
+)
 
 __all__ = [
     "calc_diff",
     "compress_logits",
     "fp8_fp4_mqa_logits_ref",
+    "fp8_fp4_paged_mqa_logits_ref",
+    "gather_paged_keys",
+    "paged_key_extent",
     "mqa_logits_ref",
+    "paged_mqa_logits_ref",
+    "paged_valid_mask",
     "window_mask",
 ]

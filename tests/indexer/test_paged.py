@@ -1,0 +1,501 @@
+"""Indexer decode logits over a paged KV cache, against both references, with the contract's
+rules: exact -inf masks, every element written (poisoned outputs), bitwise reruns whatever the
+metadata, balanced metadata, bad inputs raise.
+
+On CPU the kernel runs through Triton's interpreter at small shapes (B <= 4, contexts of a few
+hundred keys); on a GPU the same checks run at the contract's decode shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import tilefuse
+import tilefuse.compat.deep_gemm as deep_gemm
+from tilefuse import formats as F
+from tilefuse import reference as R
+from tilefuse.indexer import _paged_kernel as kern
+from tilefuse.indexer import paged
+
+from ..conftest import DEVICE, ON_GPU
+
+BF16_THRESHOLD = {"fp8": 1e-3, "mxfp8": 0.02, "mxfp4": 0.02}
+NUM_SMS = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else 3
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every fresh allocation starts as NaN, so an element the kernel skips shows up."""
+    real = torch.empty_strided
+
+    def nan_filled(*args, **kwargs):
+        t = real(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty_strided", nan_filled)
+
+
+class Case:
+    """A decode batch: unquantised inputs, quantised op inputs, a shuffled paged cache."""
+
+    def __init__(self, fmt="fp8", lens=(70, 0, 129, 200), next_n=2, h=8, d=64, block_kv=32, ctx_2d=False,
+                 seed=0, weights_dtype=torch.float32, page_stride=None, extra_cols=5, num_sms=NUM_SMS):
+        g = torch.Generator().manual_seed(seed)
+        lens = torch.tensor(lens, dtype=torch.int32)
+        b = lens.shape[0]
+        s = max(1, int(lens.max()))
+        self.fmt, self.next_n, self.block_kv = fmt, next_n, block_kv
+        self.q = torch.randn(b, next_n, h, d, generator=g).to(torch.bfloat16)
+        self.k = torch.randn(b, s, d, generator=g).to(torch.bfloat16)
+        self.w = torch.randn(b * next_n, h, generator=g).to(weights_dtype)
+        if ctx_2d:
+            # Per-row lengths at most the request's, some rows empty.
+            ctx = (lens[:, None] * torch.rand(b, next_n, generator=g)).to(torch.int32)
+            ctx[:, -1] = lens
+            self.ctx = ctx
+        else:
+            self.ctx = lens
+        pages = int(((lens.long() + block_kv - 1) // block_kv).sum())
+        cache, table = paged.make_paged_kv_cache(self.k.to(DEVICE), lens, block_kv, fmt, num_blocks=pages + 2,
+                                                 page_stride=page_stride, generator=g)
+        # Poison a spare page (NaN values and scales) and point every unused table entry at it:
+        # a read past a request's length would leak NaN into the logits.
+        used = set(table[lens.to(DEVICE) > 0].flatten().tolist()) if pages else set()
+        spare = next(i for i in range(pages + 2) if i not in used)
+        raw = cache.as_strided((cache.shape[0], cache.shape[1] * cache.shape[3]), (cache.stride(0), 1),
+                               cache.storage_offset())
+        raw[spare] = 0xFF
+        npages = ((lens.long() + block_kv - 1) // block_kv).to(DEVICE)
+        cols = torch.arange(table.shape[1], device=DEVICE)
+        self.table = torch.where(cols[None, :] < npages[:, None], table, spare).to(torch.int32)
+        self.cache = cache
+        self.qq = tuple(None if t is None else t.to(DEVICE) for t in F.quantize_q(self.q, fmt))
+        self.ctx = self.ctx.to(DEVICE)
+        self.w = self.w.to(DEVICE)
+        self.max_context_len = s + extra_cols
+        self.meta = tilefuse.get_paged_mqa_logits_metadata(self.ctx, block_kv, num_sms)
+
+    def run(self, clean=False, logits_dtype=torch.float32, meta=None, **kw):
+        return tilefuse.fp8_fp4_paged_mqa_logits(self.qq, self.cache, self.w, self.ctx, self.table,
+                                                 self.meta if meta is None else meta, self.max_context_len,
+                                                 clean, logits_dtype, **kw)
+
+    def check(self, out, clean, logits_dtype=torch.float32):
+        """The §5 rules: both references, exact -inf masks, every element written."""
+        rows = self.q.shape[0] * self.next_n
+        ref = R.fp8_fp4_paged_mqa_logits_ref(self.qq, self.cache, self.w, self.ctx, self.table,
+                                             self.max_context_len)
+        assert out.shape == (rows, self.max_context_len) and out.stride(1) == 1 and out.dtype == logits_dtype
+        assert out.stride(0) >= self.max_context_len and out.stride(0) % 16 == 0
+        inside = ~torch.isneginf(ref)
+        assert torch.equal(inside, R.paged_valid_mask(self.ctx, self.next_n, self.max_context_len))
+        out32 = out.float()
+        if clean:
+            assert torch.equal(torch.isneginf(out32), ~inside), "-inf mask differs from the reference"
+            assert not out32.isnan().any(), "an element was not written"
+        else:
+            assert not out32[inside].isnan().any(), "an in-window element was not written"
+            out32 = torch.where(inside, out32, ref)
+        bf16 = logits_dtype == torch.bfloat16 or self.w.dtype == torch.bfloat16
+        assert R.calc_diff(out32, ref) < (3e-5 if bf16 else 5e-6)
+        # Against unquantised inputs the error is quantisation noise, a statistic that needs a
+        # sample: small cases check the tight bar only.
+        if int(inside.sum()) * self.q.shape[2] >= 4096:
+            unquant = R.paged_mqa_logits_ref(self.q.to(DEVICE), self.k.to(DEVICE), self.w, self.ctx,
+                                             self.max_context_len)
+            assert R.calc_diff(out32, unquant) < BF16_THRESHOLD[self.fmt]
+
+
+def shapes(cpu, gpu):
+    return gpu if ON_GPU else cpu
+
+
+# ---------------------------------------------------------------------------------------
+# Formats, length modes, clean on/off
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+@pytest.mark.parametrize("ctx_2d", [False, True])
+@pytest.mark.parametrize("clean", [True, False])
+def test_formats_length_modes_and_clean(fmt, ctx_2d, clean, poisoned):
+    # Lengths: not a multiple of the page, a zero-length request in the middle, one key past a page.
+    lens = shapes((70, 0, 129, 200), (5000, 0, 8193, 12000))
+    case = Case(fmt, lens=lens, next_n=2 if ctx_2d else 3, h=8, d=64, block_kv=64, ctx_2d=ctx_2d,
+                seed=len(fmt) * 4 + 2 * ctx_2d + clean)
+    case.check(case.run(clean=clean), clean)
+
+
+# (block_kv, next_n, H, D, fmt): every page size, next_n 1..8, H in {4, 8, 32, 64}, D in {32, 64, 128}.
+SHAPES = [
+    (32, 1, 64, 128, "fp8"),
+    (64, 2, 64, 128, "fp8"),
+    (128, 1, 32, 128, "fp8"),
+    (32, 4, 4, 32, "fp8"),
+    (64, 5, 8, 64, "fp8"),
+    (128, 8, 8, 32, "fp8"),
+    (16, 3, 8, 64, "fp8"),
+    (64, 1, 64, 128, "mxfp8"),
+    (32, 6, 4, 32, "mxfp8"),
+    (128, 2, 32, 64, "mxfp4"),
+    (64, 7, 4, 128, "mxfp4"),
+]
+
+
+@pytest.mark.parametrize("block_kv,next_n,h,d,fmt", SHAPES)
+def test_page_sizes_next_n_heads_and_head_dims(block_kv, next_n, h, d, fmt, poisoned):
+    lens = shapes((block_kv + 1, 3 * block_kv, 1), (8 * block_kv + 1, 4096, 1))
+    case = Case(fmt, lens=lens, next_n=next_n, h=h, d=d, block_kv=block_kv, seed=block_kv + next_n + h + d)
+    case.check(case.run(clean=True), True)
+
+
+@pytest.mark.parametrize("ctx_2d", [False, True])
+def test_length_edge_cases(ctx_2d, poisoned):
+    """Lengths below next_n (1-D rows wholly masked), exact page multiples, one past a page,
+    max_context_len equal to the longest length, and a single request."""
+    case = Case("fp8", lens=(1, 64, 65, 0), next_n=4, block_kv=64, ctx_2d=ctx_2d, extra_cols=0, seed=3)
+    case.check(case.run(clean=True), True)
+    one = Case("mxfp4", lens=(97,), next_n=1, block_kv=32, ctx_2d=ctx_2d, seed=4)
+    one.check(one.run(clean=True), True)
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_all_zero_lengths(clean, poisoned):
+    case = Case("fp8", lens=(0, 0, 0), next_n=2, block_kv=32, seed=5)
+    assert (case.meta == torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)).all()
+    out = case.run(clean=clean)
+    assert out.shape == (6, case.max_context_len)
+    if clean:
+        assert torch.isneginf(out).all()
+
+
+def test_empty_batch_and_zero_columns():
+    case = Case("fp8", lens=(50, 20), next_n=1, block_kv=32, seed=20)
+    zero = torch.zeros_like(case.ctx)
+    meta = tilefuse.get_paged_mqa_logits_metadata(zero, 32, 3)
+    out = tilefuse.fp8_fp4_paged_mqa_logits(case.qq, case.cache, case.w, zero, case.table, meta, 0, True)
+    assert out.shape == (2, 0)
+    empty = tilefuse.get_paged_mqa_logits_metadata(case.ctx[:0], 32, 3)
+    out = tilefuse.fp8_fp4_paged_mqa_logits((case.qq[0][:0], None), case.cache, case.w[:0], case.ctx[:0],
+                                            case.table[:0], empty, 10, True)
+    assert out.shape == (0, 10)
+
+
+def test_padded_page_stride_and_offset_view(poisoned):
+    """Pages padded to a larger stride, and a cache that is a view at an offset into a buffer."""
+    case = Case("mxfp8", lens=(100, 33, 64), next_n=2, block_kv=32, page_stride=32 * 68 + 60, seed=6)
+    case.check(case.run(clean=True), True)
+    big = torch.full((case.cache.untyped_storage().nbytes() + 1024,), 0xFF, dtype=torch.uint8, device=DEVICE)
+    c = case.cache
+    inner = big.as_strided(c.shape, c.stride(), 512)
+    inner.copy_(c)
+    case.cache = inner
+    case.check(case.run(clean=True), True)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_weight_and_logit_dtypes(fmt, weights_dtype, logits_dtype, poisoned):
+    lens = shapes((150, 90), (9000, 7000))
+    case = Case(fmt, lens=lens, next_n=2, h=32, d=64, block_kv=64, weights_dtype=weights_dtype, seed=7)
+    case.check(case.run(clean=True, logits_dtype=logits_dtype), True, logits_dtype)
+
+
+def test_varlen_indices(poisoned):
+    """Varlen batch: one row per token (next_n = 1), tokens of one request sharing its pages."""
+    base = Case("fp8", lens=(120, 0, 75), next_n=1, block_kv=32, seed=8)
+    # Request 0 has 3 tokens, request 1 one, request 2 two: each token is a row with its own
+    # length and a copy of its request's block-table row.
+    req = torch.tensor([0, 0, 0, 1, 2, 2])
+    lens = torch.tensor([118, 119, 120, 0, 74, 75], dtype=torch.int32, device=DEVICE)
+    indices = req.to(torch.int32).to(DEVICE)
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(6, 1, 8, 64, generator=g).to(torch.bfloat16)
+    qq = tuple(None if t is None else t.to(DEVICE) for t in F.quantize_q(q, "fp8"))
+    w = torch.randn(6, 8, generator=g).to(DEVICE)
+    table = base.table[req.to(DEVICE)]
+    meta = tilefuse.get_paged_mqa_logits_metadata(lens, 32, NUM_SMS, indices=indices)
+    mcl = base.max_context_len
+    out = tilefuse.fp8_paged_mqa_logits(qq[0], base.cache, w, lens, table, meta, mcl, True, indices)
+    plain = tilefuse.fp8_paged_mqa_logits(qq[0], base.cache, w, lens, table, meta, mcl, True)
+    assert torch.equal(out.view(torch.int32), plain.view(torch.int32))
+    ref = R.fp8_fp4_paged_mqa_logits_ref(qq, base.cache, w, lens, table, mcl, indices=indices)
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
+    assert R.calc_diff(out, ref) < 5e-6
+    unquant = R.paged_mqa_logits_ref(q.to(DEVICE), base.k.to(DEVICE)[req.to(DEVICE)], w, lens, mcl)
+    assert R.calc_diff(out, unquant) < 1e-3
+
+
+# ---------------------------------------------------------------------------------------
+# Determinism and the schedule
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+def test_bitwise_reruns_whatever_the_metadata(fmt):
+    lens = shapes((200, 0, 33, 150), (30000, 0, 65, 60000, 8192, 1))
+    case = Case(fmt, lens=lens, next_n=2, h=8 if not ON_GPU else 64, d=64 if not ON_GPU else 128, block_kv=32,
+                seed=10)
+    first = case.run(clean=True)
+    counts = [1, 2, 5, 64] if not ON_GPU else [1, 7, NUM_SMS, 2 * NUM_SMS, 1000]
+    configs = [None, paged.PagedConfig(splits=1, rows=1), paged.PagedConfig(splits=3, rows=1)]
+    reruns = 20 if ON_GPU else 3
+    for i in range(reruns):
+        n = counts[i % len(counts)]
+        meta = tilefuse.get_paged_mqa_logits_metadata(case.ctx, 32, n)
+        again = case.run(clean=True, meta=meta)
+        assert torch.equal(first.view(torch.int32), again.view(torch.int32)), f"rerun {i} (num_sms={n}) differs"
+    # The split over programs does not change the bits either (only rows changes the dot shape).
+    base = case.run(clean=True, config=configs[1])
+    for cfg in configs[2:]:
+        assert torch.equal(base.view(torch.int32), case.run(clean=True, config=cfg).view(torch.int32))
+
+
+def _worker_pages(meta: torch.Tensor, pages: torch.Tensor) -> list[int]:
+    """Pages each worker covers, walking its [start, end) range in (request, page) order."""
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(pages, 0)])
+    linear = [int(starts[b]) + int(p) if b < len(pages) else int(starts[-1]) for b, p in meta.tolist()]
+    return [linear[w + 1] - linear[w] for w in range(len(linear) - 1)]
+
+
+@pytest.mark.parametrize("ctx_2d", [False, True])
+def test_metadata_balance_and_zero_lengths(ctx_2d):
+    g = torch.Generator().manual_seed(11)
+    lens = torch.randint(0, 3000, (37,), generator=g).to(torch.int32)
+    lens[[0, 5, 6, 36]] = 0
+    ctx = torch.stack([lens // 2, lens], 1) if ctx_2d else lens
+    for block_kv in (32, 64, 128):
+        pages = (lens.long() + block_kv - 1) // block_kv
+        for num_sms in (1, 7, 132, 2000):
+            meta = tilefuse.get_paged_mqa_logits_metadata(ctx.to(DEVICE), block_kv, num_sms).cpu()
+            assert meta.dtype == torch.int32 and meta.shape == (num_sms + 1, 2)
+            # Empty requests hold no pages, so the first worker starts at request 1.
+            assert meta[0].tolist() == [1, 0] and meta[-1].tolist() == [37, 0]
+            work = _worker_pages(meta, pages)
+            assert sum(work) == int(pages.sum())
+            assert max(work) - min(work) <= 1, "unbalanced"
+            for (b, p), n in zip(meta[:-1].tolist(), work):  # every busy worker starts on a real page
+                assert n == 0 or (b < 37 and 0 <= p < int(pages[b]))
+
+
+def test_metadata_empty_and_all_zero_batches():
+    assert tilefuse.get_paged_mqa_logits_metadata(torch.zeros(0, dtype=torch.int32, device=DEVICE), 64, 4).tolist() \
+        == [[0, 0]] * 5
+    for lens in (torch.zeros(5, dtype=torch.int32), torch.zeros(4, 3, dtype=torch.int32)):
+        meta = tilefuse.get_paged_mqa_logits_metadata(lens.to(DEVICE), 64, 4)
+        assert meta.tolist() == [[lens.shape[0], 0]] * 5
+    # One request, more workers than pages: trailing workers get empty ranges.
+    meta = tilefuse.get_paged_mqa_logits_metadata(torch.tensor([100], dtype=torch.int32, device=DEVICE), 64, 4)
+    assert meta.tolist() == [[0, 0], [0, 0], [0, 1], [0, 1], [1, 0]]
+
+
+def test_metadata_traces_and_depends_only_on_arguments():
+    lens = torch.tensor([5, 300, 0, 77], dtype=torch.int32, device=DEVICE)
+    a = tilefuse.get_paged_mqa_logits_metadata(lens, 32, 6)
+    b = deep_gemm.get_paged_mqa_logits_metadata(lens.clone(), 32, 6)
+    assert torch.equal(a, b)
+    compiled = torch.compile(tilefuse.get_paged_mqa_logits_metadata, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(lens, 32, 6), a)
+
+
+# ---------------------------------------------------------------------------------------
+# Cache helpers
+# ---------------------------------------------------------------------------------------
+def test_fp8_cache_bytes_follow_the_fused_page_layout():
+    """The page is [block_kv, D] E4M3 values, then block_kv fp32 scales (DeepGEMM's layout)."""
+    g = torch.Generator().manual_seed(12)
+    nb, bkv, d = 3, 32, 64
+    keys = torch.randn(nb * bkv, d, generator=g).to(torch.bfloat16)
+    cache = paged.new_paged_kv_cache(nb, bkv, d, "fp8")
+    paged.write_paged_kv_cache(cache, keys, torch.arange(nb * bkv), "fp8")
+    values, scale = F.quantize_fp8_rows(keys)
+    expect = torch.cat([values.view(torch.uint8).view(nb, bkv * d), scale.view(torch.uint8).view(nb, bkv * 4)], 1)
+    assert torch.equal(cache.reshape(nb, -1), expect)
+    assert cache.shape == (nb, bkv, 1, d + 4) and cache.stride() == (bkv * (d + 4), d + 4, d + 4, 1)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+def test_mx_cache_bytes_and_scattered_slots(fmt):
+    g = torch.Generator().manual_seed(13)
+    nb, bkv, d = 4, 16, 128
+    keys = torch.randn(10, d, generator=g)
+    slots = torch.randperm(nb * bkv, generator=g)[:10]
+    cache = paged.new_paged_kv_cache(nb, bkv, d, fmt, page_stride=bkv * paged.paged_kv_cache_width(d, fmt) + 16)
+    paged.write_paged_kv_cache(cache, keys, slots, fmt)
+    values, sf = F.quantize_k(keys, fmt)
+    vb = d // 2 if fmt == "mxfp4" else d
+    for i, slot in enumerate(slots.tolist()):
+        page = cache.as_strided((cache.stride(0),), (1,), cache.storage_offset() + (slot // bkv) * cache.stride(0))
+        off = slot % bkv
+        assert torch.equal(page[off * vb:(off + 1) * vb], values[i].view(torch.uint8))
+        at = bkv * vb + 4 * off
+        assert torch.equal(page[at:at + 4], sf[i:i + 1].view(torch.uint8))
+    got_v, got_s = R.gather_paged_keys(cache, torch.tensor([[0, 1, 2, 3]]), nb * bkv, 0, fmt, d)
+    assert torch.equal(got_v[slots].view(torch.uint8), values.view(torch.uint8)) and torch.equal(got_s[slots], sf)
+
+
+def test_cache_helpers_reject_bad_arguments():
+    with pytest.raises(ValueError, match="head_dim"):
+        paged.new_paged_kv_cache(2, 32, 48)
+    with pytest.raises(ValueError, match="page_stride"):
+        paged.new_paged_kv_cache(2, 32, 64, page_stride=100)
+    cache = paged.new_paged_kv_cache(2, 32, 64, "fp8")
+    with pytest.raises(ValueError, match="kv_cache"):  # an FP8-width cache written as MXFP4
+        paged.write_paged_kv_cache(cache, torch.randn(3, 64), torch.arange(3), "mxfp4")
+    with pytest.raises(ValueError, match="slot_mapping"):
+        paged.write_paged_kv_cache(cache, torch.randn(3, 64), torch.tensor([0, 1, 64]))
+    with pytest.raises(ValueError, match="context_lens"):
+        paged.make_paged_kv_cache(torch.randn(2, 10, 64), torch.tensor([3, 11]), 32)
+
+
+# ---------------------------------------------------------------------------------------
+# Plumbing: DeepGEMM names, the custom op, torch.compile, the kernel really runs
+# ---------------------------------------------------------------------------------------
+def test_fp8_paged_signature_and_compat_module():
+    case = Case("fp8", lens=(40, 90), next_n=2, block_kv=32, seed=14)
+    a = deep_gemm.fp8_paged_mqa_logits(case.qq[0], case.cache, case.w, case.ctx, case.table, case.meta,
+                                       case.max_context_len, True)
+    b = tilefuse.fp8_fp4_paged_mqa_logits(case.qq, case.cache, case.w, case.ctx, case.table, case.meta,
+                                          case.max_context_len, True, torch.float32, None)
+    assert torch.equal(a, b)
+    assert deep_gemm.fp8_fp4_paged_mqa_logits is tilefuse.fp8_fp4_paged_mqa_logits
+
+
+def test_ops_run_the_triton_kernel(monkeypatch):
+    """On CPU tensors the op goes through the Triton kernel (interpreter), not the reference."""
+    launched = []
+    real = kern.paged_logits_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(kern, "paged_logits_kernel", Spy())
+    case = Case("fp8", lens=(40, 90), next_n=3, h=64, block_kv=32, seed=15, num_sms=5)
+    case.run(config=paged.PagedConfig(rows=2, splits=2))
+    assert launched == [(2, 2, 5)]
+
+
+def test_custom_op_fake_and_torch_compile():
+    case = Case("mxfp4", lens=(40, 90), next_n=2, block_kv=32, seed=16)
+    real = case.run(clean=True, logits_dtype=torch.bfloat16)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        args = [mode.from_tensor(t) for t in (case.qq[0], case.qq[1], case.cache, case.w, case.ctx, case.table,
+                                              case.meta)]
+        fake = torch.ops.tilefuse.paged_mqa_logits(*args, case.max_context_len, True, torch.bfloat16,
+                                                   64, 1, 2, 4, 3, 1024)
+    assert fake.shape == real.shape and fake.stride() == real.stride() and fake.dtype == real.dtype
+
+    def decode(qv, qs, cache, w, ctx, table):
+        meta = tilefuse.get_paged_mqa_logits_metadata(ctx, 32, 3)
+        return tilefuse.fp8_fp4_paged_mqa_logits((qv, qs), cache, w, ctx, table, meta, case.max_context_len,
+                                                 True, torch.bfloat16)
+
+    compiled = torch.compile(decode, fullgraph=True, backend="aot_eager")
+    got = compiled(case.qq[0], case.qq[1], case.cache, case.w, case.ctx, case.table)
+    assert torch.equal(got.view(torch.int16), real.view(torch.int16))
+
+
+# ---------------------------------------------------------------------------------------
+# Bad inputs: a clear error naming the argument, never a wrong answer.
+# ---------------------------------------------------------------------------------------
+def _args(case):
+    return dict(q=case.qq, kv_cache=case.cache, weights=case.w, context_lens=case.ctx, block_table=case.table,
+                schedule_meta=case.meta, max_context_len=case.max_context_len)
+
+
+def _bad_cases():
+    return {
+        "q-not-tuple": (TypeError, "q:", dict(q=lambda q: q[0])),
+        "q-dtype": (TypeError, "q:", dict(q=lambda q: (q[0].float(), q[1]))),
+        "q-fp4-without-scales": (TypeError, "q:", dict(q=lambda q: (q[0].view(torch.int8), None))),
+        "q-heads": (ValueError, "head count", dict(q=lambda q: (q[0][:, :, :3].contiguous(), q[1]))),
+        "q-head-dim": (ValueError, "head dim", dict(q=lambda q: (q[0][..., :48].contiguous(), q[1]))),
+        "q-3d": (ValueError, "q:", dict(q=lambda q: (q[0][:, 0], q[1]))),
+        "cache-width": (ValueError, "kv_cache: last dim", dict(kv_cache=lambda c: c[..., :-1])),
+        "cache-dtype": (TypeError, "kv_cache", dict(kv_cache=lambda c: c.view(torch.int8))),
+        "cache-rank": (ValueError, "kv_cache", dict(kv_cache=lambda c: c[:, :, 0])),
+        "weights-rows": (ValueError, "weights", dict(weights=lambda w: w[:-1])),
+        "weights-dtype": (TypeError, "weights", dict(weights=lambda w: w.half())),
+        "weights-stride": (ValueError, "weights", dict(weights=lambda w: w.t().contiguous().t())),
+        "ctx-next-n": (ValueError, "next_n", dict(context_lens=lambda c: torch.stack([c, c, c], 1))),
+        "ctx-dtype": (TypeError, "context_lens", dict(context_lens=lambda c: c.long())),
+        "ctx-batch": (ValueError, "context_lens", dict(context_lens=lambda c: c[:1])),
+        "ctx-negative": (ValueError, "context_lens", dict(context_lens=lambda c: c - 100)),
+        "ctx-too-long": (ValueError, "max_context_len", dict(context_lens=lambda c: c + 50)),
+        "table-too-short": (ValueError, "block_table: too short", dict(block_table=lambda t: t[:, :1])),
+        "table-page-ids": (ValueError, "block_table: a page id", dict(block_table=lambda t: t + 1000)),
+        "table-dtype": (TypeError, "block_table", dict(block_table=lambda t: t.long())),
+        "meta-shape": (ValueError, "schedule_meta", dict(schedule_meta=lambda m: m[:, :1])),
+        "meta-dtype": (ValueError, "schedule_meta", dict(schedule_meta=lambda m: m.long())),
+        "meta-stale": (ValueError, "schedule_meta: does not match", dict(schedule_meta=lambda m: m.flip(0))),
+        "max-context-len": (ValueError, "max_context_len", dict(max_context_len=lambda n: -1)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_bad_cases()))
+def test_bad_inputs_raise(name):
+    case = Case("fp8", lens=(60, 100), next_n=2, block_kv=32, seed=17)
+    exc, text, changes = _bad_cases()[name]
+    args = _args(case)
+    for key, fn in changes.items():
+        args[key] = fn(args[key])
+    with pytest.raises(exc, match=text.replace("[", r"\[")):
+        tilefuse.fp8_fp4_paged_mqa_logits(**args)
+
+
+def test_bad_modes_raise():
+    case = Case("mxfp8", lens=(60, 100), next_n=1, block_kv=32, seed=18)
+    args = _args(case)
+    with pytest.raises(TypeError, match="logits_dtype"):
+        tilefuse.fp8_fp4_paged_mqa_logits(**args, logits_dtype=torch.float16)
+    with pytest.raises(TypeError, match=r"q\[1\]"):
+        tilefuse.fp8_fp4_paged_mqa_logits(**{**args, "q": (case.qq[0], case.qq[1].float())})
+    with pytest.raises(ValueError, match="indices"):
+        tilefuse.fp8_fp4_paged_mqa_logits(**args, indices=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+    two = Case("fp8", lens=(60, 100), next_n=2, block_kv=32, ctx_2d=True, seed=18)
+    with pytest.raises(ValueError, match="next_n == 1"):
+        tilefuse.get_paged_mqa_logits_metadata(two.ctx, 32, 4, indices=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="num_sms"):
+        tilefuse.get_paged_mqa_logits_metadata(two.ctx, 32, 0)
+    with pytest.raises(ValueError, match="unknown field"):
+        os.environ["TILEFUSE_PAGED_CONFIG"] = "block_z=3"
+        try:
+            tilefuse.fp8_fp4_paged_mqa_logits(**args)
+        finally:
+            del os.environ["TILEFUSE_PAGED_CONFIG"]
+
+
+def test_unchecked_missing_pages_read_as_nan(monkeypatch):
+    """With value checks off (as under CUDA graphs), a length past the block table gives NaN
+    logits for the missing keys and correct ones elsewhere, never an out-of-bounds read."""
+    monkeypatch.setenv("TILEFUSE_CHECK_WINDOWS", "0")
+    case = Case("fp8", lens=(60, 100), next_n=1, block_kv=32, seed=19)
+    short = case.table[:, :2].contiguous()
+    out = tilefuse.fp8_fp4_paged_mqa_logits(case.qq, case.cache, case.w, case.ctx, short, case.meta,
+                                            case.max_context_len, True)
+    full = case.run(clean=True)
+    assert out[1, 64:100].isnan().all()
+    assert torch.equal(out[:, :64], full[:, :64]) and torch.equal(out[0], full[0])
+
+
+# ---------------------------------------------------------------------------------------
+# Full-size checks on the GPU (the contract's decode shapes: block 64, lengths uniform in
+# 0.7-1.3 of the mean).
+# ---------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,next_n,mean", [(64, 1, 8192), (256, 1, 8192), (64, 2, 32768), (1, 1, 65536)])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+@pytest.mark.parametrize("ctx_2d", [False, True])
+def test_decode_shapes_on_gpu(batch, next_n, mean, fmt, ctx_2d, poisoned):
+    g = torch.Generator().manual_seed(batch + next_n)
+    lens = torch.randint(int(0.7 * mean), int(1.3 * mean), (batch,), generator=g).tolist()
+    case = Case(fmt, lens=lens, next_n=next_n, h=64, d=128, block_kv=64, ctx_2d=ctx_2d, seed=batch)
+    case.check(case.run(clean=True), True)
+    if not ctx_2d:
+        case.check(case.run(clean=False), False)
