@@ -99,6 +99,7 @@ def test_bad_usage_exits_2(tmp_path, capsys):
     assert "--shapes" in capsys.readouterr().err
     assert cli.main(["bench", "paged", "--shapes", "1x1", "--no-output", "-q"]) == 2
     assert cli.main(["bench", "indexer", "--formats", "int4", "--no-output", "-q"]) == 2
+    assert cli.main(["bench", "indexer", "--mode", "batch", "--l2-flush", "--no-output", "-q"]) == 2
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "indexer", "--mode", "wallclock"])
     assert e.value.code == 2

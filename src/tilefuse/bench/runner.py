@@ -42,6 +42,11 @@ class Settings:
         for name in ("calls", "samples", "iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup: expected a non-negative int, got {self.warmup}")
+        if self.l2_flush and self.mode == "batch":
+            raise ValueError("l2_flush: batch mode times back-to-back launches with nothing between them; "
+                             "use graph or periter mode to flush L2")
 
     def measure_kwargs(self, samples: int | None = None) -> dict:
         n = samples or self.samples
