@@ -42,7 +42,7 @@ def _delegate(module: str, func: str, argv: list[str], what: str) -> int:
 # ---------------------------------------------------------------------------------------
 # bench
 # ---------------------------------------------------------------------------------------
-def _add_bench_options(p: argparse.ArgumentParser) -> None:
+def _add_bench_options(p: argparse.ArgumentParser, shapes_help: str) -> None:
     p.add_argument("--mode", choices=timing.MODES, default="graph",
                    help="timing mode (default graph; periter numbers are not comparable)")
     p.add_argument("--samples", type=int, help="timed samples per row (default 40; 3 on CPU)")
@@ -51,7 +51,7 @@ def _add_bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, help="warm-up launches in batch/periter mode (default 5)")
     p.add_argument("--l2-flush", action="store_true", help="flush L2 before each timed replay/launch")
     p.add_argument("--no-clocks", action="store_true", help="do not sample clocks and power with NVML")
-    p.add_argument("--shapes", nargs="+", help="only these shapes (see the suite's help)")
+    p.add_argument("--shapes", nargs="+", help=shapes_help)
     p.add_argument("--output", "-o", help="result JSON (default benchmarks/results/<gpu>/<suite>-<time>.json)")
     p.add_argument("--no-output", action="store_true", help="do not write a result file")
     p.add_argument("--plot", help="also write a PNG plot here")
@@ -165,14 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark suite")
     bsub = bench.add_subparsers(dest="suite", required=True)
-    p = bsub.add_parser("indexer", help="prefill logits (shapes as S_QxS_K, e.g. 2048x32768)")
-    _add_bench_options(p)
+    p = bsub.add_parser("indexer", help="prefill logits at the reference shapes")
+    _add_bench_options(p, "only these S_QxS_K shapes, e.g. 2048x32768 128x32768 (--reproduce: the first)")
     p.add_argument("--formats", default="fp8,mxfp8,mxfp4", help="comma-separated formats")
     p.add_argument("--reproduce", action="store_true",
                    help="check all-zero and random outputs, then time clean x metadata x format on one shape")
     p.set_defaults(func=lambda a: _run_bench("indexer", a))
-    p = bsub.add_parser("paged", help="paged decode logits (shapes as BxNEXT_NxCTX, e.g. 64x1x8192)")
-    _add_bench_options(p)
+    p = bsub.add_parser("paged", help="paged decode logits")
+    _add_bench_options(p, "only these BxNEXT_NxMEAN_CTX rows, e.g. 64x1x8192 256x2x32768")
     p.add_argument("--formats", default="fp8", help="comma-separated formats (fp8, mxfp8, mxfp4)")
     p.set_defaults(func=lambda a: _run_bench("paged", a))
     for name in sorted(_DELEGATED_BENCH):

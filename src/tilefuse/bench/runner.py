@@ -49,7 +49,8 @@ class Settings:
                              "use graph or periter mode to flush L2")
 
     def measure_kwargs(self, samples: int | None = None) -> dict:
-        n = samples or self.samples
+        """Keyword arguments of :func:`~tilefuse.bench.timing.measure`; ``samples`` can only lower the count."""
+        n = min(samples, self.samples) if samples else self.samples
         if self.mode == "graph":
             return {"calls": self.calls, "samples": n, "l2_flush": self.l2_flush}
         if self.mode == "batch":
