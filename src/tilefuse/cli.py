@@ -224,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"tilefuse {args.command}: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:
+        if e.name in ("matplotlib", "pynvml"):
+            print(f"tilefuse {args.command}: {e.name} is not installed (pip install 'tilefuse[bench]')",
+                  file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":
