@@ -151,7 +151,6 @@ class CudaBackend:
     def __init__(self, flush_bytes: int | None = None):
         self._flush_bytes = flush_bytes
         self._flush_buf: torch.Tensor | None = None
-        self.graphs: list[tuple[torch.cuda.CUDAGraph, list[object]]] = []
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
@@ -179,9 +178,13 @@ class CudaBackend:
         with torch.cuda.graph(graph):
             for _ in range(calls):
                 outputs.append(fn())
-        # The outputs live as long as the graph: every captured call writes its own buffer.
-        self.graphs.append((graph, outputs))
-        return graph.replay
+
+        def replay() -> None:
+            graph.replay()
+
+        # The outputs live as long as the replay: every captured call keeps its own buffer.
+        replay.outputs = outputs
+        return replay
 
     def flush_l2(self) -> None:
         if self._flush_buf is None:
