@@ -7,6 +7,8 @@ several programs and partial tiles are exercised); on a GPU the same checks run 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -29,7 +31,11 @@ VARIANTS = {  # name -> (format, config fields beyond the tile)
     "mxfp8": ("mxfp8", {}),
     "mxfp8-keys-major-unroll2": ("mxfp8", dict(keys_major=True, head_unroll=2)),
     "mxfp8-split": ("mxfp8", dict(mx_split=True)),
+    "mxfp8-scale-reshape": ("mxfp8", dict(scale_reshape=True)),
     "mxfp4": ("mxfp4", {}),
+    "mxfp4-halves": ("mxfp4", dict(fp4_halves=True)),
+    "mxfp4-halves-keys-major": ("mxfp4", dict(fp4_halves=True, keys_major=True)),
+    "mxfp4-scale-reshape": ("mxfp4", dict(scale_reshape=True)),
     "mxfp4-split": ("mxfp4", dict(mx_split=True)),
 }
 BF16_THRESHOLD = {"fp8": 1e-3, "mxfp8": 0.02, "mxfp4": 0.02}
@@ -278,7 +284,7 @@ def test_fake_impl_traces_without_data():
     real = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, logits_dtype=torch.bfloat16, config=SMALL)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         args = [mode.from_tensor(t) for t in (qq[0], qq[1], kk[0], kk[1], w, ks, ke)]
-        fake = torch.ops.tilefuse.mqa_logits(*args, True, 0, torch.bfloat16, 16, 32, 4, 2, False, False, 1)
+        fake = torch.ops.tilefuse.mqa_logits(*args, True, 0, torch.bfloat16, *dataclasses.astuple(SMALL))
     assert fake.shape == real.shape and fake.stride() == real.stride() and fake.dtype == real.dtype
 
 

@@ -35,7 +35,9 @@ class PrefillConfig:
 
     ``mx_split`` picks the MX path on Hopper: False = dequantise to bf16 and run a bf16 dot
     (exact), True = one FP8 dot per 32-element block with scaled accumulation.
-    ``keys_major`` puts keys on the MMA's M side (for few query rows: a 16-row query tile
+    ``scale_reshape`` broadcasts MX block scales by a [rows, D/32, 32] reshape instead of a
+    per-element shift; ``fp4_halves`` runs MXFP4 as two dots over the low and high nibbles
+    (no interleave). ``keys_major`` puts keys on the MMA's M side (for few query rows: a 16-row query tile
     then wastes nothing); ``head_unroll`` = 2 issues two heads' dots per loop step. Neither
     applies to the MX split path.
     """
@@ -47,6 +49,8 @@ class PrefillConfig:
     mx_split: bool = False
     keys_major: bool = False
     head_unroll: int = 1
+    scale_reshape: bool = False
+    fp4_halves: bool = False
 
 
 def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None) -> PrefillConfig:
@@ -77,7 +81,7 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
             key = key.strip()
             if key not in fields:
                 raise ValueError(f"TILEFUSE_PREFILL_CONFIG: unknown field {key!r}; fields are {sorted(fields)}")
-            is_flag = key in ("mx_split", "keys_major")
+            is_flag = key in ("mx_split", "keys_major", "scale_reshape", "fp4_halves")
             updates[key] = value.strip().lower() in ("1", "true", "yes") if is_flag else int(value)
         cfg = dataclasses.replace(cfg, **updates)
     if cfg.block_q < 16 or cfg.block_n < 16 or cfg.block_q & (cfg.block_q - 1) or cfg.block_n & (cfg.block_n - 1):
@@ -225,6 +229,8 @@ def _mqa_logits(
     mx_split: bool,
     keys_major: bool,
     head_unroll: int,
+    scale_reshape: bool,
+    fp4_halves: bool,
 ) -> torch.Tensor:
     fmt = format_of(q, q_sf)
     s_q, h, dq = q.shape
@@ -256,6 +262,7 @@ def _mqa_logits(
         H=h, D=d, FMT=_FORMAT_CODE[fmt], MX_SPLIT=split,
         CLEAN=clean_logits, COMPRESSED=max_seqlen_k > 0,
         BLOCK_Q=block_q, BLOCK_N=block_n, KEYS_MAJOR=keys_major and not split, HEAD_UNROLL=head_unroll,
+        SCALE_RESHAPE=scale_reshape, FP4_HALVES=fp4_halves,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -263,7 +270,8 @@ def _mqa_logits(
 
 @_mqa_logits.register_fake
 def _mqa_logits_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype,
-                     block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll):
+                     block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll,
+                     scale_reshape, fp4_halves):
     shape, stride = _out_shape(q.shape[0], k.shape[0], max_seqlen_k)
     return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
 
@@ -339,7 +347,8 @@ def fp8_fp4_mqa_logits(
     _check_windows(cu_seq_len_k_start, cu_seq_len_k_end, s_k, max_seqlen_k)
     return _mqa_logits(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end,
                        bool(clean_logits), max_seqlen_k, logits_dtype, cfg.block_q, cfg.block_n,
-                       cfg.num_warps, cfg.num_stages, cfg.mx_split, cfg.keys_major, cfg.head_unroll)
+                       cfg.num_warps, cfg.num_stages, cfg.mx_split, cfg.keys_major, cfg.head_unroll,
+                       cfg.scale_reshape, cfg.fp4_halves)
 
 
 def fp8_mqa_logits(
