@@ -54,7 +54,8 @@ def _git_commit() -> dict:
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
+        # A copy of the tree without its .git (e.g. shipped to a benchmark host) names its commit here.
+        return {"commit": os.environ.get("TILEFUSE_COMMIT") or None, "dirty": None}
     return {"commit": sha or None, "dirty": bool(dirty)}
 
 
