@@ -19,10 +19,11 @@ result is bitwise identical for any metadata or worker count.
 
 Per tile: gather the key rows through the block table (a page holds ``BLOCK_KV`` tokens:
 values ``[BLOCK_KV, DQ]`` first, then ``BLOCK_KV`` 4-byte scales), one ``tl.dot`` of
-``[BLOCK_N, D] x [D, ROWS * HEADS_P]``, ReLU, then one weighted head sum per query row and a
-store of ``BLOCK_N`` logits per row. Formats (``FMT``): 0 = FP8 (E4M3 dot, per-key fp32 scale
-after the head sum), 1 = MXFP8, 2 = MXFP4; MX operands are dequantised to bf16 in registers
-(exact) and run a bf16 dot, as Hopper has no block-scaled MMA.
+``[BLOCK_N, D] x [D, ROWS * HEADS_P]``, ReLU, the weighted head sum of each query row (a
+reshape to ``[BLOCK_N, ROWS, HEADS_P]`` and one reduction) and a store of ``[BLOCK_N, ROWS]``.
+Formats (``FMT``): 0 = FP8 (E4M3 dot, per-key fp32 scale after the head sum), 1 = MXFP8,
+2 = MXFP4; MX operands are dequantised to bf16 in registers (exact) and run a bf16 dot, as
+Hopper has no block-scaled MMA.
 
 ``clean_logits``: the tiles write ``-inf`` outside each row's window up to the request's key
 extent; the columns past it are filled by a second loop, request ``b`` going to program
@@ -75,13 +76,11 @@ def paged_logits_kernel(
 
     # Columns of the dot: query row t = pid_g * ROWS + c // HEADS_P, head c % HEADS_P.
     c = tl.arange(0, NC)
-    c_row = c // HEADS_P
-    c_t = pid_g * ROWS + c_row
+    c_t = pid_g * ROWS + c // HEADS_P
     c_h = c % HEADS_P
     c_ok = (c_t < NEXT_N) & (c_h < NUM_HEADS)
     dq = tl.arange(0, DQ)
-    r_idx = tl.arange(0, ROWS)
-    t_rows = pid_g * ROWS + r_idx
+    t_rows = pid_g * ROWS + tl.arange(0, ROWS)
 
     b_first = tl.load(meta_ptr + 2 * pid_w)
     p_first = tl.load(meta_ptr + 2 * pid_w + 1)
@@ -107,10 +106,11 @@ def paged_logits_kernel(
             q_op = q_raw
         else:
             q_sf = tl.load(q_sf_ptr + b64 * stride_sfb + c_t * stride_sft + c_h, mask=c_ok, other=0)
-            q_op = _dequant_tile(q_raw, q_sf, NC, D, FMT)
+            q_op = _dequant_tile(q_raw, q_sf, NC, D, FMT, False)
         w = tl.load(w_ptr + (b64 * NEXT_N + c_t) * stride_w + c_h, mask=c_ok, other=0.0).to(tl.float32)
 
         bt_row = bt_ptr + b64 * stride_bt
+        out_rows = out_ptr + (b64 * NEXT_N + t_rows) * stride_out
         for tile in tl.range(lo_tok // BLOCK_N + pid_s, tl.cdiv(hi_tok, BLOCK_N), SPLITS, num_stages=NUM_STAGES):
             j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             page_idx = j // BLOCK_KV
@@ -125,20 +125,21 @@ def paged_logits_kernel(
             if FMT == 0:
                 k_op = k_raw
             else:
-                k_op = _dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT)
-            s = tl.maximum(tl.dot(k_op, tl.trans(q_op)), 0.0)  # [BLOCK_N, NC]
-            for r in tl.static_range(ROWS):
-                logit = tl.sum(s * tl.where(c_row == r, w, 0.0)[None, :], axis=1)
-                if FMT == 0:
-                    logit = logit * k_sf
-                if CLEAN:
-                    end_r = tl.sum(tl.where(r_idx == r, row_end, 0), axis=0)
-                    logit = tl.where(j < end_r, logit, float("-inf"))
-                # A key past the block table's width has no page: NaN, never a read out of bounds.
-                logit = tl.where(in_table, logit, float("nan"))
-                row_ok = pid_g * ROWS + r < NEXT_N
-                out_row = out_ptr + (b64 * NEXT_N + pid_g * ROWS + r) * stride_out
-                tl.store(out_row + j, logit.to(out_ptr.dtype.element_ty), mask=j_ok & row_ok)
+                k_op = _dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT, False)
+            # ReLU, weights, then the head sum of each query row: logits [BLOCK_N, ROWS].
+            x = tl.maximum(tl.dot(k_op, tl.trans(q_op)), 0.0) * w[None, :]
+            if ROWS == 1:
+                logits = tl.sum(x, axis=1)[:, None]
+            else:
+                logits = tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HEADS_P)), axis=2)
+            if FMT == 0:
+                logits = logits * k_sf[:, None]
+            if CLEAN:
+                logits = tl.where(j[:, None] < row_end[None, :], logits, float("-inf"))
+            # A key past the block table's width has no page: NaN, never a read out of bounds.
+            logits = tl.where(in_table[:, None], logits, float("nan"))
+            tl.store(out_rows[None, :] + j[:, None], logits.to(out_ptr.dtype.element_ty),
+                     mask=j_ok[:, None] & (t_rows < NEXT_N)[None, :])
 
     if CLEAN:
         # Columns past each request's key extent: -inf, split over programs by request.

@@ -82,23 +82,26 @@ class PagedConfig:
     rows: int = 1
     splits: int = 2
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 5
     block_fill: int = 1024
 
 
 def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, block_kv: int) -> PagedConfig:
-    """The defaults, by shape (not yet tuned on the H200; ``TILEFUSE_PAGED_CONFIG`` overrides).
+    """The defaults, by shape (chosen from the sm_90a compile, not yet timed on an H200;
+    ``TILEFUSE_PAGED_CONFIG`` overrides single fields for measurements).
 
-    * ``rows``: as many query rows as fit 128 dot columns (``rows * next_pow2(H) <= 128``):
-      with 64-key tiles and 4 warps the fp32 scores stay at 64 registers per thread, and
-      next_n = 2 at H = 64 reads each key tile once.
-    * 64-key tiles, 2 programs per worker and 3 stages keep about 6 tiles (48 KiB at D = 128)
-      in flight per SM with the standard one worker per SM, for bandwidth.
+    * ``rows``: as many query rows as fit 128 dot columns (``rows * next_pow2(H) <= 128``), so
+      next_n = 2 at H = 64 reads each key tile once; FP8 then needs 204 registers per thread
+      (two programs per SM), next_n = 1 about 100.
+    * 64-key tiles and 5 stages: the block-table load and the key load it feeds take two
+      pipeline stages, and 5 is the least that keeps two key tiles in flight (3 buffers);
+      with 2 programs per worker and one worker per SM that is 4-6 tiles (34-50 KiB at
+      D = 128) in flight per SM.
     """
     del fmt, head_dim, block_kv  # one tile shape serves every format and page size so far
     heads_p = _next_pow2(num_heads)
     rows = min(_next_pow2(next_n), max(1, 128 // heads_p))
-    return PagedConfig(block_n=64, rows=rows, splits=2, num_warps=4, num_stages=3, block_fill=1024)
+    return PagedConfig(block_n=64, rows=rows, splits=2, num_warps=4, num_stages=5, block_fill=1024)
 
 
 def _config_overrides(cfg: PagedConfig, env: str) -> PagedConfig:
@@ -509,6 +512,34 @@ def _out_layout(rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]
     return (rows, cols), (stride, 1)
 
 
+def _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, out, clean_logits: bool,
+                 cfg: PagedConfig) -> tuple[tuple[int, int, int], tuple, dict]:
+    """Grid, positional arguments and constexprs of one kernel launch (``out`` already allocated)."""
+    fmt = format_of(q, q_sf)
+    b, next_n, h, dq = q.shape
+    # Byte views of one buffer: values as E4M3 (or packed FP4 bytes), scales as 4-byte words.
+    kv_values = kv_cache.view(torch.int8 if fmt == "mxfp4" else FP8_DTYPE)
+    kv_scales = kv_cache.view(torch.float32 if fmt == "fp8" else torch.int32)
+    grid = (triton.cdiv(next_n, cfg.rows), cfg.splits, schedule_meta.shape[0] - 1)
+    args = (
+        q, q_sf if q_sf is not None else context_lens, kv_values, kv_scales, weights, context_lens, block_table,
+        schedule_meta, out,
+        b, out.shape[1], block_table.shape[1],
+        q.stride(0), q.stride(1), q.stride(2),
+        q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
+        weights.stride(0), context_lens.stride(0), block_table.stride(0),
+        kv_cache.stride(0), kv_cache.stride(0) // _SCALE_BYTES,
+        out.stride(0),
+    )
+    consts = dict(
+        NEXT_N=next_n, NEXT_N_P=_next_pow2(next_n), NUM_HEADS=h, HEADS_P=max(_next_pow2(h), _MIN_DOT // cfg.rows),
+        D=dq * 2 if fmt == "mxfp4" else dq, BLOCK_KV=kv_cache.shape[1], FMT=_FORMAT_CODE[fmt],
+        CTX_2D=context_lens.dim() == 2, CLEAN=clean_logits, ROWS=cfg.rows, BLOCK_N=cfg.block_n, SPLITS=cfg.splits,
+        BLOCK_FILL=cfg.block_fill, NUM_STAGES=cfg.num_stages,
+    )
+    return grid, args, consts
+
+
 @torch.library.custom_op("tilefuse::paged_mqa_logits", mutates_args=())
 def _paged_mqa_logits(
     q: torch.Tensor,
@@ -528,34 +559,14 @@ def _paged_mqa_logits(
     num_stages: int,
     block_fill: int,
 ) -> torch.Tensor:
-    fmt = format_of(q, q_sf)
-    b, next_n, h, dq = q.shape
-    d = dq * 2 if fmt == "mxfp4" else dq
-    shape, stride = _out_layout(b * next_n, max_context_len)
+    shape, stride = _out_layout(q.shape[0] * q.shape[1], max_context_len)
     out = torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
     if out.numel() == 0:
         return out
-    # Byte views of one buffer: values as E4M3 (or packed FP4 bytes), scales as 4-byte words.
-    kv_values = kv_cache.view(torch.int8 if fmt == "mxfp4" else FP8_DTYPE)
-    kv_scales = kv_cache.view(torch.float32 if fmt == "fp8" else torch.int32)
-    heads_p = max(_next_pow2(h), _MIN_DOT // rows)
-    num_workers = schedule_meta.shape[0] - 1
-    grid = (triton.cdiv(next_n, rows), splits, num_workers)
-    ctx_2d = context_lens.dim() == 2
-    kern.paged_logits_kernel[grid](
-        q, q_sf if q_sf is not None else context_lens, kv_values, kv_scales, weights, context_lens, block_table,
-        schedule_meta, out,
-        b, max_context_len, block_table.shape[1],
-        q.stride(0), q.stride(1), q.stride(2),
-        q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
-        weights.stride(0), context_lens.stride(0), block_table.stride(0),
-        kv_cache.stride(0), kv_cache.stride(0) // _SCALE_BYTES,
-        out.stride(0),
-        NEXT_N=next_n, NEXT_N_P=_next_pow2(next_n), NUM_HEADS=h, HEADS_P=heads_p, D=d,
-        BLOCK_KV=kv_cache.shape[1], FMT=_FORMAT_CODE[fmt], CTX_2D=ctx_2d, CLEAN=clean_logits,
-        ROWS=rows, BLOCK_N=block_n, SPLITS=splits, BLOCK_FILL=block_fill, NUM_STAGES=num_stages,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    cfg = PagedConfig(block_n, rows, splits, num_warps, num_stages, block_fill)
+    grid, args, consts = _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, out,
+                                      clean_logits, cfg)
+    kern.paged_logits_kernel[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
