@@ -1,0 +1,41 @@
+"""Tensor-parallel fused communication + GEMM on the GPUs of one node.
+
+* :func:`ag_gemm` — ``all_gather(a_shard, dim 0) @ b`` (column-parallel layer);
+* :func:`gemm_rs` — ``reduce_scatter(a @ b, dim 0, sum)`` (row-parallel layer);
+* :func:`gemm` — the persistent Triton GEMM both are built on, alone;
+* policy: :func:`decide` (what a call would run, and why), :func:`set_override` /
+  :func:`override`, :func:`policy_table`, :func:`load_policy_table`;
+* errors: :class:`CommTimeoutError`, :func:`check_errors`, :func:`reset_group`;
+* :class:`Trace` — per-program activity, exported to Chrome/Perfetto JSON.
+
+Run under ``torchrun`` with one process per GPU and an NCCL process group; symmetric memory
+comes from ``torch.distributed._symmetric_memory``; NVLink multicast is never used.
+See ``docs/dist.md``.
+"""
+
+from tilefuse.dist._gemm_core import GemmConfig, default_config, gemm
+from tilefuse.dist.ag_gemm import ag_gemm
+from tilefuse.dist.gemm_rs import gemm_rs
+from tilefuse.dist.policy import Decision, decide, override, set_override
+from tilefuse.dist.policy import load_table as load_policy_table
+from tilefuse.dist.policy import table as policy_table
+from tilefuse.dist.symm import CommTimeoutError, check_errors, reset_group
+from tilefuse.dist.trace import Trace
+
+__all__ = [
+    "CommTimeoutError",
+    "Decision",
+    "GemmConfig",
+    "Trace",
+    "ag_gemm",
+    "check_errors",
+    "decide",
+    "default_config",
+    "gemm",
+    "gemm_rs",
+    "load_policy_table",
+    "override",
+    "policy_table",
+    "reset_group",
+    "set_override",
+]

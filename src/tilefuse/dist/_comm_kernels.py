@@ -1,0 +1,138 @@
+"""Communication kernels of the fused TP GEMMs (run on a side stream beside the GEMM).
+
+* ``_barrier_kernel``: one program; all ranks meet (``_primitives.barrier_all``), then the
+  kernel raises the local go words that let this call's GEMM / communication kernel write into
+  peers' buffers (the peers have finished reading them in the previous call).
+* ``_ag_push_kernel``: ag_gemm, SM-driven gather. ``P`` programs copy the local shard, band by
+  band and piece by piece, into the gathered buffer of every rank (own included) and add one to
+  that band's flag on the destination; the destination's GEMM waits for ``pieces`` per band.
+  Program 0 runs the start barrier first; programs wait for its go word before a remote store.
+* ``_rs_forward_kernel``: gemm_rs with communication programs. Each peer-owned tile the local
+  GEMM finished (local flag) is copied into the owner's receive slot, then the owner's tile flag
+  is raised; the owner's GEMM adds it in its epilogue.
+
+Each kernel's last program resets the flags it consumed and its go word (``finish_program``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tilefuse.dist import _primitives as P
+from tilefuse.dist._gemm_core import _decode_tile
+
+
+@triton.jit
+def _barrier_kernel(bases_ptr, ws_addr, err_addr, timeout, rank, W: tl.constexpr, OP: tl.constexpr,
+                    SET_GO_GEMM: tl.constexpr, SET_GO_COMM: tl.constexpr, USE_TIMER: tl.constexpr):
+    ctl_ptr = ws_addr.to(tl.pointer_type(tl.int32))
+    err_ptr = err_addr.to(tl.pointer_type(tl.int32))
+    P.barrier_all(bases_ptr, ctl_ptr, err_ptr, timeout, rank, OP, W, USE_TIMER)
+    if SET_GO_GEMM:
+        tl.atomic_xchg(ctl_ptr + P.CTL_GO_GEMM, 1, sem="release", scope="gpu")
+    if SET_GO_COMM:
+        tl.atomic_xchg(ctl_ptr + P.CTL_GO_COMM, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _copy_block(src, src_row0, dst, dst_row0, rows, col0, cols, ld, BR: tl.constexpr, BC: tl.constexpr):
+    """Copy ``rows x cols`` elements (row stride ``ld`` on both sides) in ``BR x BC`` blocks."""
+    ri = tl.arange(0, BR)
+    ci = tl.arange(0, BC)
+    for r in range(0, rows, BR):
+        for c in range(0, cols, BC):
+            mask = ((r + ri)[:, None] < rows) & ((c + ci)[None, :] < cols)
+            cc = (col0 + c + ci)[None, :]
+            v = tl.load(src + (src_row0 + r + ri)[:, None].to(tl.int64) * ld + cc, mask=mask)
+            tl.store(dst + (dst_row0 + r + ri)[:, None].to(tl.int64) * ld + cc, v, mask=mask)
+
+
+@triton.jit
+def _ag_push_kernel(
+    a_ptr, ws_addr, bases_ptr, gath_off, flags_off, Mc, K, band_rows, bands, pieces, piece_cols, rank,
+    err_addr, timeout, trace_ptr,
+    W: tl.constexpr, NUM_PROGRAMS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    BARRIER: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_TIMER: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    DTYPE = a_ptr.dtype.element_ty
+    ctl_ptr = ws_addr.to(tl.pointer_type(tl.int32))
+    err_ptr = err_addr.to(tl.pointer_type(tl.int32))
+    if BARRIER:
+        if pid == 0:
+            P.barrier_all(bases_ptr, ctl_ptr, err_ptr, timeout, rank, 1, W, USE_TIMER)
+            tl.atomic_xchg(ctl_ptr + P.CTL_GO_COMM, 1, sem="release", scope="gpu")
+    go_ok = 0
+    per_band = W * pieces
+    n_items = bands * per_band
+    ev = 0
+    for it in range(pid, n_items, NUM_PROGRAMS):
+        b = it // per_band
+        s = (it % per_band) // pieces
+        q = it % pieces
+        dst_rank = (rank + s) % W
+        t_start = P.now_ns(USE_TIMER)
+        wait_ns = t_start - t_start
+        if s != 0:
+            if go_ok == 0:
+                P.wait_geq(ctl_ptr + P.CTL_GO_COMM, 1, ctl_ptr, err_ptr, timeout, rank, 1, P.ROLE_PUSH, dst_rank,
+                           -1, USE_TIMER)
+                go_ok = 1
+                wait_ns = P.now_ns(USE_TIMER) - t_start
+        dst = P.peer_ptr(bases_ptr, dst_rank, gath_off, DTYPE)
+        row0 = b * band_rows
+        rows = tl.minimum(band_rows, Mc - row0)
+        col0 = q * piece_cols
+        cols = tl.minimum(piece_cols, K - col0)
+        _copy_block(a_ptr, row0, dst, rank * Mc + row0, rows, col0, cols, K, BR, BC)
+        P.add_flag(P.peer_ptr(bases_ptr, dst_rank, flags_off, tl.int32) + rank * bands + b, 1)
+        if TRACE:
+            info = (dst_rank.to(tl.int64) << 40) | (b.to(tl.int64) << 20) | q
+            P.trace_event(trace_ptr, pid, ev, MAX_EVENTS, t_start, P.now_ns(USE_TIMER), wait_ns, info)
+        ev += 1
+    P.finish_program(ctl_ptr, P.CTL_DONE_COMM, P.CTL_GO_COMM, NUM_PROGRAMS,
+                     P.as_ptr(ws_addr + flags_off, tl.int32), 0, 16)
+
+
+@triton.jit
+def _rs_forward_kernel(
+    ws_addr, bases_ptr, order_ptr, part_off, part_flags_off, recv_off, flags_off, Mc, N, n_items, rank,
+    err_addr, timeout, trace_ptr,
+    DTYPE: tl.constexpr, W: tl.constexpr, NUM_PROGRAMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    GROUP_M: tl.constexpr, BR: tl.constexpr, BARRIER: tl.constexpr, TRACE: tl.constexpr,
+    MAX_EVENTS: tl.constexpr, USE_TIMER: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    ctl_ptr = ws_addr.to(tl.pointer_type(tl.int32))
+    err_ptr = err_addr.to(tl.pointer_type(tl.int32))
+    part = P.as_ptr(ws_addr + part_off, DTYPE)
+    part_flags = P.as_ptr(ws_addr + part_flags_off, tl.int32)
+    if BARRIER:
+        if pid == 0:
+            P.barrier_all(bases_ptr, ctl_ptr, err_ptr, timeout, rank, 2, W, USE_TIMER)
+            tl.atomic_xchg(ctl_ptr + P.CTL_GO_COMM, 1, sem="release", scope="gpu")
+    tn = tl.cdiv(N, BN)
+    tpc = tl.cdiv(Mc, BM) * tn
+    go_ok = 0
+    ev = 0
+    for it in range(pid, n_items, NUM_PROGRAMS):
+        chunk, j, col = _decode_tile(it, Mc, N, order_ptr, BM, BN, GROUP_M)
+        tic = j * tn + col
+        t_start = P.now_ns(USE_TIMER)
+        P.wait_geq(part_flags + chunk * tpc + tic, 1, ctl_ptr, err_ptr, timeout, rank, 2, P.ROLE_FORWARD, chunk,
+                   chunk * tpc + tic, USE_TIMER)
+        if go_ok == 0:
+            P.wait_geq(ctl_ptr + P.CTL_GO_COMM, 1, ctl_ptr, err_ptr, timeout, rank, 2, P.ROLE_GO, chunk, -1,
+                       USE_TIMER)
+            go_ok = 1
+        t_waited = P.now_ns(USE_TIMER)
+        dst = P.peer_ptr(bases_ptr, chunk, recv_off, DTYPE)
+        _copy_block(part, chunk * Mc + j * BM, dst, rank * Mc + j * BM, tl.minimum(BM, Mc - j * BM),
+                    col * BN, tl.minimum(BN, N - col * BN), N, BR, BN)
+        P.set_flag(P.peer_ptr(bases_ptr, chunk, flags_off, tl.int32) + rank * tpc + tic, 1)
+        if TRACE:
+            info = (chunk.to(tl.int64) << 40) | (j.to(tl.int64) << 20) | col.to(tl.int64)
+            P.trace_event(trace_ptr, pid, ev, MAX_EVENTS, t_start, P.now_ns(USE_TIMER), t_waited - t_start, info)
+        ev += 1
+    P.finish_program(ctl_ptr, P.CTL_DONE_COMM, P.CTL_GO_COMM, NUM_PROGRAMS, part_flags, W * tpc, 1024)

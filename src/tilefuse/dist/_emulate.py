@@ -1,0 +1,93 @@
+"""Run the fused kernels of W ranks in one process (CPU tests through Triton's interpreter).
+
+The interpreter runs programs one after another, so a wait for something a later launch would
+provide never ends. The emulation therefore orders the launches the way the data flows — every
+rank's senders before any rank's receivers — and pre-sets the go words that the start barrier
+would raise (the barrier is tested on its own). The kernels, the peer addressing through
+int64 workspace bases, the flags, the epilogues and the end-of-call resets are the real ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from tilefuse.dist import _primitives as P
+from tilefuse.dist.symm import Workspace, emulated_workspaces
+
+# The package rebinds ``tilefuse.dist.ag_gemm`` / ``gemm_rs`` to the functions: fetch the modules.
+ag = importlib.import_module("tilefuse.dist.ag_gemm")
+rs = importlib.import_module("tilefuse.dist.gemm_rs")
+
+
+def _poisoned(shape, like: torch.Tensor) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+
+
+def _set_go(wss: list[Workspace], word) -> None:
+    for ws in wss:
+        ws.ctl()[word.value] = 1
+
+
+def emulate_ag_gemm(shards: list[torch.Tensor], b: torch.Tensor, *, design: str, b_layout: str = "kn",
+                    config=None, comm_programs: int | None = None, splits: int | None = None,
+                    piece_cols: int | None = None, num_programs: int = 4, spins: int = 200, trace=None):
+    """Every rank's ``ag_gemm`` output (poisoned before the launch), workspaces and plans."""
+    world = len(shards)
+    mc, k = shards[0].shape
+    n = b.shape[1] if b_layout == "kn" else b.shape[0]
+    dev = shards[0].device
+    plans = [ag.make_plan(design, mc * world, n, k, world, r, shards[0].dtype, dev, config=config,
+                          comm_programs=comm_programs, splits=splits, piece_cols=piece_cols,
+                          num_programs=num_programs) for r in range(world)]
+    wss = emulated_workspaces(world, max(p.nbytes for p in plans), dev)
+    timeout = P.timeout_units(1.0, dev.type, spins)
+    if design == "push":
+        _set_go(wss, P.CTL_GO_COMM)
+        for r in range(world):
+            buf = trace.buffer("push", r, plans[r].comm_programs, dev) if trace is not None else None
+            ag.launch_push(plans[r], wss[r], shards[r], timeout, barrier=False, trace=buf)
+    else:
+        for r in range(world):
+            ag.ce_local_copies(plans[r], wss[r], shards[r])
+        for r in range(world):
+            ag.ce_peer_copies(plans[r], wss[r])
+    outs = [_poisoned((mc * world, n), shards[0]) for _ in range(world)]
+    for r in range(world):
+        buf = trace.buffer("gemm", r, plans[r].gemm_programs, dev) if trace is not None else None
+        ag.launch_gemm_part(plans[r], wss[r], b, outs[r], b_layout, timeout, trace=buf)
+    return outs, wss, plans
+
+
+def emulate_gemm_rs(a_list: list[torch.Tensor], b_list: list[torch.Tensor], *, design: str, b_layout: str = "kn",
+                    config=None, comm_programs: int | None = None, num_programs: int = 4, spins: int = 200,
+                    trace=None):
+    """Every rank's ``gemm_rs`` output: peer-owned tiles of all ranks first, then (forward) the
+    forwarding kernels, then the owners' own tiles with the fused reduction."""
+    world = len(a_list)
+    m, k = a_list[0].shape
+    b0 = b_list[0]
+    n = b0.shape[1] if b_layout == "kn" else b0.shape[0]
+    dev = a_list[0].device
+    plans = [rs.make_plan(design, m, n, k, world, r, a_list[0].dtype, dev, config=config,
+                          comm_programs=comm_programs, num_programs=num_programs) for r in range(world)]
+    wss = emulated_workspaces(world, max(p.nbytes for p in plans), dev)
+    timeout = P.timeout_units(1.0, dev.type, spins)
+    outs = [_poisoned((m // world, n), a_list[0]) for _ in range(world)]
+    _set_go(wss, P.CTL_GO_GEMM if design == "push" else P.CTL_GO_COMM)
+
+    def gemm(r, begin, end, reset):
+        buf = trace.buffer("gemm", r, plans[r].gemm_programs, dev) if trace is not None else None
+        rs.launch_gemm_part(plans[r], wss[r], a_list[r], b_list[r], outs[r], b_layout, timeout, tile_begin=begin,
+                            tile_end=end, reset=reset, barrier=False, trace=buf)
+
+    for r in range(world):
+        gemm(r, 0, plans[r].peer_tiles, False)
+    if design == "forward":
+        for r in range(world):
+            buf = trace.buffer("forward", r, plans[r].comm_programs, dev) if trace is not None else None
+            rs.launch_forward(plans[r], wss[r], timeout, barrier=False, trace=buf)
+    for r in range(world):
+        gemm(r, plans[r].peer_tiles, plans[r].schedule.num_tiles, True)
+    return outs, wss, plans

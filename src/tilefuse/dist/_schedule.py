@@ -1,0 +1,136 @@
+"""Chunk ownership and tile order of the fused TP GEMMs (pure Python, mirrored by the kernels).
+
+Rows of the ``[M, N]`` product split into ``W`` chunks of ``Mc = M / W`` rows; chunk ``c`` is the
+rows ``[c * Mc, (c + 1) * Mc)``: the rows of rank ``c``'s activation shard (ag_gemm) or the rows
+rank ``c`` owns after the reduce-scatter (gemm_rs). Output tiles never straddle chunks: a chunk
+has ``cdiv(Mc, BM)`` tile rows, the last one masked when ``Mc % BM != 0``. That keeps one flag
+per tile and one owner per tile for any ``M`` divisible by ``W``.
+
+A persistent program walks tile indices ``t = pid, pid + P, ...``; ``decode`` maps ``t`` to
+``(chunk, tile_row_in_chunk, tile_col)``: chunks in ``chunk_order``, and inside a chunk the
+banded "super-tile" order (``group_m`` tile rows sweep all columns together, for L2 reuse).
+``_gemm_core._decode_tile`` is the same arithmetic in Triton; the tests keep them equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CHUNK_ORDERS = ("natural", "local_first", "arrival", "owner_last")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def chunk_order(kind: str, rank: int, world: int) -> list[int]:
+    """The order in which a rank computes the row chunks.
+
+    * ``natural``: ``0 .. W-1`` (a plain GEMM);
+    * ``local_first``: own chunk, then the others ascending;
+    * ``arrival``: own chunk, then ``rank+1, rank+2, ...`` (mod W): the order in which the
+      gathers of ag_gemm deliver peer chunks, so a tile never waits behind a later chunk;
+    * ``owner_last``: ``rank+1, ..., rank-1`` then own chunk: gemm_rs sends peer rows first
+      and reduces its own rows last, when the peers' partials have arrived.
+    """
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, {world}), got {rank}")
+    if kind == "natural":
+        return list(range(world))
+    if kind == "local_first":
+        return [rank] + [c for c in range(world) if c != rank]
+    if kind == "arrival":
+        return [(rank + s) % world for s in range(world)]
+    if kind == "owner_last":
+        return [(rank + s) % world for s in range(1, world)] + [rank]
+    raise ValueError(f"chunk order must be one of {CHUNK_ORDERS}, got {kind!r}")
+
+
+def chunk_rows(m: int, world: int) -> int:
+    """Rows per chunk; ``m`` must be divisible by ``world``."""
+    if m % world:
+        raise ValueError(f"M = {m} must be divisible by the world size {world}")
+    return m // world
+
+
+@dataclass(frozen=True)
+class TileSchedule:
+    """Tile grid of one rank's GEMM: ``world`` chunks of ``mc`` rows, ``n`` columns."""
+
+    mc: int
+    n: int
+    world: int
+    block_m: int
+    block_n: int
+    group_m: int
+    order: tuple[int, ...]
+
+    def __post_init__(self):
+        if sorted(self.order) != list(range(self.world)):
+            raise ValueError(f"order {self.order} is not a permutation of range({self.world})")
+        if min(self.mc, self.n, self.block_m, self.block_n, self.group_m) < 1:
+            raise ValueError("mc, n, block_m, block_n and group_m must be positive")
+
+    @property
+    def tile_rows_per_chunk(self) -> int:
+        return cdiv(self.mc, self.block_m)
+
+    @property
+    def tile_cols(self) -> int:
+        return cdiv(self.n, self.block_n)
+
+    @property
+    def tiles_per_chunk(self) -> int:
+        return self.tile_rows_per_chunk * self.tile_cols
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tiles_per_chunk * self.world
+
+    @property
+    def aligned(self) -> bool:
+        """True when chunks hold whole tiles (TMA stores need no row mask)."""
+        return self.mc % self.block_m == 0
+
+    def decode(self, t: int) -> tuple[int, int, int]:
+        """Tile index ``t`` -> ``(chunk, tile row inside the chunk, tile column)``."""
+        if not 0 <= t < self.num_tiles:
+            raise ValueError(f"tile index {t} outside [0, {self.num_tiles})")
+        ci, r = divmod(t, self.tiles_per_chunk)
+        chunk = self.order[ci]
+        tm, tn = self.tile_rows_per_chunk, self.tile_cols
+        width = self.group_m * tn
+        first = (r // width) * self.group_m
+        size = min(tm - first, self.group_m)
+        j = first + (r % width) % size
+        col = (r % width) // size
+        return chunk, j, col
+
+    def tile_in_chunk(self, j: int, col: int) -> int:
+        """Index of a tile inside its chunk's flag array (row-major over the chunk's tiles)."""
+        return j * self.tile_cols + col
+
+    def rows(self, chunk: int, j: int) -> tuple[int, int]:
+        """Global rows ``[lo, hi)`` of tile row ``j`` of ``chunk``."""
+        lo = chunk * self.mc + j * self.block_m
+        return lo, min(lo + self.block_m, (chunk + 1) * self.mc)
+
+    def program_tiles(self, pid: int, num_programs: int, begin: int = 0, end: int | None = None):
+        """Tiles visited by persistent program ``pid`` of ``num_programs``, in visit order."""
+        end = self.num_tiles if end is None else end
+        return [self.decode(t) for t in range(begin + pid, end, num_programs)]
+
+
+def band_of_tile(j: int, band_tiles: int) -> int:
+    """ag_gemm flag band of tile row ``j`` (a band is ``band_tiles`` tile rows of one chunk)."""
+    return j // band_tiles
+
+
+def push_items(rank: int, world: int, bands: int, pieces: int) -> list[tuple[int, int, int]]:
+    """ag_gemm SM-push work list ``(band, peer, piece)``: band-major so early rows land first,
+    peers interleaved so every peer's first band arrives at the same time."""
+    return [
+        (b, (rank + s) % world, q) for b in range(bands) for s in range(1, world) for q in range(pieces)
+    ]

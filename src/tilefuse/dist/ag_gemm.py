@@ -1,0 +1,314 @@
+"""ag_gemm: ``all_gather(a_shard, dim 0) @ b`` with the gather hidden under the product.
+
+Designs (``design=``; the policy picks one per shape from measurements):
+
+* ``"ce"`` — copy engines. A side stream copies the local shard into this rank's gathered
+  buffer (symmetric memory) in ``splits`` bands, meets the peers (barrier kernel), then pulls
+  each peer's shard from the peer's buffer, band by band, in arrival order (rank+1, rank+2,
+  ...), writing a flag after each band; a final barrier tells peers their shard was read.
+  The persistent GEMM uses every SM and waits, per tile, on the flag of the band it reads.
+* ``"push"`` — SM-driven. ``comm_programs`` programs of a push kernel copy the local shard,
+  band by band (one band = one tile row) and piece by piece, into every rank's gathered buffer
+  and count pieces on the destination's band flag; the GEMM runs on the remaining SMs.
+
+Both: the GEMM visits chunks in arrival order (own rows first, ``_schedule.chunk_order``), so
+a tile never waits behind data that arrives later. Every wait is bounded (``timeout_s``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tilefuse.dist import _primitives as P
+from tilefuse.dist._comm_kernels import _ag_push_kernel, _barrier_kernel
+from tilefuse.dist._gemm_core import (
+    EPI_LOCAL,
+    CommArgs,
+    GemmConfig,
+    check_operands,
+    default_config,
+    launch_gemm,
+    num_sms,
+)
+from tilefuse.dist._schedule import TileSchedule, cdiv, chunk_order, chunk_rows
+from tilefuse.dist.symm import Workspace
+
+DESIGNS = ("ce", "push")
+DEFAULT_TIMEOUT_S = float(os.environ.get("TILEFUSE_DIST_TIMEOUT_S", "60"))
+_ALIGN = 1024
+
+
+@dataclass(frozen=True)
+class AgPlan:
+    """Everything one rank needs to launch a fused ag_gemm of one shape (cached per shape)."""
+
+    design: str
+    m: int
+    n: int
+    k: int
+    world: int
+    rank: int
+    dtype: torch.dtype
+    config: GemmConfig
+    schedule: TileSchedule
+    band_tiles: int  # tile rows per flag band
+    bands: int  # bands per chunk
+    pieces: int  # push: pieces per band (the flag target); ce: 1
+    piece_cols: int
+    comm_programs: int  # push kernel programs (0 for ce)
+    gemm_programs: int
+    gath_off: int
+    n_flags: int
+    nbytes: int
+
+    @property
+    def mc(self) -> int:
+        return self.m // self.world
+
+    @property
+    def band_rows(self) -> int:
+        return self.band_tiles * self.config.block_m
+
+
+def make_plan(
+    design: str,
+    m: int,
+    n: int,
+    k: int,
+    world: int,
+    rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    config: GemmConfig | None = None,
+    comm_programs: int | None = None,
+    splits: int | None = None,
+    piece_cols: int | None = None,
+    num_programs: int | None = None,
+) -> AgPlan:
+    """Layout and launch parameters. ``splits``: bands per chunk for ``ce`` (default 4);
+    ``comm_programs`` (default 32) and ``piece_cols`` (default 1024) for ``push``."""
+    if design not in DESIGNS:
+        raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
+    mc = chunk_rows(m, world)
+    sms = num_programs or num_sms(device)
+    cfg = config or default_config(m, n, k, sms)
+    sched = TileSchedule(mc, n, world, cfg.block_m, cfg.block_n, cfg.group_m,
+                         tuple(chunk_order("arrival", rank, world)))
+    tm = sched.tile_rows_per_chunk
+    if design == "ce":
+        sp = 4 if splits is None else splits
+        if sp < 1:
+            raise ValueError(f"splits must be >= 1, got {sp}")
+        band_tiles = cdiv(tm, min(sp, tm))
+        pieces, pcols, comm = 1, k, 0
+        # One SM stays free for the barrier kernels of the side stream: a GEMM holding every SM
+        # while it waits for rows that only arrive after a barrier would deadlock.
+        gemm_programs = sms - 1
+    else:
+        comm = 32 if comm_programs is None else comm_programs
+        if not 1 <= comm < sms:
+            raise ValueError(f"comm_programs must be in [1, {sms}), got {comm}")
+        band_tiles = 1
+        pcols = min(k, 1024 if piece_cols is None else piece_cols)
+        if pcols < 1:
+            raise ValueError(f"piece_cols must be >= 1, got {pcols}")
+        pieces = cdiv(k, pcols)
+        gemm_programs = sms - comm
+    bands = cdiv(tm, band_tiles)
+    n_flags = world * bands
+    gath_off = -(-(P.FLAGS_OFFSET + 4 * n_flags) // _ALIGN) * _ALIGN
+    nbytes = gath_off + m * k * torch.empty((), dtype=dtype).element_size()
+    return AgPlan(design, m, n, k, world, rank, dtype, cfg, sched, band_tiles, bands, pieces, pcols, comm,
+                  gemm_programs, gath_off, n_flags, nbytes)
+
+
+def gathered_view(plan: AgPlan, ws: Workspace) -> torch.Tensor:
+    return ws.view(plan.gath_off, (plan.m, plan.k), plan.dtype)
+
+
+def flags_view(plan: AgPlan, ws: Workspace) -> torch.Tensor:
+    return ws.view(P.FLAGS_OFFSET, (plan.n_flags,), torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel launches of one rank (used by the op and by the single-process emulation)
+
+
+def launch_push(plan: AgPlan, ws: Workspace, a_shard: torch.Tensor, timeout: int, *, barrier: bool = True,
+                trace: torch.Tensor | None = None) -> None:
+    programs = plan.comm_programs
+    _ag_push_kernel[(programs,)](
+        a_shard, ws.local.data_ptr(), ws.bases_dev, plan.gath_off, P.FLAGS_OFFSET, plan.mc, plan.k,
+        plan.band_rows, plan.bands, plan.pieces, plan.piece_cols, plan.rank,
+        ws.err.data_ptr(), timeout, trace if trace is not None else ws.bases_dev,
+        W=plan.world, NUM_PROGRAMS=programs, BR=16, BC=256, BARRIER=barrier, TRACE=trace is not None,
+        MAX_EVENTS=trace.shape[1] if trace is not None else 1, USE_TIMER=P.use_timer(a_shard.device.type),
+        num_warps=8,
+    )
+
+
+def launch_barrier(ws: Workspace, timeout: int, op: str, *, set_go_gemm: bool = False,
+                   set_go_comm: bool = False) -> None:
+    _barrier_kernel[(1,)](
+        ws.bases_dev, ws.local.data_ptr(), ws.err.data_ptr(), timeout, ws.rank,
+        W=ws.world, OP=P.OP_CODES[op], SET_GO_GEMM=set_go_gemm, SET_GO_COMM=set_go_comm,
+        USE_TIMER=P.use_timer(ws.local.device.type), num_warps=1,
+    )
+
+
+def launch_gemm_part(plan: AgPlan, ws: Workspace, b: torch.Tensor, out: torch.Tensor, b_layout: str,
+                     timeout: int, *, trace: torch.Tensor | None = None) -> None:
+    comm = CommArgs(ws.local, ws.bases_dev, ws.err, timeout, band_tiles=plan.band_tiles,
+                    bands_per_chunk=plan.bands, flag_target=plan.pieces, n_reset_flags=plan.n_flags)
+    launch_gemm(gathered_view(plan, ws), b, out, schedule=plan.schedule, rank=plan.rank, config=plan.config,
+                b_layout=b_layout, epilogue=EPI_LOCAL.value, wait_a=True, comm=comm,
+                num_programs=plan.gemm_programs, trace=trace, op="ag_gemm")
+
+
+def _band_rows(plan: AgPlan, band: int) -> tuple[int, int]:
+    lo = band * plan.band_rows
+    return lo, min(lo + plan.band_rows, plan.mc)
+
+
+def write_flag(flags: torch.Tensor, index: int) -> None:
+    """Set ``flags[index] = 1`` in stream order after the copies before it (copy-engine design)."""
+    if flags.device.type != "cuda":
+        flags[index] = 1
+        return
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    u32 = flags.view(torch.uint32)
+    if torch.cuda.is_current_stream_capturing():
+        _SymmetricMemory.memset32(u32, offset=index, val=1, count=1)
+    else:  # cuStreamWriteValue32 fences the copies before it
+        _SymmetricMemory.stream_write_value32(u32, index, 1)
+
+
+def ce_local_copies(plan: AgPlan, ws: Workspace, a_shard: torch.Tensor) -> None:
+    gathered, flags = gathered_view(plan, ws), flags_view(plan, ws)
+    base = plan.rank * plan.mc
+    for bnd in range(plan.bands):
+        lo, hi = _band_rows(plan, bnd)
+        gathered[base + lo : base + hi].copy_(a_shard[lo:hi])
+        write_flag(flags, plan.rank * plan.bands + bnd)
+
+
+def ce_peer_copies(plan: AgPlan, ws: Workspace) -> None:
+    gathered, flags = gathered_view(plan, ws), flags_view(plan, ws)
+    for s in range(1, plan.world):
+        src = (plan.rank + s) % plan.world
+        remote = ws.peer_view(src, plan.gath_off, (plan.m, plan.k), plan.dtype)
+        base = src * plan.mc
+        for bnd in range(plan.bands):
+            lo, hi = _band_rows(plan, bnd)
+            gathered[base + lo : base + hi].copy_(remote[base + lo : base + hi])
+            write_flag(flags, src * plan.bands + bnd)
+
+
+def run_fused(plan: AgPlan, state, ws: Workspace, a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+              b_layout: str, timeout: int, trace=None) -> None:
+    """One rank's fused call on CUDA streams: communication on the state's side stream, the
+    GEMM on the current stream, joined at the end (also inside CUDA-graph capture)."""
+    main = torch.cuda.current_stream(a_shard.device)
+    side = state.side
+    state.start_event.record(main)
+    side.wait_event(state.start_event)
+    comm_trace = gemm_trace = None
+    if trace is not None:
+        gemm_trace = trace.buffer("gemm", plan.rank, plan.gemm_programs, a_shard.device)
+        if plan.design == "push":
+            comm_trace = trace.buffer("push", plan.rank, plan.comm_programs, a_shard.device)
+    with torch.cuda.stream(side):
+        if plan.design == "push":
+            launch_push(plan, ws, a_shard, timeout, trace=comm_trace)
+        else:
+            ce_local_copies(plan, ws, a_shard)
+            launch_barrier(ws, timeout, "ag_gemm")
+            ce_peer_copies(plan, ws)
+            launch_barrier(ws, timeout, "ag_gemm")
+    state.end_event.record(side)
+    launch_gemm_part(plan, ws, b, out, b_layout, timeout, trace=gemm_trace)
+    main.wait_event(state.end_event)
+
+
+_make_plan_cached = functools.lru_cache(maxsize=64)(make_plan)
+
+
+def ag_gemm(
+    a_shard: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    group=None,
+    out: torch.Tensor | None = None,
+    return_gathered: bool = False,
+    b_layout: str = "kn",
+    path: str | None = None,
+    design: str | None = None,
+    config: GemmConfig | None = None,
+    comm_programs: int | None = None,
+    splits: int | None = None,
+    timeout_s: float | None = None,
+    trace=None,
+):
+    """``C = all_gather(a_shard, dim 0) @ b`` on every rank of ``group`` (column-parallel layer).
+
+    Args:
+        a_shard: ``[M/W, K]`` bf16 or fp16, contiguous: this rank's rows of the activations
+            (rank r holds rows ``[r*M/W, (r+1)*M/W)``). Any ``M/W >= 1``; K a multiple of 8.
+        b: ``[K, N]`` (``b_layout="kn"``) or nn.Linear's weight ``[N, K]`` (``b_layout="nk"``,
+            i.e. ``x @ weight.T``), same dtype, contiguous; N a multiple of 8.
+        group: torch.distributed process group (default: the world), one process per GPU.
+        out: optional ``[M, N]`` output (contiguous, a_shard's dtype and device).
+        return_gathered: also return the gathered ``[M, K]`` activations (a fresh tensor).
+        path / design: force ``"fused"`` or ``"nccl"`` and the fused design (``"ce"`` copy
+            engines, ``"push"`` SM push); by default :mod:`tilefuse.dist.policy` decides.
+        config, comm_programs, splits: GEMM tiles, programs of the push kernel, bands per
+            chunk of the copy-engine design (defaults from the policy's measurements).
+        timeout_s: bound of every cross-GPU wait (default 60 s, env TILEFUSE_DIST_TIMEOUT_S).
+        trace: a :class:`tilefuse.dist.Trace` to record per-program activity.
+
+    Returns:
+        ``C`` ``[M, N]``, or ``(C, gathered)`` with ``return_gathered``. The fused path is bitwise
+        equal to ``tilefuse.dist.gemm(gathered, b)`` with the same config.
+
+    Raises:
+        TypeError / ValueError: bad dtypes, shapes, layouts, alignment, options.
+        RuntimeError: no initialised process group; workspace growth inside graph capture.
+        CommTimeoutError: a wait timed out in this or an earlier call (rank, op, chunk named).
+    """
+    from tilefuse.dist import _common, policy
+    from tilefuse.dist._gemm_core import gemm
+    from tilefuse.dist.symm import get_state
+
+    k, n = check_operands(a_shard, b, b_layout, "a_shard")
+    if not isinstance(return_gathered, bool):
+        raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
+    _common.check_options(config, comm_programs, timeout_s)
+    if splits is not None and (not isinstance(splits, int) or splits < 1):
+        raise ValueError(f"splits must be a positive int or None, got {splits!r}")
+    g, rank, world = _common.resolve_group(group)
+    m = a_shard.shape[0] * world
+    out = _common.check_out(out, (m, n), a_shard)
+    nodes = policy.group_nodes(g) if world > 1 else 1
+    dec = policy.decide("ag_gemm", m, n, k, world, a_shard.dtype, device_type=a_shard.device.type, nodes=nodes,
+                        path=path, design=design)
+    if dec.path == "gemm":
+        gemm(a_shard, b, out, b_layout=b_layout, config=config)
+        return (out, a_shard.clone()) if return_gathered else out
+    if dec.path == "nccl":
+        out, gathered = _common.ag_gemm_nccl(a_shard, b, out, g, world, b_layout, config)
+        return (out, gathered) if return_gathered else out
+    state = get_state(g, "ag_gemm", a_shard.device)
+    plan = _make_plan_cached(dec.design, m, n, k, world, rank, a_shard.dtype, a_shard.device, config=config,
+                             comm_programs=comm_programs, splits=splits)
+    ws = state.ensure(plan.nbytes)
+    timeout = P.timeout_units(timeout_s or DEFAULT_TIMEOUT_S, a_shard.device.type)
+    run_fused(plan, state, ws, a_shard, b, out, b_layout, timeout, trace)
+    if return_gathered:
+        return out, gathered_view(plan, ws).clone()
+    return out

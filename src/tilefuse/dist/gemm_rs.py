@@ -1,0 +1,247 @@
+"""gemm_rs: ``reduce_scatter(a @ b, dim 0, sum)`` with the transfers hidden under the product.
+
+Each rank computes the peer-owned row chunks first (rank+1, rank+2, ...) and its own chunk last
+(``_schedule.chunk_order("owner_last")``); the owner adds the peers' partials of a tile in the
+epilogue of its own tile (fp32 accumulator + each peer's partial in the output dtype, in rank
+order from rank+1), then writes the result once. Designs (``design=``):
+
+* ``"push"`` — epilogue push: a finished peer-owned tile is stored straight into the owner's
+  receive buffer (symmetric memory) and the owner's per-tile flag is raised one tile later, when
+  the stores have drained under the next tile's main loop. Program 0 first meets the peers (so
+  every owner has finished reading its buffer from the last call) and opens the go word the
+  others wait on before their first remote store. One kernel, all SMs, no side stream.
+* ``"forward"`` — communication programs: the GEMM writes peer-owned tiles to a local buffer
+  with a local flag; ``comm_programs`` programs of a forwarding kernel copy each finished tile
+  to its owner and raise the owner's flag; the GEMM runs on the remaining SMs.
+
+Every wait is bounded (``timeout_s``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from tilefuse.dist import _primitives as P
+from tilefuse.dist._comm_kernels import _rs_forward_kernel
+from tilefuse.dist._gemm_core import (
+    EPI_RS_LOCAL,
+    EPI_RS_PUSH,
+    CommArgs,
+    GemmConfig,
+    default_config,
+    launch_gemm,
+    num_sms,
+)
+from tilefuse.dist._schedule import TileSchedule, chunk_order, chunk_rows
+from tilefuse.dist.symm import Workspace
+
+DESIGNS = ("push", "forward")
+_ALIGN = 1024
+
+
+@dataclass(frozen=True)
+class RsPlan:
+    design: str
+    m: int
+    n: int
+    k: int
+    world: int
+    rank: int
+    dtype: torch.dtype
+    config: GemmConfig
+    schedule: TileSchedule
+    comm_programs: int
+    gemm_programs: int
+    recv_flags_off: int
+    part_flags_off: int
+    recv_off: int
+    part_off: int
+    nbytes: int
+
+    @property
+    def mc(self) -> int:
+        return self.m // self.world
+
+    @property
+    def tiles_per_chunk(self) -> int:
+        return self.schedule.tiles_per_chunk
+
+    @property
+    def peer_tiles(self) -> int:
+        """Tiles of peer-owned chunks: the first ones in this rank's order."""
+        return (self.world - 1) * self.tiles_per_chunk
+
+
+def _align(x: int) -> int:
+    return -(-x // _ALIGN) * _ALIGN
+
+
+def make_plan(
+    design: str,
+    m: int,
+    n: int,
+    k: int,
+    world: int,
+    rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    config: GemmConfig | None = None,
+    comm_programs: int | None = None,
+    num_programs: int | None = None,
+) -> RsPlan:
+    """Layout: recv flags ``[W, tiles per chunk]``, then (forward) local tile flags of the same
+    shape, the receive buffer ``[W, M/W, N]`` and (forward) the local partial ``[M, N]``."""
+    if design not in DESIGNS:
+        raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
+    mc = chunk_rows(m, world)
+    sms = num_programs or num_sms(device)
+    cfg = config or default_config(m, n, k, sms)
+    sched = TileSchedule(mc, n, world, cfg.block_m, cfg.block_n, cfg.group_m,
+                         tuple(chunk_order("owner_last", rank, world)))
+    n_flags = world * sched.tiles_per_chunk
+    item = torch.empty((), dtype=dtype).element_size()
+    recv_flags_off = P.FLAGS_OFFSET
+    part_flags_off = recv_flags_off + 4 * n_flags
+    if design == "push":
+        comm = 0
+        recv_off = _align(part_flags_off)
+        part_off = recv_off + m * n * item  # unused
+        nbytes = part_off
+    else:
+        comm = 16 if comm_programs is None else comm_programs
+        if not 1 <= comm < sms:
+            raise ValueError(f"comm_programs must be in [1, {sms}), got {comm}")
+        recv_off = _align(part_flags_off + 4 * n_flags)
+        part_off = recv_off + m * n * item
+        nbytes = part_off + m * n * item
+    return RsPlan(design, m, n, k, world, rank, dtype, cfg, sched, comm, sms - comm, recv_flags_off,
+                  part_flags_off, recv_off, part_off, nbytes)
+
+
+def launch_gemm_part(plan: RsPlan, ws: Workspace, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                     b_layout: str, timeout: int, *, tile_begin: int = 0, tile_end: int | None = None,
+                     reset: bool = True, barrier: bool = True, trace: torch.Tensor | None = None) -> None:
+    n_flags = plan.world * plan.tiles_per_chunk
+    comm = CommArgs(ws.local, ws.bases_dev, ws.err, timeout, flags_off=plan.recv_flags_off,
+                    recv_off=plan.recv_off, part_off=plan.part_off, part_flags_off=plan.part_flags_off,
+                    n_reset_flags=n_flags, reset=reset, barrier=barrier and plan.design == "push")
+    epi = EPI_RS_PUSH if plan.design == "push" else EPI_RS_LOCAL
+    launch_gemm(a, b, out, schedule=plan.schedule, rank=plan.rank, config=plan.config, b_layout=b_layout,
+                epilogue=epi.value, comm=comm, num_programs=plan.gemm_programs, tile_begin=tile_begin,
+                tile_end=tile_end, trace=trace, op="gemm_rs")
+
+
+def launch_forward(plan: RsPlan, ws: Workspace, timeout: int, *, barrier: bool = True,
+                   trace: torch.Tensor | None = None) -> None:
+    from tilefuse.dist._gemm_core import _order_tensor
+
+    programs = plan.comm_programs
+    cfg = plan.config
+    dev = ws.local.device
+    _rs_forward_kernel[(programs,)](
+        ws.local.data_ptr(), ws.bases_dev, _order_tensor(plan.schedule.order, dev), plan.part_off,
+        plan.part_flags_off, plan.recv_off, plan.recv_flags_off, plan.mc, plan.n, plan.peer_tiles, plan.rank,
+        ws.err.data_ptr(), timeout, trace if trace is not None else ws.bases_dev,
+        DTYPE=_tl_dtype(plan.dtype), W=plan.world, NUM_PROGRAMS=programs, BM=cfg.block_m, BN=cfg.block_n,
+        GROUP_M=cfg.group_m, BR=max(1, 4096 // cfg.block_n), BARRIER=barrier, TRACE=trace is not None,
+        MAX_EVENTS=trace.shape[1] if trace is not None else 1, USE_TIMER=P.use_timer(dev.type), num_warps=8,
+    )
+
+
+def _tl_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def run_fused(plan: RsPlan, state, ws: Workspace, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+              b_layout: str, timeout: int, trace=None) -> None:
+    """One rank's fused call. push: the GEMM alone (its program 0 runs the barrier). forward:
+    the forwarding kernel on the side stream beside the GEMM, joined at the end."""
+    gemm_trace = trace.buffer("gemm", plan.rank, plan.gemm_programs, a.device) if trace is not None else None
+    if plan.design == "push":
+        launch_gemm_part(plan, ws, a, b, out, b_layout, timeout, trace=gemm_trace)
+        return
+    main = torch.cuda.current_stream(a.device)
+    side = state.side
+    state.start_event.record(main)
+    side.wait_event(state.start_event)
+    comm_trace = trace.buffer("forward", plan.rank, plan.comm_programs, a.device) if trace is not None else None
+    with torch.cuda.stream(side):
+        launch_forward(plan, ws, timeout, trace=comm_trace)
+    state.end_event.record(side)
+    launch_gemm_part(plan, ws, a, b, out, b_layout, timeout, trace=gemm_trace)
+    main.wait_event(state.end_event)
+
+
+_make_plan_cached = functools.lru_cache(maxsize=64)(make_plan)
+
+
+def gemm_rs(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    group=None,
+    out: torch.Tensor | None = None,
+    b_layout: str = "kn",
+    path: str | None = None,
+    design: str | None = None,
+    config: GemmConfig | None = None,
+    comm_programs: int | None = None,
+    timeout_s: float | None = None,
+    trace=None,
+):
+    """``reduce_scatter(a @ b, dim 0, sum)`` over ``group`` (row-parallel layer).
+
+    Args:
+        a: ``[M, K]`` bf16 or fp16, contiguous: this rank's K slice of the activations; M must
+            be divisible by the world size W (any such M); K a multiple of 8.
+        b: ``[K, N]`` (``b_layout="kn"``) or nn.Linear's weight ``[N, K]`` (``"nk"``), same
+            dtype, contiguous; N a multiple of 8.
+        group: torch.distributed process group (default: the world).
+        out: optional ``[M/W, N]`` output; rank r receives rows ``[r*M/W, (r+1)*M/W)``.
+        path / design: force ``"fused"`` / ``"nccl"`` and the design (``"push"`` epilogue push,
+            ``"forward"`` communication programs); by default the policy decides.
+        config, comm_programs: GEMM tiles; programs of the forwarding kernel.
+        timeout_s: bound of every cross-GPU wait (default 60 s).
+        trace: a :class:`tilefuse.dist.Trace`.
+
+    Returns:
+        ``[M/W, N]``: the sum over ranks of their partial products' rows of this rank, computed
+        as the own fp32 partial plus each peer's partial rounded to the output dtype.
+
+    Raises:
+        TypeError / ValueError: bad dtypes, shapes, layouts, alignment, options, M % W != 0.
+        RuntimeError: no initialised process group; workspace growth inside graph capture.
+        CommTimeoutError: a wait timed out in this or an earlier call.
+    """
+    from tilefuse.dist import _common, policy
+    from tilefuse.dist._gemm_core import check_operands, gemm
+    from tilefuse.dist.ag_gemm import DEFAULT_TIMEOUT_S
+    from tilefuse.dist.symm import get_state
+
+    k, n = check_operands(a, b, b_layout, "a")
+    _common.check_options(config, comm_programs, timeout_s)
+    g, rank, world = _common.resolve_group(group)
+    m = a.shape[0]
+    if m % world:
+        raise ValueError(f"a has M = {m} rows, which must be divisible by the world size {world}")
+    out = _common.check_out(out, (m // world, n), a)
+    nodes = policy.group_nodes(g) if world > 1 else 1
+    dec = policy.decide("gemm_rs", m, n, k, world, a.dtype, device_type=a.device.type, nodes=nodes, path=path,
+                        design=design)
+    if dec.path == "gemm":
+        return gemm(a, b, out, b_layout=b_layout, config=config)
+    if dec.path == "nccl":
+        return _common.gemm_rs_nccl(a, b, out, g, b_layout, config)
+    state = get_state(g, "gemm_rs", a.device)
+    plan = _make_plan_cached(dec.design, m, n, k, world, rank, a.dtype, a.device, config=config,
+                             comm_programs=comm_programs)
+    ws = state.ensure(plan.nbytes)
+    timeout = P.timeout_units(timeout_s or DEFAULT_TIMEOUT_S, a.device.type)
+    run_fused(plan, state, ws, a, b, out, b_layout, timeout, trace)
+    return out

@@ -1,0 +1,200 @@
+"""Which path runs a TP GEMM: a fused design or NCCL + GEMM, per (op, M, N, K, W, dtype).
+
+The choice comes from a table of measured rows (``policy_table.json`` beside this file, written
+from ``benchmarks/results/<gpu>/`` by ``tilefuse.dist.bench --write-policy``): each row is a
+shape the benchmark timed, the winner (``"nccl"`` or a fused design) and the times behind it.
+A query takes the row of the same op and world size (else the nearest world size) whose shape
+is nearest in log2(M), log2(N), log2(K), and uses its winner. Rules before the table:
+
+1. an explicit ``path=`` / ``design=`` argument, then :func:`override` / :func:`set_override`,
+   then the environment (``TILEFUSE_DIST_PATH=fused|nccl``, ``TILEFUSE_DIST_DESIGN``);
+2. a group spanning more than one node, a world size above 8, or tensors not on a CUDA device
+   (no symmetric memory) -> NCCL (the product then runs on the tilefuse GEMM kernel on CPU);
+3. world size 1 -> the GEMM alone.
+
+``decide`` returns a :class:`Decision` that says which rule or row made the choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+OPS = ("ag_gemm", "gemm_rs")
+PATHS = ("fused", "nccl")
+DEFAULT_DESIGN = {"ag_gemm": "ce", "gemm_rs": "push"}
+FUSED_DESIGNS = {"ag_gemm": ("ce", "push"), "gemm_rs": ("push", "forward")}
+MAX_WORLD = 8
+TABLE_PATH = Path(__file__).with_name("policy_table.json")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The path (``fused``/``nccl``/``gemm``), the fused design, and why."""
+
+    path: str
+    design: str | None
+    reason: str
+    row: dict | None = field(default=None, compare=False)
+
+
+_override: dict[str, dict] = {}
+_table: list[dict] | None = None
+
+
+def load_table(rows: list[dict] | str | Path | None = None) -> list[dict]:
+    """Replace the measured table (rows, or a JSON file); ``None`` reloads the shipped file."""
+    global _table
+    if rows is None:
+        rows = json.loads(TABLE_PATH.read_text())["rows"] if TABLE_PATH.exists() else []
+    elif isinstance(rows, (str, Path)):
+        rows = json.loads(Path(rows).read_text())["rows"]
+    for i, r in enumerate(rows):
+        missing = {"op", "m", "n", "k", "world", "winner"} - set(r)
+        if missing:
+            raise ValueError(f"policy row {i} lacks {sorted(missing)}")
+        if r["op"] not in OPS:
+            raise ValueError(f"policy row {i}: op must be one of {OPS}, got {r['op']!r}")
+        if r["winner"] != "nccl" and r["winner"] not in FUSED_DESIGNS[r["op"]]:
+            raise ValueError(f"policy row {i}: winner {r['winner']!r} is neither 'nccl' nor a design of {r['op']}")
+    _table = list(rows)
+    return _table
+
+
+def table() -> list[dict]:
+    """The measured rows in use."""
+    return list(_table if _table is not None else load_table())
+
+
+def set_override(op: str | None = None, *, path: str | None = None, design: str | None = None) -> None:
+    """Force ``path`` (and ``design``) for ``op`` (both ops when None); all None clears."""
+    ops = OPS if op is None else (op,)
+    for o in ops:
+        _check_op(o)
+        if path is None and design is None:
+            _override.pop(o, None)
+        else:
+            _check_choice(o, path, design)
+            _override[o] = {"path": path, "design": design}
+
+
+@contextlib.contextmanager
+def override(op: str | None = None, *, path: str | None = None, design: str | None = None):
+    """Context manager form of :func:`set_override` (restores the previous overrides)."""
+    saved = dict(_override)
+    set_override(op, path=path, design=design)
+    try:
+        yield
+    finally:
+        _override.clear()
+        _override.update(saved)
+
+
+def _check_op(op: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+
+
+def _check_choice(op: str, path: str | None, design: str | None) -> None:
+    if path is not None and path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if design is not None and design not in FUSED_DESIGNS[op]:
+        raise ValueError(f"design for {op} must be one of {FUSED_DESIGNS[op]}, got {design!r}")
+
+
+def _distance(r: dict, m: int, n: int, k: int) -> float:
+    return sum(abs(math.log2(max(a, 1)) - math.log2(max(b, 1))) for a, b in ((r["m"], m), (r["n"], n), (r["k"], k)))
+
+
+def lookup(op: str, m: int, n: int, k: int, world: int, dtype: torch.dtype | None = None) -> dict | None:
+    """The table row nearest to the query (same op; nearest world size; nearest log-shape;
+    rows of the query's dtype preferred)."""
+    rows = [r for r in table() if r["op"] == op]
+    if not rows:
+        return None
+    best_w = min({r["world"] for r in rows}, key=lambda w: (abs(w - world), -w))
+    rows = [r for r in rows if r["world"] == best_w]
+    if dtype is not None:
+        name = str(dtype).replace("torch.", "")
+        same = [r for r in rows if r.get("dtype", name) == name]
+        rows = same or rows
+    return min(rows, key=lambda r: _distance(r, m, n, k))
+
+
+def decide(
+    op: str,
+    m: int,
+    n: int,
+    k: int,
+    world: int,
+    dtype: torch.dtype | None = None,
+    *,
+    device_type: str = "cuda",
+    nodes: int = 1,
+    path: str | None = None,
+    design: str | None = None,
+) -> Decision:
+    """Pick the path for one call (see the module docstring for the order of the rules)."""
+    _check_op(op)
+    _check_choice(op, path, design)
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    if world == 1:
+        return Decision("gemm", None, "world size 1: no communication")
+    forced = path is not None or design is not None
+    if not forced and op in _override:
+        path, design = _override[op]["path"], _override[op]["design"]
+        forced = True
+    env_path = os.environ.get("TILEFUSE_DIST_PATH") or None
+    env_design = os.environ.get(f"TILEFUSE_DIST_DESIGN_{op.upper()}") or None
+    if not forced and (env_path or env_design):
+        _check_choice(op, env_path, env_design)
+        path, design, forced = env_path, env_design, True
+    if path == "nccl":
+        return Decision("nccl", None, "forced")
+    if nodes > 1:
+        return Decision("nccl", None, f"group spans {nodes} nodes: symmetric memory is per node")
+    if world > MAX_WORLD:
+        return Decision("nccl", None, f"world size {world} > {MAX_WORLD}")
+    if device_type != "cuda":
+        return Decision("nccl", None, f"tensors on {device_type}: no symmetric memory")
+    if forced:
+        return Decision("fused", design or _table_design(op, m, n, k, world, dtype) or DEFAULT_DESIGN[op], "forced")
+    row = lookup(op, m, n, k, world, dtype)
+    if row is None:
+        return Decision("fused", DEFAULT_DESIGN[op], "no measured rows: default fused design")
+    where = f"nearest measured row {row['op']} M={row['m']} N={row['n']} K={row['k']} W={row['world']}"
+    if row["winner"] == "nccl":
+        return Decision("nccl", None, f"{where}: NCCL + GEMM was faster", row)
+    return Decision("fused", row["winner"], f"{where}: fused '{row['winner']}' was fastest", row)
+
+
+def _table_design(op, m, n, k, world, dtype) -> str | None:
+    row = lookup(op, m, n, k, world, dtype)
+    if row is None or row["winner"] == "nccl":
+        return row.get("best_fused") if row else None
+    return row["winner"]
+
+
+_NODES: dict[str, int] = {}
+
+
+def group_nodes(group) -> int:
+    """Number of hosts the group spans (collective on first use per group, cached)."""
+    import socket
+
+    import torch.distributed as dist
+
+    g = group if group is not None else dist.group.WORLD
+    key = g.group_name
+    if key not in _NODES:
+        names: list = [None] * dist.get_world_size(g)
+        dist.all_gather_object(names, socket.gethostname(), group=g)
+        _NODES[key] = len(set(names))
+    return _NODES[key]

@@ -1,0 +1,111 @@
+"""Activity traces of the fused TP kernels, exported as Chrome / Perfetto trace JSON.
+
+Pass ``trace=Trace()`` to ``ag_gemm`` / ``gemm_rs``: every program of every kernel of the call
+records, per work item (a GEMM tile, a pushed band piece, a forwarded tile), its start and end
+``%globaltimer`` (ns) and the time it spent in bounded waits. After the call, ``events()``
+decodes them and ``to_chrome()`` writes a file that ui.perfetto.dev or chrome://tracing opens:
+one process per rank, one thread per (role, program). Under the interpreter the clock reads 0:
+the structure (which program did which item, in which order) is still exact.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from tilefuse.dist._primitives import TRACE_FIELDS
+
+_ROLE_ITEM = {"gemm": "tile", "push": "band", "forward": "tile"}
+
+
+@dataclass
+class _Launch:
+    role: str
+    rank: int
+    buf: torch.Tensor  # int64 [programs, max_events, 4]
+
+
+@dataclass
+class Trace:
+    """Per-program event buffers of traced calls (``max_events`` items per program and launch)."""
+
+    max_events: int = 512
+    launches: list[_Launch] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.max_events < 1:
+            raise ValueError(f"max_events must be >= 1, got {self.max_events}")
+
+    def buffer(self, role: str, rank: int, programs: int, device: torch.device) -> torch.Tensor:
+        """A fresh buffer for one launch (filled with -1: unused slots stay recognisable)."""
+        if role not in _ROLE_ITEM:
+            raise ValueError(f"role must be one of {sorted(_ROLE_ITEM)}, got {role!r}")
+        buf = torch.full((programs, self.max_events, TRACE_FIELDS), -1, dtype=torch.int64, device=device)
+        self.launches.append(_Launch(role, rank, buf))
+        return buf
+
+    def events(self) -> list[dict]:
+        """Decoded events (synchronizes with the device): role, rank, program, index in the
+        program's sequence, start/end ns, wait ns, and the item (chunk/row/col or peer/band/piece)."""
+        out = []
+        for launch_id, la in enumerate(self.launches):
+            data = la.buf.cpu()
+            for prog in range(data.shape[0]):
+                for idx in range(data.shape[1]):
+                    start, end, wait, info = (int(x) for x in data[prog, idx])
+                    if info < 0:
+                        continue
+                    a, b_, c = info >> 40, (info >> 20) & 0xFFFFF, info & 0xFFFFF
+                    item = (
+                        {"chunk": a, "tile_row": b_, "tile_col": c}
+                        if la.role != "push"
+                        else {"peer": a, "band": b_, "piece": c}
+                    )
+                    out.append({"role": la.role, "rank": la.rank, "launch": launch_id, "program": prog,
+                                "seq": idx, "start_ns": start, "end_ns": end, "wait_ns": wait, **item})
+        return out
+
+    def to_chrome(self, path: str | None = None) -> dict:
+        """Chrome trace-event JSON (``ph: X`` slices in µs from the earliest start); written to
+        ``path`` when given."""
+        evs = self.events()
+        t0 = min((e["start_ns"] for e in evs), default=0)
+        roles = sorted({e["role"] for e in evs})
+        trace_events = []
+        seen_threads = set()
+        for e in evs:
+            tid = roles.index(e["role"]) * 100000 + e["program"]
+            key = (e["rank"], tid)
+            if key not in seen_threads:
+                seen_threads.add(key)
+                trace_events.append({"ph": "M", "name": "thread_name", "pid": e["rank"], "tid": tid,
+                                     "args": {"name": f"{e['role']} program {e['program']}"}})
+            kind = _ROLE_ITEM[e["role"]]
+            if e["role"] == "push":
+                name = f"{kind} {e['band']}.{e['piece']} -> rank {e['peer']}"
+            else:
+                name = f"{kind} c{e['chunk']} m{e['tile_row']} n{e['tile_col']}"
+            args = {k: v for k, v in e.items() if k not in ("start_ns", "end_ns")}
+            args["wait_us"] = e["wait_ns"] / 1000.0
+            trace_events.append({"ph": "X", "name": name, "cat": e["role"], "pid": e["rank"], "tid": tid,
+                                 "ts": (e["start_ns"] - t0) / 1000.0,
+                                 "dur": max(0.0, (e["end_ns"] - e["start_ns"]) / 1000.0), "args": args})
+        for rank in sorted({e["rank"] for e in evs}):
+            trace_events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+        doc = {"traceEvents": trace_events, "displayTimeUnit": "ns"}
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(doc, f)
+        return doc
+
+    def summary(self) -> dict:
+        """Per role: items, total busy µs, total wait µs (a quick look without a viewer)."""
+        out: dict[str, dict] = {}
+        for e in self.events():
+            s = out.setdefault(e["role"], {"items": 0, "busy_us": 0.0, "wait_us": 0.0})
+            s["items"] += 1
+            s["busy_us"] += (e["end_ns"] - e["start_ns"]) / 1000.0
+            s["wait_us"] += e["wait_ns"] / 1000.0
+        return out
