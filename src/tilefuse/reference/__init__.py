@@ -1,5 +1,11 @@
 """Torch oracles for every tilefuse op (what the kernels are tested against)."""
 
+from tilefuse.reference.comm_gemm import (
+    ag_gemm_emulated,
+    ag_gemm_ref,
+    gemm_rs_emulated,
+    gemm_rs_ref,
+)
 from tilefuse.reference.indexer import (
     calc_diff,
     compress_logits,
@@ -16,6 +22,10 @@ from tilefuse.reference.paged import (
 )
 
 __all__ = [
+    "ag_gemm_emulated",
+    "ag_gemm_ref",
+    "gemm_rs_emulated",
+    "gemm_rs_ref",
     "calc_diff",
     "compress_logits",
     "fp8_fp4_mqa_logits_ref",
