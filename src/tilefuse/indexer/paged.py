@@ -95,7 +95,7 @@ def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
       (two programs per SM), next_n = 1 about 100.
     * 64-key tiles and 5 stages: the block-table load and the key load it feeds take two
       pipeline stages, and 5 is the least that keeps two key tiles in flight (3 buffers);
-      with 2 programs per worker and one worker per SM that is 4-6 tiles (34-50 KiB at
+      with 2 programs per worker and one worker per SM that is about 4 tiles (34 KiB at
       D = 128) in flight per SM.
     """
     del fmt, head_dim, block_kv  # one tile shape serves every format and page size so far
@@ -105,7 +105,7 @@ def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
 
 
 def _config_overrides(cfg: PagedConfig, env: str) -> PagedConfig:
-    """Apply ``NAME=field=value,field=value`` from the environment (for experiments)."""
+    """Apply ``field=value,field=value`` from the environment variable ``env`` (for experiments)."""
     spec = os.environ.get(env, "").strip()
     if not spec:
         return cfg
@@ -294,8 +294,8 @@ def make_paged_kv_cache(keys: torch.Tensor, context_lens: torch.Tensor, block_kv
             f"num_blocks: the lengths need {total} pages, got {num_blocks!r}")
     cache = new_paged_kv_cache(nb, block_kv, d, fmt, page_stride=page_stride, device=keys.device)
     order = torch.randperm(nb, generator=generator) if shuffle else torch.arange(nb)
-    width = max(1, int(pages.max()) if b else 1)
-    table = torch.zeros(b, width, dtype=torch.int32)
+    max_pages = max(1, int(pages.max()) if b else 1)
+    table = torch.zeros(b, max_pages, dtype=torch.int32)
     starts = torch.cumsum(pages, 0) - pages
     for i in range(b):
         table[i, : int(pages[i])] = order[int(starts[i]): int(starts[i] + pages[i])].to(torch.int32)
@@ -637,7 +637,8 @@ def fp8_fp4_paged_mqa_logits(
             range, or ``schedule_meta`` built for other lengths or page size. The checks that
             read values cost one host sync; they are skipped under CUDA-graph capture,
             ``torch.compile`` and ``TILEFUSE_CHECK_WINDOWS=0``, where a key past the block
-            table's width gives NaN logits instead.
+            table's width gives NaN logits instead (page ids must then be valid: they are
+            read as given).
     """
     if not isinstance(q, (tuple, list)) or len(q) != 2:
         raise TypeError("q: expected a tuple (values, sf); sf is None for FP8")
