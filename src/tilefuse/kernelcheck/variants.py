@@ -1,0 +1,484 @@
+"""The registry: every production Triton kernel of tilefuse, in the configurations its launch
+code and heuristics pick.
+
+A :class:`Variant` is one compile: the kernel, the type of each runtime argument, the
+``tl.constexpr`` values, and ``num_warps``/``num_stages``. Variants are not written by hand:
+each builder runs the public op (or the kernel's launcher) on small CPU inputs with the
+kernel object replaced by a recorder, so what is compiled is exactly what the launch site
+passes — argument types, tensor-descriptor blocks, constexprs and launch options — for the
+tile the op's own config function picks. Argument values are turned into types the way
+Triton's launcher specialises them: pointers to 16-byte aligned tensors and integers that
+are multiples of 16 get ``tt.divisibility = 16``, an integer equal to 1 becomes a constant.
+Sample sizes are chosen not to be multiples of 16 (S_q = 37, S_k = 300, ...), so only what is
+aligned by construction (padded row strides, head strides) is compiled as aligned; a launch
+with aligned sizes compiles a further specialisation that only adds facts.
+
+What is covered, per kernel, is listed in each builder's docstring. A variant says where it
+comes from (``origin``): ``"default"`` for what the heuristics pick, ``"option"`` for an
+alternative a caller can ask for through the config (``PrefillConfig(mx_split=True)`` and the
+like), which must stay on the fast path too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import inspect
+import os
+from collections.abc import Callable, Mapping
+from unittest import mock
+
+TARGETS_ALL = ("sm_90a", "sm_100a")
+TARGET_MAJOR = {"sm_90a": 9, "sm_100a": 10}
+# Environment overrides of the launch configs, ignored while tracing (the registry checks
+# the configs the code picks, not an experiment's).
+_CONFIG_ENV = ("TILEFUSE_PREFILL_CONFIG", "TILEFUSE_PAGED_CONFIG")
+_TILE_FIELDS = ("block_q", "block_n", "num_warps", "num_stages")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One configuration of one kernel.
+
+    kernel: registry name (``"indexer.prefill"``); name: the configuration, unique within
+    the kernel; function: ``"package.module:jit_function"``; signature: runtime argument ->
+    Triton type (``"*fp32"``, ``"i32"``, ``"tensordesc<fp8e4nv[64, 128]>"``); constexprs:
+    constant argument -> value; aligned: arguments compiled with 16-divisibility;
+    targets: the targets the kernel runs on; origin: ``"default"`` or ``"option"``.
+    """
+
+    kernel: str
+    name: str
+    function: str
+    signature: Mapping[str, str]
+    constexprs: Mapping[str, int | bool | str | None]
+    num_warps: int
+    num_stages: int
+    aligned: tuple[str, ...] = ()
+    targets: tuple[str, ...] = TARGETS_ALL
+    origin: str = "default"
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["signature"], d["constexprs"] = dict(self.signature), dict(self.constexprs)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Variant:
+        return cls(**{**d, "aligned": tuple(d["aligned"]), "targets": tuple(d["targets"])})
+
+    def compile_key(self) -> tuple:
+        """Two variants with the same key compile to the same code."""
+        return (self.function, tuple(sorted(self.signature.items())), tuple(sorted(self.constexprs.items())),
+                self.num_warps, self.num_stages, tuple(sorted(self.aligned)))
+
+
+# --------------------------------------------------------------------------------------
+# Launch tracing
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Launch:
+    """One recorded launch: the kernel's path and its arguments as the launcher passed them."""
+
+    function: str
+    arguments: dict  # parameter name -> value
+    options: dict  # num_warps, num_stages, ...
+
+
+class _Recorder:
+    """Stands in for a ``@triton.jit`` object: ``kernel[grid](*args, **kwargs)`` records."""
+
+    def __init__(self, fn, path: str, sink: list[Launch]):
+        self._names = list(fn.arg_names)
+        self._path = path
+        self._sink = sink
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            arguments = dict(zip(self._names, args))
+            options = {k: kwargs.pop(k) for k in list(kwargs) if k not in self._names}
+            arguments.update(kwargs)
+            missing = [n for n in self._names if n not in arguments]
+            if missing:
+                raise TypeError(f"{self._path}: launch without arguments {missing}")
+            self._sink.append(Launch(self._path, arguments, options))
+
+        return launch
+
+
+@contextlib.contextmanager
+def tracing(*paths: str):
+    """Replace the kernels ``"module:name"`` by recorders; yields the list of launches."""
+    launches: list[Launch] = []
+    saved = {k: os.environ.pop(k) for k in _CONFIG_ENV if k in os.environ}
+    try:
+        with contextlib.ExitStack() as stack:
+            for path in paths:
+                module, _, name = path.partition(":")
+                mod = importlib.import_module(module)
+                rec = _Recorder(getattr(mod, name), path, launches)
+                stack.enter_context(mock.patch.object(mod, name, rec))
+            yield launches
+    finally:
+        os.environ.update(saved)
+
+
+def _constexpr_params(fn) -> set[str]:
+    """Names of the ``tl.constexpr`` parameters of a JIT or interpreted kernel."""
+    if hasattr(fn, "params"):
+        return {p.name for p in fn.params if p.is_constexpr}
+    out = set()
+    for p in inspect.signature(fn.fn).parameters.values():
+        ann = p.annotation
+        text = ann if isinstance(ann, str) else getattr(ann, "__name__", "")
+        if text.split(".")[-1] == "constexpr":
+            out.add(p.name)
+    return out
+
+
+def _dtype_name(dtype) -> str:
+    import torch
+
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+             torch.int64: "i64", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+             torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+    if dtype not in names:
+        raise TypeError(f"no Triton type known for {dtype}")
+    return names[dtype]
+
+
+def _specialise(name: str, value, constexpr: bool):
+    """(kind, type-or-value, aligned) of one argument, as Triton's launcher specialises it."""
+    import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if constexpr or value is None:
+        return "const", value, False
+    if isinstance(value, bool):
+        return "arg", "u1", False
+    if isinstance(value, int):
+        if value == 1:
+            return "const", 1, False
+        return "arg", "i32" if -(2**31) <= value < 2**31 else "i64", value % 16 == 0
+    if isinstance(value, float):
+        return "arg", "fp32", False
+    if isinstance(value, torch.Tensor):
+        return "arg", "*" + _dtype_name(value.dtype), value.data_ptr() % 16 == 0
+    if isinstance(value, TensorDescriptor):
+        return "arg", f"tensordesc<{_dtype_name(value.base.dtype)}{list(value.block_shape)}>", False
+    raise TypeError(f"argument {name}: cannot specialise a {type(value).__name__}")
+
+
+def variant_of(launch: Launch, kernel: str, name: str, origin: str = "default",
+               targets: tuple[str, ...] = TARGETS_ALL) -> Variant:
+    """The compile a recorded launch needs."""
+    module, _, attr = launch.function.partition(":")
+    constexpr = _constexpr_params(getattr(importlib.import_module(module), attr))
+    sig, const, aligned = {}, {}, []
+    for arg, value in launch.arguments.items():
+        kind, ty, align = _specialise(arg, value, arg in constexpr)
+        if kind == "const":
+            const[arg] = ty
+        else:
+            sig[arg] = ty
+            if align:
+                aligned.append(arg)
+    return Variant(kernel, name, launch.function, sig, const, int(launch.options.get("num_warps", 4)),
+                   int(launch.options.get("num_stages", 3)), tuple(aligned), targets, origin)
+
+
+# --------------------------------------------------------------------------------------
+# Indexer prefill
+# --------------------------------------------------------------------------------------
+_FMT_D = (("fp8", 32), ("fp8", 64), ("fp8", 128), ("mxfp8", 32), ("mxfp8", 64), ("mxfp8", 128),
+          ("mxfp4", 64), ("mxfp4", 128))
+_HEADS = tuple(range(4, 129, 4))
+_Q_ROWS = (1, 16, 64, 256, 1024, 4096, 16384, 65536)
+# (clean_logits, compressed): clean full layout, raw full layout, compressed, compressed + -inf tail.
+_LAYOUTS = ((True, False), (False, False), (False, True), (True, True))
+# Integer PrefillConfig fields other than the tile, and the values callers may set.
+_PREFILL_INT_OPTIONS = {"head_unroll": (2,)}
+_S_Q, _S_K, _MAX_SEQLEN_K = 37, 300, 45
+
+
+def _layout_name(clean: bool, compressed: bool) -> str:
+    return ("compressed" if compressed else "full") + ("+clean" if clean else "")
+
+
+def _short(dtype) -> str:
+    return {"torch.float32": "fp32", "torch.bfloat16": "bf16"}.get(str(dtype), str(dtype))
+
+
+def _values(shape, fmt: str):
+    """Zero-filled operand values in the dtype of ``fmt`` (the registry needs types, not data)."""
+    import torch
+
+    from tilefuse.formats import FP8_DTYPE
+
+    if fmt == "mxfp4":
+        return torch.zeros(*shape[:-1], shape[-1] // 2, dtype=torch.int8)
+    return torch.zeros(shape, dtype=torch.uint8).view(FP8_DTYPE)
+
+
+def _scales(shape, fmt: str):
+    import torch
+
+    if fmt == "fp8":
+        return torch.ones(shape, dtype=torch.float32)
+    return torch.full(shape, 0x7F7F7F7F, dtype=torch.int32)  # UE8M0 1.0 in every byte
+
+
+@functools.cache
+def _prefill_inputs(fmt: str, d: int, h: int):
+    import torch
+
+    q = (_values((_S_Q, h, d), fmt), None if fmt == "fp8" else _scales((_S_Q, h), fmt))
+    k = (_values((_S_K, d), fmt), _scales((_S_K,), fmt))
+    ks = torch.zeros(_S_Q, dtype=torch.int32)
+    ke = torch.full((_S_Q,), _MAX_SEQLEN_K, dtype=torch.int32)
+    return q, k, ks, ke
+
+
+def prefill_option_configs(base) -> list:
+    """One config per non-default option of ``PrefillConfig``: every boolean field set, every
+    other non-tile field at the values of ``_PREFILL_INT_OPTIONS``.
+
+    Raises:
+        ValueError: a field the registry does not know how to vary (add it to the table).
+    """
+    out = []
+    for f in dataclasses.fields(base):
+        if f.name in _TILE_FIELDS:
+            continue
+        value = getattr(base, f.name)
+        if isinstance(value, bool):
+            out.append(dataclasses.replace(base, **{f.name: not value}))
+        elif f.name in _PREFILL_INT_OPTIONS:
+            out += [dataclasses.replace(base, **{f.name: v}) for v in _PREFILL_INT_OPTIONS[f.name] if v != value]
+        else:
+            raise ValueError(f"PrefillConfig.{f.name}: no option values in the kernel registry")
+    return out
+
+
+def _config_label(cfg, base) -> str:
+    tile = f"{cfg.block_q}x{cfg.block_n} w{cfg.num_warps}s{cfg.num_stages}"
+    changed = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+               if f.name not in _TILE_FIELDS and getattr(cfg, f.name) != getattr(base, f.name)]
+    return " ".join([tile, *changed])
+
+
+def _prefill_points():
+    """(fmt, d, h, config, clean, compressed, weights dtype, logits dtype, origin) to trace."""
+    import torch
+
+    from tilefuse.indexer import prefill
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    for fmt, d in _FMT_D:
+        picks: dict = {}  # config -> the head counts that get it
+        for h in _HEADS:
+            for s_q in _Q_ROWS:
+                picks.setdefault(prefill.default_config(fmt, h, d, s_q), set()).add(h)
+        for cfg, hs in picks.items():
+            h = 64 if 64 in hs else sorted(hs)[len(hs) // 2]
+            for clean, compressed in _LAYOUTS:
+                yield fmt, d, h, cfg, clean, compressed, f32, f32, "default"
+            if d == 128:
+                yield fmt, d, h, cfg, True, False, bf16, bf16, "default"
+                yield fmt, d, h, cfg, True, True, bf16, bf16, "default"
+        base = prefill.default_config(fmt, 64, d, 4096)
+        for opt in prefill_option_configs(base):
+            # Options at D = 128; the MX split path (which changes the loads) at every D.
+            if d == 128 or (opt.mx_split and fmt != "fp8"):
+                yield fmt, d, 64, opt, True, False, f32, f32, "option"
+
+
+@functools.lru_cache(maxsize=1)
+def _trace_prefill() -> tuple[Variant, ...]:
+    from tilefuse.indexer import _dispatch, prefill
+
+    main = f"{prefill.kern.__name__}:prefill_logits_kernel"
+    tail = f"{prefill.kern.__name__}:fill_compressed_tail_kernel"
+    out = []
+    for fmt, d, h, cfg, clean, compressed, w_dtype, out_dtype, origin in _prefill_points():
+        q, k, ks, ke = _prefill_inputs(fmt, d, h)
+        base = prefill.default_config(fmt, h, d, 4096)
+        with tracing(main, tail) as launches:
+            prefill.fp8_fp4_mqa_logits(q, k, _weights(_S_Q, h, w_dtype), ks, ke, clean,
+                                       _MAX_SEQLEN_K if compressed else 0, out_dtype, config=cfg)
+        extras = "".join(f" {n}={_short(t)}" for n, t in (("w", w_dtype), ("out", out_dtype)) if _short(t) != "fp32")
+        # The targets whose dispatch runs this kernel for this format.
+        targets = tuple(t for t in TARGETS_ALL if _dispatch.KERNEL_OF_PATH[
+            _dispatch.prefill_kernel_path(TARGET_MAJOR[t], fmt, cfg.mx_split)] == main)
+        for launch in launches:
+            if launch.function == main:
+                name = f"{fmt} D{d} H{h} {_layout_name(clean, compressed)} {_config_label(cfg, base)}{extras}"
+                out.append(variant_of(launch, "indexer.prefill", name, origin, targets))
+            else:
+                name = f"out={_short(out_dtype)} " + " ".join(
+                    f"{k}={v}" for k, v in launch.arguments.items() if k.isupper())
+                out.append(variant_of(launch, "indexer.prefill_tail", name, "default"))
+    return tuple(out)
+
+
+def _weights(rows: int, h: int, dtype):
+    import torch
+
+    return torch.randn(rows, h, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+
+def prefill_variants() -> list[Variant]:
+    """``prefill_logits_kernel`` as ``fp8_fp4_mqa_logits`` launches it, for the targets whose
+    dispatch runs it (``_dispatch.PREFILL_KERNELS``: both for FP8, sm_90a only for MX).
+
+    Defaults: every config ``default_config`` returns over (format, D) x H in 4..128 x S_q
+    in 1..65536, each in the four output layouts (full/compressed x clean/raw) with fp32
+    weights and logits, at H = 64 (or a head count that gets the config: H is the trip count
+    of a run-time loop, so the code does not depend on it otherwise); at D = 128 also bf16
+    weights and logits. Options: each non-tile ``PrefillConfig`` field flipped (MX split at
+    every D, the others at D = 128).
+    """
+    return _unique(v for v in _trace_prefill() if v.kernel == "indexer.prefill")
+
+
+def prefill_tail_variants() -> list[Variant]:
+    """``fill_compressed_tail_kernel`` (no dot), as the compressed + clean prefill launches it."""
+    return _unique(v for v in _trace_prefill() if v.kernel == "indexer.prefill_tail")
+
+
+# --------------------------------------------------------------------------------------
+# Indexer prefill, Blackwell MX kernel (sm_100 only)
+# --------------------------------------------------------------------------------------
+def prefill_sm100_variants() -> list[Variant]:
+    """``prefill_logits_mx_kernel`` as its ``launch`` runs it, for the targets whose dispatch
+    runs it (sm_100a): MXFP8 and MXFP4 at every D in the four layouts (H = 64, fp32); at
+    D = 128 also bf16 weights + logits."""
+    import torch
+
+    from tilefuse.indexer import _dispatch
+    from tilefuse.indexer import _prefill_kernel_sm100 as k100
+
+    path = f"{k100.__name__}:prefill_logits_mx_kernel"
+    f32, bf16 = torch.float32, torch.bfloat16
+    points = []
+    for fmt, d in _FMT_D:
+        if fmt == "fp8":
+            continue
+        points += [(fmt, d, 64, clean, compressed, f32, f32) for clean, compressed in _LAYOUTS]
+        if d == 128:
+            points.append((fmt, d, 64, True, False, bf16, bf16))
+    out = []
+    for fmt, d, h, clean, compressed, w_dtype, out_dtype in points:
+        (q, q_sf), (k, k_sf), ks, ke = _prefill_inputs(fmt, d, h)
+        cols = _MAX_SEQLEN_K if compressed else _S_K
+        logits = torch.empty_strided((_S_Q, cols), (-(-cols // 16) * 16, 1), dtype=out_dtype)  # rows padded as the op
+        with tracing(path) as launches:
+            k100.launch(q, q_sf, k, k_sf, _weights(_S_Q, h, w_dtype), ks, ke, logits, clean, compressed)
+        extras = "".join(f" {n}={_short(t)}" for n, t in (("w", w_dtype), ("out", out_dtype)) if _short(t) != "fp32")
+        (launch,) = launches
+        c = launch.arguments
+        name = (f"{fmt} D{d} H{h} {_layout_name(clean, compressed)} {c['BLOCK_Q']}x{c['BLOCK_N']} "
+                f"w{launch.options['num_warps']}s{launch.options['num_stages']}{extras}")
+        targets = tuple(t for t in TARGETS_ALL if _dispatch.KERNEL_OF_PATH[
+            _dispatch.prefill_kernel_path(TARGET_MAJOR[t], fmt)] == path)
+        out.append(variant_of(launch, "indexer.prefill_sm100", name, targets=targets))
+    return _unique(out)
+
+
+# --------------------------------------------------------------------------------------
+# Indexer decode over a paged cache
+# --------------------------------------------------------------------------------------
+def paged_variants() -> list[Variant]:
+    """``paged_logits_kernel`` as ``fp8_fp4_paged_mqa_logits`` launches it, with the config
+    ``default_paged_config`` picks.
+
+    Every (format, D) at next_n 1 and 2 (H = 64, 64-token pages, 1-D lengths, fp32, not
+    cleaned: DeepGEMM's defaults); for FP8 and MXFP4 at D = 128 also H = 8 and 128,
+    next_n = 4 and 8, 32- and 128-token pages, 2-D lengths, cleaning, bf16 weights + logits.
+    """
+    import torch
+
+    from tilefuse.indexer import paged
+
+    path = f"{paged.kern.__name__}:paged_logits_kernel"
+    f32, bf16 = torch.float32, torch.bfloat16
+    batch, max_len = 3, 301
+    out = []
+
+    def one(fmt, d, h=64, next_n=1, block_kv=64, ctx_2d=False, clean=False, w_dtype=f32, out_dtype=f32):
+        lens = torch.tensor([37, max_len, 150], dtype=torch.int32)
+        ctx = torch.stack([lens - next_n + 1 + t for t in range(next_n)], dim=1) if ctx_2d else lens
+        pages = -(-max_len // block_kv)
+        cache = paged.new_paged_kv_cache(batch * pages, block_kv, d, fmt)
+        table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+        q = (_values((batch, next_n, h, d), fmt), None if fmt == "fp8" else _scales((batch, next_n, h), fmt))
+        meta = paged.get_paged_mqa_logits_metadata(ctx, block_kv, 5)
+        with tracing(path) as launches:
+            paged.fp8_fp4_paged_mqa_logits(q, cache, _weights(batch * next_n, h, w_dtype), ctx, table, meta, max_len,
+                                           clean, out_dtype)
+        (launch,) = launches
+        c = launch.arguments
+        extras = [x for x, on in (("ctx2d", ctx_2d), ("clean", clean), (f"w={_short(w_dtype)}", w_dtype != f32),
+                                  (f"out={_short(out_dtype)}", out_dtype != f32)) if on]
+        name = (f"{fmt} D{d} H{h} next_n{next_n} kv{block_kv} rows{c['ROWS']}x{c['HEADS_P']} n{c['BLOCK_N']} "
+                f"w{launch.options['num_warps']}s{launch.options['num_stages']}" + "".join(" " + x for x in extras))
+        out.append(variant_of(launch, "indexer.paged", name))
+
+    for fmt, d in _FMT_D:
+        for next_n in (1, 2):
+            one(fmt, d, next_n=next_n)
+    for fmt in ("fp8", "mxfp4"):
+        for kw in ({"h": 8}, {"h": 128}, {"next_n": 4}, {"next_n": 8}, {"block_kv": 32}, {"block_kv": 128},
+                   {"ctx_2d": True, "next_n": 2}, {"clean": True}, {"w_dtype": bf16, "out_dtype": bf16}):
+            one(fmt, 128, **kw)
+    return _unique(out)
+
+
+# --------------------------------------------------------------------------------------
+# The registry
+# --------------------------------------------------------------------------------------
+def _unique(variants) -> list[Variant]:
+    """Drop variants that compile to the same code as an earlier one (same name: an error)."""
+    seen: dict[tuple, Variant] = {}
+    names: set[str] = set()
+    for v in variants:
+        key = v.compile_key()
+        if key in seen:
+            continue
+        if v.name in names:
+            raise ValueError(f"{v.kernel}: two different compiles named {v.name!r}")
+        seen[key] = v
+        names.add(v.name)
+    return list(seen.values())
+
+
+# kernel name -> (builder, module the kernel lives in)
+KERNELS: dict[str, tuple[Callable[[], list[Variant]], str]] = {
+    "indexer.prefill": (prefill_variants, "tilefuse.indexer._prefill_kernel"),
+    "indexer.prefill_tail": (prefill_tail_variants, "tilefuse.indexer._prefill_kernel"),
+    "indexer.prefill_sm100": (prefill_sm100_variants, "tilefuse.indexer._prefill_kernel_sm100"),
+    "indexer.paged": (paged_variants, "tilefuse.indexer._paged_kernel"),
+}
+
+
+def kernel_names() -> list[str]:
+    """Registered kernels whose module is part of this installation."""
+    return [name for name, (_, module) in KERNELS.items() if importlib.util.find_spec(module) is not None]
+
+
+def variants(kernel: str | None = None, target: str | None = None) -> list[Variant]:
+    """Variants of one kernel (or of all), optionally only those built for ``target``.
+
+    Raises:
+        ValueError: unknown kernel or target.
+    """
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel: unknown {kernel!r}; registered: {sorted(KERNELS)}")
+    if target is not None and target not in TARGETS_ALL:
+        raise ValueError(f"target: expected one of {TARGETS_ALL}, got {target!r}")
+    names = [kernel] if kernel is not None else kernel_names()
+    out = [v for name in names for v in KERNELS[name][0]()]
+    return [v for v in out if target is None or target in v.targets]
