@@ -30,27 +30,21 @@ from tilefuse.indexer.prefill import PrefillConfig  # noqa: E402
 
 C = PrefillConfig
 FP8_CONFIGS = [
-    C(64, 128, 4, 3), C(64, 128, 4, 3, head_unroll=2), C(64, 128, 4, 4), C(128, 128, 8, 4),
+    C(64, 128, 4, 3, head_unroll=2), C(64, 128, 4, 3), C(64, 128, 4, 2), C(64, 128, 4, 4, head_unroll=2),
+    C(128, 128, 8, 3, head_unroll=2), C(64, 256, 8, 3), C(64, 64, 4, 3),
 ]
 SMALL_Q_CONFIGS = FP8_CONFIGS[:1] + [
     C(16, 128, 4, 3, keys_major=True), C(16, 128, 4, 3, keys_major=True, head_unroll=2),
-    C(16, 128, 8, 3, keys_major=True), C(16, 128, 4, 4, keys_major=True, head_unroll=2),
     C(32, 128, 4, 3, keys_major=True, head_unroll=2), C(16, 256, 8, 3, keys_major=True, head_unroll=2),
 ]
 MX_CONFIGS = [
-    C(64, 128, 4, 2), C(64, 128, 4, 2, head_unroll=2), C(64, 128, 4, 2, scale_reshape=True),
-    C(64, 128, 4, 2, head_unroll=2, scale_reshape=True), C(64, 256, 8, 3), C(64, 256, 8, 3, scale_reshape=True),
-    C(64, 256, 8, 3, head_unroll=2, scale_reshape=True),
-]
-FP4_CONFIGS = MX_CONFIGS + [
-    C(64, 128, 4, 2, fp4_halves=True), C(64, 128, 4, 3, fp4_halves=True), C(64, 256, 8, 3, fp4_halves=True),
-    C(128, 128, 8, 3, fp4_halves=True),
+    C(64, 128, 4, 2, head_unroll=2), C(64, 128, 4, 2), C(64, 256, 8, 3), C(128, 128, 8, 2),
+    C(64, 128, 4, 2, keys_major=True, head_unroll=2), C(64, 64, 4, 2, mx_split=True),
 ]
 
 
 def config_name(cfg: PrefillConfig) -> str:
-    flags = [f for f, on in (("split", cfg.mx_split), ("km", cfg.keys_major), ("u2", cfg.head_unroll == 2),
-                             ("sr", cfg.scale_reshape), ("halves", cfg.fp4_halves)) if on]
+    flags = [f for f, on in (("split", cfg.mx_split), ("km", cfg.keys_major), ("u2", cfg.head_unroll == 2)) if on]
     return "/".join([f"{cfg.block_q}x{cfg.block_n}", f"w{cfg.num_warps}s{cfg.num_stages}", *flags])
 
 
@@ -78,7 +72,7 @@ def rows(quick: bool):
         yield dict(s_q=s_q, s_k=s_k, h=64, d=128, fmt="fp8", clean=True, logits=torch.float32), SMALL_Q_CONFIGS
     yield dict(s_q=2048, s_k=32768, h=64, d=128, fmt="fp8", clean=True, logits=torch.bfloat16), FP8_CONFIGS[:2]
     yield dict(s_q=2048, s_k=32768, h=64, d=128, fmt="mxfp8", clean=True, logits=torch.float32), MX_CONFIGS
-    yield dict(s_q=2048, s_k=32768, h=64, d=128, fmt="mxfp4", clean=True, logits=torch.float32), FP4_CONFIGS
+    yield dict(s_q=2048, s_k=32768, h=64, d=128, fmt="mxfp4", clean=True, logits=torch.float32), MX_CONFIGS
 
 
 def main(argv=None):

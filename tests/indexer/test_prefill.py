@@ -31,11 +31,8 @@ VARIANTS = {  # name -> (format, config fields beyond the tile)
     "mxfp8": ("mxfp8", {}),
     "mxfp8-keys-major-unroll2": ("mxfp8", dict(keys_major=True, head_unroll=2)),
     "mxfp8-split": ("mxfp8", dict(mx_split=True)),
-    "mxfp8-scale-reshape": ("mxfp8", dict(scale_reshape=True)),
     "mxfp4": ("mxfp4", {}),
-    "mxfp4-halves": ("mxfp4", dict(fp4_halves=True)),
-    "mxfp4-halves-keys-major": ("mxfp4", dict(fp4_halves=True, keys_major=True)),
-    "mxfp4-scale-reshape": ("mxfp4", dict(scale_reshape=True)),
+    "mxfp4-wide-keys-major": ("mxfp4", dict(keys_major=True, head_unroll=2)),
     "mxfp4-split": ("mxfp4", dict(mx_split=True)),
 }
 BF16_THRESHOLD = {"fp8": 1e-3, "mxfp8": 0.02, "mxfp4": 0.02}

@@ -106,7 +106,7 @@ def paged_logits_kernel(
             q_op = q_raw
         else:
             q_sf = tl.load(q_sf_ptr + b64 * stride_sfb + c_t * stride_sft + c_h, mask=c_ok, other=0)
-            q_op = _dequant_tile(q_raw, q_sf, NC, D, FMT, False)
+            q_op = _dequant_tile(q_raw, q_sf, NC, D, FMT)
         w = tl.load(w_ptr + (b64 * NEXT_N + c_t) * stride_w + c_h, mask=c_ok, other=0.0).to(tl.float32)
 
         bt_row = bt_ptr + b64 * stride_bt
@@ -125,7 +125,7 @@ def paged_logits_kernel(
             if FMT == 0:
                 k_op = k_raw
             else:
-                k_op = _dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT, False)
+                k_op = _dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT)
             # ReLU, weights, then the head sum of each query row: logits [BLOCK_N, ROWS].
             x = tl.maximum(tl.dot(k_op, tl.trans(q_op)), 0.0) * w[None, :]
             if ROWS == 1:

@@ -53,45 +53,14 @@ def _unpack_fp4(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _dequant_tile(raw, packed_sf, ROWS: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
-                  SCALE_RESHAPE: tl.constexpr):
+def _dequant_tile(raw, packed_sf, ROWS: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr):
     """MX tile [ROWS, D] (or [ROWS, D/2] packed FP4) with packed scales [ROWS] -> bf16 [ROWS, D]."""
     if FMT == 2:
         vals = _unpack_fp4(raw, ROWS, D)
     else:
         vals = raw.to(tl.float32)
-    if SCALE_RESHAPE:
-        # One scale per (row, 32-block), broadcast over the block by a reshape.
-        NB: tl.constexpr = D // 32
-        scale = _ue8m0_byte_scale(packed_sf[:, None], tl.arange(0, NB)[None, :])
-        vals = tl.reshape(tl.reshape(vals, (ROWS, NB, 32)) * scale[:, :, None], (ROWS, D))
-    else:
-        blk = tl.arange(0, D) // 32
-        vals = vals * _ue8m0_byte_scale(packed_sf[:, None], blk[None, :])
-    return vals.to(tl.bfloat16)
-
-
-@triton.jit
-def _dequant_fp4_halves(raw, packed_sf, D: tl.constexpr):
-    """MXFP4 bytes [ROWS, D/2] -> (low nibbles, high nibbles), bf16 [ROWS, D/2] each.
-
-    Byte c holds elements 2c and 2c+1, both in 32-block c // 16. A dot over D is a sum over
-    elements, so q.k = q_lo.k_lo + q_hi.k_hi: two dots of depth D/2 and no interleave.
-    """
-    b = raw.to(tl.int32) & 0xFF
-    scale = _ue8m0_byte_scale(packed_sf[:, None], (tl.arange(0, D // 2) // 16)[None, :])
-    lo = (_e2m1_to_f32(b & 0xF) * scale).to(tl.bfloat16)
-    hi = (_e2m1_to_f32(b >> 4) * scale).to(tl.bfloat16)
-    return lo, hi
-
-
-@triton.jit
-def _score_halves(q_lo, q_hi, k_lo, k_hi, KEYS_MAJOR: tl.constexpr):
-    if KEYS_MAJOR:
-        s = tl.dot(k_hi, tl.trans(q_hi), tl.dot(k_lo, tl.trans(q_lo)))
-    else:
-        s = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))
-    return s
+    blk = tl.arange(0, D) // 32
+    return (vals * _ue8m0_byte_scale(packed_sf[:, None], blk[None, :])).to(tl.bfloat16)
 
 
 @triton.jit
@@ -115,15 +84,14 @@ def _load_k_chunk(k_desc, n0, b: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
-def _q_operand(q_desc, q0, h, qsf_rows, row_ok, D: tl.constexpr, FMT: tl.constexpr, BLOCK_Q: tl.constexpr,
-               SCALE_RESHAPE: tl.constexpr):
+def _q_operand(q_desc, q0, h, qsf_rows, row_ok, D: tl.constexpr, FMT: tl.constexpr, BLOCK_Q: tl.constexpr):
     """Head ``h`` of the query tile as a dot operand: raw E4M3 (FP8) or dequantised bf16 (MX)."""
     if FMT == 0:
         q = q_desc.load([q0, h * D])
     else:
         DQ: tl.constexpr = D // 2 if FMT == 2 else D
         q_sf = tl.load(qsf_rows + h, mask=row_ok, other=0)
-        q = _dequant_tile(q_desc.load([q0, h * DQ]), q_sf, BLOCK_Q, D, FMT, SCALE_RESHAPE)
+        q = _dequant_tile(q_desc.load([q0, h * DQ]), q_sf, BLOCK_Q, D, FMT)
     return q
 
 
@@ -157,7 +125,6 @@ def prefill_logits_kernel(
     H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, MX_SPLIT: tl.constexpr,
     CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_MAJOR: tl.constexpr, HEAD_UNROLL: tl.constexpr,
-    SCALE_RESHAPE: tl.constexpr, FP4_HALVES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_q = tl.program_id(1)
@@ -187,29 +154,18 @@ def prefill_logits_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_Q), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.float32)
-    if FMT == 2 and FP4_HALVES and not MX_SPLIT:
-        k_lo, k_hi = _dequant_fp4_halves(k_desc.load([n0, 0]), k_sf, D)
-        for h in range(H):
-            q_sf = tl.load(qsf_rows + h, mask=row_ok, other=0)
-            q_lo, q_hi = _dequant_fp4_halves(q_desc.load([q0, h * (D // 2)]), q_sf, D)
-            w = tl.load(w_rows + h, mask=row_ok, other=0.0).to(tl.float32)
-            acc = _add_relu_weighted(acc, _score_halves(q_lo, q_hi, k_lo, k_hi, KEYS_MAJOR), w, KEYS_MAJOR)
-        if KEYS_MAJOR:
-            acc = tl.trans(acc)
-    elif FMT == 0 or not MX_SPLIT:
+    if FMT == 0 or not MX_SPLIT:
         # One loop for all formats: FP8 feeds the raw E4M3 tiles to the dot, MX the bf16 upcast.
         if FMT == 0:
             k = k_desc.load([n0, 0])
         else:
-            k = _dequant_tile(k_desc.load([n0, 0]), k_sf, BLOCK_N, D, FMT, SCALE_RESHAPE)
+            k = _dequant_tile(k_desc.load([n0, 0]), k_sf, BLOCK_N, D, FMT)
         # Two heads per step let the second head's MMA run while the first one's ReLU*w runs.
         for h in range(0, H, HEAD_UNROLL):
-            s0 = _score(_q_operand(q_desc, q0, h, qsf_rows, row_ok, D, FMT, BLOCK_Q, SCALE_RESHAPE), k,
-                        KEYS_MAJOR)
+            s0 = _score(_q_operand(q_desc, q0, h, qsf_rows, row_ok, D, FMT, BLOCK_Q), k, KEYS_MAJOR)
             w0 = tl.load(w_rows + h, mask=row_ok, other=0.0).to(tl.float32)
             if HEAD_UNROLL == 2:
-                s1 = _score(_q_operand(q_desc, q0, h + 1, qsf_rows, row_ok, D, FMT, BLOCK_Q, SCALE_RESHAPE), k,
-                            KEYS_MAJOR)
+                s1 = _score(_q_operand(q_desc, q0, h + 1, qsf_rows, row_ok, D, FMT, BLOCK_Q), k, KEYS_MAJOR)
                 w1 = tl.load(w_rows + h + 1, mask=row_ok, other=0.0).to(tl.float32)
                 acc = _add_relu_weighted(acc, s0, w0, KEYS_MAJOR)
                 acc = _add_relu_weighted(acc, s1, w1, KEYS_MAJOR)

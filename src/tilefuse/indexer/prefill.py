@@ -35,9 +35,7 @@ class PrefillConfig:
 
     ``mx_split`` picks the MX path on Hopper: False = dequantise to bf16 and run a bf16 dot
     (exact), True = one FP8 dot per 32-element block with scaled accumulation.
-    ``scale_reshape`` broadcasts MX block scales by a [rows, D/32, 32] reshape instead of a
-    per-element shift; ``fp4_halves`` runs MXFP4 as two dots over the low and high nibbles
-    (no interleave). ``keys_major`` puts keys on the MMA's M side (for few query rows: a 16-row query tile
+    ``keys_major`` puts keys on the MMA's M side (for few query rows: a 16-row query tile
     then wastes nothing); ``head_unroll`` = 2 issues two heads' dots per loop step. Neither
     applies to the MX split path.
     """
@@ -49,22 +47,31 @@ class PrefillConfig:
     mx_split: bool = False
     keys_major: bool = False
     head_unroll: int = 1
-    scale_reshape: bool = False
-    fp4_halves: bool = False
 
 
 def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None) -> PrefillConfig:
-    """Measured defaults for H200 (benchmarks/NOTES.md has the numbers behind each row).
+    """Measured defaults for H200, H=64 D=128 (benchmarks/NOTES.md has the sweeps behind each row).
 
-    FP8: 64 query rows x 128 keys, 4 warps, 3 stages: 1036 TFLOP/s at H64 D128 2048/32768,
-    ahead of 64x128/2 stages (1000), 64x64 (884) and every 8-warp tile (460-768).
-    MX: the bf16-upcast path with the 64x128 / 4-warp / 2-stage tile: 378 (MXFP8) and 228
-    (MXFP4) TFLOP/s, while the per-block FP8 path reached 79-278.
+    FP8, more than 32 query rows: 64 rows x 128 keys, 4 warps, 3 stages, two heads per step
+    (1000 TFLOP/s at 2048/32768 against 975 without the unroll, 952 with 2 stages, 710-840
+    for every 8-warp tile; with bf16 logits 956 against 890).
+    FP8, at most 32 query rows: keys on the MMA's M side with a 16- or 32-row tile, so no MMA
+    row is padding: 16/65536 in 39 us against 95 us with the 64-row tile.
+    MXFP8: bf16 upcast, 64x128, 4 warps, 2 stages, two heads per step: 404 TFLOP/s (371
+    without the unroll; the per-block FP8 path 79-279).
+    MXFP4: bf16 upcast, 64x256, 8 warps, 3 stages: 270 TFLOP/s (221 at 64x128; two
+    half-depth dots over the nibbles 164-221; the per-block FP8 path 120).
     """
-    del num_heads, head_dim, num_q_rows  # one tile per format fits every H, D and S_q measured so far
+    del num_heads, head_dim  # one tile per format fits every H and D measured so far
     if fmt == "fp8":
-        return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3)
-    return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=2)
+        if num_q_rows is not None and num_q_rows <= 32:
+            rows = 16 if num_q_rows <= 16 else 32
+            return PrefillConfig(block_q=rows, block_n=128, num_warps=4, num_stages=3, keys_major=True,
+                                 head_unroll=2)
+        return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3, head_unroll=2)
+    if fmt == "mxfp8":
+        return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=2, head_unroll=2)
+    return PrefillConfig(block_q=64, block_n=256, num_warps=8, num_stages=3)
 
 
 def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
@@ -81,7 +88,7 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
             key = key.strip()
             if key not in fields:
                 raise ValueError(f"TILEFUSE_PREFILL_CONFIG: unknown field {key!r}; fields are {sorted(fields)}")
-            is_flag = key in ("mx_split", "keys_major", "scale_reshape", "fp4_halves")
+            is_flag = key in ("mx_split", "keys_major")
             updates[key] = value.strip().lower() in ("1", "true", "yes") if is_flag else int(value)
         cfg = dataclasses.replace(cfg, **updates)
     if cfg.block_q < 16 or cfg.block_n < 16 or cfg.block_q & (cfg.block_q - 1) or cfg.block_n & (cfg.block_n - 1):
@@ -229,8 +236,6 @@ def _mqa_logits(
     mx_split: bool,
     keys_major: bool,
     head_unroll: int,
-    scale_reshape: bool,
-    fp4_halves: bool,
 ) -> torch.Tensor:
     fmt = format_of(q, q_sf)
     s_q, h, dq = q.shape
@@ -262,7 +267,6 @@ def _mqa_logits(
         H=h, D=d, FMT=_FORMAT_CODE[fmt], MX_SPLIT=split,
         CLEAN=clean_logits, COMPRESSED=max_seqlen_k > 0,
         BLOCK_Q=block_q, BLOCK_N=block_n, KEYS_MAJOR=keys_major and not split, HEAD_UNROLL=head_unroll,
-        SCALE_RESHAPE=scale_reshape, FP4_HALVES=fp4_halves,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -270,8 +274,7 @@ def _mqa_logits(
 
 @_mqa_logits.register_fake
 def _mqa_logits_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype,
-                     block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll,
-                     scale_reshape, fp4_halves):
+                     block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll):
     shape, stride = _out_shape(q.shape[0], k.shape[0], max_seqlen_k)
     return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
 
@@ -347,8 +350,7 @@ def fp8_fp4_mqa_logits(
     _check_windows(cu_seq_len_k_start, cu_seq_len_k_end, s_k, max_seqlen_k)
     return _mqa_logits(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end,
                        bool(clean_logits), max_seqlen_k, logits_dtype, cfg.block_q, cfg.block_n,
-                       cfg.num_warps, cfg.num_stages, cfg.mx_split, cfg.keys_major, cfg.head_unroll,
-                       cfg.scale_reshape, cfg.fp4_halves)
+                       cfg.num_warps, cfg.num_stages, cfg.mx_split, cfg.keys_major, cfg.head_unroll)
 
 
 def fp8_mqa_logits(
