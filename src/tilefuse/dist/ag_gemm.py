@@ -146,7 +146,7 @@ def launch_push(plan: AgPlan, ws: Workspace, a_shard: torch.Tensor, timeout: int
         a_shard, ws.local.data_ptr(), ws.bases_dev, plan.gath_off, P.FLAGS_OFFSET, plan.mc, plan.k,
         plan.band_rows, plan.bands, plan.pieces, plan.piece_cols, plan.rank,
         ws.err.data_ptr(), timeout, trace if trace is not None else ws.bases_dev,
-        W=plan.world, NUM_PROGRAMS=programs, BR=16, BC=256, BARRIER=barrier, TRACE=trace is not None,
+        W=plan.world, NUM_PROGRAMS=programs, BR=32, BC=512, BARRIER=barrier, TRACE=trace is not None,
         MAX_EVENTS=trace.shape[1] if trace is not None else 1, USE_TIMER=P.use_timer(a_shard.device.type),
         num_warps=8,
     )

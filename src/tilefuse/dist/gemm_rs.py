@@ -147,7 +147,7 @@ def launch_forward(plan: RsPlan, ws: Workspace, timeout: int, *, barrier: bool =
         plan.part_flags_off, plan.recv_off, plan.recv_flags_off, plan.mc, plan.n, plan.peer_tiles, plan.rank,
         ws.err.data_ptr(), timeout, trace if trace is not None else ws.bases_dev,
         DTYPE=_tl_dtype(plan.dtype), W=plan.world, NUM_PROGRAMS=programs, BM=cfg.block_m, BN=cfg.block_n,
-        GROUP_M=cfg.group_m, BR=max(1, 4096 // cfg.block_n), BARRIER=barrier, TRACE=trace is not None,
+        GROUP_M=cfg.group_m, BR=max(1, 16384 // cfg.block_n), BARRIER=barrier, TRACE=trace is not None,
         MAX_EVENTS=trace.shape[1] if trace is not None else 1, USE_TIMER=P.use_timer(dev.type), num_warps=8,
     )
 

@@ -10,6 +10,7 @@ is nearest in log2(M), log2(N), log2(K), and uses its winner. Rules before the t
    then the environment (``TILEFUSE_DIST_PATH=fused|nccl``, ``TILEFUSE_DIST_DESIGN``);
 2. a group spanning more than one node, a world size above 8, or tensors not on a CUDA device
    (no symmetric memory) -> NCCL (the product then runs on the tilefuse GEMM kernel on CPU);
+   forcing the fused path there raises ValueError;
 3. world size 1 -> the GEMM alone.
 
 ``decide`` returns a :class:`Decision` that says which rule or row made the choice.
@@ -158,12 +159,17 @@ def decide(
         path, design, forced = env_path, env_design, True
     if path == "nccl":
         return Decision("nccl", None, "forced")
+    unavailable = None
     if nodes > 1:
-        return Decision("nccl", None, f"group spans {nodes} nodes: symmetric memory is per node")
-    if world > MAX_WORLD:
-        return Decision("nccl", None, f"world size {world} > {MAX_WORLD}")
-    if device_type != "cuda":
-        return Decision("nccl", None, f"tensors on {device_type}: no symmetric memory")
+        unavailable = f"group spans {nodes} nodes: symmetric memory is per node"
+    elif world > MAX_WORLD:
+        unavailable = f"world size {world} > {MAX_WORLD}"
+    elif device_type != "cuda":
+        unavailable = f"tensors on {device_type}: no symmetric memory"
+    if unavailable is not None:
+        if forced:
+            raise ValueError(f"{op}: the fused path was forced but is unavailable ({unavailable}); use path='nccl'")
+        return Decision("nccl", None, unavailable)
     if forced:
         return Decision("fused", design or _table_design(op, m, n, k, world, dtype) or DEFAULT_DESIGN[op], "forced")
     row = lookup(op, m, n, k, world, dtype)

@@ -68,37 +68,8 @@ class Trace:
         return out
 
     def to_chrome(self, path: str | None = None) -> dict:
-        """Chrome trace-event JSON (``ph: X`` slices in µs from the earliest start); written to
-        ``path`` when given."""
-        evs = self.events()
-        t0 = min((e["start_ns"] for e in evs), default=0)
-        roles = sorted({e["role"] for e in evs})
-        trace_events = []
-        seen_threads = set()
-        for e in evs:
-            tid = roles.index(e["role"]) * 100000 + e["program"]
-            key = (e["rank"], tid)
-            if key not in seen_threads:
-                seen_threads.add(key)
-                trace_events.append({"ph": "M", "name": "thread_name", "pid": e["rank"], "tid": tid,
-                                     "args": {"name": f"{e['role']} program {e['program']}"}})
-            kind = _ROLE_ITEM[e["role"]]
-            if e["role"] == "push":
-                name = f"{kind} {e['band']}.{e['piece']} -> rank {e['peer']}"
-            else:
-                name = f"{kind} c{e['chunk']} m{e['tile_row']} n{e['tile_col']}"
-            args = {k: v for k, v in e.items() if k not in ("start_ns", "end_ns")}
-            args["wait_us"] = e["wait_ns"] / 1000.0
-            trace_events.append({"ph": "X", "name": name, "cat": e["role"], "pid": e["rank"], "tid": tid,
-                                 "ts": (e["start_ns"] - t0) / 1000.0,
-                                 "dur": max(0.0, (e["end_ns"] - e["start_ns"]) / 1000.0), "args": args})
-        for rank in sorted({e["rank"] for e in evs}):
-            trace_events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
-        doc = {"traceEvents": trace_events, "displayTimeUnit": "ns"}
-        if path is not None:
-            with open(path, "w") as f:
-                json.dump(doc, f)
-        return doc
+        """Chrome trace-event JSON of this trace (see :func:`chrome_trace`)."""
+        return chrome_trace(self.events(), path)
 
     def summary(self) -> dict:
         """Per role: items, total busy µs, total wait µs (a quick look without a viewer)."""
@@ -109,3 +80,37 @@ class Trace:
             s["busy_us"] += (e["end_ns"] - e["start_ns"]) / 1000.0
             s["wait_us"] += e["wait_ns"] / 1000.0
         return out
+
+
+def chrome_trace(events: list[dict], path: str | None = None) -> dict:
+    """Chrome trace-event JSON (``ph: X`` slices, µs from the earliest start) of decoded events,
+    possibly of several ranks; written to ``path`` when given. Ranks are processes; each
+    (role, program) is a thread."""
+    t0 = min((e["start_ns"] for e in events), default=0)
+    roles = sorted({e["role"] for e in events})
+    trace_events = []
+    seen_threads = set()
+    for e in events:
+        tid = roles.index(e["role"]) * 100000 + e["program"]
+        key = (e["rank"], tid)
+        if key not in seen_threads:
+            seen_threads.add(key)
+            trace_events.append({"ph": "M", "name": "thread_name", "pid": e["rank"], "tid": tid,
+                                 "args": {"name": f"{e['role']} program {e['program']}"}})
+        kind = _ROLE_ITEM[e["role"]]
+        if e["role"] == "push":
+            name = f"{kind} {e['band']}.{e['piece']} -> rank {e['peer']}"
+        else:
+            name = f"{kind} c{e['chunk']} m{e['tile_row']} n{e['tile_col']}"
+        args = {k: v for k, v in e.items() if k not in ("start_ns", "end_ns")}
+        args["wait_us"] = e["wait_ns"] / 1000.0
+        trace_events.append({"ph": "X", "name": name, "cat": e["role"], "pid": e["rank"], "tid": tid,
+                             "ts": (e["start_ns"] - t0) / 1000.0,
+                             "dur": max(0.0, (e["end_ns"] - e["start_ns"]) / 1000.0), "args": args})
+    for rank in sorted({e["rank"] for e in events}):
+        trace_events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+    doc = {"traceEvents": trace_events, "displayTimeUnit": "ns"}
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(doc, f)
+    return doc

@@ -1,0 +1,255 @@
+"""Multi-GPU checks of tilefuse.dist, one process per GPU:
+
+    torchrun --standalone --nproc-per-node 2 tests/dist/gpu_checks.py [--quick]
+
+Both ops and every fused design against the sequential reference (all_gather_into_tensor +
+matmul; matmul + reduce_scatter_tensor) at the seed and LLM shapes of comm_gemm.md, odd M,
+nn.Linear layout, fp16, bitwise ag_gemm == tilefuse GEMM of the gathered rows, repeated calls,
+determinism, CUDA-graph capture, and last a stalled peer that must raise, not hang. Every
+output buffer is poisoned (NaN) first. Prints one PASS/FAIL line per check (rank 0) and exits
+non-zero if any check failed on any rank. ``tests/dist/test_gpu.py`` runs it under pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+    os.environ.setdefault(_k, _v)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import tilefuse.dist as td  # noqa: E402
+from tilefuse.dist.bench import LLM_LAYERS, SEED_SIZES  # noqa: E402
+from tilefuse.reference.comm_gemm import ag_gemm_ref, gemm_rs_ref  # noqa: E402
+
+TOL = 1e-2  # ||out - ref|| / ||ref||: bf16 rounding of the output and (gemm_rs) of the partials
+TIMEOUT_S = 5.0
+DESIGNS = {"ag_gemm": ("ce", "push"), "gemm_rs": ("push", "forward")}
+failures: list[str] = []
+dead: set[tuple[str, str]] = set()  # designs that failed once are not retried at other shapes
+
+
+def rel_err(x, ref):
+    if torch.isnan(x).any():
+        return float("nan")
+    return float((x.float() - ref.float()).norm() / ref.float().norm())
+
+
+def agree(ok: bool) -> bool:
+    t = torch.tensor([int(ok)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def check(name: str, fn) -> bool:
+    rank = dist.get_rank()
+    t0 = time.time()
+    try:
+        msg = fn() or ""
+        torch.cuda.synchronize()
+        ok = True
+    except Exception as e:
+        ok, msg = False, f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    everywhere = agree(ok)
+    if not everywhere:
+        failures.append(name)
+        torch.cuda.synchronize()
+        td.reset_group()  # a failed call may leave half-set flags behind
+    if rank == 0 or not ok:
+        print(f"[rank {rank}] {'PASS' if everywhere else 'FAIL'} {name} ({time.time() - t0:.1f}s) {msg}", flush=True)
+    return everywhere
+
+
+def inputs(op, m, n, k, dtype=torch.bfloat16, layout="kn", seed=0):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed * 100 + rank)
+    rows = m // world if op == "ag_gemm" else m
+    a = torch.randn(rows, k, device="cuda", dtype=dtype, generator=g)
+    shape = (k, n) if layout == "kn" else (n, k)
+    b = (torch.randn(*shape, device="cuda", generator=g) * k**-0.5).to(dtype)
+    return a, b
+
+
+def run_op(op, a, b, design, layout="kn", **kw):
+    world = dist.get_world_size()
+    if op == "ag_gemm":
+        out = torch.full((a.shape[0] * world, b.shape[1] if layout == "kn" else b.shape[0]), float("nan"),
+                         device="cuda", dtype=a.dtype)
+        return td.ag_gemm(a, b, out=out, b_layout=layout, path="fused", design=design, timeout_s=TIMEOUT_S, **kw)
+    out = torch.full((a.shape[0] // world, b.shape[1] if layout == "kn" else b.shape[0]), float("nan"),
+                     device="cuda", dtype=a.dtype)
+    return td.gemm_rs(a, b, out=out, b_layout=layout, path="fused", design=design, timeout_s=TIMEOUT_S, **kw)
+
+
+def reference(op, a, b, layout="kn"):
+    return ag_gemm_ref(a, b, b_layout=layout) if op == "ag_gemm" else gemm_rs_ref(a, b, b_layout=layout)
+
+
+def against_reference(op, design, m, n, k, layout="kn", dtype=torch.bfloat16, seed=0):
+    def body():
+        a, b = inputs(op, m, n, k, dtype, layout, seed)
+        y = run_op(op, a, b, design, layout)
+        td.check_errors()
+        err = rel_err(y, reference(op, a, b, layout))
+        assert err < TOL, f"relative error {err:.3g}"
+        return f"rel err {err:.2e}"
+
+    name = f"{op}/{design} {m}x{n}x{k} {layout} {str(dtype)[6:]}"
+    if (op, design) in dead:
+        print(f"SKIP {name} (design failed earlier)", flush=True)
+        return
+    if not check(name, body):
+        dead.add((op, design))
+
+
+def seed_and_llm(quick: bool):
+    sizes = SEED_SIZES[:2] if quick else SEED_SIZES
+    for op in DESIGNS:
+        for s in sizes:
+            m, n, k = (s, s // 8, s) if op == "ag_gemm" else (s, s, s // 8)
+            for d in DESIGNS[op]:
+                against_reference(op, d, m, n, k)
+        for k, n in LLM_LAYERS[op].values():
+            for m in (1024, 4096) if quick else (1024, 4096, 8192, 16384):
+                for d in DESIGNS[op]:
+                    against_reference(op, d, m, n, k)
+
+
+def odd_shapes():
+    for op in DESIGNS:
+        for d in DESIGNS[op]:
+            against_reference(op, d, 2000, 768, 512)
+            against_reference(op, d, 2000, 768, 512, layout="nk")
+            against_reference(op, d, 2 * 136, 264, 72, dtype=torch.float16)
+
+
+def bitwise_and_repeat():
+    from tilefuse.dist._gemm_core import default_config, num_sms
+
+    for d in DESIGNS["ag_gemm"]:
+        def ag_bitwise(d=d):
+            a, b = inputs("ag_gemm", 4096, 1024, 2048)
+            y = run_op("ag_gemm", a, b, d, return_gathered=True)
+            out, gathered = y
+            ref = reference("ag_gemm", a, b)
+            assert torch.equal(gathered, torch.cat([t for t in _gather(a)])), "gathered rows differ"
+            cfg = default_config(4096, 1024, 2048, num_sms(a.device))
+            mine = td.gemm(gathered, b, config=cfg)
+            assert torch.equal(out, mine), "fused ag_gemm is not bitwise equal to the GEMM of the gathered rows"
+            return f"rel err vs cuBLAS {rel_err(out, ref):.2e}"
+
+        check(f"ag_gemm/{d} bitwise == tilefuse gemm(gathered)", ag_bitwise)
+
+    for op in DESIGNS:
+        for d in DESIGNS[op]:
+            def repeat(op=op, d=d):
+                m, n, k = (4096, 1024, 2048)
+                outs = []
+                for seed in range(3):  # fresh inputs each call: flags and buffers reset between calls
+                    a, b = inputs(op, m, n, k, seed=seed)
+                    y = run_op(op, a, b, d)
+                    err = rel_err(y, reference(op, a, b))
+                    assert err < TOL, f"call {seed}: relative error {err:.3g}"
+                    outs.append((a, b, y.clone()))
+                a, b, y0 = outs[0]
+                again = run_op(op, a, b, d)
+                assert torch.equal(again, y0), "rerun on the same inputs is not bitwise identical"
+                td.check_errors()
+
+            check(f"{op}/{d} repeated calls + determinism", repeat)
+
+    def interleaved():
+        for i in range(4):
+            for op in DESIGNS:
+                d = DESIGNS[op][i % 2]
+                a, b = inputs(op, 2048, 512, 1024, seed=10 + i)
+                err = rel_err(run_op(op, a, b, d), reference(op, a, b))
+                assert err < TOL, f"{op}/{d} call {i}: relative error {err:.3g}"
+
+    check("interleaved ops and designs", interleaved)
+
+
+def _gather(a):
+    parts = [torch.empty_like(a) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, a)
+    return parts
+
+
+def graphs():
+    for op in DESIGNS:
+        for d in DESIGNS[op]:
+            def body(op=op, d=d):
+                a, b = inputs(op, 4096, 1024, 2048)
+                run_op(op, a, b, d)  # warm-up: workspace allocated outside the capture
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    y = run_op(op, a, b, d)
+                for seed in (5, 6):
+                    a2, b2 = inputs(op, 4096, 1024, 2048, seed=seed)
+                    a.copy_(a2)
+                    b.copy_(b2)
+                    y.fill_(float("nan"))
+                    g.replay()
+                    torch.cuda.synchronize()
+                    err = rel_err(y, reference(op, a, b))
+                    assert err < TOL, f"replay {seed}: relative error {err:.3g}"
+                td.check_errors()
+
+            check(f"{op}/{d} CUDA graph capture + replays", body)
+
+
+def stalled_peer():
+    rank = dist.get_rank()
+    for op in DESIGNS:
+        for d in DESIGNS[op]:
+            def body(op=op, d=d):
+                a, b = inputs(op, 2048, 512, 1024)
+                if rank != 0:
+                    return "stalled (did not call)"
+                t0 = time.time()
+                run_op(op, a, b, d, timeout_s=1.0)
+                try:
+                    td.check_errors()
+                except td.CommTimeoutError as e:
+                    dt = time.time() - t0
+                    assert "rank 0" in str(e) and op in str(e), f"message does not name rank and op: {e}"
+                    assert dt < 10, f"took {dt:.1f}s to raise"
+                    return f"raised after {dt:.1f}s: {str(e)[:160]}"
+                raise AssertionError("no CommTimeoutError with a stalled peer")
+
+            check(f"{op}/{d} stalled peer raises", body)
+            dist.barrier()
+            td.reset_group()
+            against_reference(op, d, 2048, 512, 1024, seed=3)  # usable again after reset_group
+
+
+def main():
+    quick = "--quick" in sys.argv
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    t0 = time.time()
+    def first():  # one call of each design before anything else: the first failures say the most
+        for op in DESIGNS:
+            for d in DESIGNS[op]:
+                against_reference(op, d, *((4096, 512, 4096) if op == "ag_gemm" else (4096, 4096, 512)))
+
+    for part in (first, stalled_peer, graphs, odd_shapes, bitwise_and_repeat, lambda: seed_and_llm(quick)):
+        part()
+    if dist.get_rank() == 0:
+        print(f"{len(failures)} failed checks in {time.time() - t0:.0f}s: {failures}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

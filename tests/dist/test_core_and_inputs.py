@@ -1,0 +1,118 @@
+"""The GEMM core alone, traces, plans and the argument checks that need no process group."""
+
+import importlib
+import json
+
+import pytest
+import torch
+
+from tilefuse.dist import GemmConfig, Trace, default_config, gemm
+from tilefuse.dist.bench import fused_variants, shapes
+
+ag = importlib.import_module("tilefuse.dist.ag_gemm")
+rs = importlib.import_module("tilefuse.dist.gemm_rs")
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("m,n,k,layout,dtype", [(48, 40, 24, "kn", torch.bfloat16), (33, 24, 40, "nk", torch.float16)])
+def test_gemm_core_matches_torch_and_writes_everything(m, n, k, layout, dtype):
+    torch.manual_seed(m)
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(k, n).to(dtype) if layout == "kn" else torch.randn(n, k).to(dtype)
+    out = torch.full((m, n), float("nan")).to(dtype)
+    cfg = GemmConfig(16, 16, 16, 2, 1, 4)
+    y = gemm(a, b, out, b_layout=layout, config=cfg)
+    assert y is out and not out.isnan().any()
+    ref = a.float() @ (b.float() if layout == "kn" else b.float().T)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    assert torch.equal(gemm(a, b, b_layout=layout, config=cfg), out)  # bitwise rerun
+    # chunked tile orders compute the same tiles: bitwise equal
+    assert torch.equal(gemm(a[:32], b, b_layout=layout, config=cfg, chunks=2, order="owner_last", rank=1),
+                       gemm(a[:32], b, b_layout=layout, config=cfg))
+
+
+def test_gemm_bad_inputs():
+    a = torch.randn(32, 16).to(torch.bfloat16)
+    b = torch.randn(16, 24).to(torch.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        gemm(a.float(), b.float())
+    with pytest.raises(TypeError, match="dtype"):
+        gemm(a, b.half())
+    with pytest.raises(ValueError, match="inner dimensions"):
+        gemm(a, b.T.contiguous(), b_layout="kn")
+    with pytest.raises(ValueError, match="b_layout"):
+        gemm(a, b, b_layout="tn")
+    with pytest.raises(ValueError, match="multiples of 8"):
+        gemm(a[:, :12], b[:12])
+    with pytest.raises(ValueError, match="contiguous"):
+        gemm(torch.randn(16, 32).to(torch.bfloat16).T, b)
+    with pytest.raises(ValueError, match="2-D"):
+        gemm(a[None], b)
+    with pytest.raises(ValueError, match="out must be"):
+        gemm(a, b, torch.empty(32, 16, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        gemm(a.float().numpy(), b)
+    with pytest.raises(ValueError, match="power of two"):
+        GemmConfig(block_m=96)
+    with pytest.raises(ValueError, match="invalid GemmConfig"):
+        GemmConfig(num_warps=3)
+
+
+def test_default_config():
+    assert default_config(8192, 8192, 1024) == GemmConfig(128, 256, 64, 8, 3, 8)
+    assert default_config(4096, 512, 4096).block_n == 128
+
+
+def test_plans_bad_options_and_layouts():
+    with pytest.raises(ValueError, match="design"):
+        ag.make_plan("nvls", 64, 64, 64, 2, 0, torch.bfloat16, CPU)
+    with pytest.raises(ValueError, match="comm_programs"):
+        ag.make_plan("push", 64, 64, 64, 2, 0, torch.bfloat16, CPU, comm_programs=4)  # 4 programs on CPU
+    with pytest.raises(ValueError, match="splits"):
+        ag.make_plan("ce", 64, 64, 64, 2, 0, torch.bfloat16, CPU, splits=0)
+    with pytest.raises(ValueError, match="divisible"):
+        rs.make_plan("push", 63, 64, 64, 2, 0, torch.bfloat16, CPU)
+    with pytest.raises(ValueError, match="comm_programs"):
+        rs.make_plan("forward", 64, 64, 64, 2, 0, torch.bfloat16, CPU, comm_programs=0)
+    p = ag.make_plan("push", 4096, 512, 4096, 2, 1, torch.bfloat16, CPU, num_programs=132, comm_programs=32)
+    assert (p.gemm_programs, p.pieces, p.bands, p.schedule.order) == (100, 4, 16, (1, 0))
+    assert p.gath_off % 1024 == 0 and p.nbytes == p.gath_off + 4096 * 4096 * 2
+    p = ag.make_plan("ce", 4096, 512, 4096, 2, 0, torch.bfloat16, CPU, num_programs=132, splits=4)
+    assert (p.gemm_programs, p.band_tiles, p.bands, p.pieces) == (131, 4, 4, 1)
+    p = rs.make_plan("forward", 8192, 8192, 1024, 2, 0, torch.bfloat16, CPU, num_programs=132)
+    assert p.schedule.order == (1, 0) and p.peer_tiles == p.tiles_per_chunk and p.gemm_programs == 116
+    assert p.part_off == p.recv_off + 8192 * 8192 * 2 and p.nbytes == p.part_off + 8192 * 8192 * 2
+
+
+def test_trace_export(tmp_path):
+    torch.manual_seed(0)
+    a = torch.randn(64, 16).to(torch.bfloat16)
+    b = torch.randn(16, 32).to(torch.bfloat16)
+    tr = Trace(max_events=8)
+    gemm(a, b, config=GemmConfig(16, 16, 16, 2, 1, 4), chunks=2, order="arrival", rank=1, num_programs=3,
+         trace=tr.buffer("gemm", 1, 3, a.device))
+    evs = tr.events()
+    assert len(evs) == 8 and {e["chunk"] for e in evs} == {0, 1}
+    doc = tr.to_chrome(str(tmp_path / "t.json"))
+    assert json.loads((tmp_path / "t.json").read_text()) == doc
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert len(slices) == 8 and all(e["pid"] == 1 and e["cat"] == "gemm" for e in slices)
+    assert {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"} == {
+        "gemm program 0", "gemm program 1", "gemm program 2"}
+    assert tr.summary()["gemm"]["items"] == 8
+    with pytest.raises(ValueError, match="role"):
+        tr.buffer("reduce", 0, 1, a.device)
+    with pytest.raises(ValueError, match="max_events"):
+        Trace(max_events=0)
+
+
+def test_bench_arguments():
+    assert shapes("ag_gemm", "seed")[0] == (4096, 512, 4096, "seed")
+    assert shapes("gemm_rs", "seed")[-1] == (32768, 32768, 4096, "seed")
+    assert len(shapes("gemm_rs", "llm")) == 8 and shapes("ag_gemm", "2000x768x512")[0][:3] == (2000, 768, 512)
+    with pytest.raises(ValueError, match="MxNxK"):
+        shapes("ag_gemm", "big")
+    assert fused_variants("ag_gemm", "ce,push/p16+32") == [
+        ("fused:ce", "ce", None), ("fused:push/p16", "push", 16), ("fused:push/p32", "push", 32)]
+    with pytest.raises(ValueError, match="design"):
+        fused_variants("gemm_rs", "ce")

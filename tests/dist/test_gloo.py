@@ -1,0 +1,84 @@
+"""The NCCL + GEMM path (what the policy picks off-node, for tiny shapes, or without CUDA) under
+real process groups: gloo with 2, 4 and 8 CPU processes; the product runs on the tilefuse GEMM
+kernel through the interpreter. Also the argument checks that need a group."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    from tilefuse._interpreter import patch_interpreter_numerics
+
+    patch_interpreter_numerics()
+    import torch.distributed as dist
+
+    import tilefuse.dist as td
+    from tilefuse.reference.comm_gemm import ag_gemm_ref, gemm_rs_ref
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        cfg = td.GemmConfig(16, 16, 16, 2, 1, 4)
+        g = torch.Generator().manual_seed(rank)
+        mc, k, n = 12, 32, 24
+
+        def close(x, ref):
+            err = float((x.float() - ref.float()).norm() / ref.float().norm())
+            assert not x.isnan().any() and err < 1e-2, f"rank {rank}: relative error {err}"
+
+        a = torch.randn(mc, k, generator=g).to(torch.bfloat16)
+        b = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+        out = torch.full((mc * world, n), float("nan")).to(torch.bfloat16)
+        y, gathered = td.ag_gemm(a, b, out=out, b_layout="nk", return_gathered=True, config=cfg)
+        assert y is out
+        close(y, ag_gemm_ref(a, b, b_layout="nk"))
+        assert torch.equal(gathered[rank * mc : (rank + 1) * mc], a)
+
+        a = torch.randn(mc * world, k, generator=g).to(torch.bfloat16)
+        b = (torch.randn(k, n, generator=g) / k**0.5).to(torch.bfloat16)
+        close(td.gemm_rs(a, b, config=cfg), gemm_rs_ref(a, b))
+
+        dec = td.decide("gemm_rs", mc * world, n, k, world, torch.bfloat16, device_type="cpu")
+        assert dec.path == "nccl"
+        try:
+            td.gemm_rs(a[: mc * world - 1], b, config=cfg)
+            raise AssertionError("M not divisible by W accepted")
+        except ValueError as e:
+            assert "divisible by the world size" in str(e)
+        try:
+            td.ag_gemm(a[:mc], b, out=torch.empty(mc, n, dtype=torch.bfloat16))
+            raise AssertionError("wrong out shape accepted")
+        except ValueError as e:
+            assert "out must be" in str(e)
+        try:
+            td.ag_gemm(a[:mc], b, path="fused")
+            raise AssertionError("fused path on CPU accepted")
+        except ValueError as e:
+            assert "forced but is unavailable" in str(e)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_nccl_path_with_gloo_processes(world):
+    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+
+
+def test_needs_a_process_group():
+    import tilefuse.dist as td
+
+    a = torch.randn(8, 16).to(torch.bfloat16)
+    b = torch.randn(16, 8).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="initialised torch.distributed"):
+        td.ag_gemm(a, b)

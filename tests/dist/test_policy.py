@@ -1,0 +1,122 @@
+"""The fused-vs-NCCL policy: rules, measured-table lookup, overrides (W = 2..8)."""
+
+import json
+
+import pytest
+import torch
+
+from tilefuse.dist import policy
+from tilefuse.dist.bench import policy_rows, write_policy
+
+ROWS = [
+    {"op": "ag_gemm", "m": 1024, "n": 7168, "k": 8192, "world": 2, "dtype": "bfloat16", "winner": "nccl",
+     "best_fused": "push"},
+    {"op": "ag_gemm", "m": 16384, "n": 2048, "k": 16384, "world": 2, "dtype": "bfloat16", "winner": "ce"},
+    {"op": "ag_gemm", "m": 4096, "n": 512, "k": 4096, "world": 8, "dtype": "bfloat16", "winner": "push"},
+    {"op": "gemm_rs", "m": 8192, "n": 8192, "k": 1024, "world": 2, "dtype": "bfloat16", "winner": "forward"},
+    {"op": "gemm_rs", "m": 8192, "n": 8192, "k": 1024, "world": 2, "dtype": "float16", "winner": "push"},
+]
+
+
+@pytest.fixture
+def table():
+    saved = policy.table()
+    policy.load_table(ROWS)
+    yield
+    policy.load_table(saved)
+
+
+def test_rules_before_the_table(table, monkeypatch):
+    monkeypatch.delenv("TILEFUSE_DIST_PATH", raising=False)
+    assert policy.decide("ag_gemm", 64, 64, 64, 1).path == "gemm"
+    d = policy.decide("ag_gemm", 16384, 2048, 16384, 2, nodes=2)
+    assert d.path == "nccl" and "2 nodes" in d.reason
+    assert policy.decide("gemm_rs", 8192, 8192, 1024, 16).path == "nccl"
+    d = policy.decide("gemm_rs", 8192, 8192, 1024, 2, device_type="cpu")
+    assert d.path == "nccl" and "cpu" in d.reason
+    with pytest.raises(ValueError, match="forced but is unavailable"):
+        policy.decide("gemm_rs", 8192, 8192, 1024, 2, device_type="cpu", path="fused")
+    with pytest.raises(ValueError, match="forced but is unavailable"):
+        policy.decide("ag_gemm", 8192, 1024, 8192, 4, nodes=2, design="push")
+
+
+def test_table_lookup_nearest_row(table):
+    d = policy.decide("ag_gemm", 2048, 7168, 8192, 2)
+    assert d.path == "nccl" and d.row["m"] == 1024 and "NCCL + GEMM was faster" in d.reason
+    d = policy.decide("ag_gemm", 32768, 4096, 32768, 2)
+    assert (d.path, d.design) == ("fused", "ce") and d.row["m"] == 16384
+    # world sizes without rows use the nearest measured world size (ties: the larger)
+    for w in (3, 4):
+        assert policy.lookup("ag_gemm", 4096, 512, 4096, w)["world"] == 2
+    for w in (5, 6, 7, 8):
+        assert policy.decide("ag_gemm", 4096, 512, 4096, w).design == "push"
+    assert policy.decide("gemm_rs", 8192, 8192, 1024, 2, torch.bfloat16).design == "forward"
+    assert policy.decide("gemm_rs", 8192, 8192, 1024, 2, torch.float16).design == "push"
+
+
+def test_overrides(table, monkeypatch):
+    monkeypatch.delenv("TILEFUSE_DIST_PATH", raising=False)
+    assert policy.decide("ag_gemm", 1024, 7168, 8192, 2, path="fused").design == "push"  # row's best fused
+    assert policy.decide("ag_gemm", 1024, 7168, 8192, 2, design="ce").design == "ce"
+    with policy.override("ag_gemm", path="nccl"):
+        assert policy.decide("ag_gemm", 16384, 2048, 16384, 2).path == "nccl"
+        assert policy.decide("gemm_rs", 8192, 8192, 1024, 2).path == "fused"
+    assert policy.decide("ag_gemm", 16384, 2048, 16384, 2).path == "fused"
+    policy.set_override(design="push")
+    try:
+        assert policy.decide("gemm_rs", 8192, 8192, 1024, 2).design == "push"
+    finally:
+        policy.set_override()
+    monkeypatch.setenv("TILEFUSE_DIST_PATH", "nccl")
+    assert policy.decide("gemm_rs", 8192, 8192, 1024, 2).path == "nccl"
+    monkeypatch.setenv("TILEFUSE_DIST_PATH", "sideways")
+    with pytest.raises(ValueError, match="path must be one of"):
+        policy.decide("gemm_rs", 8192, 8192, 1024, 2)
+
+
+def test_bad_queries_and_rows(table):
+    with pytest.raises(ValueError, match="op must be one of"):
+        policy.decide("allreduce", 1, 1, 1, 2)
+    with pytest.raises(ValueError, match="design for gemm_rs"):
+        policy.decide("gemm_rs", 64, 64, 64, 2, design="ce")
+    with pytest.raises(ValueError, match="lacks"):
+        policy.load_table([{"op": "ag_gemm", "m": 1}])
+    with pytest.raises(ValueError, match="winner"):
+        policy.load_table([{**ROWS[0], "winner": "forward"}])
+
+
+def test_empty_table_defaults_to_fused(monkeypatch):
+    saved = policy.table()
+    monkeypatch.delenv("TILEFUSE_DIST_PATH", raising=False)
+    try:
+        policy.load_table([])
+        d = policy.decide("gemm_rs", 4096, 4096, 512, 2)
+        assert (d.path, d.design) == ("fused", policy.DEFAULT_DESIGN["gemm_rs"]) and "no measured rows" in d.reason
+    finally:
+        policy.load_table(saved)
+
+
+def test_shipped_table_is_valid():
+    rows = policy.load_table()
+    for r in rows:
+        assert r["op"] in policy.OPS and r["world"] >= 2
+
+
+def test_policy_rows_from_results(tmp_path):
+    result = {"summary": [
+        {"op": "ag_gemm", "m": 4096, "n": 512, "k": 4096, "world": 2, "dtype": "bf16", "nccl+cublas_us": 120.0,
+         "fused_us": {"fused:ce": 90.0, "fused:push/p16": 70.0, "fused:push/p32": 60.0}},
+        {"op": "gemm_rs", "m": 1024, "n": 4096, "k": 1792, "world": 2, "dtype": "bf16", "nccl+cublas_us": 30.0,
+         "fused_us": {"fused:push": 45.0}},
+    ]}
+    rows = policy_rows(result)
+    assert rows[0]["winner"] == "push" and rows[0]["fused_us"] == {"ce": 90.0, "push": 60.0}
+    assert rows[1]["winner"] == "nccl" and rows[1]["best_fused"] == "push"
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(result))
+    saved = policy.table()
+    try:
+        out = write_policy([str(src)], str(tmp_path / "table.json"))
+        assert len(out) == 2 and policy.decide("gemm_rs", 1024, 4096, 1792, 2).path == "nccl"
+    finally:
+        policy.load_table(saved)

@@ -1,0 +1,121 @@
+"""Barrier, bounded waits and error records, through the interpreter with emulated peers.
+
+The interpreter runs one program at a time, so a wait on something nobody provides must end by
+its bound (a spin count here, %globaltimer ns on a GPU) and leave an error record naming the
+rank, op, role and chunk; the abort word then makes every later wait return at once.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+from tilefuse.dist import _primitives as P
+from tilefuse.dist._emulate import emulate_ag_gemm
+from tilefuse.dist._gemm_core import GemmConfig
+from tilefuse.dist.symm import CommTimeoutError, FusedState, describe, emulated_workspaces, raise_recorded
+
+ag = importlib.import_module("tilefuse.dist.ag_gemm")
+rs = importlib.import_module("tilefuse.dist.gemm_rs")
+CFG = GemmConfig(16, 16, 16, 2, 1, 4)
+
+
+def signals(ws):
+    return ws.view(P.SIG_OFFSET.value, (ws.world,), torch.int32)
+
+
+def test_barrier_with_arrived_peers_signals_and_consumes():
+    wss = emulated_workspaces(3, 1 << 16)
+    me = wss[1]
+    signals(me)[0] = 1  # ranks 0 and 2 have arrived at rank 1
+    signals(me)[2] = 1
+    ag.launch_barrier(me, P.timeout_units(1.0, "cpu", 50), "gemm_rs", set_go_gemm=True)
+    assert signals(me).tolist() == [0, 0, 0]  # consumed
+    assert int(signals(wss[0])[1]) == 1 and int(signals(wss[2])[1]) == 1  # announced to both peers
+    assert int(me.ctl()[P.CTL_GO_GEMM.value]) == 1 and int(me.ctl()[P.CTL_GO_COMM.value]) == 0
+    assert int(me.err[0]) == 0
+
+
+def test_barrier_with_a_missing_peer_records_and_raises():
+    wss = emulated_workspaces(4, 1 << 16)
+    me = wss[2]
+    for peer in (0, 1):
+        signals(me)[peer] = 1  # rank 3 never arrives
+    ag.launch_barrier(me, P.timeout_units(1.0, "cpu", 30), "ag_gemm")
+    rec = me.err.tolist()
+    assert rec[:5] == [1, 2, P.OP_CODES["ag_gemm"], P.ROLE_BARRIER.value, 3]
+    assert int(me.ctl()[P.CTL_ABORT.value]) == 1
+    with pytest.raises(CommTimeoutError, match="rank 2 timed out waiting in the start/end barrier for rank 3") as ei:
+        raise_recorded(me, "ag_gemm")
+    assert "tilefuse.dist.ag_gemm" in str(ei.value) and ei.value.record["chunk"] == 3
+
+
+def test_missing_chunk_times_out_in_the_gemm_naming_the_chunk():
+    """ag_gemm where rank 1's rows never arrive at rank 0: rank 0's tiles of chunk 1 time out."""
+    world, mc, k, n = 2, 32, 16, 16
+    shards = [torch.randn(mc, k).to(torch.bfloat16) for _ in range(world)]
+    b = torch.randn(k, n).to(torch.bfloat16)
+    plans = [ag.make_plan("ce", mc * world, n, k, world, r, torch.bfloat16, torch.device("cpu"), config=CFG,
+                          num_programs=4) for r in range(world)]
+    wss = emulated_workspaces(world, plans[0].nbytes)
+    ag.ce_local_copies(plans[0], wss[0], shards[0])  # rank 0's own rows only
+    out = torch.full((mc * world, n), float("nan")).to(torch.bfloat16)
+    ag.launch_gemm_part(plans[0], wss[0], b, out, "kn", P.timeout_units(1.0, "cpu", 20))
+    rec = wss[0].err.tolist()
+    assert rec[0] == 1 and rec[1] == 0 and rec[3] == P.ROLE_GEMM.value and rec[4] == 1
+    msg = describe(rec)
+    assert "rank 0" in msg and "ag_gemm" in msg and "chunk 1" in msg
+    assert not out[:mc].isnan().any()  # own rows were computed
+    # the abort word is sticky: a later call returns at once and reports the same record
+    ag.launch_gemm_part(plans[0], wss[0], b, out, "kn", P.timeout_units(1.0, "cpu", 10**9))
+    assert wss[0].err.tolist() == rec
+
+
+def test_gemm_rs_missing_partial_times_out():
+    world, mc, k, n = 2, 16, 16, 16
+    a = torch.randn(mc * world, k).to(torch.bfloat16)
+    b = torch.randn(k, n).to(torch.bfloat16)
+    plan = rs.make_plan("push", mc * world, n, k, world, 1, torch.bfloat16, torch.device("cpu"), config=CFG,
+                        num_programs=2)
+    wss = emulated_workspaces(world, plan.nbytes)
+    wss[1].ctl()[P.CTL_GO_GEMM.value] = 1
+    out = torch.empty(mc, n, dtype=torch.bfloat16)
+    rs.launch_gemm_part(plan, wss[1], a, b, out, "kn", P.timeout_units(1.0, "cpu", 20), barrier=False)
+    rec = wss[1].err.tolist()
+    assert rec[:5] == [1, 1, P.OP_CODES["gemm_rs"], P.ROLE_GEMM.value, 1]
+    assert rec[7] == 1  # expected flag value
+
+
+def test_state_check_raises_once_recorded_and_stays_broken():
+    st = FusedState(None, "gemm_rs", torch.device("cpu"))
+    st.ws = emulated_workspaces(2, 1 << 16)[0]
+    st.check()  # nothing recorded
+    st.ws.err.copy_(torch.tensor([1, 0, 2, 1, 1, -1, 0, 1], dtype=torch.int32))
+    with pytest.raises(CommTimeoutError, match="rank 0 timed out"):
+        st.check()
+    st.ws.err.zero_()
+    with pytest.raises(CommTimeoutError, match="reset_group"):
+        st.check()  # broken until reset_group
+
+
+def test_timeout_units():
+    assert P.timeout_units(2.5, "cuda") == 2_500_000_000
+    assert P.timeout_units(2.5, "cpu", 77) == 77
+    with pytest.raises(ValueError, match="timeout_s"):
+        P.timeout_units(0, "cuda")
+
+
+def test_emulation_without_go_words_times_out_in_push():
+    """The push kernel's programs wait for the start barrier's go word before a remote store."""
+    world, mc, k, n = 2, 16, 16, 16
+    shards = [torch.randn(mc, k).to(torch.bfloat16) for _ in range(world)]
+    b = torch.randn(k, n).to(torch.bfloat16)
+    plan = ag.make_plan("push", mc * world, n, k, world, 0, torch.bfloat16, torch.device("cpu"), config=CFG,
+                        comm_programs=1, num_programs=2)
+    wss = emulated_workspaces(world, plan.nbytes)
+    ag.launch_push(plan, wss[0], shards[0], P.timeout_units(1.0, "cpu", 20), barrier=False)
+    rec = wss[0].err.tolist()
+    assert rec[:5] == [1, 0, P.OP_CODES["ag_gemm"], P.ROLE_PUSH.value, 1]
+    # the emulated data path with go words set completes cleanly
+    outs, wss2, _ = emulate_ag_gemm(shards, b, design="push", config=CFG, comm_programs=1, num_programs=2)
+    assert all(int(w.err[0]) == 0 for w in wss2) and not any(o.isnan().any() for o in outs)
