@@ -116,3 +116,26 @@ def test_bench_arguments():
         ("fused:ce", "ce", None), ("fused:push/p16", "push", 16), ("fused:push/p32", "push", 32)]
     with pytest.raises(ValueError, match="design"):
         fused_variants("gemm_rs", "ce")
+
+
+def test_bench_entry_without_gpus(tmp_path, capsys):
+    from tilefuse.dist.bench import main
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("has GPUs: the launcher would start a real run")
+    assert main(["ag-gemm", "--shapes", "seed"]) == 2
+    assert "needs at least 2 GPUs" in capsys.readouterr().err
+    res = tmp_path / "r.json"
+    res.write_text(json.dumps({"summary": [{"op": "gemm_rs", "m": 4096, "n": 4096, "k": 512, "world": 2,
+                                            "dtype": "bf16", "nccl+cublas_us": 130.0,
+                                            "fused_us": {"fused:push": 70.0}}]}))
+    from tilefuse.dist import policy
+
+    saved = policy.table()
+    try:
+        assert main(["gemm-rs", "--write-policy", str(res), "--policy-table", str(tmp_path / "t.json")]) == 0
+        assert json.loads((tmp_path / "t.json").read_text())["rows"][0]["winner"] == "push"
+    finally:
+        policy.load_table(saved)
+    with pytest.raises(SystemExit):
+        main(["all-reduce"])

@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="directory: a Perfetto trace per shape of the first design")
     p.add_argument("--trace-shapes", default=None, help="only trace these MxNxK shapes (comma list)")
     p.add_argument("--json", default=None, help="result file (default benchmarks/results/<gpu>x<W>/...)")
+    p.add_argument("--write-policy", nargs="+", metavar="RESULT_JSON", default=None,
+                   help="no run: merge these result files into the policy table (--policy-table) and exit")
+    p.add_argument("--policy-table", default=None, help="policy table to write (default: the shipped one)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -118,6 +121,13 @@ def main(argv: list[str]) -> int:
     """Entry point of ``tilefuse bench ag-gemm|gemm-rs`` (``argv`` starts with the op)."""
     args = build_parser().parse_args(argv)
     op = OPS[args.op]
+    if args.write_policy:
+        from tilefuse.dist.policy import TABLE_PATH
+
+        target = args.policy_table or str(TABLE_PATH)
+        rows = write_policy(args.write_policy, target)
+        print(f"wrote {len(rows)} policy rows to {target}")
+        return 0
     shapes(op, args.shapes)  # validate before starting processes
     if args.designs:
         fused_variants(op, args.designs)

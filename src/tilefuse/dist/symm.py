@@ -244,14 +244,18 @@ def check_errors(group=None, synchronize: bool = True) -> None:
 
 
 def reset_group(group=None) -> None:
-    """Collective: after a :class:`CommTimeoutError`, wait until every rank is idle and drop the
-    group's workspaces (their flags and barrier slots may be half-set); the next call allocates
-    fresh, zeroed ones."""
-    key = _group_key(group)
-    for (g, _, _), st in list(_STATES.items()):
-        if g != key:
-            continue
-        if st.device.type == "cuda":
-            _device_barrier(st.group, st.device)
-        st.ws = None
-        st.broken = None
+    """Collective (every rank of ``group`` calls it): after a :class:`CommTimeoutError`, wait
+    until every rank is idle and drop the group's workspaces (their flags and barrier slots may
+    be half-set); the next call allocates fresh, zeroed ones."""
+    import torch.distributed as dist
+
+    g = group if group is not None else dist.group.WORLD
+    key = _group_key(g)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.barrier(group=g)
+    for (k, _, _), st in list(_STATES.items()):
+        if k == key:
+            st.ws = None
+            st.broken = None
+    dist.barrier(group=g)
