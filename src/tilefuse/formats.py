@@ -135,10 +135,14 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 
 def decode_e2m1(code: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (any integer dtype, low 4 bits used) to fp32."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=code.device)
-    c = code.to(torch.int64) & 0xF
-    mag = table[c & 0x7]
+    """E2M1 codes (any integer dtype, low 4 bits used) to fp32.
+
+    Pure device arithmetic (no host-built table), so it also runs inside CUDA-graph capture.
+    """
+    c = code.to(torch.int32) & 0xF
+    e = ((c >> 1) & 3).float()
+    m = (c & 1).float()
+    mag = torch.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * torch.exp2(e - 1.0))
     return torch.where(c >= 8, -mag, mag)
 
 
