@@ -109,6 +109,7 @@ def test_trace_export(tmp_path):
 def test_bench_arguments():
     assert shapes("ag_gemm", "seed")[0] == (4096, 512, 4096, "seed")
     assert shapes("gemm_rs", "seed")[-1] == (32768, 32768, 4096, "seed")
+    assert shapes("ag_gemm", "seed,4096x512x4096") == shapes("ag_gemm", "seed")
     assert len(shapes("gemm_rs", "llm")) == 8 and shapes("ag_gemm", "2000x768x512")[0][:3] == (2000, 768, 512)
     with pytest.raises(ValueError, match="MxNxK"):
         shapes("ag_gemm", "big")

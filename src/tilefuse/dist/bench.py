@@ -70,7 +70,10 @@ def shapes(op: str, spec: str) -> list[tuple[int, int, int, str]]:
             out.append((m, n, k, "custom"))
     if not out:
         raise ValueError("no shapes given")
-    return out
+    unique = {}
+    for m, n, k, fam in out:  # a shape listed twice is timed once (row keys must be unique)
+        unique.setdefault((m, n, k), fam)
+    return [(m, n, k, fam) for (m, n, k), fam in unique.items()]
 
 
 def fused_variants(op: str, spec: str) -> list[tuple[str, str, int | None]]:
