@@ -33,7 +33,7 @@ import tempfile
 import time
 from collections import Counter
 
-from tilefuse.kernelcheck.variants import Variant
+from tilefuse.kernelcheck.variants import TL_DTYPE_PREFIX, Variant
 
 TARGETS = {"sm_90a": 90, "sm_100a": 100}
 
@@ -214,6 +214,7 @@ def compile_variant(variant: Variant, target: str, sass: bool = True) -> KernelR
             ``TRITON_INTERPRET=1``).
     """
     import triton
+    import triton.language as tl
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -235,7 +236,9 @@ def compile_variant(variant: Variant, target: str, sass: bool = True) -> KernelR
         return report
     signature = {name: variant.signature.get(name, "constexpr") for name in fn.arg_names}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in variant.aligned}
-    src = ASTSource(fn, signature, dict(variant.constexprs), attrs)
+    constexprs = {k: tl.dtype(v[len(TL_DTYPE_PREFIX):]) if isinstance(v, str) and v.startswith(TL_DTYPE_PREFIX) else v
+                  for k, v in variant.constexprs.items()}
+    src = ASTSource(fn, signature, constexprs, attrs)
     options = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
 
     t0 = time.perf_counter()

@@ -37,6 +37,8 @@ TARGET_MAJOR = {"sm_90a": 9, "sm_100a": 10}
 # the configs the code picks, not an experiment's).
 _CONFIG_ENV = ("TILEFUSE_PREFILL_CONFIG", "TILEFUSE_PAGED_CONFIG")
 _TILE_FIELDS = ("block_q", "block_n", "num_warps", "num_stages")
+# A ``tl.dtype`` constant is stored as this prefix + its name ("tl.dtype:bf16").
+TL_DTYPE_PREFIX = "tl.dtype:"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +158,8 @@ def _specialise(name: str, value, constexpr: bool):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if constexpr or value is None:
+        if hasattr(value, "primitive_bitwidth"):  # a tl.dtype passed as a constant
+            return "const", TL_DTYPE_PREFIX + value.name, False
         return "const", value, False
     if isinstance(value, bool):
         return "arg", "u1", False
@@ -200,7 +204,7 @@ _Q_ROWS = (1, 16, 64, 256, 1024, 4096, 16384, 65536)
 # (clean_logits, compressed): clean full layout, raw full layout, compressed, compressed + -inf tail.
 _LAYOUTS = ((True, False), (False, False), (False, True), (True, True))
 # Integer PrefillConfig fields other than the tile, and the values callers may set.
-_PREFILL_INT_OPTIONS = {"head_unroll": (2,)}
+_PREFILL_INT_OPTIONS = {"head_unroll": (1, 2)}
 _S_Q, _S_K, _MAX_SEQLEN_K = 37, 300, 45
 
 
@@ -396,8 +400,9 @@ def paged_variants() -> list[Variant]:
     ``default_paged_config`` picks.
 
     Every (format, D) at next_n 1 and 2 (H = 64, 64-token pages, 1-D lengths, fp32, not
-    cleaned: DeepGEMM's defaults); for FP8 and MXFP4 at D = 128 also H = 8 and 128,
-    next_n = 4 and 8, 32- and 128-token pages, 2-D lengths, cleaning, bf16 weights + logits.
+    cleaned: DeepGEMM's defaults); for FP8 at D = 128 also H = 8 and 128, next_n = 4 and 8,
+    32- and 128-token pages, 2-D lengths, cleaning, bf16 weights + logits; for MXFP4 at
+    D = 128 H = 128, next_n = 4, 2-D lengths and cleaning.
     """
     import torch
 
@@ -430,11 +435,141 @@ def paged_variants() -> list[Variant]:
     for fmt, d in _FMT_D:
         for next_n in (1, 2):
             one(fmt, d, next_n=next_n)
-    for fmt in ("fp8", "mxfp4"):
-        for kw in ({"h": 8}, {"h": 128}, {"next_n": 4}, {"next_n": 8}, {"block_kv": 32}, {"block_kv": 128},
-                   {"ctx_2d": True, "next_n": 2}, {"clean": True}, {"w_dtype": bf16, "out_dtype": bf16}):
-            one(fmt, 128, **kw)
+    for kw in ({"h": 8}, {"h": 128}, {"next_n": 4}, {"next_n": 8}, {"block_kv": 32}, {"block_kv": 128},
+               {"ctx_2d": True, "next_n": 2}, {"clean": True}, {"w_dtype": bf16, "out_dtype": bf16}):
+        one("fp8", 128, **kw)
+    for kw in ({"h": 128}, {"next_n": 4}, {"ctx_2d": True, "next_n": 2}, {"clean": True}):
+        one("mxfp4", 128, **kw)
     return _unique(out)
+
+
+# --------------------------------------------------------------------------------------
+# Tensor-parallel GEMMs (persistent GEMM core and communication kernels)
+# --------------------------------------------------------------------------------------
+_SMS = 132  # H200: the programs of a persistent launch (a constexpr; only the loop stride)
+_FUSED_K = 2112  # ag_gemm pieces of 1024 columns: 3
+
+
+def _gemm_configs(core) -> list:
+    """Every tile ``default_config`` picks over a range of shapes."""
+    picks = []
+    for m in (128, 1024, 4096, 16384, 65536):
+        for n in (512, 1024, 4096, 8192, 28672):
+            cfg = core.default_config(m, n, 4096, _SMS)
+            if cfg not in picks:
+                picks.append(cfg)
+    return picks
+
+
+def _dist_variants() -> list[Variant]:
+    import torch
+
+    from tilefuse.dist import _gemm_core as core
+    from tilefuse.dist import _primitives as P
+    from tilefuse.dist.symm import emulated_workspaces
+
+    ag = importlib.import_module("tilefuse.dist.ag_gemm")  # the package rebinds the names to functions
+    rs = importlib.import_module("tilefuse.dist.gemm_rs")
+    paths = {f"{core.__name__}:_persistent_gemm": "dist.gemm", f"{ag.__name__}:_ag_push_kernel": "dist.comm",
+             f"{ag.__name__}:_barrier_kernel": "dist.comm", f"{rs.__name__}:_rs_forward_kernel": "dist.comm"}
+    timeout = int(ag.DEFAULT_TIMEOUT_S * 1e9)  # ns, as on a GPU
+    bf16, fp16 = torch.bfloat16, torch.float16
+    cfgs = _gemm_configs(core)
+    out: list[Variant] = []
+
+    def record(label: str, launches: list[Launch]) -> None:
+        for launch in launches:
+            kernel = paths[launch.function]
+            c, o = launch.arguments, launch.options
+            if kernel == "dist.gemm":
+                epi = {0: "local", 1: "rs-push", 2: "rs-local"}[c["EPI"]]
+                name = (f"{label} {c['BM']}x{c['BN']}x{c['BK']} w{o['num_warps']}s{o.get('num_stages', 3)} "
+                        f"epi={epi}{' wait_a' if c['WAIT_A'] else ''}{'' if c['ALIGNED'] else ' unaligned'}"
+                        f"{' barrier' if c['BARRIER'] else ''}")
+                out.append(variant_of(launch, kernel, name))
+            else:
+                v = variant_of(launch, kernel, "")
+                consts = " ".join(f"{k}={str(x).removeprefix(TL_DTYPE_PREFIX)}" for k, x in v.constexprs.items()
+                                  if k.isupper() and k not in ("NUM_PROGRAMS", "MAX_EVENTS", "USE_TIMER", "TRACE"))
+                out.append(dataclasses.replace(v, name=f"{launch.function.partition(':')[2]} {consts}"))
+
+    def tensors(m, n, k, dtype, b_layout):
+        a = torch.zeros(m, k, dtype=dtype)
+        b = torch.zeros((k, n) if b_layout == "kn" else (n, k), dtype=dtype)
+        return a, b
+
+    # Kernels read %globaltimer on a GPU: trace with the GPU's choice, not the interpreter's.
+    with mock.patch.object(P, "use_timer", lambda device_type: True):
+        # The GEMM alone: both tiles x B layouts x aligned or not (bf16), and fp16.
+        for cfg in cfgs:
+            for b_layout in ("kn", "nk"):
+                for m in (2 * cfg.block_m, 200) if b_layout == "kn" else (2 * cfg.block_m,):
+                    a, b = tensors(m, 264, 64, bf16, b_layout)
+                    with tracing(*paths) as launches:
+                        core.gemm(a, b, b_layout=b_layout, config=cfg, num_programs=_SMS)
+                    record(f"gemm bf16 {b_layout}", launches)
+        a, b = tensors(2 * cfgs[0].block_m, 264, 64, fp16, "kn")
+        with tracing(*paths) as launches:
+            core.gemm(a, b, config=cfgs[0], num_programs=_SMS)
+        record("gemm fp16 kn", launches)
+
+        # ag_gemm (8 ranks): both designs, every tile; the GEMM waits on the gathered rows.
+        # Shapes with several tile rows per chunk and several K pieces, so that no count the
+        # launch passes is 1 (Triton would compile that as a constant).
+        world, k = 8, _FUSED_K
+        for cfg in cfgs:
+            for design in ag.DESIGNS:
+                m = world * 8 * cfg.block_m
+                plan = ag.make_plan(design, m, 264, k, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS)
+                ws = emulated_workspaces(world, plan.nbytes)[0]
+                a_shard, b = tensors(m // world, 264, k, bf16, "kn")
+                out_t = torch.empty(m, 264, dtype=bf16)
+                with tracing(*paths) as launches:
+                    if design == "push":
+                        ag.launch_push(plan, ws, a_shard, timeout)
+                    else:
+                        ag.launch_barrier(ws, timeout, "ag_gemm")
+                    ag.launch_gemm_part(plan, ws, b, out_t, "kn", timeout)
+                record(f"ag_gemm[{design}] W{world} bf16 kn", launches)
+
+        # gemm_rs: both designs at 2 and 8 ranks, every tile; unaligned chunks once.
+        for cfg in cfgs:
+            for design in rs.DESIGNS:
+                for world, rows in ((2, 2 * cfg.block_m), (8, 2 * cfg.block_m), (8, 200)):
+                    if (rows == 200 or world == 2) and (design != "push" or cfg != cfgs[0]):
+                        continue
+                    m = world * rows
+                    plan = rs.make_plan(design, m, 264, 64, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS)
+                    ws = emulated_workspaces(world, plan.nbytes)[0]
+                    a, b = tensors(m, 264, 64, bf16, "kn")
+                    out_t = torch.empty(rows, 264, dtype=bf16)
+                    with tracing(*paths) as launches:
+                        rs.launch_gemm_part(plan, ws, a, b, out_t, "kn", timeout)
+                        if design == "forward":
+                            rs.launch_forward(plan, ws, timeout)
+                    record(f"gemm_rs[{design}] W{world} bf16 kn", launches)
+    return out
+
+
+@functools.cache
+def _dist_all() -> tuple[Variant, ...]:
+    return tuple(_dist_variants())
+
+
+def dist_gemm_variants() -> list[Variant]:
+    """``_persistent_gemm`` as ``gemm``, ``ag_gemm`` and ``gemm_rs`` launch it (their launch
+    functions, on emulated workspaces, with the GPU's timer and timeout): every tile
+    ``default_config`` picks; the GEMM alone in bf16 with B as [K, N] (chunks aligned to the
+    tile or not) and [N, K], and in fp16; ag_gemm's two designs at 8 ranks; gemm_rs's two
+    epilogues at 8 ranks, and the push epilogue also at 2 ranks (the reduction is unrolled
+    over the ranks) and with unaligned chunks."""
+    return _unique(v for v in _dist_all() if v.kernel == "dist.gemm")
+
+
+def dist_comm_variants() -> list[Variant]:
+    """The communication kernels (no dot) launched beside those GEMMs: ag_gemm's push and
+    barrier kernels, gemm_rs's forwarding kernel."""
+    return _unique(v for v in _dist_all() if v.kernel == "dist.comm")
 
 
 # --------------------------------------------------------------------------------------
@@ -461,6 +596,8 @@ KERNELS: dict[str, tuple[Callable[[], list[Variant]], str]] = {
     "indexer.prefill_tail": (prefill_tail_variants, "tilefuse.indexer._prefill_kernel"),
     "indexer.prefill_sm100": (prefill_sm100_variants, "tilefuse.indexer._prefill_kernel_sm100"),
     "indexer.paged": (paged_variants, "tilefuse.indexer._paged_kernel"),
+    "dist.gemm": (dist_gemm_variants, "tilefuse.dist._gemm_core"),
+    "dist.comm": (dist_comm_variants, "tilefuse.dist._comm_kernels"),
 }
 
 

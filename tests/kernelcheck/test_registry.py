@@ -1,0 +1,140 @@
+"""The registry (built by tracing the launch sites) and the prefill dispatch table."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tilefuse.indexer import _dispatch, prefill
+from tilefuse.kernelcheck import variants as V
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return V.variants()
+
+
+def test_names_unique_and_compiles_distinct(registry):
+    for kernel in {v.kernel for v in registry}:
+        vs = [v for v in registry if v.kernel == kernel]
+        assert len({v.name for v in vs}) == len(vs)
+        assert len({v.compile_key() for v in vs}) == len(vs)
+
+
+def test_round_trip_through_json(registry):
+    import json
+
+    for v in registry:
+        assert V.Variant.from_dict(json.loads(json.dumps(v.to_dict()))) == v
+
+
+def test_prefill_defaults_are_covered(registry):
+    """Every tile default_config picks appears, in every format, D and output layout."""
+    pre = [v for v in registry if v.kernel == "indexer.prefill" and v.origin == "default"]
+    for fmt, d in V._FMT_D:
+        code = prefill._FORMAT_CODE[fmt]
+        mine = [v for v in pre if v.constexprs["FMT"] == code and v.constexprs["D"] == d]
+        for s_q in V._Q_ROWS:
+            cfg = prefill.default_config(fmt, 64, d, s_q)
+            tiles = {(v.constexprs["BLOCK_Q"], v.constexprs["BLOCK_N"], v.num_warps, v.num_stages) for v in mine}
+            assert (cfg.block_q, cfg.block_n, cfg.num_warps, cfg.num_stages) in tiles, (fmt, d, s_q, cfg)
+        layouts = {(v.constexprs["CLEAN"], v.constexprs["COMPRESSED"]) for v in mine}
+        assert layouts == set(V._LAYOUTS)
+
+
+def test_prefill_variants_follow_the_launch(registry):
+    v = next(v for v in registry if v.kernel == "indexer.prefill" and v.name.startswith("mxfp4 D128 H64 full+clean"))
+    dq = 64
+    assert v.signature["q_desc"].startswith("tensordesc<i8[") and v.signature["q_desc"].endswith(f", {dq}]>")
+    assert v.signature["k_scale_ptr"] == "*i32" and v.signature["out_ptr"] == "*fp32"
+    # S_q = 37 and S_k = 300 are not multiples of 16; the padded row stride is.
+    assert "S_q" not in v.aligned and "S_k" not in v.aligned and "stride_out" in v.aligned
+
+
+def test_targets_follow_the_dispatch_table(registry):
+    for v in registry:
+        if v.kernel == "indexer.prefill":
+            mx = v.constexprs["FMT"] != prefill._FORMAT_CODE["fp8"]
+            assert v.targets == (("sm_90a",) if mx else ("sm_90a", "sm_100a")), v.name
+        elif v.kernel == "indexer.prefill_sm100":
+            assert v.targets == ("sm_100a",)
+        else:
+            assert v.targets == V.TARGETS_ALL
+
+
+def test_dist_variants_use_the_gpu_timer(registry):
+    for v in registry:
+        if v.kernel.startswith("dist.") and "USE_TIMER" in v.constexprs:
+            assert v.constexprs["USE_TIMER"] is True
+
+
+def test_every_prefill_option_is_varied():
+    base = prefill.default_config("fp8", 64, 128)
+    flipped = {f.name for cfg in V.prefill_option_configs(base) for f in dataclasses.fields(cfg)
+               if getattr(cfg, f.name) != getattr(base, f.name)}
+    options = {f.name for f in dataclasses.fields(base)} - set(V._TILE_FIELDS)
+    assert flipped == options
+
+
+def test_unknown_config_field_is_an_error():
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        block_q: int = 64
+        new_knob: int = 3
+
+    with pytest.raises(ValueError, match="new_knob"):
+        V.prefill_option_configs(Cfg())
+
+
+def test_bad_selection():
+    with pytest.raises(ValueError, match="kernel"):
+        V.variants("no.such.kernel")
+    with pytest.raises(ValueError, match="target"):
+        V.variants(target="sm_80")
+
+
+def test_tracing_restores_kernels_and_environment(monkeypatch):
+    monkeypatch.setenv("TILEFUSE_PREFILL_CONFIG", "block_n=64")
+    kernel = prefill.kern.prefill_logits_kernel
+    with V.tracing(f"{prefill.kern.__name__}:prefill_logits_kernel"):
+        import os
+
+        assert "TILEFUSE_PREFILL_CONFIG" not in os.environ
+        assert prefill.kern.prefill_logits_kernel is not kernel
+    assert prefill.kern.prefill_logits_kernel is kernel
+    assert os.environ["TILEFUSE_PREFILL_CONFIG"] == "block_n=64"
+
+
+# ---------------------------------------------------------------------------------------
+# Dispatch
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("major,fmt,split,path", [
+    (9, "fp8", False, "hopper-fp8"),
+    (9, "mxfp8", False, "hopper-mx-bf16"),
+    (9, "mxfp4", False, "hopper-mx-bf16"),
+    (9, "mxfp8", True, "hopper-mx-split"),
+    (9, "fp8", True, "hopper-fp8"),
+    (10, "fp8", False, "hopper-fp8"),
+    (10, "mxfp8", False, "sm100-mx-dot-scaled"),
+    (10, "mxfp4", False, "sm100-mx-dot-scaled"),
+    (10, "mxfp4", True, "sm100-mx-dot-scaled"),  # the Hopper split option does not apply
+    (None, "mxfp8", False, "hopper-mx-bf16"),  # CPU: the interpreter runs the Hopper kernel
+    (8, "mxfp4", False, "hopper-mx-bf16"),
+    (12, "mxfp8", False, "hopper-mx-bf16"),  # consumer Blackwell: no tcgen05
+])
+def test_dispatch_table(major, fmt, split, path):
+    assert _dispatch.prefill_kernel_path(major, fmt, split) == path
+    assert path in _dispatch.KERNEL_OF_PATH
+
+
+def test_dispatch_rejects_unknown_format():
+    with pytest.raises(ValueError, match="fmt"):
+        _dispatch.prefill_kernel_path(9, "int8")
+
+
+def test_capability_of_cpu_is_none():
+    assert _dispatch.capability_major(torch.device("cpu")) is None
+    assert _dispatch.capability_major("cpu") is None
+    assert _dispatch.capability_major(None) is None
