@@ -249,6 +249,13 @@ def _mqa_logits(
         _fill_compressed_tail(out, ks, ke, s_k, max_seqlen_k)
     if s_k == 0:
         return out
+    # Blackwell (10.x): MX formats run the native block-scaled kernel with its own tile; the
+    # table of which kernel runs where is _dispatch.PREFILL_KERNELS.
+    from tilefuse.indexer import _dispatch, _prefill_kernel_sm100
+    if (_dispatch.prefill_kernel_path(_dispatch.capability_major(q.device), fmt, mx_split)
+            == _dispatch.SM100_MX_DOT_SCALED):
+        _prefill_kernel_sm100.launch(q, q_sf, k, k_scale, weights, ks, ke, out, clean_logits, max_seqlen_k > 0)
+        return out
 
     # With MX split, each load is one 32-element block (16 bytes of packed FP4).
     split = fmt != "fp8" and mx_split
