@@ -285,10 +285,12 @@ def launch_gemm(
     tile_end: int | None = None,
     trace: torch.Tensor | None = None,
     op: str = "gemm",
+    load_only: bool = False,
 ) -> None:
     """Launch the persistent GEMM on the current stream. Shapes are checked by the callers;
     ``a`` is ``[W * Mc, K]`` (or the gathered buffer), ``out`` ``[W * Mc, N]`` (local epilogue)
-    or ``[Mc, N]`` (gemm_rs epilogues)."""
+    or ``[Mc, N]`` (gemm_rs epilogues). ``load_only``: compile and load this specialization
+    without launching it (GPU; see ``_primitives.load_kernel``)."""
     if b_layout not in _B_LAYOUTS:
         raise ValueError(f"b_layout must be one of {_B_LAYOUTS}, got {b_layout!r}")
     cfg = config
@@ -320,13 +322,15 @@ def launch_gemm(
     if trace is not None and trace.shape[0] < programs:
         raise ValueError(f"trace buffer has {trace.shape[0]} rows, needs {programs}")
     c = comm_vals
-    _persistent_gemm[(programs,)](
+    args = (
         a_desc, b_desc, c_desc, out,
         a.shape[0], n, k, schedule.mc, rank,
         order, tile_begin, tile_end,
         c["ws_addr"], c["bases"], c["flags_off"], c["band_tiles"], c["bands_per_chunk"], c["flag_target"],
         c["recv_off"], c["part_off"], c["part_flags_off"], c["n_reset"],
         c["err_addr"], c["timeout"], trace if trace is not None else _dummy(device),
+    )
+    kwargs = dict(
         W=schedule.world, NUM_PROGRAMS=programs,
         BM=bm, BN=bn, BK=bk, GROUP_M=schedule.group_m,
         B_KN=b_layout == "kn", EPI=epilogue, WAIT_A=wait_a,
@@ -335,6 +339,11 @@ def launch_gemm(
         USE_TIMER=P.use_timer(device.type), OP=P.OP_CODES[op],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if load_only:
+        if device.type == "cuda":
+            P.load_kernel(_persistent_gemm, (programs,), args, kwargs)
+        return
+    _persistent_gemm[(programs,)](*args, **kwargs)
 
 
 _ORDER_CACHE: dict = {}

@@ -70,6 +70,11 @@ class AgPlan:
         return self.m // self.world
 
     @property
+    def flags_end(self) -> int:
+        """End (bytes) of the band flags; the gathered buffer starts after it."""
+        return P.FLAGS_OFFSET + 4 * self.n_flags
+
+    @property
     def band_rows(self) -> int:
         return self.band_tiles * self.config.block_m
 
@@ -307,6 +312,7 @@ def ag_gemm(
     plan = _make_plan_cached(dec.design, m, n, k, world, rank, a_shard.dtype, a_shard.device, config=config,
                              comm_programs=comm_programs, splits=splits)
     ws = state.ensure(plan.nbytes)
+    state.clear_flags(plan.flags_end)
     timeout = P.timeout_units(timeout_s or DEFAULT_TIMEOUT_S, a_shard.device.type)
     run_fused(plan, state, ws, a_shard, b, out, b_layout, timeout, trace)
     if return_gathered:

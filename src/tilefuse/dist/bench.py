@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--mode", choices=("batch", "graph"), default="batch")
     p.add_argument("--samples", type=int, default=10)
+    p.add_argument("--samples-long", type=int, default=4,
+                   help="samples of shapes whose estimated call time exceeds --long-ms (e.g. the 32768 seed shape)")
+    p.add_argument("--long-ms", type=float, default=5.0)
     p.add_argument("--calls", type=int, default=5, help="graph mode: calls per captured graph")
     p.add_argument("--sample-ms", type=float, default=20.0, help="batch mode: target ms per timed sample")
     p.add_argument("--timeout", type=float, default=10.0, help="timeout_s of the fused ops' waits")
@@ -309,12 +312,18 @@ def _sync():
     torch.cuda.synchronize()
 
 
+def _samples(args, est_us: float) -> int:
+    """Fewer samples for long calls: their medians settle sooner and the step has a time limit."""
+    return min(args.samples, args.samples_long) if est_us > args.long_ms * 1000 else args.samples
+
+
 def _time(fns: dict, args, est_us: float) -> dict:
     from tilefuse.bench import timing
 
+    samples = _samples(args, est_us)
     if args.mode == "graph":
-        return timing.time_graph(fns, calls=args.calls, samples=args.samples, reset=_sync)
-    return timing.time_batch(fns, iters=_iters(args.sample_ms, est_us), warmup=2, samples=args.samples, reset=_sync)
+        return timing.time_graph(fns, calls=args.calls, samples=samples, reset=_sync)
+    return timing.time_batch(fns, iters=_iters(args.sample_ms, est_us), warmup=2, samples=samples, reset=_sync)
 
 
 def _trace(case: _Case, fused, path: Path) -> str | None:
@@ -405,6 +414,9 @@ def _worker(args) -> int:
 
     for k_, v in MULTICAST_OFF.items():
         os.environ.setdefault(k_, v)
+    # Registers torch.ops.symm_mem.*: without it the first symm_mem baseline is not found.
+    import torch.distributed._symmetric_memory  # noqa: F401
+
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
@@ -426,6 +438,25 @@ def _worker(args) -> int:
     rows, summaries = [], []
     dead: dict[str, str] = {}  # fused variants that failed once are not retried at later shapes
     t_start = time.time()
+    path = None
+    if rank == 0:
+        environment = benv.environment(args.mode)
+        environment["world_size"] = world
+        environment["multicast"] = "off"
+        settings = {"mode": args.mode, "samples": args.samples, "samples_long": args.samples_long,
+                    "long_ms": args.long_ms, "calls": args.calls, "sample_ms": args.sample_ms,
+                    "designs": [f[0] for f in fused]}
+        path = args.json or str(report.default_output_path(op, f"{benv.gpu_slug()}x{world}"))
+
+    def progress(what: str) -> None:
+        if rank == 0:
+            print(f"[{time.time() - t_start:6.1f}s]   {what}", flush=True)
+
+    def write() -> None:  # after every shape: a step killed by its time limit still leaves results
+        result = report.make_result(op, environment, settings, ceilings, rows)
+        result["summary"] = summaries
+        report.write_result(result, path)
+
     for m, n, k, family in shapes(op, args.shapes):
         case_name = f"{op} {m}x{n}x{k} W{world} {args.dtype}"
         params = {"op": op, "m": m, "n": n, "k": k, "world": world, "dtype": args.dtype, "family": family}
@@ -437,12 +468,14 @@ def _worker(args) -> int:
             continue
         notes: dict = {}
         try:
+            progress(f"{m}x{n}x{k}: inputs")
             case = _Case(op, m, n, k, world, rank, dtype, None, args)
             fns = case.variants([f for f in fused if f[0] not in dead], not args.no_symm_mem)
             kept, checks = _check_variants(case, fns, notes)
             dead.update({nm: notes[nm] for nm in fns if nm.startswith("fused") and nm not in kept})
             bytes_comm = (m // world) * k * 2 * (world - 1) if op == "ag_gemm" else m * n * 2 * (world - 1) / world
             est_us = flops / 600e12 * 1e6 + bytes_comm / 250e9 * 1e6
+            progress(f"{m}x{n}x{k}: checked ({len(kept)}/{len(fns)} variants), timing {_samples(args, est_us)} samples")
             stats = _time(kept, args, est_us)
         except Exception as e:
             traceback.print_exc()
@@ -477,18 +510,11 @@ def _worker(args) -> int:
                 summ["trace"] = trace_file
             summaries.append(summ)
             print(f"[{time.time() - t_start:6.1f}s] {_summary_line(summ)}", flush=True)
+            write()
         del case
         torch.cuda.empty_cache()
     if rank == 0:
-        environment = benv.environment(args.mode)
-        environment["world_size"] = world
-        environment["multicast"] = "off"
-        result = report.make_result(op, environment, {"mode": args.mode, "samples": args.samples,
-                                                      "calls": args.calls, "sample_ms": args.sample_ms,
-                                                      "designs": [f[0] for f in fused]}, ceilings, rows)
-        result["summary"] = summaries
-        path = args.json or str(report.default_output_path(op, f"{benv.gpu_slug()}x{world}"))
-        report.write_result(result, path)
+        write()
         print(f"wrote {path}")
         print(summary_table(summaries))
     dist.barrier()

@@ -12,7 +12,9 @@ order from rank+1), then writes the result once. Designs (``design=``):
   others wait on before their first remote store. One kernel, all SMs, no side stream.
 * ``"forward"`` — communication programs: the GEMM writes peer-owned tiles to a local buffer
   with a local flag; ``comm_programs`` programs of a forwarding kernel copy each finished tile
-  to its owner and raise the owner's flag; the GEMM runs on the remaining SMs.
+  to its owner and raise the owner's flag; the GEMM runs on the remaining SMs. The two kernels
+  wait on each other, so both are compiled and loaded before the first launch of a shape
+  (``_primitives.load_kernel``).
 
 Every wait is bounded (``timeout_s``).
 """
@@ -70,6 +72,11 @@ class RsPlan:
         return self.schedule.tiles_per_chunk
 
     @property
+    def flags_end(self) -> int:
+        """End (bytes) of the flag words; data regions start after it."""
+        return self.part_flags_off + 4 * self.world * self.tiles_per_chunk
+
+    @property
     def peer_tiles(self) -> int:
         """Tiles of peer-owned chunks: the first ones in this rank's order."""
         return (self.world - 1) * self.tiles_per_chunk
@@ -93,8 +100,10 @@ def make_plan(
     comm_programs: int | None = None,
     num_programs: int | None = None,
 ) -> RsPlan:
-    """Layout: recv flags ``[W, tiles per chunk]``, then (forward) local tile flags of the same
-    shape, the receive buffer ``[W, M/W, N]`` and (forward) the local partial ``[M, N]``."""
+    """Layout, the same for both designs (so that calls of either design leave the other's flag
+    words zero): recv flags ``[W, tiles per chunk]``, local tile flags of the same shape
+    (forward only), the receive buffer ``[W, M/W, N]`` and the local partial ``[M, N]``
+    (forward only; push's workspace ends before it)."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     mc = chunk_rows(m, world)
@@ -106,17 +115,15 @@ def make_plan(
     item = torch.empty((), dtype=dtype).element_size()
     recv_flags_off = P.FLAGS_OFFSET
     part_flags_off = recv_flags_off + 4 * n_flags
+    recv_off = _align(part_flags_off + 4 * n_flags)
+    part_off = recv_off + m * n * item
     if design == "push":
         comm = 0
-        recv_off = _align(part_flags_off)
-        part_off = recv_off + m * n * item  # unused
         nbytes = part_off
     else:
         comm = 16 if comm_programs is None else comm_programs
         if not 1 <= comm < sms:
             raise ValueError(f"comm_programs must be in [1, {sms}), got {comm}")
-        recv_off = _align(part_flags_off + 4 * n_flags)
-        part_off = recv_off + m * n * item
         nbytes = part_off + m * n * item
     return RsPlan(design, m, n, k, world, rank, dtype, cfg, sched, comm, sms - comm, recv_flags_off,
                   part_flags_off, recv_off, part_off, nbytes)
@@ -124,7 +131,8 @@ def make_plan(
 
 def launch_gemm_part(plan: RsPlan, ws: Workspace, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                      b_layout: str, timeout: int, *, tile_begin: int = 0, tile_end: int | None = None,
-                     reset: bool = True, barrier: bool = True, trace: torch.Tensor | None = None) -> None:
+                     reset: bool = True, barrier: bool = True, trace: torch.Tensor | None = None,
+                     load_only: bool = False) -> None:
     n_flags = plan.world * plan.tiles_per_chunk
     comm = CommArgs(ws.local, ws.bases_dev, ws.err, timeout, flags_off=plan.recv_flags_off,
                     recv_off=plan.recv_off, part_off=plan.part_off, part_flags_off=plan.part_flags_off,
@@ -132,24 +140,31 @@ def launch_gemm_part(plan: RsPlan, ws: Workspace, a: torch.Tensor, b: torch.Tens
     epi = EPI_RS_PUSH if plan.design == "push" else EPI_RS_LOCAL
     launch_gemm(a, b, out, schedule=plan.schedule, rank=plan.rank, config=plan.config, b_layout=b_layout,
                 epilogue=epi.value, comm=comm, num_programs=plan.gemm_programs, tile_begin=tile_begin,
-                tile_end=tile_end, trace=trace, op="gemm_rs")
+                tile_end=tile_end, trace=trace, op="gemm_rs", load_only=load_only)
 
 
 def launch_forward(plan: RsPlan, ws: Workspace, timeout: int, *, barrier: bool = True,
-                   trace: torch.Tensor | None = None) -> None:
+                   trace: torch.Tensor | None = None, load_only: bool = False) -> None:
     from tilefuse.dist._gemm_core import _order_tensor
 
     programs = plan.comm_programs
     cfg = plan.config
     dev = ws.local.device
-    _rs_forward_kernel[(programs,)](
+    args = (
         ws.local.data_ptr(), ws.bases_dev, _order_tensor(plan.schedule.order, dev), plan.part_off,
         plan.part_flags_off, plan.recv_off, plan.recv_flags_off, plan.mc, plan.n, plan.peer_tiles, plan.rank,
         ws.err.data_ptr(), timeout, trace if trace is not None else ws.bases_dev,
+    )
+    kwargs = dict(
         DTYPE=_tl_dtype(plan.dtype), W=plan.world, NUM_PROGRAMS=programs, BM=cfg.block_m, BN=cfg.block_n,
         GROUP_M=cfg.group_m, BR=max(1, 16384 // cfg.block_n), BARRIER=barrier, TRACE=trace is not None,
         MAX_EVENTS=trace.shape[1] if trace is not None else 1, USE_TIMER=P.use_timer(dev.type), num_warps=8,
     )
+    if load_only:
+        if dev.type == "cuda":
+            P.load_kernel(_rs_forward_kernel, (programs,), args, kwargs)
+        return
+    _rs_forward_kernel[(programs,)](*args, **kwargs)
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -161,16 +176,22 @@ def _tl_dtype(dtype: torch.dtype):
 def run_fused(plan: RsPlan, state, ws: Workspace, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
               b_layout: str, timeout: int, trace=None) -> None:
     """One rank's fused call. push: the GEMM alone (its program 0 runs the barrier). forward:
-    the forwarding kernel on the side stream beside the GEMM, joined at the end."""
+    the forwarding kernel on the side stream beside the GEMM, joined at the end; on the first
+    call of a specialization both kernels are loaded before either is launched."""
     gemm_trace = trace.buffer("gemm", plan.rank, plan.gemm_programs, a.device) if trace is not None else None
     if plan.design == "push":
         launch_gemm_part(plan, ws, a, b, out, b_layout, timeout, trace=gemm_trace)
         return
+    comm_trace = trace.buffer("forward", plan.rank, plan.comm_programs, a.device) if trace is not None else None
+    key = (plan, b_layout, timeout, None if trace is None else (gemm_trace.shape[1], comm_trace.shape[1]))
+    if key not in state.loaded:
+        launch_forward(plan, ws, timeout, trace=comm_trace, load_only=True)
+        launch_gemm_part(plan, ws, a, b, out, b_layout, timeout, trace=gemm_trace, load_only=True)
+        state.loaded.add(key)
     main = torch.cuda.current_stream(a.device)
     side = state.side
     state.start_event.record(main)
     side.wait_event(state.start_event)
-    comm_trace = trace.buffer("forward", plan.rank, plan.comm_programs, a.device) if trace is not None else None
     with torch.cuda.stream(side):
         launch_forward(plan, ws, timeout, trace=comm_trace)
     state.end_event.record(side)
@@ -242,6 +263,7 @@ def gemm_rs(
     plan = _make_plan_cached(dec.design, m, n, k, world, rank, a.dtype, a.device, config=config,
                              comm_programs=comm_programs)
     ws = state.ensure(plan.nbytes)
+    state.clear_flags(plan.flags_end)
     timeout = P.timeout_units(timeout_s or DEFAULT_TIMEOUT_S, a.device.type)
     run_fused(plan, state, ws, a, b, out, b_layout, timeout, trace)
     return out

@@ -148,6 +148,10 @@ class FusedState:
         self.device = device
         self.ws: Workspace | None = None
         self.broken: str | None = None
+        # Flag bytes [FLAGS_OFFSET, clean_end) are known to be zero: every call resets the flags
+        # it used, but a later call with more flags would read an earlier call's data as flags.
+        self.clean_end = 0
+        self.loaded: set = set()  # kernel specializations loaded before a concurrent launch
         self.side = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
         self.start_event = torch.cuda.Event() if device.type == "cuda" else None
         self.end_event = torch.cuda.Event() if device.type == "cuda" else None
@@ -167,7 +171,25 @@ class FusedState:
         if self.ws is not None:  # peers may still read the old one: everyone idle first
             _device_barrier(self.group, self.device)
         self.ws = allocate_workspace(self.group, _round_up(nbytes), self.device)
+        self.clean_end = self.ws.nbytes
         return self.ws
+
+    def clear_flags(self, flags_end: int) -> None:
+        """Make the flag bytes ``[FLAGS_OFFSET, flags_end)`` of this call zero, on the current
+        stream before the call's kernels. Only the part an earlier call may have used as data
+        is cleared; peers write this rank's flags only after the call's start barrier, so the
+        clearing cannot race with them. Inside graph capture the whole range is cleared (the
+        replays may follow calls of any shape)."""
+        if self.ws is None:
+            raise RuntimeError("clear_flags before the workspace exists")
+        start = P.FLAGS_OFFSET
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self.ws.local[start:flags_end].zero_()
+            self.clean_end = min(self.clean_end, flags_end)
+            return
+        if flags_end > self.clean_end:
+            self.ws.local[max(start, self.clean_end):flags_end].zero_()
+        self.clean_end = flags_end  # this call's data regions start after its flags
 
     def check(self) -> None:
         """Raise CommTimeoutError for a timeout recorded by an earlier call (no device sync)."""
