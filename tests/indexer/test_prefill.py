@@ -33,6 +33,7 @@ VARIANTS = {  # name -> (format, config fields beyond the tile)
     "mxfp8-split": ("mxfp8", dict(mx_split=True)),
     "mxfp4": ("mxfp4", {}),
     "mxfp4-wide-keys-major": ("mxfp4", dict(keys_major=True, head_unroll=2)),
+    "mxfp4-via-fp8": ("mxfp4", dict(fp4_via_fp8=True)),
     "mxfp4-split": ("mxfp4", dict(mx_split=True)),
 }
 BF16_THRESHOLD = {"fp8": 1e-3, "mxfp8": 0.02, "mxfp4": 0.02}
@@ -169,6 +170,27 @@ def test_compressed_layout(fmt, clean, poisoned):
     longest = int((ke.clamp(max=s_k) - ks).max())
     out = run(qq, kk, w, ks, ke, clean_logits=clean, max_seqlen_k=longest + 3)
     check_logits(out, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=longest + 3)
+
+
+def test_mxfp4_via_fp8_is_exact_and_recomputes_rows_with_wide_scale_spans(poisoned):
+    """Rows whose block exponents span more than 8 binades cannot be renormalised into E4M3;
+    the second pass must recompute exactly their tiles (on queries and on keys)."""
+    s_q, s_k, h, d = shapes((24, 160), (512, 8192)) + (8, 128)
+    q, k, w, _, _ = make_inputs(s_q, s_k, h, d, "mxfp4", seed=21)
+    q, k = q.float(), k.float()
+    q[3, 2, :32] *= 1e4  # a 32-block 13+ binades above the row's others
+    k[17, 32:64] *= 1e5
+    q[5, 1, :32] *= 30  # a span of ~5 binades: exact on the FP8 path
+    qq, kk = F.quantize_q(q.cpu(), "mxfp4"), F.quantize_k(k.cpu(), "mxfp4")
+    qq, kk = tuple(t.to(DEVICE) for t in qq), tuple(t.to(DEVICE) for t in kk)
+    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(3), device=DEVICE)
+    out = run(qq, kk, w, ks, ke, config=dataclasses.replace(SMALL, fp4_via_fp8=True))
+    check_logits(out, qq, kk, q, k, w, ks, ke, "mxfp4")
+
+    q8, row_scale, exact = prefill._fp4_rows_to_fp8(qq[0], qq[1], d)
+    assert exact.view(s_q, h)[3, 2].item() is False and exact.sum().item() == s_q * h - 1
+    deq = F.dequantize_q(*qq).reshape(-1, d)
+    assert torch.equal((q8.float() * row_scale[:, None])[exact], deq[exact])
 
 
 def test_unaligned_shape_129_by_4100(poisoned):

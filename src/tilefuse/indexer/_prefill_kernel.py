@@ -125,9 +125,15 @@ def prefill_logits_kernel(
     H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, MX_SPLIT: tl.constexpr,
     CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_MAJOR: tl.constexpr, HEAD_UNROLL: tl.constexpr,
+    fix_q_ptr=None, fix_k_ptr=None, FIXUP: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_q = tl.program_id(1)
+    if FIXUP:
+        # Second pass of MXFP4-on-FP8: only tiles holding a row the first pass could not
+        # represent exactly are recomputed (bf16 upcast); every other program leaves at once.
+        if (tl.load(fix_q_ptr + pid_q) | tl.load(fix_k_ptr + pid_n)) == 0:
+            return
     q0 = pid_q * BLOCK_Q
     n0 = pid_n * BLOCK_N
     rows = q0 + tl.arange(0, BLOCK_Q)
@@ -223,3 +229,32 @@ def fill_compressed_tail_kernel(out_ptr, stride_out, ks_ptr, ke_ptr, S_q, S_k, m
     fill = tl.full((BLOCK_Q, BLOCK_C), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], fill, mask=mask)
 
+
+
+@triton.jit
+def fp4_rows_to_fp8_kernel(src_ptr, sf_ptr, dst_ptr, row_exp_ptr, row_spread_ptr, n_rows,
+                           D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """MXFP4 rows [n, D/2] -> E4M3 rows [n, D] renormalised by the row's largest block scale.
+
+    Element x of block b becomes ``x * 2^(e_b - e_max)``: an E2M1 value times a power of two
+    down to 2^-8 lies on the E4M3 grid (its subnormal step is 2^-9), so the conversion is exact
+    when the row's block exponents span at most 8. Writes ``e_max`` and that span per row.
+    """
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < n_rows
+    half = tl.arange(0, D // 2)
+    raw = tl.load(src_ptr + rows.to(tl.int64)[:, None] * (D // 2) + half[None, :], mask=ok[:, None], other=0)
+    b = raw.to(tl.int32) & 0xFF
+    sf = tl.load(sf_ptr + rows, mask=ok, other=0x7F7F7F7F)
+    NB: tl.constexpr = D // 32
+    e_blocks = (sf[:, None] >> (tl.arange(0, NB) * 8)[None, :]) & 0xFF
+    e_max = tl.max(e_blocks, axis=1)
+    e_min = tl.min(e_blocks, axis=1)
+    e = (sf[:, None] >> ((half // 16) * 8)[None, :]) & 0xFF
+    scale = ((tl.maximum(e - e_max[:, None], -126) + 127) << 23).to(tl.float32, bitcast=True)
+    lo = _e2m1_to_f32(b & 0xF) * scale
+    hi = _e2m1_to_f32(b >> 4) * scale
+    vals = tl.reshape(tl.join(lo, hi), (BLOCK_R, D)).to(tl.float8e4nv)
+    tl.store(dst_ptr + rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], vals, mask=ok[:, None])
+    tl.store(row_exp_ptr + rows, e_max, mask=ok)
+    tl.store(row_spread_ptr + rows, e_max - e_min, mask=ok)

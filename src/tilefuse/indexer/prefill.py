@@ -35,9 +35,12 @@ class PrefillConfig:
 
     ``mx_split`` picks the MX path on Hopper: False = dequantise to bf16 and run a bf16 dot
     (exact), True = one FP8 dot per 32-element block with scaled accumulation.
-    ``keys_major`` puts keys on the MMA's M side (for few query rows: a 16-row query tile
-    then wastes nothing); ``head_unroll`` = 2 issues two heads' dots per loop step. Neither
-    applies to the MX split path.
+    ``fp4_via_fp8`` runs MXFP4 on FP8 tensor cores: each row is renormalised into E4M3 by its
+    largest block scale (exact while its block exponents span <= 8; that scale is folded into
+    the weights or the key scale), and a second pass recomputes with the bf16 upcast only the
+    tiles that hold a row outside that span. ``keys_major`` puts keys on the MMA's M side (for
+    few query rows: a 16-row query tile then wastes nothing); ``head_unroll`` = 2 issues two
+    heads' dots per loop step. Neither applies to the MX split path.
     """
 
     block_q: int = 64
@@ -47,6 +50,7 @@ class PrefillConfig:
     mx_split: bool = False
     keys_major: bool = False
     head_unroll: int = 1
+    fp4_via_fp8: bool = False
 
 
 def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None) -> PrefillConfig:
@@ -88,7 +92,7 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
             key = key.strip()
             if key not in fields:
                 raise ValueError(f"TILEFUSE_PREFILL_CONFIG: unknown field {key!r}; fields are {sorted(fields)}")
-            is_flag = key in ("mx_split", "keys_major")
+            is_flag = key in ("mx_split", "keys_major", "fp4_via_fp8")
             updates[key] = value.strip().lower() in ("1", "true", "yes") if is_flag else int(value)
         cfg = dataclasses.replace(cfg, **updates)
     if cfg.block_q < 16 or cfg.block_n < 16 or cfg.block_q & (cfg.block_q - 1) or cfg.block_n & (cfg.block_n - 1):
@@ -236,6 +240,7 @@ def _mqa_logits(
     mx_split: bool,
     keys_major: bool,
     head_unroll: int,
+    fp4_via_fp8: bool,
 ) -> torch.Tensor:
     fmt = format_of(q, q_sf)
     s_q, h, dq = q.shape
@@ -257,13 +262,27 @@ def _mqa_logits(
         _prefill_kernel_sm100.launch(q, q_sf, k, k_scale, weights, ks, ke, out, clean_logits, max_seqlen_k > 0)
         return out
 
+    cfg = PrefillConfig(block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll, fp4_via_fp8)
+    if fmt == "mxfp4" and fp4_via_fp8 and not mx_split:
+        _mxfp4_via_fp8(q, q_sf, k, k_scale, weights, ks, ke, out, clean_logits, max_seqlen_k > 0, d, cfg)
+        return out
+    _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean_logits, max_seqlen_k > 0, cfg)
+    return out
+
+
+def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg: PrefillConfig,
+            fix_q=None, fix_k=None) -> None:
+    """One launch of the prefill kernel; ``fix_q``/``fix_k`` (int32 per query/key block) restrict
+    it to the flagged tiles."""
+    s_q, h, dq = q.shape
+    s_k = k.shape[0]
     # With MX split, each load is one 32-element block (16 bytes of packed FP4).
-    split = fmt != "fp8" and mx_split
+    split = fmt != "fp8" and cfg.mx_split
     q_cols = (16 if fmt == "mxfp4" else 32) if split else dq
-    q_desc = TensorDescriptor(q, [s_q, h * dq], [q.stride(0), 1], [block_q, q_cols])
-    k_desc = TensorDescriptor(k, [s_k, dq], [k.stride(0), 1], [block_n, q_cols])
+    q_desc = TensorDescriptor(q, [s_q, h * dq], [q.stride(0), 1], [cfg.block_q, q_cols])
+    k_desc = TensorDescriptor(k, [s_k, dq], [k.stride(0), 1], [cfg.block_n, q_cols])
     q_sf_arg = q_sf if q_sf is not None else ks  # unused for FP8
-    grid = (triton.cdiv(s_k, block_n), triton.cdiv(s_q, block_q))
+    grid = (triton.cdiv(s_k, cfg.block_n), triton.cdiv(s_q, cfg.block_q))
     kern.prefill_logits_kernel[grid](
         q_desc, q_sf_arg, q_sf.stride(0) if q_sf is not None else 0,
         k_desc, k_scale,
@@ -272,16 +291,56 @@ def _mqa_logits(
         out, out.stride(0),
         s_q, s_k,
         H=h, D=d, FMT=_FORMAT_CODE[fmt], MX_SPLIT=split,
-        CLEAN=clean_logits, COMPRESSED=max_seqlen_k > 0,
-        BLOCK_Q=block_q, BLOCK_N=block_n, KEYS_MAJOR=keys_major and not split, HEAD_UNROLL=head_unroll,
-        num_warps=num_warps, num_stages=num_stages,
+        CLEAN=clean, COMPRESSED=compressed,
+        BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, KEYS_MAJOR=cfg.keys_major and not split,
+        HEAD_UNROLL=cfg.head_unroll,
+        fix_q_ptr=fix_q, fix_k_ptr=fix_k, FIXUP=fix_q is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return out
+
+
+# Block exponents within a row may span this many binades and still convert exactly (E2M1
+# times 2^-8 is on the E4M3 grid); the folded row scale must keep fp32 weights finite.
+_FP4_SPAN_EXACT = 8
+_FOLD_EXP_LIMIT = 100
+
+
+def _fp4_rows_to_fp8(values: torch.Tensor, sf: torch.Tensor, d: int, block_r: int = 64):
+    """Packed MXFP4 rows -> (E4M3 rows, fp32 row scale 2^(e_max-127), bool exact) on the device."""
+    rows = values.reshape(-1, d // 2)
+    n = rows.shape[0]
+    out = torch.empty((n, d), dtype=FP8_DTYPE, device=values.device)
+    e_max = torch.empty(n, dtype=torch.int32, device=values.device)
+    span = torch.empty(n, dtype=torch.int32, device=values.device)
+    if n:
+        kern.fp4_rows_to_fp8_kernel[(triton.cdiv(n, block_r),)](rows, sf.reshape(-1), out, e_max, span, n,
+                                                               D=d, BLOCK_R=block_r)
+    exact = (span <= _FP4_SPAN_EXACT) & ((e_max - 127).abs() <= _FOLD_EXP_LIMIT)
+    return out, torch.exp2(e_max.float() - 127.0), exact
+
+
+def _block_flags(inexact: torch.Tensor, block: int) -> torch.Tensor:
+    pad = (-inexact.shape[0]) % block
+    padded = torch.nn.functional.pad(inexact, (0, pad))
+    return padded.view(-1, block).any(dim=1).to(torch.int32)
+
+
+def _mxfp4_via_fp8(q, q_sf, k, k_scale, weights, ks, ke, out, clean, compressed, d, cfg: PrefillConfig) -> None:
+    s_q, h, _ = q.shape
+    q8, q_row_scale, q_exact = _fp4_rows_to_fp8(q, q_sf, d)
+    k8, k_row_scale, k_exact = _fp4_rows_to_fp8(k, k_scale, d)
+    # relu(c * x) = c * relu(x) for c > 0: the query row scale moves into the weights.
+    w8 = weights.float() * q_row_scale.view(s_q, h)
+    fp8_cfg = default_config("fp8", h, d, s_q)
+    _launch(q8.view(s_q, h, d), None, k8, k_row_scale, w8, ks, ke, out, "fp8", d, clean, compressed, fp8_cfg)
+    fix_q = _block_flags(~q_exact.view(s_q, h).all(dim=1), cfg.block_q)
+    fix_k = _block_flags(~k_exact, cfg.block_n)
+    _launch(q, q_sf, k, k_scale, weights, ks, ke, out, "mxfp4", d, clean, compressed, cfg, fix_q, fix_k)
 
 
 @_mqa_logits.register_fake
 def _mqa_logits_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype,
-                     block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll):
+                     block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll, fp4_via_fp8):
     shape, stride = _out_shape(q.shape[0], k.shape[0], max_seqlen_k)
     return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
 
@@ -357,7 +416,8 @@ def fp8_fp4_mqa_logits(
     _check_windows(cu_seq_len_k_start, cu_seq_len_k_end, s_k, max_seqlen_k)
     return _mqa_logits(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end,
                        bool(clean_logits), max_seqlen_k, logits_dtype, cfg.block_q, cfg.block_n,
-                       cfg.num_warps, cfg.num_stages, cfg.mx_split, cfg.keys_major, cfg.head_unroll)
+                       cfg.num_warps, cfg.num_stages, cfg.mx_split, cfg.keys_major, cfg.head_unroll,
+                       cfg.fp4_via_fp8)
 
 
 def fp8_mqa_logits(
