@@ -61,6 +61,10 @@ SASS_TRITON = """Function:toy
 """
 
 SASS_CUOBJDUMP = """
+	code for sm_90a
+		Function : toy
+	.headerflags	@"EF_CUDA_TEXMODE_UNIFIED EF_CUDA_64BIT_ADDRESS EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+                                                                                   /* 0x000fe40000000f00 */
         /*0000*/                   LDC R1, c[0x0][0x28] ;                             /* 0x00000a00ff017b82 */
         /*0010*/              @!P0 HMMA.16816.F32.BF16 R4, R8, R12, R4 ;                        /* 0x000000000000723c */
         /*0020*/                   UTCQMMA gdesc[UR4], gdesc[UR6], tmem[UR8], tmem[UR10], idesc[UR11], UPT ;

@@ -84,3 +84,43 @@ def test_scales_reach_the_dot():
     ke = torch.full((S_Q,), S_K, dtype=torch.int32)
     out = _run(qq, kk, w, ks, ke, True, 0, torch.float32)
     assert R.calc_diff(out, R.fp8_fp4_mqa_logits_ref(qq, kk, w, ks, ke)) < 5e-6
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("max_seqlen_k", [0, 160])
+def test_the_op_dispatches_here_on_capability_10(monkeypatch, fmt, max_seqlen_k):
+    """fp8_fp4_mqa_logits on a (simulated) 10.x device runs this kernel, tail fill included."""
+    from tilefuse.indexer import _dispatch, prefill
+
+    calls = []
+    real = k100.launch
+    monkeypatch.setattr(_dispatch, "capability_major", lambda device: 10)
+    monkeypatch.setattr(k100, "launch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, w, ks, ke = _inputs(fmt, 128, seed=5)
+    ke = torch.minimum(ke, ks + 150)
+    out = prefill.fp8_fp4_mqa_logits(q, k, w, ks, ke, True, max_seqlen_k)
+    assert calls == [1]
+    ref = R.fp8_fp4_mqa_logits_ref(q, k, w, ks, ke, True, max_seqlen_k)
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref)) and not out.isnan().any()
+    assert R.calc_diff(out, ref) < 5e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 10,
+                    reason="needs a Blackwell (10.x) GPU")
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+def test_blackwell_gpu(fmt):
+    from tilefuse.indexer import prefill
+
+    g = torch.Generator().manual_seed(0)
+    s_q, s_k, h, d = 2048, 8192, 64, 128
+    q = tuple(None if t is None else t.cuda() for t in F.quantize_q(torch.randn(s_q, h, d, generator=g), fmt))
+    k = tuple(t.cuda() for t in F.quantize_k(torch.randn(s_k, d, generator=g), fmt))
+    w = torch.randn(s_q, h, generator=g).cuda()
+    ks = torch.zeros(s_q, dtype=torch.int32, device="cuda")
+    ke = torch.arange(s_q, dtype=torch.int32, device="cuda") + (s_k - s_q) + 1
+    out = prefill.fp8_fp4_mqa_logits(q, k, w, ks, ke)
+    ref = R.fp8_fp4_mqa_logits_ref(q, k, w, ks, ke)
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
+    assert R.calc_diff(out, ref) < 5e-6
+    assert torch.equal(prefill.fp8_fp4_mqa_logits(q, k, w, ks, ke), out)

@@ -1,10 +1,9 @@
 """Which prefill kernel runs where: one table from (GPU capability major, format) to a kernel path.
 
-| capability | fp8          | mxfp8 / mxfp4                                             |
-|------------|--------------|-----------------------------------------------------------|
-| 9.x Hopper | ``hopper-fp8`` | ``hopper-mx-bf16`` (``hopper-mx-split`` with ``mx_split``) |
-| 10.x Blackwell (sm_100, sm_103) | ``hopper-fp8`` | ``sm100-mx-dot-scaled``                  |
-| other GPUs, CPU (interpreter) | as Hopper | as Hopper                                    |
+    capability             fp8          mxfp8, mxfp4
+    9.x  Hopper            hopper-fp8   hopper-mx-bf16 (hopper-mx-split with mx_split=True)
+    10.x Blackwell sm_100  hopper-fp8   sm100-mx-dot-scaled
+    anything else, CPU     as 9.x       as 9.x
 
 * ``hopper-*``: ``prefill_logits_kernel`` (``_prefill_kernel.py``), written for Hopper; its
   ``tl.dot`` compiles to wgmma on sm_90 and to tcgen05 on sm_100, so FP8 keeps it on
@@ -14,8 +13,9 @@
 * ``sm100-mx-dot-scaled``: ``prefill_logits_mx_kernel`` (``_prefill_kernel_sm100.py``), the
   native block-scaled MMA through ``tl.dot_scaled``, with its own tile.
 
-Other capabilities (Ampere, consumer Blackwell sm_120) and the CPU interpreter take the
-Hopper column: the portable kernel, whatever MMA Triton finds for it.
+Other capabilities (Ampere, consumer Blackwell sm_120) and the CPU interpreter take the 9.x
+row: the portable kernel, whatever MMA Triton finds for it. ``tilefuse kernels`` compiles each
+kernel for the targets this table sends it to.
 """
 
 from __future__ import annotations

@@ -134,18 +134,36 @@ def count_ptx(ptx: str) -> dict[str, int]:
 
 
 _SASS_INSTR = re.compile(r"^(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+_SASS_ADDR = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s*")
 
 
 def sass_opcodes(sass: str) -> Counter:
-    """Opcode histogram of SASS as Triton's ``asm["sass"]`` (or ``cuobjdump -sass``) prints it."""
+    """Opcode histogram of SASS as ``cuobjdump -sass`` prints it (``/*0040*/  OPCODE ...``) or
+    as Triton's ``asm["sass"]`` does (``<control>\tOPCODE ...``); other lines are skipped."""
     hist: Counter = Counter()
     for line in sass.splitlines():
-        text = line.split("\t")[-1].strip()  # Triton's format: "<control>\t<instruction>"
-        text = re.sub(r"^/\*[0-9a-f]+\*/\s*", "", text)  # cuobjdump's "/*0040*/" address
-        m = _SASS_INSTR.match(text)
-        if m and not text.endswith(":"):
+        addr = _SASS_ADDR.match(line)
+        if addr:
+            text = line[addr.end():]
+        elif "\t" in line:
+            text = line.split("\t", 1)[1]
+        else:
+            continue
+        m = _SASS_INSTR.match(text.strip())
+        if m:
             hist[m.group(1)] += 1
     return hist
+
+
+def disassemble(cubin: bytes) -> str:
+    """``cuobjdump -sass`` of a cubin, with the cuobjdump bundled in Triton."""
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], check=True, capture_output=True,
+                              text=True).stdout
 
 
 def count_sass(hist: Counter) -> dict[str, int]:
@@ -203,7 +221,7 @@ def _capture_fd2():
 def compile_variant(variant: Variant, target: str, sass: bool = True) -> KernelReport:
     """Compile ``variant`` for ``target`` ("sm_90a" or "sm_100a") in this process.
 
-    ``sass``: also disassemble the cubin (``cuobjdump``, about 0.2 s) for the SASS counts.
+    ``sass``: also disassemble the cubin (``cuobjdump``, about 0.3 s) for the SASS counts.
 
     Errors of the kernel (it does not compile) are returned in the report; errors of the
     setup (an interpreted kernel, an unknown target) raise.
@@ -270,8 +288,7 @@ def compile_variant(variant: Variant, target: str, sass: bool = True) -> KernelR
     report.lowered = count_ops(compiled.asm["ttgir"], _MMA_OPS + _DOT_OPS)
     report.ptx = count_ptx(compiled.asm["ptx"])
     if sass:
-        with _capture_fd2():  # cuobjdump/nvdisasm chatter
-            hist = sass_opcodes(compiled.asm["sass"])
+        hist = sass_opcodes(disassemble(compiled.asm["cubin"]))
         report.sass = count_sass(hist)
         report.sass_opcodes = dict(sorted(hist.items()))
     report.ok = True
