@@ -37,6 +37,9 @@ SMALL_Q_CONFIGS = FP8_CONFIGS[:1] + [
     C(16, 128, 4, 3, keys_major=True), C(16, 128, 4, 3, keys_major=True, head_unroll=2),
     C(32, 128, 4, 3, keys_major=True, head_unroll=2), C(16, 256, 8, 3, keys_major=True, head_unroll=2),
 ]
+FP4_CONFIGS = [
+    C(64, 256, 8, 3), C(64, 256, 8, 3, fp4_via_fp8=True), C(64, 128, 4, 2, head_unroll=2, fp4_via_fp8=True),
+]
 MX_CONFIGS = [
     C(64, 128, 4, 2, head_unroll=2), C(64, 128, 4, 2), C(64, 256, 8, 3), C(128, 128, 8, 2),
     C(64, 128, 4, 2, keys_major=True, head_unroll=2), C(64, 64, 4, 2, mx_split=True),
@@ -72,7 +75,7 @@ def rows(quick: bool):
         yield dict(s_q=s_q, s_k=s_k, h=64, d=128, fmt="fp8", clean=True, logits=torch.float32), SMALL_Q_CONFIGS
     yield dict(s_q=2048, s_k=32768, h=64, d=128, fmt="fp8", clean=True, logits=torch.bfloat16), FP8_CONFIGS[:2]
     yield dict(s_q=2048, s_k=32768, h=64, d=128, fmt="mxfp8", clean=True, logits=torch.float32), MX_CONFIGS
-    yield dict(s_q=2048, s_k=32768, h=64, d=128, fmt="mxfp4", clean=True, logits=torch.float32), MX_CONFIGS
+    yield dict(s_q=2048, s_k=32768, h=64, d=128, fmt="mxfp4", clean=True, logits=torch.float32), FP4_CONFIGS
 
 
 def main(argv=None):
@@ -80,6 +83,7 @@ def main(argv=None):
     ap.add_argument("--output", default="prefill-sweep.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--formats", default="fp8,mxfp8,mxfp4", help="comma-separated formats to sweep")
     args = ap.parse_args(argv)
     record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": []}
     fp8_ceiling = ceilings.ceiling_value(record["ceilings"], "fp8_matmul")
@@ -87,6 +91,8 @@ def main(argv=None):
     print(f"ceilings: fp8 {fp8_ceiling:.0f}  bf16 {bf16_ceiling:.0f} TFLOP/s", flush=True)
     table = []
     for shape, configs in rows(args.quick):
+        if shape["fmt"] not in args.formats.split(","):
+            continue
         qq, kk, w = make(shape["s_q"], shape["s_k"], shape["h"], shape["d"], shape["fmt"])
         ks, ke = W.causal_tail(shape["s_q"], shape["s_k"], device="cuda")
         flops = 2 * W.valid_pairs(ks, ke, shape["s_k"]) * shape["h"] * shape["d"]
@@ -125,6 +131,8 @@ def main(argv=None):
                 tflops = flops / (stats[name].median_us * 1e-6) / 1e12
                 row.update(stats=stats[name].to_dict(), tflops=tflops, ceiling_ratio=tflops / ceiling)
                 table.append((label, name, stats[name].median_us, tflops, tflops / ceiling, checks[name]["ok"]))
+                print(f"{label} {name}: {stats[name].median_us:.1f} us {tflops:.0f} TFLOP/s "
+                      f"ok={checks[name]['ok']}", flush=True)
             else:
                 table.append((label, name, float("nan"), float("nan"), float("nan"), False))
             record["rows"].append(row)
