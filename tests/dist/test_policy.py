@@ -112,6 +112,13 @@ def test_policy_rows_from_results(tmp_path):
     rows = policy_rows(result)
     assert rows[0]["winner"] == "push" and rows[0]["fused_us"] == {"ce": 90.0, "push": 60.0}
     assert rows[1]["winner"] == "nccl" and rows[1]["best_fused"] == "push"
+    # within the tie margin the op's default design stays
+    close = {"summary": [{"op": "gemm_rs", "m": 4096, "n": 8192, "k": 3584, "world": 2, "dtype": "bf16",
+                          "nccl+cublas_us": 513.0, "fused_us": {"fused:push": 431.0, "fused:forward/p16": 427.0}}]}
+    assert policy_rows(close)[0]["winner"] == "push"
+    assert policy_rows(close, tie=0.0)[0]["winner"] == "forward"
+    with pytest.raises(ValueError, match="tie"):
+        policy_rows(close, tie=1.5)
     src = tmp_path / "r.json"
     src.write_text(json.dumps(result))
     saved = policy.table()

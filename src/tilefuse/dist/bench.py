@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-policy", nargs="+", metavar="RESULT_JSON", default=None,
                    help="no run: merge these result files into the policy table (--policy-table) and exit")
     p.add_argument("--policy-table", default=None, help="policy table to write (default: the shipped one)")
+    p.add_argument("--policy-tie", type=float, default=0.03,
+                   help="a design displaces the op's default design only when faster by more than this fraction")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -131,7 +133,7 @@ def main(argv: list[str]) -> int:
         from tilefuse.dist.policy import TABLE_PATH
 
         target = args.policy_table or str(TABLE_PATH)
-        rows = write_policy(args.write_policy, target)
+        rows = write_policy(args.write_policy, target, args.policy_tie)
         print(f"wrote {len(rows)} policy rows to {target}")
         return 0
     shapes(op, args.shapes)  # validate before starting processes
@@ -553,9 +555,15 @@ def summary_table(summaries: list[dict]) -> str:
     return format_table(headers, lines, "l" + "r" * (len(headers) - 1))
 
 
-def policy_rows(result: dict) -> list[dict]:
+def policy_rows(result: dict, tie: float = 0.03) -> list[dict]:
     """Policy-table rows from a result file: per shape the winner among NCCL + cuBLAS and the
-    fused designs (each design's best program count)."""
+    fused designs (each design's best program count). Another design displaces the op's
+    default design only when it is more than ``tie`` (a fraction) faster: closer than that is
+    within the run-to-run spread of the measurements."""
+    from tilefuse.dist.policy import DEFAULT_DESIGN
+
+    if not 0 <= tie < 1:
+        raise ValueError(f"tie must be a fraction in [0, 1), got {tie!r}")
     rows = []
     for s in result.get("summary", []):
         fused = s.get("fused_us") or {}
@@ -563,6 +571,9 @@ def policy_rows(result: dict) -> list[dict]:
         if not cands and s.get("nccl+cublas_us") is None:
             continue
         best_design = min(cands, key=cands.get) if cands else None
+        default = DEFAULT_DESIGN[s["op"]]
+        if best_design not in (None, default) and default in cands and cands[best_design] > (1 - tie) * cands[default]:
+            best_design = default
         seq = s.get("nccl+cublas_us")
         winner = "nccl" if best_design is None or (seq is not None and seq < cands[best_design]) else best_design
         rows.append({"op": s["op"], "m": s["m"], "n": s["n"], "k": s["k"], "world": s["world"],
@@ -572,12 +583,12 @@ def policy_rows(result: dict) -> list[dict]:
     return rows
 
 
-def write_policy(results: list[str], path: str) -> list[dict]:
+def write_policy(results: list[str], path: str, tie: float = 0.03) -> list[dict]:
     """Merge the policy rows of result files into a policy table file (later files win)."""
     rows: dict[tuple, dict] = {}
     for p in results:
         with open(p) as f:
-            for r in policy_rows(json.load(f)):
+            for r in policy_rows(json.load(f), tie):
                 rows[(r["op"], r["m"], r["n"], r["k"], r["world"], r["dtype"])] = r
     out = sorted(rows.values(), key=lambda r: (r["op"], r["world"], r["m"], r["n"], r["k"]))
     with open(path, "w") as f:
