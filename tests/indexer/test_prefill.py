@@ -67,7 +67,8 @@ def _rows(t, idx):
     return None if t is None else t[idx]
 
 
-def check_logits(out, qq, kk, q, k, w, ks, ke, fmt, clean=True, max_seqlen_k=0, logits_dtype=torch.float32):
+def check_logits(out, qq, kk, q, k, w, ks, ke, fmt, clean=True, max_seqlen_k=0, logits_dtype=torch.float32,
+                 against_unquantised=True):
     """The §5 rules: both references, exact -inf masks, every element written.
 
     Masks and unwritten elements are checked over the complete output. At GPU sizes the fp32
@@ -103,7 +104,7 @@ def check_logits(out, qq, kk, q, k, w, ks, ke, fmt, clean=True, max_seqlen_k=0, 
     assert R.calc_diff(out32, ref) < tight
     # Against unquantised inputs the error is quantisation noise (FP8 sits near 7e-4 against a
     # 1e-3 bar): a statistic that needs a sample, so tiny cases check the tight bar only.
-    if int(inside.sum()) * q.shape[1] >= 8192:
+    if against_unquantised and int(inside.sum()) * q.shape[1] >= 8192:
         assert R.calc_diff(out32, unquant) < BF16_THRESHOLD[fmt]
 
 
@@ -185,7 +186,10 @@ def test_mxfp4_via_fp8_is_exact_and_recomputes_rows_with_wide_scale_spans(poison
     qq, kk = tuple(t.to(DEVICE) for t in qq), tuple(t.to(DEVICE) for t in kk)
     ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(3), device=DEVICE)
     out = run(qq, kk, w, ks, ke, config=dataclasses.replace(SMALL, fp4_via_fp8=True))
-    check_logits(out, qq, kk, q, k, w, ks, ke, "mxfp4")
+    # The 1e5-scaled key block dominates every sum of squares, so the statistic against
+    # unquantised inputs measures MXFP4 noise on that one column; the dequantised reference
+    # (exact arithmetic on the same quantised values) is the check that matters here.
+    check_logits(out, qq, kk, q, k, w, ks, ke, "mxfp4", against_unquantised=False)
 
     q8, row_scale, exact = prefill._fp4_rows_to_fp8(qq[0], qq[1], d)
     assert exact.view(s_q, h)[3, 2].item() is False and exact.sum().item() == s_q * h - 1
