@@ -433,6 +433,14 @@ def _worker(args) -> int:
         from tilefuse.bench import ceilings as ceil
 
         ceilings = ceil.measure_ceilings() if rank == 0 else {}
+        if rank == 0 and world > 1:
+            # Copy-engine bandwidth per direction between this rank's GPU and the next one's.
+            peer = (torch.cuda.current_device() + 1) % torch.cuda.device_count()
+            for src, dst in ((torch.cuda.current_device(), peer), (peer, torch.cuda.current_device())):
+                try:
+                    ceilings[f"p2p_{src}to{dst}"] = ceil.p2p_bandwidth(src, dst)
+                except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+                    ceilings[f"p2p_{src}to{dst}"] = ceil.unavailable(f"{type(e).__name__}: {e}")
         coll = "all_gather" if op == "ag_gemm" else "reduce_scatter"
         rec = ceil.collective_bandwidth(coll)
         if rank == 0:
