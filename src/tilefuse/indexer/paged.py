@@ -34,12 +34,12 @@ implementations, so they trace under ``torch.compile`` without graph breaks.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
 
 from tilefuse import formats
+from tilefuse._config import apply_env_overrides
 from tilefuse.formats import FP8_DTYPE, format_of
 from tilefuse.indexer import _paged_kernel as kern
 from tilefuse.indexer.prefill import _expect, _expect_tensor, _window_checks_enabled
@@ -104,28 +104,12 @@ def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
     return PagedConfig(block_n=64, rows=rows, splits=2, num_warps=4, num_stages=5, block_fill=1024)
 
 
-def _config_overrides(cfg: PagedConfig, env: str) -> PagedConfig:
-    """Apply ``field=value,field=value`` from the environment variable ``env`` (for experiments)."""
-    spec = os.environ.get(env, "").strip()
-    if not spec:
-        return cfg
-    names = {f.name for f in dataclasses.fields(PagedConfig)}
-    updates = {}
-    for item in spec.split(","):
-        key, _, value = item.partition("=")
-        key = key.strip()
-        if key not in names:
-            raise ValueError(f"{env}: unknown field {key!r}; fields are {sorted(names)}")
-        updates[key] = int(value)
-    return dataclasses.replace(cfg, **updates)
-
-
 def resolve_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, block_kv: int,
                          config: PagedConfig | None = None) -> PagedConfig:
     """``config`` if given, else the default; ``TILEFUSE_PAGED_CONFIG="block_n=128,splits=1"``
     overrides single fields."""
     cfg = config or default_paged_config(fmt, next_n, num_heads, head_dim, block_kv)
-    cfg = _config_overrides(cfg, "TILEFUSE_PAGED_CONFIG")
+    cfg = apply_env_overrides(cfg, "TILEFUSE_PAGED_CONFIG")
     for name in ("block_n", "rows", "block_fill"):
         v = getattr(cfg, name)
         _expect(v >= 1 and v & (v - 1) == 0, ValueError, f"PagedConfig.{name} must be a power of two, got {v}")

@@ -16,6 +16,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from tilefuse._config import apply_env_overrides
 from tilefuse.formats import FP8_DTYPE, format_of
 from tilefuse.indexer import _prefill_kernel as kern
 
@@ -84,19 +85,8 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
                    config: PrefillConfig | None = None) -> PrefillConfig:
     """``config`` if given, else the default; ``TILEFUSE_PREFILL_CONFIG="block_n=64,num_warps=8"``
     overrides single fields for experiments."""
-    cfg = config or default_config(fmt, num_heads, head_dim, num_q_rows)
-    spec = os.environ.get("TILEFUSE_PREFILL_CONFIG", "").strip()
-    if spec:
-        fields = {f.name: f.type for f in dataclasses.fields(PrefillConfig)}
-        updates = {}
-        for item in spec.split(","):
-            key, _, value = item.partition("=")
-            key = key.strip()
-            if key not in fields:
-                raise ValueError(f"TILEFUSE_PREFILL_CONFIG: unknown field {key!r}; fields are {sorted(fields)}")
-            is_flag = key in ("mx_split", "keys_major", "fp4_via_fp8")
-            updates[key] = value.strip().lower() in ("1", "true", "yes") if is_flag else int(value)
-        cfg = dataclasses.replace(cfg, **updates)
+    cfg = apply_env_overrides(config or default_config(fmt, num_heads, head_dim, num_q_rows),
+                              "TILEFUSE_PREFILL_CONFIG")
     if cfg.block_q < 16 or cfg.block_n < 16 or cfg.block_q & (cfg.block_q - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"block_q and block_n must be powers of two >= 16, got {cfg}")
     if cfg.head_unroll not in (1, 2):
