@@ -18,6 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilefuse._config import apply_env_overrides
 from tilefuse.formats import FP8_DTYPE, format_of
+from tilefuse.indexer import _dispatch, _prefill_kernel_sm100
 from tilefuse.indexer import _prefill_kernel as kern
 
 _FORMAT_CODE = {"fp8": kern.FMT_FP8, "mxfp8": kern.FMT_MXFP8, "mxfp4": kern.FMT_MXFP4}
@@ -248,7 +249,6 @@ def _mqa_logits(
         return out
     # Blackwell (10.x): MX formats run the native block-scaled kernel with its own tile; the
     # table of which kernel runs where is _dispatch.PREFILL_KERNELS.
-    from tilefuse.indexer import _dispatch, _prefill_kernel_sm100
     if (_dispatch.prefill_kernel_path(_dispatch.capability_major(q.device), fmt, mx_split)
             == _dispatch.SM100_MX_DOT_SCALED):
         _prefill_kernel_sm100.launch(q, q_sf, k, k_scale, weights, ks, ke, out, clean_logits, max_seqlen_k > 0)
