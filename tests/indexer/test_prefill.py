@@ -327,6 +327,14 @@ def _with(**changes):
     return args
 
 
+def _misaligned(t):
+    """The same values at a base address 1 byte past a 16-byte boundary."""
+    buf = torch.empty(t.numel() + 16, dtype=torch.uint8, device=t.device)
+    out = buf[1:1 + t.numel()].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
 BAD_INPUTS = {
     "q-not-tuple": (TypeError, "q:", dict(q=lambda q: q[0])),
     "q-dtype": (TypeError, "q:", dict(q=lambda q: (q[0].float(), q[1]))),
@@ -335,6 +343,8 @@ BAD_INPUTS = {
     "q-strided": (ValueError, "q:", dict(q=lambda q: (q[0].transpose(0, 1).contiguous().transpose(0, 1), q[1]))),
     "q-sf-dtype": (TypeError, "q[1]", dict(q=lambda q: (q[0], q[1].float()))),
     "q-sf-shape": (ValueError, "q[1]", dict(q=lambda q: (q[0], q[1][:, :2].contiguous()))),
+    "q-misaligned": (ValueError, "16-byte aligned", dict(q=lambda q: (_misaligned(q[0]), q[1]))),
+    "k-misaligned": (ValueError, "16-byte aligned", dict(kv=lambda kv: (_misaligned(kv[0]), kv[1]))),
     "k-dtype": (TypeError, "kv[0]", dict(kv=lambda kv: (kv[0].view(torch.int8), kv[1]))),
     "k-dim": (ValueError, "kv[0]", dict(kv=lambda kv: (kv[0][:, :32].contiguous(), kv[1]))),
     "k-scale-dtype": (TypeError, "kv[1]", dict(kv=lambda kv: (kv[0], kv[1].float()))),
@@ -390,3 +400,19 @@ def test_reference_shapes_on_gpu(s_q, s_k, fmt, poisoned):
     ks, ke = W.causal_tail(s_q, s_k, device=DEVICE)
     out = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke)
     check_logits(out, qq, kk, q, k, w, ks, ke, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_traces_under_torch_compile_without_graph_breaks(fmt):
+    """fullgraph=True fails on any graph break: the op must be one opaque custom op."""
+    _, _, w, qq, kk = make_inputs(16, 96, 4, 64, fmt, seed=8)
+    ks, ke = W.causal_tail(16, 96, device=DEVICE)
+    real = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, logits_dtype=torch.bfloat16, config=SMALL)
+
+    def logits(qv, qs, k, kscale, w, ks, ke):
+        return tilefuse.fp8_fp4_mqa_logits((qv, qs), (k, kscale), w, ks, ke, True, 0, torch.bfloat16,
+                                           config=SMALL)
+
+    compiled = torch.compile(logits, fullgraph=True, backend="aot_eager")
+    got = compiled(qq[0], qq[1], kk[0], kk[1], w, ks, ke)
+    assert torch.equal(got.view(torch.int16), real.view(torch.int16))

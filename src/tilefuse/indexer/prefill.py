@@ -114,6 +114,12 @@ def _check_tma_rows(t: torch.Tensor, name: str) -> None:
     row_bytes = t.stride(0) * t.element_size()
     _expect(t.stride(-1) == 1, ValueError, f"{name}: last dim must be contiguous (stride 1), got strides {t.stride()}")
     _expect(row_bytes % 16 == 0, ValueError, f"{name}: row stride must be a multiple of 16 bytes, got {row_bytes}")
+    # Data pointers do not exist while torch.compile traces: the op itself checks them then.
+    if not torch.compiler.is_compiling():
+        _check_aligned(t, name)
+
+
+def _check_aligned(t: torch.Tensor, name: str) -> None:
     _expect(t.data_ptr() % 16 == 0, ValueError, f"{name}: data pointer must be 16-byte aligned")
 
 
@@ -239,6 +245,8 @@ def _mqa_logits(
     s_q, h, dq = q.shape
     d = dq * 2 if fmt == "mxfp4" else dq
     s_k = k.shape[0]
+    _check_aligned(q, "q")
+    _check_aligned(k, "kv[0]")
     shape, stride = _out_shape(s_q, s_k, max_seqlen_k)
     out = torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
     if s_q == 0:
