@@ -28,12 +28,14 @@ VARIANTS = {  # name -> (format, config fields beyond the tile)
     "fp8": ("fp8", {}),
     "fp8-keys-major": ("fp8", dict(keys_major=True)),
     "fp8-unroll2": ("fp8", dict(head_unroll=2)),
+    "fp8-clean-pass": ("fp8", dict(clean_pass=True)),
     "mxfp8": ("mxfp8", {}),
     "mxfp8-keys-major-unroll2": ("mxfp8", dict(keys_major=True, head_unroll=2)),
     "mxfp8-split": ("mxfp8", dict(mx_split=True)),
     "mxfp4": ("mxfp4", {}),
     "mxfp4-wide-keys-major": ("mxfp4", dict(keys_major=True, head_unroll=2)),
     "mxfp4-via-fp8": ("mxfp4", dict(fp4_via_fp8=True)),
+    "mxfp4-via-fp8-clean-pass": ("mxfp4", dict(fp4_via_fp8=True, clean_pass=True)),
     "mxfp4-split": ("mxfp4", dict(mx_split=True)),
 }
 BF16_THRESHOLD = {"fp8": 1e-3, "mxfp8": 0.02, "mxfp4": 0.02}
@@ -257,6 +259,19 @@ def test_bitwise_reruns_and_schedule_meta(variant):
     for i in range(reruns):
         again = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=cfg, schedule_meta=meta if i % 2 else None)
         assert torch.equal(first.view(torch.int32), again.view(torch.int32)), f"rerun {i} differs"
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+def test_clean_schedules_are_bitwise_identical(fmt):
+    """-inf written inside the logits kernel or by the separate pass: the same bits."""
+    s_q, s_k = shapes((24, 200), (1024, 16384))
+    _, _, w, qq, kk = make_inputs(s_q, s_k, 8, 64, fmt, seed=31)
+    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(4), empty_fraction=0.2,
+                              overhang=9, device=DEVICE)
+    tile = dict(block_q=SMALL.block_q, block_n=SMALL.block_n) if not ON_GPU else {}
+    inline = run(qq, kk, w, ks, ke, config=prefill.PrefillConfig(**tile))
+    separate = run(qq, kk, w, ks, ke, config=prefill.PrefillConfig(**tile, clean_pass=True))
+    assert torch.equal(inline.view(torch.int32), separate.view(torch.int32))
 
 
 def test_metadata_depends_only_on_arguments():

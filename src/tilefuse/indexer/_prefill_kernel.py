@@ -216,19 +216,22 @@ def prefill_logits_kernel(
 
 
 @triton.jit
-def fill_compressed_tail_kernel(out_ptr, stride_out, ks_ptr, ke_ptr, S_q, S_k, max_seqlen_k,
-                                BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Compressed layout, clean: ``-inf`` in columns ``[ke - ks, max_seqlen_k)`` of every row."""
+def fill_outside_windows_kernel(out_ptr, stride_out, ks_ptr, ke_ptr, S_q, S_k, n_cols,
+                                COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``-inf`` in every column of a row outside its window: ``[0, ks) + [ke, S_k)`` in the full
+    layout, ``[ke - ks, n_cols)`` in the compressed one. Writes nothing inside the windows."""
     rows = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_ok = rows < S_q
     ks = tl.load(ks_ptr + rows, mask=row_ok, other=0)
     ke = tl.minimum(tl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
-    length = tl.maximum(ke - ks, 0)
-    mask = row_ok[:, None] & (cols[None, :] >= length[:, None]) & (cols[None, :] < max_seqlen_k)
+    if COMPRESSED:
+        outside = cols[None, :] >= tl.maximum(ke - ks, 0)[:, None]
+    else:
+        outside = (cols[None, :] < ks[:, None]) | (cols[None, :] >= ke[:, None])
+    mask = row_ok[:, None] & outside & (cols[None, :] < n_cols)
     fill = tl.full((BLOCK_Q, BLOCK_C), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], fill, mask=mask)
-
 
 
 @triton.jit

@@ -42,7 +42,9 @@ class PrefillConfig:
     the weights or the key scale), and a second pass recomputes with the bf16 upcast only the
     tiles that hold a row outside that span. ``keys_major`` puts keys on the MMA's M side (for
     few query rows: a 16-row query tile then wastes nothing); ``head_unroll`` = 2 issues two
-    heads' dots per loop step. Neither applies to the MX split path.
+    heads' dots per loop step. Neither applies to the MX split path. ``clean_pass`` writes the
+    full layout's ``-inf`` in a separate store-only pass after the logits kernel, instead of
+    inside it (same output, bit for bit).
     """
 
     block_q: int = 64
@@ -53,6 +55,7 @@ class PrefillConfig:
     keys_major: bool = False
     head_unroll: int = 1
     fp4_via_fp8: bool = False
+    clean_pass: bool = False
 
 
 def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None) -> PrefillConfig:
@@ -240,6 +243,7 @@ def _mqa_logits(
     keys_major: bool,
     head_unroll: int,
     fp4_via_fp8: bool,
+    clean_pass: bool,
 ) -> torch.Tensor:
     fmt = format_of(q, q_sf)
     s_q, h, dq = q.shape
@@ -251,22 +255,28 @@ def _mqa_logits(
     out = torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
     if s_q == 0:
         return out
-    if max_seqlen_k > 0 and clean_logits:
-        _fill_compressed_tail(out, ks, ke, s_k, max_seqlen_k)
+    compressed = max_seqlen_k > 0
+    if compressed and clean_logits:
+        _fill_outside_windows(out, ks, ke, s_k, compressed=True)
     if s_k == 0:
         return out
+    # The -inf of the full layout: inside the logits kernel, or in a store-only pass after it.
+    separate_clean = clean_logits and clean_pass and not compressed
+    clean = clean_logits and not separate_clean
     # Blackwell (10.x): MX formats run the native block-scaled kernel with its own tile; the
     # table of which kernel runs where is _dispatch.PREFILL_KERNELS.
     if (_dispatch.prefill_kernel_path(_dispatch.capability_major(q.device), fmt, mx_split)
             == _dispatch.SM100_MX_DOT_SCALED):
-        _prefill_kernel_sm100.launch(q, q_sf, k, k_scale, weights, ks, ke, out, clean_logits, max_seqlen_k > 0)
-        return out
-
-    cfg = PrefillConfig(block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll, fp4_via_fp8)
-    if fmt == "mxfp4" and fp4_via_fp8 and not mx_split:
-        _mxfp4_via_fp8(q, q_sf, k, k_scale, weights, ks, ke, out, clean_logits, max_seqlen_k > 0, d, cfg)
-        return out
-    _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean_logits, max_seqlen_k > 0, cfg)
+        _prefill_kernel_sm100.launch(q, q_sf, k, k_scale, weights, ks, ke, out, clean, compressed)
+    else:
+        cfg = PrefillConfig(block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll,
+                            fp4_via_fp8, clean_pass)
+        if fmt == "mxfp4" and fp4_via_fp8 and not mx_split:
+            _mxfp4_via_fp8(q, q_sf, k, k_scale, weights, ks, ke, out, clean, compressed, d, cfg)
+        else:
+            _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg)
+    if separate_clean:
+        _fill_outside_windows(out, ks, ke, s_k, compressed=False)
     return out
 
 
@@ -340,15 +350,17 @@ def _mxfp4_via_fp8(q, q_sf, k, k_scale, weights, ks, ke, out, clean, compressed,
 
 @_mqa_logits.register_fake
 def _mqa_logits_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype,
-                     block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll, fp4_via_fp8):
+                     block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll, fp4_via_fp8,
+                     clean_pass):
     shape, stride = _out_shape(q.shape[0], k.shape[0], max_seqlen_k)
     return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
 
 
-def _fill_compressed_tail(out, ks, ke, s_k, max_seqlen_k, block_q: int = 32, block_c: int = 128) -> None:
-    grid = (triton.cdiv(max_seqlen_k, block_c), triton.cdiv(out.shape[0], block_q))
-    kern.fill_compressed_tail_kernel[grid](out, out.stride(0), ks, ke, out.shape[0], s_k, max_seqlen_k,
-                                           BLOCK_Q=block_q, BLOCK_C=block_c)
+def _fill_outside_windows(out, ks, ke, s_k, compressed: bool, block_q: int = 32, block_c: int = 128) -> None:
+    n_cols = out.shape[1]
+    grid = (triton.cdiv(n_cols, block_c), triton.cdiv(out.shape[0], block_q))
+    kern.fill_outside_windows_kernel[grid](out, out.stride(0), ks, ke, out.shape[0], s_k, n_cols,
+                                           COMPRESSED=compressed, BLOCK_Q=block_q, BLOCK_C=block_c)
 
 
 # ---------------------------------------------------------------------------------------
@@ -417,7 +429,7 @@ def fp8_fp4_mqa_logits(
     return _mqa_logits(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end,
                        bool(clean_logits), max_seqlen_k, logits_dtype, cfg.block_q, cfg.block_n,
                        cfg.num_warps, cfg.num_stages, cfg.mx_split, cfg.keys_major, cfg.head_unroll,
-                       cfg.fp4_via_fp8)
+                       cfg.fp4_via_fp8, cfg.clean_pass)
 
 
 def fp8_mqa_logits(

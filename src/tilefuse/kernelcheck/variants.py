@@ -305,7 +305,7 @@ def _trace_prefill() -> tuple[Variant, ...]:
     from tilefuse.indexer import _dispatch, prefill
 
     main = f"{prefill.kern.__name__}:prefill_logits_kernel"
-    tail = f"{prefill.kern.__name__}:fill_compressed_tail_kernel"
+    tail = f"{prefill.kern.__name__}:fill_outside_windows_kernel"
     fp4_to_fp8 = f"{prefill.kern.__name__}:fp4_rows_to_fp8_kernel"
     out = []
     for fmt, d, h, cfg, clean, compressed, w_dtype, out_dtype, origin in _prefill_points():
@@ -335,7 +335,7 @@ def _trace_prefill() -> tuple[Variant, ...]:
             else:
                 name = f"out={_short(out_dtype)} " + " ".join(
                     f"{k}={v}" for k, v in launch.arguments.items() if k.isupper())
-                out.append(variant_of(launch, "indexer.prefill_tail", name, "default"))
+                out.append(variant_of(launch, "indexer.prefill_fill", name, "default"))
     return tuple(out)
 
 
@@ -364,9 +364,9 @@ def fp4_to_fp8_variants() -> list[Variant]:
     return _unique(v for v in _trace_prefill() if v.kernel == "indexer.fp4_to_fp8")
 
 
-def prefill_tail_variants() -> list[Variant]:
-    """``fill_compressed_tail_kernel`` (no dot), as the compressed + clean prefill launches it."""
-    return _unique(v for v in _trace_prefill() if v.kernel == "indexer.prefill_tail")
+def prefill_fill_variants() -> list[Variant]:
+    """``fill_outside_windows_kernel`` (no dot): the compressed tail and the separate clean pass."""
+    return _unique(v for v in _trace_prefill() if v.kernel == "indexer.prefill_fill")
 
 
 # --------------------------------------------------------------------------------------
@@ -609,7 +609,7 @@ def _unique(variants) -> list[Variant]:
 # kernel name -> (builder, module the kernel lives in)
 KERNELS: dict[str, tuple[Callable[[], list[Variant]], str]] = {
     "indexer.prefill": (prefill_variants, "tilefuse.indexer._prefill_kernel"),
-    "indexer.prefill_tail": (prefill_tail_variants, "tilefuse.indexer._prefill_kernel"),
+    "indexer.prefill_fill": (prefill_fill_variants, "tilefuse.indexer._prefill_kernel"),
     "indexer.fp4_to_fp8": (fp4_to_fp8_variants, "tilefuse.indexer._prefill_kernel"),
     "indexer.prefill_sm100": (prefill_sm100_variants, "tilefuse.indexer._prefill_kernel_sm100"),
     "indexer.paged": (paged_variants, "tilefuse.indexer._paged_kernel"),
