@@ -30,7 +30,8 @@ from tilefuse.indexer.prefill import PrefillConfig  # noqa: E402
 
 C = PrefillConfig
 FP8_CONFIGS = [
-    C(64, 128, 4, 3, head_unroll=2), C(64, 128, 4, 3), C(64, 128, 4, 2), C(64, 128, 4, 4, head_unroll=2),
+    C(64, 128, 4, 3, head_unroll=2), C(64, 128, 4, 3, head_unroll=2, clean_pass=True), C(64, 128, 4, 3),
+    C(64, 128, 4, 2), C(64, 128, 4, 4, head_unroll=2),
     C(128, 128, 8, 3, head_unroll=2), C(64, 256, 8, 3), C(64, 64, 4, 3),
 ]
 SMALL_Q_CONFIGS = FP8_CONFIGS[:1] + [
@@ -38,17 +39,19 @@ SMALL_Q_CONFIGS = FP8_CONFIGS[:1] + [
     C(32, 128, 4, 3, keys_major=True, head_unroll=2), C(16, 256, 8, 3, keys_major=True, head_unroll=2),
 ]
 FP4_CONFIGS = [
-    C(64, 256, 8, 3, fp4_via_fp8=True), C(64, 256, 8, 3), C(64, 128, 4, 2, head_unroll=2, fp4_via_fp8=True),
+    C(64, 256, 8, 3, fp4_via_fp8=True), C(64, 256, 8, 3, fp4_via_fp8=True, clean_pass=True), C(64, 256, 8, 3),
+    C(64, 128, 4, 2, head_unroll=2, fp4_via_fp8=True),
 ]
 MX_CONFIGS = [
-    C(64, 128, 4, 2, head_unroll=2), C(64, 128, 4, 2), C(64, 256, 8, 3), C(128, 128, 8, 2),
+    C(64, 128, 4, 2, head_unroll=2), C(64, 128, 4, 2, head_unroll=2, clean_pass=True), C(64, 128, 4, 2),
+    C(64, 256, 8, 3), C(128, 128, 8, 2),
     C(64, 128, 4, 2, keys_major=True, head_unroll=2), C(64, 64, 4, 2, mx_split=True),
 ]
 
 
 def config_name(cfg: PrefillConfig) -> str:
     flags = [f for f, on in (("split", cfg.mx_split), ("km", cfg.keys_major), ("u2", cfg.head_unroll == 2),
-                             ("via-fp8", cfg.fp4_via_fp8)) if on]
+                             ("via-fp8", cfg.fp4_via_fp8), ("clean-pass", cfg.clean_pass)) if on]
     return "/".join([f"{cfg.block_q}x{cfg.block_n}", f"w{cfg.num_warps}s{cfg.num_stages}", *flags])
 
 
