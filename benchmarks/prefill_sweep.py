@@ -43,7 +43,8 @@ FP4_CONFIGS = [
     C(64, 128, 4, 2, head_unroll=2, fp4_via_fp8=True),
 ]
 MX_CONFIGS = [
-    C(64, 128, 4, 2, head_unroll=2), C(64, 128, 4, 2, head_unroll=2, clean_pass=True), C(64, 128, 4, 2),
+    C(64, 128, 4, 2, head_unroll=2), C(64, 128, 4, 2, head_unroll=2, mxfp8_via_f16=True),
+    C(64, 128, 4, 2, head_unroll=2, clean_pass=True), C(64, 128, 4, 2),
     C(64, 256, 8, 3), C(128, 128, 8, 2),
     C(64, 128, 4, 2, keys_major=True, head_unroll=2), C(64, 64, 4, 2, mx_split=True),
 ]
@@ -51,7 +52,8 @@ MX_CONFIGS = [
 
 def config_name(cfg: PrefillConfig) -> str:
     flags = [f for f, on in (("split", cfg.mx_split), ("km", cfg.keys_major), ("u2", cfg.head_unroll == 2),
-                             ("via-fp8", cfg.fp4_via_fp8), ("clean-pass", cfg.clean_pass)) if on]
+                             ("via-fp8", cfg.fp4_via_fp8), ("clean-pass", cfg.clean_pass),
+                             ("via-f16", cfg.mxfp8_via_f16)) if on]
     return "/".join([f"{cfg.block_q}x{cfg.block_n}", f"w{cfg.num_warps}s{cfg.num_stages}", *flags])
 
 

@@ -36,6 +36,7 @@ VARIANTS = {  # name -> (format, config fields beyond the tile)
     "mxfp4-wide-keys-major": ("mxfp4", dict(keys_major=True, head_unroll=2)),
     "mxfp4-via-fp8": ("mxfp4", dict(fp4_via_fp8=True)),
     "mxfp4-via-fp8-clean-pass": ("mxfp4", dict(fp4_via_fp8=True, clean_pass=True)),
+    "mxfp8-via-f16": ("mxfp8", dict(mxfp8_via_f16=True)),
     "mxfp4-split": ("mxfp4", dict(mx_split=True)),
 }
 BF16_THRESHOLD = {"fp8": 1e-3, "mxfp8": 0.02, "mxfp4": 0.02}
@@ -193,10 +194,32 @@ def test_mxfp4_via_fp8_is_exact_and_recomputes_rows_with_wide_scale_spans(poison
     # (exact arithmetic on the same quantised values) is the check that matters here.
     check_logits(out, qq, kk, q, k, w, ks, ke, "mxfp4", against_unquantised=False)
 
-    q8, row_scale, exact = prefill._fp4_rows_to_fp8(qq[0], qq[1], d)
+    q8, row_scale, exact = prefill._renormalise_rows(qq[0], qq[1], "mxfp4", d)
     assert exact.view(s_q, h)[3, 2].item() is False and exact.sum().item() == s_q * h - 1
     deq = F.dequantize_q(*qq).reshape(-1, d)
     assert torch.equal((q8.float() * row_scale[:, None])[exact], deq[exact])
+
+
+def test_mxfp8_via_f16_is_exact_and_recomputes_rows_with_wide_scale_spans(poisoned):
+    """As for MXFP4, with f16 rows: exact up to a 15-binade span of block exponents."""
+    s_q, s_k, h, d = shapes((24, 160), (512, 8192)) + (8, 128)
+    q, k, w, _, _ = make_inputs(s_q, s_k, h, d, "mxfp8", seed=23)
+    q, k = q.float(), k.float()
+    q[3, 2, :32] *= 1e6  # about 20 binades above the row's other blocks
+    k[17, 32:64] *= 1e7
+    q[5, 1, :32] *= 3e3  # about 12 binades: exact in f16
+    qq, kk = F.quantize_q(q.cpu(), "mxfp8"), F.quantize_k(k.cpu(), "mxfp8")
+    qq, kk = tuple(t.to(DEVICE) for t in qq), tuple(t.to(DEVICE) for t in kk)
+    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(3), device=DEVICE)
+    out = run(qq, kk, w, ks, ke, config=dataclasses.replace(SMALL, mxfp8_via_f16=True))
+    check_logits(out, qq, kk, q, k, w, ks, ke, "mxfp8", against_unquantised=False)
+
+    rows, row_scale, exact = prefill._renormalise_rows(qq[0], qq[1], "mxfp8", d)
+    assert rows.dtype == torch.float16
+    assert exact.view(s_q, h)[3, 2].item() is False and exact.view(s_q, h)[5, 1].item() is True
+    assert exact.sum().item() == s_q * h - 1
+    deq = F.dequantize_q(*qq).reshape(-1, d)
+    assert torch.equal((rows.float() * row_scale[:, None])[exact], deq[exact])
 
 
 def test_unaligned_shape_129_by_4100(poisoned):

@@ -235,29 +235,37 @@ def fill_outside_windows_kernel(out_ptr, stride_out, ks_ptr, ke_ptr, S_q, S_k, n
 
 
 @triton.jit
-def fp4_rows_to_fp8_kernel(src_ptr, sf_ptr, dst_ptr, row_exp_ptr, row_spread_ptr, n_rows,
-                           D: tl.constexpr, BLOCK_R: tl.constexpr):
-    """MXFP4 rows [n, D/2] -> E4M3 rows [n, D] renormalised by the row's largest block scale.
+def mx_rows_renormalise_kernel(src_ptr, sf_ptr, dst_ptr, row_exp_ptr, row_spread_ptr, n_rows,
+                               D: tl.constexpr, FMT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """MX rows -> rows of ``dst``'s dtype renormalised by the row's largest block scale.
 
-    Element x of block b becomes ``x * 2^(e_b - e_max)``: an E2M1 value times a power of two
-    down to 2^-8 lies on the E4M3 grid (its subnormal step is 2^-9), so the conversion is exact
-    when the row's block exponents span at most 8. Writes ``e_max`` and that span per row.
+    Element x of block b becomes ``x * 2^(e_b - e_max)``. MXFP4 (``FMT`` 2, [n, D/2] packed)
+    goes to E4M3: an E2M1 value times 2^-s lies on the E4M3 grid for s <= 8 (its subnormal step
+    is 2^-9). MXFP8 (``FMT`` 1) goes to f16: an E4M3 value times 2^-s keeps every bit in f16 for
+    s <= 15 (E4M3's lowest bit is 2^-9, f16's 2^-24). Writes ``e_max`` and the span of the row's
+    block exponents, which says whether the row converted exactly.
     """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < n_rows
-    half = tl.arange(0, D // 2)
-    raw = tl.load(src_ptr + rows.to(tl.int64)[:, None] * (D // 2) + half[None, :], mask=ok[:, None], other=0)
-    b = raw.to(tl.int32) & 0xFF
     sf = tl.load(sf_ptr + rows, mask=ok, other=0x7F7F7F7F)
     NB: tl.constexpr = D // 32
     e_blocks = (sf[:, None] >> (tl.arange(0, NB) * 8)[None, :]) & 0xFF
     e_max = tl.max(e_blocks, axis=1)
     e_min = tl.min(e_blocks, axis=1)
-    e = (sf[:, None] >> ((half // 16) * 8)[None, :]) & 0xFF
-    scale = ((tl.maximum(e - e_max[:, None], -126) + 127) << 23).to(tl.float32, bitcast=True)
-    lo = _e2m1_to_f32(b & 0xF) * scale
-    hi = _e2m1_to_f32(b >> 4) * scale
-    vals = tl.reshape(tl.join(lo, hi), (BLOCK_R, D)).to(tl.float8e4nv)
-    tl.store(dst_ptr + rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], vals, mask=ok[:, None])
+    if FMT == 2:
+        half = tl.arange(0, D // 2)
+        raw = tl.load(src_ptr + rows.to(tl.int64)[:, None] * (D // 2) + half[None, :], mask=ok[:, None], other=0)
+        b = raw.to(tl.int32) & 0xFF
+        e = (sf[:, None] >> ((half // 16) * 8)[None, :]) & 0xFF
+        scale = ((tl.maximum(e - e_max[:, None], -126) + 127) << 23).to(tl.float32, bitcast=True)
+        vals = tl.reshape(tl.join(_e2m1_to_f32(b & 0xF) * scale, _e2m1_to_f32(b >> 4) * scale), (BLOCK_R, D))
+    else:
+        col = tl.arange(0, D)
+        raw = tl.load(src_ptr + rows.to(tl.int64)[:, None] * D + col[None, :], mask=ok[:, None], other=0.0)
+        e = (sf[:, None] >> ((col // 32) * 8)[None, :]) & 0xFF
+        scale = ((tl.maximum(e - e_max[:, None], -126) + 127) << 23).to(tl.float32, bitcast=True)
+        vals = raw.to(tl.float32) * scale
+    tl.store(dst_ptr + rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :],
+             vals.to(dst_ptr.dtype.element_ty), mask=ok[:, None])
     tl.store(row_exp_ptr + rows, e_max, mask=ok)
     tl.store(row_spread_ptr + rows, e_max - e_min, mask=ok)

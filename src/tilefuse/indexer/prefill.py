@@ -40,7 +40,8 @@ class PrefillConfig:
     ``fp4_via_fp8`` runs MXFP4 on FP8 tensor cores: each row is renormalised into E4M3 by its
     largest block scale (exact while its block exponents span <= 8; that scale is folded into
     the weights or the key scale), and a second pass recomputes with the bf16 upcast only the
-    tiles that hold a row outside that span. ``keys_major`` puts keys on the MMA's M side (for
+    tiles that hold a row outside that span. ``mxfp8_via_f16`` does the same for MXFP8 into
+    f16 (exact while the span is <= 15) on f16 tensor cores. ``keys_major`` puts keys on the MMA's M side (for
     few query rows: a 16-row query tile then wastes nothing); ``head_unroll`` = 2 issues two
     heads' dots per loop step. Neither applies to the MX split path. ``clean_pass`` writes the
     full layout's ``-inf`` in a separate store-only pass after the logits kernel, instead of
@@ -56,6 +57,7 @@ class PrefillConfig:
     head_unroll: int = 1
     fp4_via_fp8: bool = False
     clean_pass: bool = False
+    mxfp8_via_f16: bool = False
 
 
 def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None) -> PrefillConfig:
@@ -244,6 +246,7 @@ def _mqa_logits(
     head_unroll: int,
     fp4_via_fp8: bool,
     clean_pass: bool,
+    mxfp8_via_f16: bool,
 ) -> torch.Tensor:
     fmt = format_of(q, q_sf)
     s_q, h, dq = q.shape
@@ -270,9 +273,9 @@ def _mqa_logits(
         _prefill_kernel_sm100.launch(q, q_sf, k, k_scale, weights, ks, ke, out, clean, compressed)
     else:
         cfg = PrefillConfig(block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll,
-                            fp4_via_fp8, clean_pass)
-        if fmt == "mxfp4" and fp4_via_fp8 and not mx_split:
-            _mxfp4_via_fp8(q, q_sf, k, k_scale, weights, ks, ke, out, clean, compressed, d, cfg)
+                            fp4_via_fp8, clean_pass, mxfp8_via_f16)
+        if ((fmt == "mxfp4" and fp4_via_fp8) or (fmt == "mxfp8" and mxfp8_via_f16)) and not mx_split:
+            _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, clean, compressed, d, cfg)
         else:
             _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg)
     if separate_clean:
@@ -309,23 +312,25 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
     )
 
 
-# Block exponents within a row may span this many binades and still convert exactly (E2M1
-# times 2^-8 is on the E4M3 grid); the folded row scale must keep fp32 weights finite.
-_FP4_SPAN_EXACT = 8
+# How many binades a row's block exponents may span and still convert exactly (MXFP4 into
+# E4M3: E2M1 times 2^-8 is on the E4M3 grid; MXFP8 into f16: E4M3 times 2^-15 keeps its bits);
+# the folded row scale must also keep fp32 weights finite.
+_SPAN_EXACT = {"mxfp4": 8, "mxfp8": 15}
+_RENORM_DTYPE = {"mxfp4": FP8_DTYPE, "mxfp8": torch.float16}
 _FOLD_EXP_LIMIT = 100
 
 
-def _fp4_rows_to_fp8(values: torch.Tensor, sf: torch.Tensor, d: int, block_r: int = 64):
-    """Packed MXFP4 rows -> (E4M3 rows, fp32 row scale 2^(e_max-127), bool exact) on the device."""
-    rows = values.reshape(-1, d // 2)
+def _renormalise_rows(values: torch.Tensor, sf: torch.Tensor, fmt: str, d: int, block_r: int = 64):
+    """MX rows -> (rows in E4M3 (MXFP4) or f16 (MXFP8), fp32 row scale 2^(e_max-127), bool exact)."""
+    rows = values.reshape(-1, values.shape[-1])
     n = rows.shape[0]
-    out = torch.empty((n, d), dtype=FP8_DTYPE, device=values.device)
+    out = torch.empty((n, d), dtype=_RENORM_DTYPE[fmt], device=values.device)
     e_max = torch.empty(n, dtype=torch.int32, device=values.device)
     span = torch.empty(n, dtype=torch.int32, device=values.device)
     if n:
-        kern.fp4_rows_to_fp8_kernel[(triton.cdiv(n, block_r),)](rows, sf.reshape(-1), out, e_max, span, n,
-                                                               D=d, BLOCK_R=block_r)
-    exact = (span <= _FP4_SPAN_EXACT) & ((e_max - 127).abs() <= _FOLD_EXP_LIMIT)
+        kern.mx_rows_renormalise_kernel[(triton.cdiv(n, block_r),)](
+            rows, sf.reshape(-1), out, e_max, span, n, D=d, FMT=_FORMAT_CODE[fmt], BLOCK_R=block_r)
+    exact = (span <= _SPAN_EXACT[fmt]) & ((e_max - 127).abs() <= _FOLD_EXP_LIMIT)
     return out, torch.exp2(e_max.float() - 127.0), exact
 
 
@@ -335,23 +340,27 @@ def _block_flags(inexact: torch.Tensor, block: int) -> torch.Tensor:
     return padded.view(-1, block).any(dim=1).to(torch.int32)
 
 
-def _mxfp4_via_fp8(q, q_sf, k, k_scale, weights, ks, ke, out, clean, compressed, d, cfg: PrefillConfig) -> None:
+def _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, clean, compressed, d,
+                              cfg: PrefillConfig) -> None:
+    """MX logits on the FP8 kernel's head loop: rows renormalised into E4M3 (MXFP4, FP8 MMA) or
+    f16 (MXFP8, f16 MMA), then the bf16 upcast recomputes only tiles with a row that was not exact."""
     s_q, h, _ = q.shape
-    q8, q_row_scale, q_exact = _fp4_rows_to_fp8(q, q_sf, d)
-    k8, k_row_scale, k_exact = _fp4_rows_to_fp8(k, k_scale, d)
+    q_rows, q_row_scale, q_exact = _renormalise_rows(q, q_sf, fmt, d)
+    k_rows, k_row_scale, k_exact = _renormalise_rows(k, k_scale, fmt, d)
     # relu(c * x) = c * relu(x) for c > 0: the query row scale moves into the weights.
-    w8 = weights.float() * q_row_scale.view(s_q, h)
+    w_rows = weights.float() * q_row_scale.view(s_q, h)
     fp8_cfg = default_config("fp8", h, d, s_q)
-    _launch(q8.view(s_q, h, d), None, k8, k_row_scale, w8, ks, ke, out, "fp8", d, clean, compressed, fp8_cfg)
+    _launch(q_rows.view(s_q, h, d), None, k_rows, k_row_scale, w_rows, ks, ke, out, "fp8", d, clean, compressed,
+            fp8_cfg)
     fix_q = _block_flags(~q_exact.view(s_q, h).all(dim=1), cfg.block_q)
     fix_k = _block_flags(~k_exact, cfg.block_n)
-    _launch(q, q_sf, k, k_scale, weights, ks, ke, out, "mxfp4", d, clean, compressed, cfg, fix_q, fix_k)
+    _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg, fix_q, fix_k)
 
 
 @_mqa_logits.register_fake
 def _mqa_logits_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype,
                      block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll, fp4_via_fp8,
-                     clean_pass):
+                     clean_pass, mxfp8_via_f16):
     shape, stride = _out_shape(q.shape[0], k.shape[0], max_seqlen_k)
     return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
 
@@ -429,7 +438,7 @@ def fp8_fp4_mqa_logits(
     return _mqa_logits(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end,
                        bool(clean_logits), max_seqlen_k, logits_dtype, cfg.block_q, cfg.block_n,
                        cfg.num_warps, cfg.num_stages, cfg.mx_split, cfg.keys_major, cfg.head_unroll,
-                       cfg.fp4_via_fp8, cfg.clean_pass)
+                       cfg.fp4_via_fp8, cfg.clean_pass, cfg.mxfp8_via_f16)
 
 
 def fp8_mqa_logits(

@@ -306,12 +306,12 @@ def _trace_prefill() -> tuple[Variant, ...]:
 
     main = f"{prefill.kern.__name__}:prefill_logits_kernel"
     tail = f"{prefill.kern.__name__}:fill_outside_windows_kernel"
-    fp4_to_fp8 = f"{prefill.kern.__name__}:fp4_rows_to_fp8_kernel"
+    renormalise = f"{prefill.kern.__name__}:mx_rows_renormalise_kernel"
     out = []
     for fmt, d, h, cfg, clean, compressed, w_dtype, out_dtype, origin in _prefill_points():
         q, k, ks, ke = _prefill_inputs(fmt, d, h)
         base = prefill.default_config(fmt, h, d, 4096)
-        with tracing(main, tail, fp4_to_fp8) as launches:
+        with tracing(main, tail, renormalise) as launches:
             prefill.fp8_fp4_mqa_logits(q, k, _weights(_S_Q, h, w_dtype), ks, ke, clean,
                                        _MAX_SEQLEN_K if compressed else 0, out_dtype, config=cfg)
         extras = "".join(f" {n}={_short(t)}" for n, t in (("w", w_dtype), ("out", out_dtype)) if _short(t) != "fp32")
@@ -320,18 +320,18 @@ def _trace_prefill() -> tuple[Variant, ...]:
             _dispatch.prefill_kernel_path(TARGET_MAJOR[t], fmt, cfg.mx_split)] == main)
         for launch in launches:
             if launch.function == main:
-                # MXFP4 on FP8 tensor cores launches the kernel twice: the FP8 pass, then the
-                # bf16 recompute of wide-span tiles.
+                # MX on renormalised rows launches the kernel twice: the pass over the renormalised
+                # rows (FP8 or f16 MMA), then the bf16 recompute of wide-span tiles.
                 role = (" bf16-recompute" if launch.arguments.get("FIXUP")
-                        else " fp8-pass" if fmt != "fp8" and launch.arguments.get("FMT") == 0 else "")
+                        else " renormalised-pass" if fmt != "fp8" and launch.arguments.get("FMT") == 0 else "")
                 name = f"{fmt} D{d} H{h} {_layout_name(clean, compressed)} {_config_label(cfg, base)}{extras}{role}"
                 out.append(variant_of(launch, "indexer.prefill", name, origin, targets))
-            elif launch.function == fp4_to_fp8:
+            elif launch.function == renormalise:
                 # Query and key conversions differ only in how Triton specialises the row count.
                 rows = launch.arguments["n_rows"]
                 name = " ".join(f"{k}={v}" for k, v in launch.arguments.items() if k.isupper())
                 name += f" rows%16={rows % 16}"
-                out.append(variant_of(launch, "indexer.fp4_to_fp8", name, "default"))
+                out.append(variant_of(launch, "indexer.mx_renormalise", name, "default"))
             else:
                 name = f"out={_short(out_dtype)} " + " ".join(
                     f"{k}={v}" for k, v in launch.arguments.items() if k.isupper())
@@ -359,9 +359,9 @@ def prefill_variants() -> list[Variant]:
     return _unique(v for v in _trace_prefill() if v.kernel == "indexer.prefill")
 
 
-def fp4_to_fp8_variants() -> list[Variant]:
-    """``fp4_rows_to_fp8_kernel`` (no dot), as MXFP4 on FP8 tensor cores launches it."""
-    return _unique(v for v in _trace_prefill() if v.kernel == "indexer.fp4_to_fp8")
+def mx_renormalise_variants() -> list[Variant]:
+    """``mx_rows_renormalise_kernel`` (no dot), as MX on renormalised rows launches it."""
+    return _unique(v for v in _trace_prefill() if v.kernel == "indexer.mx_renormalise")
 
 
 def prefill_fill_variants() -> list[Variant]:
@@ -610,7 +610,7 @@ def _unique(variants) -> list[Variant]:
 KERNELS: dict[str, tuple[Callable[[], list[Variant]], str]] = {
     "indexer.prefill": (prefill_variants, "tilefuse.indexer._prefill_kernel"),
     "indexer.prefill_fill": (prefill_fill_variants, "tilefuse.indexer._prefill_kernel"),
-    "indexer.fp4_to_fp8": (fp4_to_fp8_variants, "tilefuse.indexer._prefill_kernel"),
+    "indexer.mx_renormalise": (mx_renormalise_variants, "tilefuse.indexer._prefill_kernel"),
     "indexer.prefill_sm100": (prefill_sm100_variants, "tilefuse.indexer._prefill_kernel_sm100"),
     "indexer.paged": (paged_variants, "tilefuse.indexer._paged_kernel"),
     "dist.gemm": (dist_gemm_variants, "tilefuse.dist._gemm_core"),
