@@ -3,6 +3,7 @@
 # tilefuse benchmark suites. Logs and JSON go under ${OUT:-out}/; a short table is printed last.
 #   TESTS="tests/indexer ..."   test paths (empty: skip)
 #   SWEEP=1                     run benchmarks/prefill_sweep.py
+#   PAGED_SWEEP=1               run benchmarks/paged_sweep.py
 #   BENCH="paged reproduce indexer"  tilefuse bench suites to run
 set -u
 OUT=${OUT:-out}
@@ -18,6 +19,10 @@ if [ "${SWEEP:-0}" = 1 ]; then
   timeout "${SWEEP_TIMEOUT:-300}" python3 benchmarks/prefill_sweep.py ${SWEEP_ARGS:-} \
     --output "$OUT/prefill-sweep.json" > "$OUT/sweep.log" 2>&1
 fi
+if [ "${PAGED_SWEEP:-0}" = 1 ]; then
+  timeout "${SWEEP_TIMEOUT:-300}" python3 benchmarks/paged_sweep.py --output "$OUT/paged-sweep.json" \
+    > "$OUT/paged-sweep.log" 2>&1
+fi
 for suite in ${BENCH:-}; do
   case $suite in
     reproduce) args="indexer --reproduce" ;;
@@ -27,6 +32,6 @@ for suite in ${BENCH:-}; do
   timeout "${BENCH_TIMEOUT:-300}" python3 -m tilefuse.cli bench $args -o "$OUT/$suite.json" > "$OUT/bench-$suite.log" 2>&1
   echo "bench $suite rc=$?" >> "$OUT/bench-$suite.log"
 done
-for f in "$OUT"/tests.log "$OUT"/sweep.log "$OUT"/bench-*.log; do
+for f in "$OUT"/tests.log "$OUT"/sweep.log "$OUT"/paged-sweep.log "$OUT"/bench-*.log; do
   [ -f "$f" ] && { echo "== $f"; tail -n "${TAIL:-40}" "$f"; }
 done

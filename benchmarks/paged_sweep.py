@@ -1,0 +1,113 @@
+"""Launch-configuration sweep of the paged decode kernel on one GPU.
+
+Times each (row, config) in graph mode against the copy bandwidth measured in the same run,
+after checking each config's complete output against the dequantised reference. The rows are
+the speed targets of the paged op (block 64, FP8, fp32 logits, 2-D context lengths uniform in
+0.7-1.3 of the mean); bytes = KV pages read + logits written. The outcome goes to
+``benchmarks/NOTES.md`` and the winners into ``default_paged_config``.
+
+    python benchmarks/paged_sweep.py --output paged-sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import torch
+
+os.environ.setdefault("TILEFUSE_CHECK_WINDOWS", "0")
+
+import tilefuse  # noqa: E402
+from tilefuse import formats as F  # noqa: E402
+from tilefuse import reference as R  # noqa: E402
+from tilefuse.bench import ceilings, env, timing  # noqa: E402
+from tilefuse.indexer.paged import PagedConfig, default_paged_config, make_paged_kv_cache  # noqa: E402
+
+# (B, next_n, mean context): the rows with targets.
+ROWS = [(64, 1, 8192), (256, 1, 8192), (64, 2, 32768), (1, 1, 65536)]
+H, D, BLOCK_KV = 64, 128, 64
+
+
+def configs(next_n: int) -> list[PagedConfig]:
+    base = default_paged_config("fp8", next_n, H, D, BLOCK_KV)
+    rep = lambda **kw: PagedConfig(**{**base.__dict__, **kw})  # noqa: E731
+    out = [base, rep(splits=3), rep(splits=4), rep(num_stages=4), rep(num_stages=6),
+           rep(block_n=128, num_warps=8), rep(block_n=128, num_warps=8, splits=1)]
+    if next_n > 1:
+        out.append(rep(rows=1))
+    return list(dict.fromkeys(out))
+
+
+def name_of(cfg: PagedConfig) -> str:
+    return f"n{cfg.block_n} r{cfg.rows} s{cfg.splits} w{cfg.num_warps} st{cfg.num_stages}"
+
+
+def make_row(b: int, next_n: int, mean: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ctx = (mean * (0.7 + 0.6 * torch.rand(b, next_n, generator=g))).long().clamp(min=next_n)
+    ctx = ctx.sort(dim=1).values.to(torch.int32).cuda()
+    keys = torch.randn(b, int(ctx.max()), D, generator=g).to(torch.bfloat16).cuda()
+    cache, table = make_paged_kv_cache(keys, ctx, BLOCK_KV, "fp8", generator=g)
+    q = F.quantize_q(torch.randn(b, next_n, H, D, generator=g).cuda(), "fp8")
+    w = torch.randn(b * next_n, H, generator=g).cuda()
+    max_len = int(ctx.max())
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    meta = tilefuse.get_paged_mqa_logits_metadata(ctx, BLOCK_KV, num_sms)
+    kv_bytes = int(((ctx.max(dim=1).values.long() + BLOCK_KV - 1) // BLOCK_KV).sum()) * BLOCK_KV * (D + 4)
+    return dict(q=q, cache=cache, w=w, ctx=ctx, table=table, meta=meta, max_len=max_len,
+                bytes=kv_bytes + b * next_n * max_len * 4)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--output", default="paged-sweep.json")
+    ap.add_argument("--samples", type=int, default=20)
+    args = ap.parse_args(argv)
+    record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": []}
+    copy = ceilings.ceiling_value(record["ceilings"], "copy")
+    print(f"copy ceiling {copy:.2f} TB/s", flush=True)
+    table = []
+    for b, next_n, mean in ROWS:
+        row = make_row(b, next_n, mean)
+        args_ = (row["q"], row["cache"], row["w"], row["ctx"], row["table"], row["meta"], row["max_len"])
+        ref = R.fp8_fp4_paged_mqa_logits_ref(row["q"], row["cache"], row["w"], row["ctx"], row["table"],
+                                             row["max_len"])
+        inside = ~torch.isneginf(ref)
+        fns, checks = {}, {}
+        for cfg in configs(next_n):
+            name = name_of(cfg)
+            fn = functools.partial(tilefuse.fp8_fp4_paged_mqa_logits, *args_, config=cfg)
+            try:
+                out = fn()
+                torch.cuda.synchronize()
+                diff = R.calc_diff(torch.where(inside, out.float(), ref), ref)
+                checks[name] = {"ok": diff < 5e-6 and not out[inside].isnan().any().item(), "calc_diff": diff}
+                fns[name] = fn
+            except Exception as e:  # a config that does not compile or launch is a row, not a crash
+                checks[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        stats = timing.time_graph(fns, calls=5, samples=args.samples) if fns else {}
+        label = f"B{b} n{next_n} ctx{mean}"
+        for name, check in checks.items():
+            entry = {"batch": b, "next_n": next_n, "mean_context": mean, "config": name, "check": check,
+                     "bytes": row["bytes"]}
+            if name in stats:
+                tbps = row["bytes"] / (stats[name].median_us * 1e-6) / 1e12
+                entry.update(stats=stats[name].to_dict(), tbps=tbps, copy_ratio=tbps / copy)
+                table.append((label, name, stats[name].median_us, tbps, tbps / copy, check["ok"]))
+                print(f"{label} {name}: {stats[name].median_us:.1f} us {tbps:.2f} TB/s ok={check['ok']}", flush=True)
+            record["rows"].append(entry)
+        torch.cuda.empty_cache()
+    with open(args.output, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"\n{'row':20s} {'config':26s} {'us':>8s} {'TB/s':>6s} {'copy':>5s} ok")
+    for label, name, us, tbps, ratio, ok in table:
+        print(f"{label:20s} {name:26s} {us:8.1f} {tbps:6.2f} {ratio:5.2f} {'y' if ok else 'N'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
