@@ -171,8 +171,6 @@ def eager_logits(qq, kv, weights, ks, ke) -> torch.Tensor:
 
 def check_logits(out, ref: torch.Tensor, clean: bool, limit: float, ref_orig=None, limit_orig=None) -> dict:
     """The complete-output rules: shape, every element written, exact -inf mask, calc_diff."""
-    from tilefuse.reference import calc_diff
-
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(ref.shape):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         return {"passed": False, "failed": f"output shape {got}, expected {tuple(ref.shape)}"}
@@ -187,6 +185,15 @@ def check_logits(out, ref: torch.Tensor, clean: bool, limit: float, ref_orig=Non
             failures.append("-inf mask differs from the reference")
         if not res["nan_free"]:
             failures.append("NaN in the output (unwritten element)")
+    return finish_reference_checks(res, failures, out, ref, limit, ref_orig, limit_orig)
+
+
+def finish_reference_checks(res: dict, failures: list[str], out: torch.Tensor, ref: torch.Tensor, limit: float,
+                            ref_orig: torch.Tensor | None, limit_orig: float) -> dict:
+    """Add both references' ``calc_diff`` (dequantised: ``limit``; unquantised, when given:
+    ``limit_orig``) to a check record and close it: ``passed``, and ``failed`` with every reason."""
+    from tilefuse.reference import calc_diff
+
     res["calc_diff"] = calc_diff(out.float(), ref.float())
     res["limit"] = limit
     if not res["calc_diff"] < limit:

@@ -21,7 +21,12 @@ import torch
 from tilefuse import formats
 from tilefuse.bench import ceilings as ceil
 from tilefuse.bench.runner import Case, Impl
-from tilefuse.bench.suites.indexer import DEQUANT_LIMIT_FP32, ORIGINAL_LIMIT, deep_gemm_module
+from tilefuse.bench.suites.indexer import (
+    DEQUANT_LIMIT_FP32,
+    ORIGINAL_LIMIT,
+    deep_gemm_module,
+    finish_reference_checks,
+)
 
 GPU_ROWS = [(b, n, c) for b in (1, 64, 256) for n in (1, 2) for c in (8192, 32768, 65536)]
 CPU_ROWS = [(1, 1, 512), (4, 1, 256), (4, 2, 256)]
@@ -130,27 +135,13 @@ def eager_paged_logits(qq, kv_cache, weights, lens2d, block_table, max_context_l
 
 def check_paged(out, ref: torch.Tensor, limit: float, ref_orig=None, limit_orig=None) -> dict:
     """Without clean only the valid entries are specified: they must be finite and match."""
-    from tilefuse.reference import calc_diff
-
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(ref.shape):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         return {"passed": False, "failed": f"output shape {got}, expected {tuple(ref.shape)}"}
     valid = ~torch.isneginf(ref)
     res = {"inside_finite": bool(torch.isfinite(out[valid]).all())}
     failures = [] if res["inside_finite"] else ["non-finite value at a valid entry (unwritten?)"]
-    res["calc_diff"] = calc_diff(out.float(), ref.float())
-    res["limit"] = limit
-    if not res["calc_diff"] < limit:
-        failures.append(f"calc_diff {res['calc_diff']:.3g} >= {limit:g}")
-    if ref_orig is not None:
-        res["calc_diff_original"] = calc_diff(out.float(), ref_orig)
-        res["limit_original"] = limit_orig
-        if not res["calc_diff_original"] < limit_orig:
-            failures.append(f"calc_diff vs unquantised {res['calc_diff_original']:.3g} >= {limit_orig:g}")
-    res["passed"] = not failures
-    if failures:
-        res["failed"] = "; ".join(failures)
-    return res
+    return finish_reference_checks(res, failures, out, ref, limit, ref_orig, limit_orig)
 
 
 def _num_workers(device: str) -> int:
