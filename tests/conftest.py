@@ -30,3 +30,23 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture
+def record_launches(monkeypatch):
+    """``record_launches(module, name)`` -> list that collects the grid of every launch of the
+    Triton kernel ``module.name`` (which still runs): proves an op went through the kernel."""
+
+    def install(module, name):
+        launched = []
+        real = getattr(module, name)
+
+        class Spy:
+            def __getitem__(self, grid):
+                launched.append(grid)
+                return real[grid]
+
+        monkeypatch.setattr(module, name, Spy())
+        return launched
+
+    return install

@@ -362,17 +362,9 @@ def test_fp8_paged_signature_and_compat_module():
     assert deep_gemm.fp8_fp4_paged_mqa_logits is tilefuse.fp8_fp4_paged_mqa_logits
 
 
-def test_ops_run_the_triton_kernel(monkeypatch):
+def test_ops_run_the_triton_kernel(record_launches):
     """On CPU tensors the op goes through the Triton kernel (interpreter), not the reference."""
-    launched = []
-    real = kern.paged_logits_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(kern, "paged_logits_kernel", Spy())
+    launched = record_launches(kern, "paged_logits_kernel")
     case = Case("fp8", lens=(40, 90), next_n=3, h=64, block_kv=32, seed=15, num_sms=5)
     case.run(config=paged.PagedConfig(rows=2, splits=2))
     assert launched == [(2, 2, 5)]

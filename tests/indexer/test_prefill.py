@@ -319,17 +319,9 @@ def test_fp8_mqa_logits_matches_deepgemm_signature_and_compat_module():
     assert deep_gemm.fp8_fp4_mqa_logits is tilefuse.fp8_fp4_mqa_logits
 
 
-def test_ops_run_the_triton_kernel(monkeypatch):
+def test_ops_run_the_triton_kernel(record_launches):
     """On CPU tensors the op goes through the Triton kernel (interpreter), not the reference."""
-    launched = []
-    real = kern.prefill_logits_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(kern, "prefill_logits_kernel", Spy())
+    launched = record_launches(kern, "prefill_logits_kernel")
     _, _, w, qq, kk = make_inputs(16, 64, 4, 32, "fp8", seed=1)
     ks, ke = W.causal_tail(16, 64, device=DEVICE)
     tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=SMALL)

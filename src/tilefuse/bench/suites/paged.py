@@ -23,6 +23,8 @@ from tilefuse.bench import ceilings as ceil
 from tilefuse.bench.runner import Case, Impl
 from tilefuse.bench.suites.indexer import (
     DEQUANT_LIMIT_FP32,
+    EAGER_BYTES_LIMIT,
+    EAGER_SAMPLES,
     ORIGINAL_LIMIT,
     deep_gemm_module,
     finish_reference_checks,
@@ -34,10 +36,7 @@ GPU_HEADS, CPU_HEADS = 64, 16
 HEAD_DIM = 128
 BLOCK_KV = 64
 SPREAD = (0.7, 1.3)
-FORMATS = ("fp8", "mxfp8", "mxfp4")
 CPU_WORKERS = 8  # metadata workers when there is no GPU to size them by
-EAGER_BYTES_LIMIT = 24 << 30
-EAGER_SAMPLES = 10
 
 
 @dataclass(frozen=True)
@@ -230,8 +229,8 @@ def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) 
 def cases(*, on_gpu: bool, device: str, shapes=None, fmts=("fp8",)) -> list[Case]:
     """The cases of ``tilefuse bench paged``."""
     for f in fmts:
-        if f not in FORMATS:
-            raise ValueError(f"--formats: expected some of {FORMATS}, got {f!r}")
+        if f not in formats.FORMATS:
+            raise ValueError(f"--formats: expected some of {formats.FORMATS}, got {f!r}")
     rows = shapes or (GPU_ROWS if on_gpu else CPU_ROWS)
     heads = GPU_HEADS if on_gpu else CPU_HEADS
     peer, skip = deep_gemm_module()
