@@ -35,10 +35,11 @@ H, D, BLOCK_KV = 64, 128, 64
 def configs(next_n: int) -> list[PagedConfig]:
     base = default_paged_config("fp8", next_n, H, D, BLOCK_KV)
     rep = lambda **kw: PagedConfig(**{**base.__dict__, **kw})  # noqa: E731
-    out = [base, rep(splits=3), rep(splits=4), rep(num_stages=4), rep(num_stages=6),
-           rep(block_n=128, num_warps=8), rep(block_n=128, num_warps=8, splits=1)]
+    out = [base, rep(splits=4), rep(splits=4, num_stages=7), rep(splits=4, num_stages=9),
+           rep(splits=6, num_stages=7), rep(splits=8, num_stages=7), rep(splits=3, num_stages=9),
+           rep(block_n=128, num_warps=4, splits=4, num_stages=5), rep(splits=2, num_stages=7)]
     if next_n > 1:
-        out.append(rep(rows=1))
+        out += [rep(splits=4, num_stages=7, num_warps=8), rep(rows=1, splits=4, num_stages=7)]
     return list(dict.fromkeys(out))
 
 

@@ -48,6 +48,8 @@ MX_CONFIGS = [
     C(64, 256, 8, 3), C(128, 128, 8, 2),
     C(64, 128, 4, 2, keys_major=True, head_unroll=2), C(64, 64, 4, 2, mx_split=True),
 ]
+MXF16_CONFIGS = [C(64, 128, 4, 2, head_unroll=2, mxfp8_via_f16=True),
+                 C(64, 128, 4, 2, head_unroll=2, mxfp8_via_f16=True, clean_pass=True), C(64, 128, 4, 2, head_unroll=2)]
 
 
 def config_name(cfg: PrefillConfig) -> str:
@@ -73,7 +75,18 @@ def check(out, ref, idx, full_mask, logits_dtype, clean):
     return {"ok": mask_ok and diff < bar, "calc_diff": diff, "mask_exact": mask_ok}
 
 
-def rows(quick: bool):
+def rows(quick: bool, schedules: bool):
+    base = dict(s_q=2048, s_k=32768, h=64, d=128, clean=True, logits=torch.float32)
+    if schedules:
+        # The clean-logits schedule per format (inline vs separate pass), and clean=False beside.
+        for logits in (torch.float32, torch.bfloat16):
+            yield {**base, "fmt": "fp8", "logits": logits}, FP8_CONFIGS[:2]
+        yield {**base, "fmt": "fp8", "clean": False}, FP8_CONFIGS[:1]
+        yield {**base, "fmt": "mxfp8"}, MXF16_CONFIGS
+        yield {**base, "fmt": "mxfp8", "clean": False}, MXF16_CONFIGS[:1]
+        yield {**base, "fmt": "mxfp4"}, FP4_CONFIGS[:2]
+        yield {**base, "fmt": "mxfp4", "clean": False}, FP4_CONFIGS[:1]
+        return
     big = [(2048, 32768)] + ([] if quick else [(4096, 8192)])
     for s_q, s_k in big:
         yield dict(s_q=s_q, s_k=s_k, h=64, d=128, fmt="fp8", clean=True, logits=torch.float32), FP8_CONFIGS
@@ -89,6 +102,8 @@ def main(argv=None):
     ap.add_argument("--output", default="prefill-sweep.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--schedules", action="store_true",
+                    help="only the clean-logits schedule rows (each format, clean on and off)")
     ap.add_argument("--formats", default="fp8,mxfp8,mxfp4", help="comma-separated formats to sweep")
     args = ap.parse_args(argv)
     record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": []}
@@ -96,7 +111,7 @@ def main(argv=None):
     bf16_ceiling = ceilings.ceiling_value(record["ceilings"], "bf16_matmul")
     print(f"ceilings: fp8 {fp8_ceiling:.0f}  bf16 {bf16_ceiling:.0f} TFLOP/s", flush=True)
     table = []
-    for shape, configs in rows(args.quick):
+    for shape, configs in rows(args.quick, args.schedules):
         if shape["fmt"] not in args.formats.split(","):
             continue
         qq, kk, w = make(shape["s_q"], shape["s_k"], shape["h"], shape["d"], shape["fmt"])
