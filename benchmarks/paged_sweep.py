@@ -35,16 +35,19 @@ H, D, BLOCK_KV = 64, 128, 64
 def configs(next_n: int) -> list[PagedConfig]:
     base = default_paged_config("fp8", next_n, H, D, BLOCK_KV)
     rep = lambda **kw: PagedConfig(**{**base.__dict__, **kw})  # noqa: E731
-    out = [base, rep(splits=4), rep(splits=4, num_stages=7), rep(splits=4, num_stages=9),
-           rep(splits=6, num_stages=7), rep(splits=8, num_stages=7), rep(splits=3, num_stages=9),
-           rep(block_n=128, num_warps=4, splits=4, num_stages=5), rep(splits=2, num_stages=7)]
+    out = [base, rep(splits=4), rep(block_n=128, splits=4)]
+    # One program per (request, chunk of keys): grid from max_context_len, no metadata.
+    out += [rep(splits=1, chunk=c) for c in (256, 512, 1024, 2048)]
+    out += [rep(splits=1, chunk=c, num_stages=7) for c in (1024, 2048)]
+    out += [rep(splits=1, chunk=c, block_n=128) for c in (512, 1024, 2048)]
     if next_n > 1:
-        out += [rep(splits=4, num_stages=7, num_warps=8), rep(rows=1, splits=4, num_stages=7)]
+        out += [rep(splits=1, chunk=1024, rows=1)]
     return list(dict.fromkeys(out))
 
 
 def name_of(cfg: PagedConfig) -> str:
-    return f"n{cfg.block_n} r{cfg.rows} s{cfg.splits} w{cfg.num_warps} st{cfg.num_stages}"
+    sched = f"chunk{cfg.chunk}" if cfg.chunk else f"s{cfg.splits}"
+    return f"n{cfg.block_n} r{cfg.rows} {sched} w{cfg.num_warps} st{cfg.num_stages}"
 
 
 def make_row(b: int, next_n: int, mean: int, seed: int = 0):

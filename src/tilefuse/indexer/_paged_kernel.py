@@ -56,7 +56,7 @@ def _key_extent(ctx_ptr, stride_ctx, b, NEXT_N: tl.constexpr, NEXT_N_P: tl.const
 @triton.jit
 def paged_logits_kernel(
     q_ptr, q_sf_ptr, kv_ptr, kv_sf_ptr, w_ptr, ctx_ptr, bt_ptr, meta_ptr, out_ptr,
-    num_requests, max_context_len, max_blocks,
+    num_requests, max_context_len, max_blocks, chunk_keys, chunks_per_request,
     stride_qb, stride_qt, stride_qh,
     stride_sfb, stride_sft,
     stride_w, stride_ctx, stride_bt,
@@ -65,11 +65,14 @@ def paged_logits_kernel(
     NEXT_N: tl.constexpr, NEXT_N_P: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr,
     D: tl.constexpr, BLOCK_KV: tl.constexpr, FMT: tl.constexpr, CTX_2D: tl.constexpr, CLEAN: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCK_FILL: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, CHUNKS: tl.constexpr, G: tl.constexpr,
 ):
-    pid_g = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_w = tl.program_id(2)
+    # One grid axis (no 65535 limit), row groups fastest so that the groups reading the same
+    # key tiles run side by side: pid = (unit * SPLITS + split) * G + group.
+    pid = tl.program_id(0)
+    pid_g = pid % G
+    pid_s = (pid // G) % SPLITS
+    unit = pid // (G * SPLITS)
     DQ: tl.constexpr = D // 2 if FMT == 2 else D  # value bytes per token
     SF_OFFSET: tl.constexpr = BLOCK_KV * DQ // 4  # first scale of a page, in 4-byte words
     NC: tl.constexpr = ROWS * HEADS_P  # dot columns: (query row, head) pairs
@@ -82,17 +85,29 @@ def paged_logits_kernel(
     dq = tl.arange(0, DQ)
     t_rows = pid_g * ROWS + tl.arange(0, ROWS)
 
-    b_first = tl.load(meta_ptr + 2 * pid_w)
-    p_first = tl.load(meta_ptr + 2 * pid_w + 1)
-    b_last = tl.load(meta_ptr + 2 * pid_w + 2)
-    p_last = tl.load(meta_ptr + 2 * pid_w + 3)
-    for b in range(b_first, tl.minimum(b_last + 1, num_requests)):
+    if CHUNKS:
+        # Unit = (request, chunk of chunk_keys keys): one request per program.
+        b_first = unit // chunks_per_request
+        b_stop = b_first + 1
+        chunk_lo = (unit % chunks_per_request) * chunk_keys
+    else:
+        # Unit = metadata worker: pages [(b_first, p_first), (b_last, p_last)).
+        b_first = tl.load(meta_ptr + 2 * unit)
+        p_first = tl.load(meta_ptr + 2 * unit + 1)
+        b_last = tl.load(meta_ptr + 2 * unit + 2)
+        p_last = tl.load(meta_ptr + 2 * unit + 3)
+        b_stop = tl.minimum(b_last + 1, num_requests)
+    for b in range(b_first, b_stop):
         b64 = tl.cast(b, tl.int64)
         key_len = tl.minimum(_key_extent(ctx_ptr, stride_ctx, b, NEXT_N, NEXT_N_P, CTX_2D), max_context_len)
-        lo_page = tl.where(b == b_first, p_first, 0)
-        hi_page = tl.where(b == b_last, p_last, tl.cdiv(key_len, BLOCK_KV))
-        lo_tok = lo_page * BLOCK_KV
-        hi_tok = tl.minimum(hi_page * BLOCK_KV, key_len)
+        if CHUNKS:
+            lo_tok = chunk_lo
+            hi_tok = tl.minimum(chunk_lo + chunk_keys, key_len)
+        else:
+            lo_page = tl.where(b == b_first, p_first, 0)
+            hi_page = tl.where(b == b_last, p_last, tl.cdiv(key_len, BLOCK_KV))
+            lo_tok = lo_page * BLOCK_KV
+            hi_tok = tl.minimum(hi_page * BLOCK_KV, key_len)
         # Exclusive end of each of this program's query rows.
         if CTX_2D:
             row_end = tl.load(ctx_ptr + b * stride_ctx + t_rows, mask=t_rows < NEXT_N, other=0)
@@ -141,10 +156,20 @@ def paged_logits_kernel(
             tl.store(out_rows[None, :] + j[:, None], logits.to(out_ptr.dtype.element_ty),
                      mask=j_ok[:, None] & (t_rows < NEXT_N)[None, :])
 
-    if CLEAN:
+        if CHUNKS and CLEAN:
+            # This chunk's columns past the request's key extent (the tiles cover the rest).
+            f = tl.arange(0, BLOCK_FILL)
+            fill = tl.full((ROWS, BLOCK_FILL), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
+            fill_hi = tl.minimum(chunk_lo + chunk_keys, max_context_len)
+            for c0 in range(tl.maximum(chunk_lo, key_len), fill_hi, BLOCK_FILL):
+                col = c0 + f
+                tl.store(out_rows[:, None] + col[None, :], fill,
+                         mask=(t_rows < NEXT_N)[:, None] & (col < fill_hi)[None, :])
+
+    if CLEAN and not CHUNKS:
         # Columns past each request's key extent: -inf, split over programs by request.
-        prog = pid_w * SPLITS + pid_s
-        nprog = tl.num_programs(2) * SPLITS
+        prog = unit * SPLITS + pid_s
+        nprog = tl.num_programs(0) // G
         f = tl.arange(0, BLOCK_FILL)
         fill = tl.full((ROWS, BLOCK_FILL), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
         for b in range(prog, num_requests, nprog):

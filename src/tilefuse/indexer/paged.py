@@ -76,6 +76,10 @@ class PagedConfig:
     splits: programs per metadata worker, taking its tiles round-robin.
     num_warps, num_stages: as in Triton; stages pipeline the key-tile loads.
     block_fill: columns per store of the ``-inf`` tail when cleaning.
+    chunk: the schedule. 0: one unit of work per metadata worker (its balanced page range,
+        several requests), ``splits`` programs each. ``> 0`` (a multiple of ``block_n``): one
+        program per (request, ``chunk`` keys), the grid sized from ``max_context_len``; programs
+        past a request's length only fill its ``-inf`` tail.
     """
 
     block_n: int = 64
@@ -84,6 +88,7 @@ class PagedConfig:
     num_warps: int = 4
     num_stages: int = 5
     block_fill: int = 1024
+    chunk: int = 0
 
 
 def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, block_kv: int) -> PagedConfig:
@@ -116,6 +121,8 @@ def resolve_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
     _expect(cfg.block_n >= _MIN_DOT, ValueError, f"PagedConfig.block_n must be >= {_MIN_DOT}, got {cfg.block_n}")
     _expect(cfg.splits >= 1 and cfg.num_warps >= 1 and cfg.num_stages >= 1, ValueError,
             f"PagedConfig: splits, num_warps and num_stages must be >= 1, got {cfg}")
+    _expect(cfg.chunk >= 0 and cfg.chunk % cfg.block_n == 0, ValueError,
+            f"PagedConfig.chunk must be 0 or a positive multiple of block_n = {cfg.block_n}, got {cfg.chunk}")
     return cfg
 
 
@@ -504,11 +511,14 @@ def _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, schedule
     # Byte views of one buffer: values as E4M3 (or packed FP4 bytes), scales as 4-byte words.
     kv_values = kv_cache.view(torch.int8 if fmt == "mxfp4" else FP8_DTYPE)
     kv_scales = kv_cache.view(torch.float32 if fmt == "fp8" else torch.int32)
-    grid = (triton.cdiv(next_n, cfg.rows), cfg.splits, schedule_meta.shape[0] - 1)
+    groups = triton.cdiv(next_n, cfg.rows)
+    chunks_per_request = triton.cdiv(out.shape[1], cfg.chunk) if cfg.chunk else 0
+    units = b * chunks_per_request if cfg.chunk else schedule_meta.shape[0] - 1
+    grid = (groups * cfg.splits * units,)
     args = (
         q, q_sf if q_sf is not None else context_lens, kv_values, kv_scales, weights, context_lens, block_table,
         schedule_meta, out,
-        b, out.shape[1], block_table.shape[1],
+        b, out.shape[1], block_table.shape[1], cfg.chunk, chunks_per_request,
         q.stride(0), q.stride(1), q.stride(2),
         q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
         weights.stride(0), context_lens.stride(0), block_table.stride(0),
@@ -519,7 +529,7 @@ def _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, schedule
         NEXT_N=next_n, NEXT_N_P=_next_pow2(next_n), NUM_HEADS=h, HEADS_P=max(_next_pow2(h), _MIN_DOT // cfg.rows),
         D=dq * 2 if fmt == "mxfp4" else dq, BLOCK_KV=kv_cache.shape[1], FMT=_FORMAT_CODE[fmt],
         CTX_2D=context_lens.dim() == 2, CLEAN=clean_logits, ROWS=cfg.rows, BLOCK_N=cfg.block_n, SPLITS=cfg.splits,
-        BLOCK_FILL=cfg.block_fill, NUM_STAGES=cfg.num_stages,
+        BLOCK_FILL=cfg.block_fill, NUM_STAGES=cfg.num_stages, CHUNKS=cfg.chunk > 0, G=groups,
     )
     return grid, args, consts
 
@@ -542,12 +552,13 @@ def _paged_mqa_logits(
     num_warps: int,
     num_stages: int,
     block_fill: int,
+    chunk: int,
 ) -> torch.Tensor:
     shape, stride = _out_layout(q.shape[0] * q.shape[1], max_context_len)
     out = torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
     if out.numel() == 0:
         return out
-    cfg = PagedConfig(block_n, rows, splits, num_warps, num_stages, block_fill)
+    cfg = PagedConfig(block_n, rows, splits, num_warps, num_stages, block_fill, chunk)
     grid, args, consts = _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, out,
                                       clean_logits, cfg)
     kern.paged_logits_kernel[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
@@ -556,7 +567,8 @@ def _paged_mqa_logits(
 
 @_paged_mqa_logits.register_fake
 def _paged_mqa_logits_fake(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-                           clean_logits, logits_dtype, block_n, rows, splits, num_warps, num_stages, block_fill):
+                           clean_logits, logits_dtype, block_n, rows, splits, num_warps, num_stages, block_fill,
+                           chunk):
     shape, stride = _out_layout(q.shape[0] * q.shape[1], max_context_len)
     return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
 
@@ -633,7 +645,7 @@ def fp8_fp4_paged_mqa_logits(
     _check_values(context_lens, block_table, schedule_meta, kv_cache.shape[0], p.block_kv, max_context_len)
     return _paged_mqa_logits(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
                              max_context_len, bool(clean_logits), logits_dtype, cfg.block_n, cfg.rows, cfg.splits,
-                             cfg.num_warps, cfg.num_stages, cfg.block_fill)
+                             cfg.num_warps, cfg.num_stages, cfg.block_fill, cfg.chunk)
 
 
 def fp8_paged_mqa_logits(
