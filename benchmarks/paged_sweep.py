@@ -35,11 +35,10 @@ H, D, BLOCK_KV = 64, 128, 64
 def configs(next_n: int) -> list[PagedConfig]:
     base = default_paged_config("fp8", next_n, H, D, BLOCK_KV)
     rep = lambda **kw: PagedConfig(**{**base.__dict__, **kw})  # noqa: E731
-    out = [base, rep(splits=4), rep(block_n=128, splits=4)]
-    # One program per (request, chunk of keys): grid from max_context_len, no metadata.
-    out += [rep(splits=1, chunk=c) for c in (256, 512, 1024, 2048)]
-    out += [rep(splits=1, chunk=c, num_stages=7) for c in (1024, 2048)]
-    out += [rep(splits=1, chunk=c, block_n=128) for c in (512, 1024, 2048)]
+    out = [base, rep(block_n=128, splits=4)]
+    # One program per (request, chunk of keys): grid from max_context_len, page ids read once.
+    out += [rep(splits=1, chunk=c, num_stages=st) for c in (256, 512, 1024, 2048) for st in (4, 5, 6)]
+    out += [rep(splits=1, chunk=c, block_n=128, num_stages=st) for c in (512, 1024, 2048) for st in (3, 4, 5)]
     if next_n > 1:
         out += [rep(splits=1, chunk=1024, rows=1)]
     return list(dict.fromkeys(out))

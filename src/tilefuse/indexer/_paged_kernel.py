@@ -56,7 +56,7 @@ def _key_extent(ctx_ptr, stride_ctx, b, NEXT_N: tl.constexpr, NEXT_N_P: tl.const
 @triton.jit
 def paged_logits_kernel(
     q_ptr, q_sf_ptr, kv_ptr, kv_sf_ptr, w_ptr, ctx_ptr, bt_ptr, meta_ptr, out_ptr,
-    num_requests, max_context_len, max_blocks, chunk_keys, chunks_per_request,
+    num_requests, max_context_len, max_blocks, chunks_per_request,
     stride_qb, stride_qt, stride_qh,
     stride_sfb, stride_sft,
     stride_w, stride_ctx, stride_bt,
@@ -65,7 +65,7 @@ def paged_logits_kernel(
     NEXT_N: tl.constexpr, NEXT_N_P: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr,
     D: tl.constexpr, BLOCK_KV: tl.constexpr, FMT: tl.constexpr, CTX_2D: tl.constexpr, CLEAN: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCK_FILL: tl.constexpr,
-    NUM_STAGES: tl.constexpr, CHUNKS: tl.constexpr, G: tl.constexpr,
+    NUM_STAGES: tl.constexpr, CHUNK: tl.constexpr, G: tl.constexpr,
 ):
     # One grid axis (no 65535 limit), row groups fastest so that the groups reading the same
     # key tiles run side by side: pid = (unit * SPLITS + split) * G + group.
@@ -85,11 +85,12 @@ def paged_logits_kernel(
     dq = tl.arange(0, DQ)
     t_rows = pid_g * ROWS + tl.arange(0, ROWS)
 
+    CHUNKS: tl.constexpr = CHUNK > 0
     if CHUNKS:
-        # Unit = (request, chunk of chunk_keys keys): one request per program.
+        # Unit = (request, chunk of CHUNK keys): one request per program.
         b_first = unit // chunks_per_request
         b_stop = b_first + 1
-        chunk_lo = (unit % chunks_per_request) * chunk_keys
+        chunk_lo = (unit % chunks_per_request) * CHUNK
     else:
         # Unit = metadata worker: pages [(b_first, p_first), (b_last, p_last)).
         b_first = tl.load(meta_ptr + 2 * unit)
@@ -102,7 +103,7 @@ def paged_logits_kernel(
         key_len = tl.minimum(_key_extent(ctx_ptr, stride_ctx, b, NEXT_N, NEXT_N_P, CTX_2D), max_context_len)
         if CHUNKS:
             lo_tok = chunk_lo
-            hi_tok = tl.minimum(chunk_lo + chunk_keys, key_len)
+            hi_tok = tl.minimum(chunk_lo + CHUNK, key_len)
         else:
             lo_page = tl.where(b == b_first, p_first, 0)
             hi_page = tl.where(b == b_last, p_last, tl.cdiv(key_len, BLOCK_KV))
@@ -125,13 +126,25 @@ def paged_logits_kernel(
         w = tl.load(w_ptr + (b64 * NEXT_N + c_t) * stride_w + c_h, mask=c_ok, other=0.0).to(tl.float32)
 
         bt_row = bt_ptr + b64 * stride_bt
+        if CHUNKS:
+            # The chunk's page ids, read once: a key tile's address then depends on registers
+            # only, so its load can be issued as many stages ahead as there are buffers (a
+            # block-table load inside the loop would hold each key load back by one latency).
+            CHUNK_PAGES: tl.constexpr = CHUNK // BLOCK_KV
+            first_page = chunk_lo // BLOCK_KV
+            chunk_page_ids = first_page + tl.arange(0, CHUNK_PAGES)
+            chunk_pages = tl.load(bt_row + chunk_page_ids,
+                                  mask=(chunk_page_ids < max_blocks) & (chunk_page_ids * BLOCK_KV < hi_tok), other=0)
         out_rows = out_ptr + (b64 * NEXT_N + t_rows) * stride_out
         for tile in tl.range(lo_tok // BLOCK_N + pid_s, tl.cdiv(hi_tok, BLOCK_N), SPLITS, num_stages=NUM_STAGES):
             j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             page_idx = j // BLOCK_KV
             in_table = page_idx < max_blocks
             j_ok = (j >= lo_tok) & (j < hi_tok)
-            page = tl.load(bt_row + page_idx, mask=j_ok & in_table, other=0).to(tl.int64)
+            if CHUNKS:
+                page = tl.gather(chunk_pages, page_idx - first_page, 0).to(tl.int64)
+            else:
+                page = tl.load(bt_row + page_idx, mask=j_ok & in_table, other=0).to(tl.int64)
             slot = j % BLOCK_KV
             ld_ok = j_ok & in_table
             k_raw = tl.load(kv_ptr + (page * page_stride + slot * DQ)[:, None] + dq[None, :],
@@ -160,7 +173,7 @@ def paged_logits_kernel(
             # This chunk's columns past the request's key extent (the tiles cover the rest).
             f = tl.arange(0, BLOCK_FILL)
             fill = tl.full((ROWS, BLOCK_FILL), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
-            fill_hi = tl.minimum(chunk_lo + chunk_keys, max_context_len)
+            fill_hi = tl.minimum(chunk_lo + CHUNK, max_context_len)
             for c0 in range(tl.maximum(chunk_lo, key_len), fill_hi, BLOCK_FILL):
                 col = c0 + f
                 tl.store(out_rows[:, None] + col[None, :], fill,

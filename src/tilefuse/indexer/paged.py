@@ -121,8 +121,10 @@ def resolve_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
     _expect(cfg.block_n >= _MIN_DOT, ValueError, f"PagedConfig.block_n must be >= {_MIN_DOT}, got {cfg.block_n}")
     _expect(cfg.splits >= 1 and cfg.num_warps >= 1 and cfg.num_stages >= 1, ValueError,
             f"PagedConfig: splits, num_warps and num_stages must be >= 1, got {cfg}")
-    _expect(cfg.chunk >= 0 and cfg.chunk % cfg.block_n == 0, ValueError,
-            f"PagedConfig.chunk must be 0 or a positive multiple of block_n = {cfg.block_n}, got {cfg.chunk}")
+    _expect(cfg.chunk >= 0 and cfg.chunk % max(cfg.block_n, block_kv) == 0
+            and (cfg.chunk & (cfg.chunk - 1)) == 0, ValueError,
+            f"PagedConfig.chunk must be 0 or a power of two multiple of block_n = {cfg.block_n} and of "
+            f"block_kv = {block_kv}, got {cfg.chunk}")
     return cfg
 
 
@@ -518,7 +520,7 @@ def _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, schedule
     args = (
         q, q_sf if q_sf is not None else context_lens, kv_values, kv_scales, weights, context_lens, block_table,
         schedule_meta, out,
-        b, out.shape[1], block_table.shape[1], cfg.chunk, chunks_per_request,
+        b, out.shape[1], block_table.shape[1], chunks_per_request,
         q.stride(0), q.stride(1), q.stride(2),
         q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
         weights.stride(0), context_lens.stride(0), block_table.stride(0),
@@ -529,7 +531,7 @@ def _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, schedule
         NEXT_N=next_n, NEXT_N_P=_next_pow2(next_n), NUM_HEADS=h, HEADS_P=max(_next_pow2(h), _MIN_DOT // cfg.rows),
         D=dq * 2 if fmt == "mxfp4" else dq, BLOCK_KV=kv_cache.shape[1], FMT=_FORMAT_CODE[fmt],
         CTX_2D=context_lens.dim() == 2, CLEAN=clean_logits, ROWS=cfg.rows, BLOCK_N=cfg.block_n, SPLITS=cfg.splits,
-        BLOCK_FILL=cfg.block_fill, NUM_STAGES=cfg.num_stages, CHUNKS=cfg.chunk > 0, G=groups,
+        BLOCK_FILL=cfg.block_fill, NUM_STAGES=cfg.num_stages, CHUNK=cfg.chunk, G=groups,
     )
     return grid, args, consts
 
