@@ -32,21 +32,18 @@ ROWS = [(64, 1, 8192), (256, 1, 8192), (64, 2, 32768), (1, 1, 65536)]
 H, D, BLOCK_KV = 64, 128, 64
 
 
-def configs(next_n: int) -> list[PagedConfig]:
-    base = default_paged_config("fp8", next_n, H, D, BLOCK_KV)
+def configs(b: int, next_n: int, max_len: int) -> list[PagedConfig]:
+    base = default_paged_config("fp8", next_n, H, D, BLOCK_KV, b, max_len)
     rep = lambda **kw: PagedConfig(**{**base.__dict__, **kw})  # noqa: E731
-    out = [base, rep(block_n=128, splits=4)]
-    # One program per (request, chunk of keys): grid from max_context_len, page ids read once.
-    out += [rep(splits=1, chunk=c, num_stages=st) for c in (256, 512, 1024, 2048) for st in (4, 5, 6)]
-    out += [rep(splits=1, chunk=c, block_n=128, num_stages=st) for c in (512, 1024, 2048) for st in (3, 4, 5)]
+    out = [base] + [rep(chunk=c) for c in (512, 1024, 2048)]
+    out += [rep(block_n=64, num_stages=4), rep(num_stages=2), rep(num_stages=4), rep(num_warps=8)]
     if next_n > 1:
-        out += [rep(splits=1, chunk=1024, rows=1)]
+        out += [rep(rows=1)]
     return list(dict.fromkeys(out))
 
 
 def name_of(cfg: PagedConfig) -> str:
-    sched = f"chunk{cfg.chunk}" if cfg.chunk else f"s{cfg.splits}"
-    return f"n{cfg.block_n} r{cfg.rows} {sched} w{cfg.num_warps} st{cfg.num_stages}"
+    return f"n{cfg.block_n} r{cfg.rows} chunk{cfg.chunk} w{cfg.num_warps} st{cfg.num_stages}"
 
 
 def make_row(b: int, next_n: int, mean: int, seed: int = 0):
@@ -81,7 +78,7 @@ def main(argv=None):
                                              row["max_len"])
         inside = ~torch.isneginf(ref)
         fns, checks = {}, {}
-        for cfg in configs(next_n):
+        for cfg in configs(b, next_n, row["max_len"]):
             name = name_of(cfg)
             fn = functools.partial(tilefuse.fp8_fp4_paged_mqa_logits, *args_, config=cfg)
             try:

@@ -239,17 +239,15 @@ def test_bitwise_reruns_whatever_the_metadata(fmt):
                 seed=10)
     first = case.run(clean=True)
     counts = [1, 2, 5, 64] if not ON_GPU else [1, 7, NUM_SMS, 2 * NUM_SMS, 1000]
-    configs = [None, paged.PagedConfig(splits=1, rows=1), paged.PagedConfig(splits=3, rows=1),
-               paged.PagedConfig(splits=1, rows=1, chunk=64), paged.PagedConfig(splits=1, rows=1, chunk=256),
-               paged.PagedConfig(splits=2, rows=1, chunk=128)]
+    configs = [None, paged.PagedConfig(rows=1), paged.PagedConfig(rows=1, block_n=64, chunk=64),
+               paged.PagedConfig(rows=1, chunk=256, num_stages=2), paged.PagedConfig(rows=1, chunk=2048)]
     reruns = 20 if ON_GPU else 3
     for i in range(reruns):
         n = counts[i % len(counts)]
         meta = tilefuse.get_paged_mqa_logits_metadata(case.ctx, 32, n)
         again = case.run(clean=True, meta=meta)
         assert torch.equal(first.view(torch.int32), again.view(torch.int32)), f"rerun {i} (num_sms={n}) differs"
-    # Neither does the split over programs nor the schedule (worker ranges from the metadata or
-    # fixed chunks of a request); only rows changes the dot shape.
+    # Neither do the chunk size and 64- or 128-key tiles (both wgmma on sm_90); rows changes the dot.
     base = case.run(clean=True, config=configs[1])
     for cfg in configs[2:]:
         assert torch.equal(base.view(torch.int32), case.run(clean=True, config=cfg).view(torch.int32))
@@ -369,10 +367,9 @@ def test_ops_run_the_triton_kernel(record_launches):
     """On CPU tensors the op goes through the Triton kernel (interpreter), not the reference."""
     launched = record_launches(kern, "paged_logits_kernel")
     case = Case("fp8", lens=(40, 90), next_n=3, h=64, block_kv=32, seed=15, num_sms=5)
-    case.run(config=paged.PagedConfig(rows=2, splits=2))
-    case.run(config=paged.PagedConfig(rows=2, splits=1, chunk=64))
-    # (row groups x splits x workers), then (row groups x requests x chunks of max_context_len).
-    assert launched == [(2 * 2 * 5,), (2 * 2 * ((case.max_context_len + 63) // 64),)]
+    case.run(config=paged.PagedConfig(rows=2, block_n=64, chunk=64))
+    # row groups x requests x chunks of max_context_len
+    assert launched == [(2 * 2 * ((case.max_context_len + 63) // 64),)]
 
 
 def test_custom_op_fake_and_torch_compile():
@@ -384,7 +381,7 @@ def test_custom_op_fake_and_torch_compile():
         args = [mode.from_tensor(t) for t in (case.qq[0], case.qq[1], case.cache, case.w, case.ctx, case.table,
                                               case.meta)]
         fake = torch.ops.tilefuse.paged_mqa_logits(*args, case.max_context_len, True, torch.bfloat16,
-                                                   64, 1, 2, 4, 3, 1024, 0)
+                                                   64, 1, 512, 4, 3, 1024)
     assert fake.shape == real.shape and fake.stride() == real.stride() and fake.dtype == real.dtype
 
     def decode(qv, qs, cache, w, ctx, table):

@@ -20,8 +20,6 @@ KNOWN_SPILLS = [
     ("indexer.prefill", "*", "* mx_split=True", 1300, "per-block FP8 path: four partial score tiles live"),
     ("indexer.prefill", "*", "* keys_major=True*", 320, "keys-major tile with the MX upcast / bf16 epilogue"),
     ("indexer.prefill", "sm_90a", "mxfp4 * head_unroll=2*", 64, "two heads' upcast operands live at once"),
-    ("indexer.prefill", "sm_100a", "fp8 D128 * full+clean * w=bf16 out=bf16", 160,
-     "bf16 weights/logits conversions on the sm_100 tcgen05 epilogue"),
     # Persistent GEMM: the masked (unaligned) epilogue builds a pointer per element; the
     # reduce-scatter epilogues hold the accumulator while loading every peer's partial.
     ("dist.gemm", "*", "gemm * unaligned*", 600, "masked epilogue of an unaligned chunk"),

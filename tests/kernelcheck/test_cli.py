@@ -11,7 +11,7 @@ from tilefuse.kernelcheck import cli
 def test_list(capsys):
     assert cli.main(["list", "--kernel", "indexer.prefill_fill", "--target", "sm_90a"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 3 and all(ln.startswith("indexer.prefill_fill  sm_90a") for ln in lines)
+    assert len(lines) == 4 and all(ln.startswith("indexer.prefill_fill  sm_90a") for ln in lines)
 
 
 def test_report_table_and_json(tmp_path, capsys):
@@ -19,14 +19,14 @@ def test_report_table_and_json(tmp_path, capsys):
     rc = top.main(["kernels", "--kernel", "indexer.prefill_fill", "--json", str(out), "--jobs", "2"])
     text = capsys.readouterr().out
     assert rc == 0
-    assert "indexer.prefill_fill on sm_90a: 3 configuration(s)" in text
-    assert "indexer.prefill_fill on sm_100a: 3 configuration(s)" in text
+    assert "indexer.prefill_fill on sm_90a: 4 configuration(s)" in text
+    assert "indexer.prefill_fill on sm_100a: 4 configuration(s)" in text
     header = next(ln for ln in text.splitlines() if ln.startswith("configuration"))
     for col in ("regs", "spill", "smem KiB", "wgmma", "mma.sync", "ld.global", "st.global", "tma", "check"):
         assert col in header
     doc = json.loads(out.read_text())
     assert doc["targets"] == ["sm_90a", "sm_100a"] and doc["triton"]
-    assert len(doc["reports"]) == 6
+    assert len(doc["reports"]) == 8
     r = doc["reports"][0]
     assert r["ok"] and r["failures"] == [] and r["spill_stores"] == 0 and r["registers"] > 0
     assert r["ptx"]["st.global"] > 0 and r["sass"]["STG"] > 0  # SASS counts by default

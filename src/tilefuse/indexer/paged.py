@@ -68,63 +68,74 @@ def _next_pow2(n: int) -> int:
 # ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class PagedConfig:
-    """Tile shape, work split and pipelining of the decode kernel.
+    """Tile shape, schedule and pipelining of the decode kernel.
 
     block_n: keys per tile (a power of two >= 16; independent of the page size).
     rows: query rows (of ``next_n``) scored per program in one dot of ``rows * heads``
         columns (a power of two); ``ceil(next_n / rows)`` programs share each key tile.
-    splits: programs per metadata worker, taking its tiles round-robin.
+    chunk: keys per program: one program per (request, chunk), the grid sized from
+        ``max_context_len`` (a power of two, a multiple of ``block_n`` and of the page size).
     num_warps, num_stages: as in Triton; stages pipeline the key-tile loads.
     block_fill: columns per store of the ``-inf`` tail when cleaning.
-    chunk: the schedule. 0: one unit of work per metadata worker (its balanced page range,
-        several requests), ``splits`` programs each. ``> 0`` (a multiple of ``block_n``): one
-        program per (request, ``chunk`` keys), the grid sized from ``max_context_len``; programs
-        past a request's length only fill its ``-inf`` tail.
     """
 
-    block_n: int = 64
+    block_n: int = 128
     rows: int = 1
-    splits: int = 2
+    chunk: int = 1024
     num_warps: int = 4
-    num_stages: int = 5
+    num_stages: int = 3
     block_fill: int = 1024
-    chunk: int = 0
 
 
-def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, block_kv: int) -> PagedConfig:
-    """The defaults, by shape (chosen from the sm_90a compile, not yet timed on an H200;
+# Programs the chunk size aims for: about 16 per SM on a 132-SM H200, so that programs
+# starting their pipeline overlap others streaming (measured: 512-key chunks at B = 64 / 8K,
+# 1024 at B = 256 / 8K; NOTES.md).
+_TARGET_PROGRAMS = 2048
+
+
+def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, block_kv: int,
+                         batch: int = 64, max_context_len: int = 8192) -> PagedConfig:
+    """The defaults, by shape, measured on the H200 (``benchmarks/NOTES.md``, paged rounds;
     ``TILEFUSE_PAGED_CONFIG`` overrides single fields for measurements).
 
     * ``rows``: as many query rows as fit 128 dot columns (``rows * next_pow2(H) <= 128``), so
-      next_n = 2 at H = 64 reads each key tile once; FP8 then needs 204 registers per thread
-      (two programs per SM), next_n = 1 about 100.
-    * 64-key tiles and 5 stages: the block-table load and the key load it feeds take two
-      pipeline stages, and 5 is the least that keeps two key tiles in flight (3 buffers);
-      with 2 programs per worker and one worker per SM that is about 4 tiles (34 KiB at
-      D = 128) in flight per SM.
+      next_n = 2 at H = 64 reads each key tile once (rows = 1 there: 1.4x slower).
+    * FP8 with <= 64 dot columns: 128-key tiles, 3 stages (two tiles in flight per program);
+      otherwise 64-key tiles, 4 stages. Deeper pipelines were slower at every target row.
+    * ``chunk``: the largest power of two in [512, 2048] that still gives about
+      ``_TARGET_PROGRAMS`` programs over the batch.
     """
-    del fmt, head_dim, block_kv  # one tile shape serves every format and page size so far
+    del head_dim
     heads_p = _next_pow2(num_heads)
     rows = min(_next_pow2(next_n), max(1, 128 // heads_p))
-    return PagedConfig(block_n=64, rows=rows, splits=2, num_warps=4, num_stages=5, block_fill=1024)
+    # 128-key tiles where the accumulator stays small (<= 64 dot columns) and the keys need no
+    # bf16 dequantisation in registers; otherwise 64 (128 spills there, on sm_100a too).
+    block_n = 128 if rows * heads_p <= 64 and fmt == "fp8" else 64
+    keys = max(1, batch) * max(1, max_context_len)
+    chunk = 512
+    while chunk < 2048 and keys // (2 * chunk) >= _TARGET_PROGRAMS:
+        chunk *= 2
+    chunk = max(chunk, _next_pow2(block_kv))
+    return PagedConfig(block_n=block_n, rows=rows, chunk=chunk, num_warps=4, num_stages=3 if block_n == 128 else 4,
+                       block_fill=1024)
 
 
 def resolve_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, block_kv: int,
-                         config: PagedConfig | None = None) -> PagedConfig:
-    """``config`` if given, else the default; ``TILEFUSE_PAGED_CONFIG="block_n=128,splits=1"``
+                         config: PagedConfig | None = None, batch: int = 64,
+                         max_context_len: int = 8192) -> PagedConfig:
+    """``config`` if given, else the default; ``TILEFUSE_PAGED_CONFIG="block_n=64,chunk=512"``
     overrides single fields."""
-    cfg = config or default_paged_config(fmt, next_n, num_heads, head_dim, block_kv)
+    cfg = config or default_paged_config(fmt, next_n, num_heads, head_dim, block_kv, batch, max_context_len)
     cfg = apply_env_overrides(cfg, "TILEFUSE_PAGED_CONFIG")
-    for name in ("block_n", "rows", "block_fill"):
+    for name in ("block_n", "rows", "chunk", "block_fill"):
         v = getattr(cfg, name)
         _expect(v >= 1 and v & (v - 1) == 0, ValueError, f"PagedConfig.{name} must be a power of two, got {v}")
     _expect(cfg.block_n >= _MIN_DOT, ValueError, f"PagedConfig.block_n must be >= {_MIN_DOT}, got {cfg.block_n}")
-    _expect(cfg.splits >= 1 and cfg.num_warps >= 1 and cfg.num_stages >= 1, ValueError,
-            f"PagedConfig: splits, num_warps and num_stages must be >= 1, got {cfg}")
-    _expect(cfg.chunk >= 0 and cfg.chunk % max(cfg.block_n, block_kv) == 0
-            and (cfg.chunk & (cfg.chunk - 1)) == 0, ValueError,
-            f"PagedConfig.chunk must be 0 or a power of two multiple of block_n = {cfg.block_n} and of "
-            f"block_kv = {block_kv}, got {cfg.chunk}")
+    _expect(cfg.num_warps >= 1 and cfg.num_stages >= 1, ValueError,
+            f"PagedConfig: num_warps and num_stages must be >= 1, got {cfg}")
+    _expect(cfg.chunk % max(cfg.block_n, block_kv) == 0, ValueError,
+            f"PagedConfig.chunk must be a multiple of block_n = {cfg.block_n} and of the page size "
+            f"{block_kv}, got {cfg.chunk}")
     return cfg
 
 
@@ -505,7 +516,7 @@ def _out_layout(rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]
     return (rows, cols), (stride, 1)
 
 
-def _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, out, clean_logits: bool,
+def _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, out, clean_logits: bool,
                  cfg: PagedConfig) -> tuple[tuple[int, int, int], tuple, dict]:
     """Grid, positional arguments and constexprs of one kernel launch (``out`` already allocated)."""
     fmt = format_of(q, q_sf)
@@ -514,13 +525,12 @@ def _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, schedule
     kv_values = kv_cache.view(torch.int8 if fmt == "mxfp4" else FP8_DTYPE)
     kv_scales = kv_cache.view(torch.float32 if fmt == "fp8" else torch.int32)
     groups = triton.cdiv(next_n, cfg.rows)
-    chunks_per_request = triton.cdiv(out.shape[1], cfg.chunk) if cfg.chunk else 0
-    units = b * chunks_per_request if cfg.chunk else schedule_meta.shape[0] - 1
-    grid = (groups * cfg.splits * units,)
+    chunks_per_request = triton.cdiv(out.shape[1], cfg.chunk)
+    grid = (groups * b * chunks_per_request,)
     args = (
         q, q_sf if q_sf is not None else context_lens, kv_values, kv_scales, weights, context_lens, block_table,
-        schedule_meta, out,
-        b, out.shape[1], block_table.shape[1], chunks_per_request,
+        out,
+        out.shape[1], block_table.shape[1], chunks_per_request,
         q.stride(0), q.stride(1), q.stride(2),
         q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
         weights.stride(0), context_lens.stride(0), block_table.stride(0),
@@ -530,8 +540,8 @@ def _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, schedule
     consts = dict(
         NEXT_N=next_n, NEXT_N_P=_next_pow2(next_n), NUM_HEADS=h, HEADS_P=max(_next_pow2(h), _MIN_DOT // cfg.rows),
         D=dq * 2 if fmt == "mxfp4" else dq, BLOCK_KV=kv_cache.shape[1], FMT=_FORMAT_CODE[fmt],
-        CTX_2D=context_lens.dim() == 2, CLEAN=clean_logits, ROWS=cfg.rows, BLOCK_N=cfg.block_n, SPLITS=cfg.splits,
-        BLOCK_FILL=cfg.block_fill, NUM_STAGES=cfg.num_stages, CHUNK=cfg.chunk, G=groups,
+        CTX_2D=context_lens.dim() == 2, CLEAN=clean_logits, ROWS=cfg.rows, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk,
+        BLOCK_FILL=cfg.block_fill, NUM_STAGES=cfg.num_stages, G=groups,
     )
     return grid, args, consts
 
@@ -550,18 +560,17 @@ def _paged_mqa_logits(
     logits_dtype: torch.dtype,
     block_n: int,
     rows: int,
-    splits: int,
+    chunk: int,
     num_warps: int,
     num_stages: int,
     block_fill: int,
-    chunk: int,
 ) -> torch.Tensor:
     shape, stride = _out_layout(q.shape[0] * q.shape[1], max_context_len)
     out = torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
     if out.numel() == 0:
         return out
-    cfg = PagedConfig(block_n, rows, splits, num_warps, num_stages, block_fill, chunk)
-    grid, args, consts = _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, out,
+    cfg = PagedConfig(block_n, rows, chunk, num_warps, num_stages, block_fill)
+    grid, args, consts = _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, out,
                                       clean_logits, cfg)
     kern.paged_logits_kernel[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
     return out
@@ -569,8 +578,7 @@ def _paged_mqa_logits(
 
 @_paged_mqa_logits.register_fake
 def _paged_mqa_logits_fake(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-                           clean_logits, logits_dtype, block_n, rows, splits, num_warps, num_stages, block_fill,
-                           chunk):
+                           clean_logits, logits_dtype, block_n, rows, chunk, num_warps, num_stages, block_fill):
     shape, stride = _out_layout(q.shape[0] * q.shape[1], max_context_len)
     return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
 
@@ -643,11 +651,12 @@ def fp8_fp4_paged_mqa_logits(
     q_values, q_sf = q
     p = _check_inputs(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
                       max_context_len, logits_dtype, indices)
-    cfg = resolve_paged_config(p.fmt, p.next_n, p.num_heads, p.head_dim, p.block_kv, config)
+    cfg = resolve_paged_config(p.fmt, p.next_n, p.num_heads, p.head_dim, p.block_kv, config, p.batch,
+                               max_context_len)
     _check_values(context_lens, block_table, schedule_meta, kv_cache.shape[0], p.block_kv, max_context_len)
     return _paged_mqa_logits(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
-                             max_context_len, bool(clean_logits), logits_dtype, cfg.block_n, cfg.rows, cfg.splits,
-                             cfg.num_warps, cfg.num_stages, cfg.block_fill, cfg.chunk)
+                             max_context_len, bool(clean_logits), logits_dtype, cfg.block_n, cfg.rows, cfg.chunk,
+                             cfg.num_warps, cfg.num_stages, cfg.block_fill)
 
 
 def fp8_paged_mqa_logits(

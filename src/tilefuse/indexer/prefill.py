@@ -60,7 +60,8 @@ class PrefillConfig:
     mxfp8_via_f16: bool = False
 
 
-def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None) -> PrefillConfig:
+def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
+                   logits_dtype: torch.dtype = torch.float32) -> PrefillConfig:
     """Measured defaults for H200, H=64 D=128 (benchmarks/NOTES.md has the sweeps behind each row).
 
     FP8, more than 32 query rows: 64 rows x 128 keys, 4 warps, 3 stages, two heads per step
@@ -68,10 +69,16 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
     for every 8-warp tile; with bf16 logits 956 against 890).
     FP8, at most 32 query rows: keys on the MMA's M side with a 16- or 32-row tile, so no MMA
     row is padding: 16/65536 in 39 us against 95 us with the 64-row tile.
-    MXFP8: bf16 upcast, 64x128, 4 warps, 2 stages, two heads per step: 404 TFLOP/s (371
-    without the unroll; the per-block FP8 path 79-279).
-    MXFP4: on FP8 tensor cores (rows renormalised into E4M3, ``fp4_via_fp8``): 971-977 TFLOP/s
-    against 266 for the bf16 upcast in the same run; the bf16 recompute pass for rows with
+    Clean logits: inline for fp32 logits (972 / 988 TFLOP/s against 942 / 955 for the
+    separate -inf pass, two runs), the separate pass for bf16 logits (1027 / 1032 against
+    936 / 930); clean=False 974, so the choice costs the unclean path nothing.
+    MXFP8: rows renormalised into f16 on f16 tensor cores (``mxfp8_via_f16``), 64x128, 4 warps,
+    2 stages, two heads per step: 509-510 TFLOP/s, 0.71-0.75 of the BF16 ceiling, against 404
+    for the exact bf16 upcast (371 without the unroll; the per-block FP8 path 79-279); clean
+    inline 510 against 502 for the separate pass.
+    MXFP4: on FP8 tensor cores (rows renormalised into E4M3, ``fp4_via_fp8``): 955-982 TFLOP/s
+    against 266 for the bf16 upcast in the same run (clean inline 955 against 932 for the
+    separate pass); the bf16 recompute pass for rows with
     block exponents spanning more than 8 binades uses 64x256, 8 warps, 3 stages (270 TFLOP/s
     as the whole path, against 221 at 64x128 and 120 for the per-block FP8 split).
     """
@@ -81,17 +88,18 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
             rows = 16 if num_q_rows <= 16 else 32
             return PrefillConfig(block_q=rows, block_n=128, num_warps=4, num_stages=3, keys_major=True,
                                  head_unroll=2)
-        return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3, head_unroll=2)
+        return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3, head_unroll=2,
+                             clean_pass=logits_dtype == torch.bfloat16)
     if fmt == "mxfp8":
-        return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=2, head_unroll=2)
+        return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=2, head_unroll=2, mxfp8_via_f16=True)
     return PrefillConfig(block_q=64, block_n=256, num_warps=8, num_stages=3, fp4_via_fp8=True)
 
 
 def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
-                   config: PrefillConfig | None = None) -> PrefillConfig:
+                   config: PrefillConfig | None = None, logits_dtype: torch.dtype = torch.float32) -> PrefillConfig:
     """``config`` if given, else the default; ``TILEFUSE_PREFILL_CONFIG="block_n=64,num_warps=8"``
     overrides single fields for experiments."""
-    cfg = apply_env_overrides(config or default_config(fmt, num_heads, head_dim, num_q_rows),
+    cfg = apply_env_overrides(config or default_config(fmt, num_heads, head_dim, num_q_rows, logits_dtype),
                               "TILEFUSE_PREFILL_CONFIG")
     if cfg.block_q < 16 or cfg.block_n < 16 or cfg.block_q & (cfg.block_q - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"block_q and block_n must be powers of two >= 16, got {cfg}")
@@ -429,7 +437,7 @@ def fp8_fp4_mqa_logits(
     k, k_scale = kv
     fmt, s_q, h, d, s_k = _check_inputs(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start,
                                         cu_seq_len_k_end, max_seqlen_k, logits_dtype)
-    cfg = resolve_config(fmt, h, d, s_q, config)
+    cfg = resolve_config(fmt, h, d, s_q, config, logits_dtype)
     if schedule_meta is not None:
         # The 2-D grid derives the same per-block key ranges in each program, so the result
         # does not depend on the metadata; it is validated here for the caller's sake.

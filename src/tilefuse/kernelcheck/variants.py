@@ -291,8 +291,9 @@ def _prefill_points():
             for clean, compressed in _LAYOUTS:
                 yield fmt, d, h, cfg, clean, compressed, f32, f32, "default"
             if d == 128:
-                yield fmt, d, h, cfg, True, False, bf16, bf16, "default"
-                yield fmt, d, h, cfg, True, True, bf16, bf16, "default"
+                bf16_cfg = prefill.default_config(fmt, h, d, 4096 if not cfg.keys_major else cfg.block_q, bf16)
+                yield fmt, d, h, bf16_cfg, True, False, bf16, bf16, "default"
+                yield fmt, d, h, bf16_cfg, True, True, bf16, bf16, "default"
         base = prefill.default_config(fmt, 64, d, 4096)
         for opt in prefill_option_configs(base):
             # Options at D = 128; the MX split path (which changes the loads) at every D.
