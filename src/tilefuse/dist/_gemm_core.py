@@ -285,12 +285,10 @@ def launch_gemm(
     tile_end: int | None = None,
     trace: torch.Tensor | None = None,
     op: str = "gemm",
-    load_only: bool = False,
 ) -> None:
     """Launch the persistent GEMM on the current stream. Shapes are checked by the callers;
     ``a`` is ``[W * Mc, K]`` (or the gathered buffer), ``out`` ``[W * Mc, N]`` (local epilogue)
-    or ``[Mc, N]`` (gemm_rs epilogues). ``load_only``: compile and load this specialization
-    without launching it (GPU; see ``_primitives.load_kernel``)."""
+    or ``[Mc, N]`` (gemm_rs epilogues)."""
     if b_layout not in _B_LAYOUTS:
         raise ValueError(f"b_layout must be one of {_B_LAYOUTS}, got {b_layout!r}")
     cfg = config
@@ -339,10 +337,6 @@ def launch_gemm(
         USE_TIMER=P.use_timer(device.type), OP=P.OP_CODES[op],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if load_only:
-        if device.type == "cuda":
-            P.load_kernel(_persistent_gemm, (programs,), args, kwargs)
-        return
     _persistent_gemm[(programs,)](*args, **kwargs)
 
 

@@ -192,18 +192,6 @@ def trace_event(trace_ptr, pid, idx, MAX_EVENTS: tl.constexpr, t_start, t_end, w
         tl.store(base + 3, info.to(tl.int64))
 
 
-def load_kernel(fn, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
-    """Compile and load ``fn`` for these arguments without launching it (GPU only).
-
-    Loading a kernel into the CUDA context (``cuModuleGetFunction``; lazy by default since CUDA
-    12.2) may wait for the kernels running on the device. Two kernels that spin on each other's
-    flags must therefore both be loaded before the first of them is launched: loading the
-    second one behind the first one's launch waits for the first to finish, which only its
-    timeout ends."""
-    compiled = fn.warmup(*args, grid=grid, **kwargs)
-    _ = compiled.run  # the launcher property loads the module and the function
-
-
 def use_timer(device_type: str) -> bool:
     """Kernels read %globaltimer on a GPU; the interpreter counts spins instead."""
     return device_type == "cuda"

@@ -13,8 +13,7 @@ order from rank+1), then writes the result once. Designs (``design=``):
 * ``"forward"`` — communication programs: the GEMM writes peer-owned tiles to a local buffer
   with a local flag; ``comm_programs`` programs of a forwarding kernel copy each finished tile
   to its owner and raise the owner's flag; the GEMM runs on the remaining SMs. The two kernels
-  wait on each other, so both are compiled and loaded before the first launch of a shape
-  (``_primitives.load_kernel``).
+  wait on each other, so the first call of a shape runs them one after another (``run_fused``).
 
 Every wait is bounded (``timeout_s``).
 """
@@ -131,8 +130,7 @@ def make_plan(
 
 def launch_gemm_part(plan: RsPlan, ws: Workspace, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                      b_layout: str, timeout: int, *, tile_begin: int = 0, tile_end: int | None = None,
-                     reset: bool = True, barrier: bool = True, trace: torch.Tensor | None = None,
-                     load_only: bool = False) -> None:
+                     reset: bool = True, barrier: bool = True, trace: torch.Tensor | None = None) -> None:
     n_flags = plan.world * plan.tiles_per_chunk
     comm = CommArgs(ws.local, ws.bases_dev, ws.err, timeout, flags_off=plan.recv_flags_off,
                     recv_off=plan.recv_off, part_off=plan.part_off, part_flags_off=plan.part_flags_off,
@@ -140,11 +138,11 @@ def launch_gemm_part(plan: RsPlan, ws: Workspace, a: torch.Tensor, b: torch.Tens
     epi = EPI_RS_PUSH if plan.design == "push" else EPI_RS_LOCAL
     launch_gemm(a, b, out, schedule=plan.schedule, rank=plan.rank, config=plan.config, b_layout=b_layout,
                 epilogue=epi.value, comm=comm, num_programs=plan.gemm_programs, tile_begin=tile_begin,
-                tile_end=tile_end, trace=trace, op="gemm_rs", load_only=load_only)
+                tile_end=tile_end, trace=trace, op="gemm_rs")
 
 
 def launch_forward(plan: RsPlan, ws: Workspace, timeout: int, *, barrier: bool = True,
-                   trace: torch.Tensor | None = None, load_only: bool = False) -> None:
+                   trace: torch.Tensor | None = None) -> None:
     from tilefuse.dist._gemm_core import _order_tensor
 
     programs = plan.comm_programs
@@ -160,10 +158,6 @@ def launch_forward(plan: RsPlan, ws: Workspace, timeout: int, *, barrier: bool =
         GROUP_M=cfg.group_m, BR=max(1, 16384 // cfg.block_n), BARRIER=barrier, TRACE=trace is not None,
         MAX_EVENTS=trace.shape[1] if trace is not None else 1, USE_TIMER=P.use_timer(dev.type), num_warps=8,
     )
-    if load_only:
-        if dev.type == "cuda":
-            P.load_kernel(_rs_forward_kernel, (programs,), args, kwargs)
-        return
     _rs_forward_kernel[(programs,)](*args, **kwargs)
 
 
@@ -175,28 +169,40 @@ def _tl_dtype(dtype: torch.dtype):
 
 def run_fused(plan: RsPlan, state, ws: Workspace, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
               b_layout: str, timeout: int, trace=None) -> None:
-    """One rank's fused call. push: the GEMM alone (its program 0 runs the barrier). forward:
-    the forwarding kernel on the side stream beside the GEMM, joined at the end; on the first
-    call of a specialization both kernels are loaded before either is launched."""
+    """One rank's fused call. push: the GEMM alone (its program 0 runs the barrier). forward: the
+    GEMM of the peer-owned tiles, then of the own tiles (which wait for the peers' forwarded
+    partials), on the main stream; the forwarding kernel on the side stream beside them.
+
+    The first call of a specialization runs the three launches one after another on the main
+    stream: each kernel is then compiled and loaded by a launch that no running kernel waits
+    on. (A kernel loaded while another spins on flags waits for it to finish: measured on 2 x
+    H200, a first call at M = 272, N = 264, K = 72 hung until the timeout even though both
+    kernels had been loaded ahead with ``warmup``.) Every later call overlaps."""
     gemm_trace = trace.buffer("gemm", plan.rank, plan.gemm_programs, a.device) if trace is not None else None
     if plan.design == "push":
         launch_gemm_part(plan, ws, a, b, out, b_layout, timeout, trace=gemm_trace)
         return
+    own_trace = trace.buffer("gemm", plan.rank, plan.gemm_programs, a.device) if trace is not None else None
     comm_trace = trace.buffer("forward", plan.rank, plan.comm_programs, a.device) if trace is not None else None
     key = (plan, b_layout, timeout, None if trace is None else (gemm_trace.shape[1], comm_trace.shape[1]))
-    if key not in state.loaded:
-        launch_forward(plan, ws, timeout, trace=comm_trace, load_only=True)
-        launch_gemm_part(plan, ws, a, b, out, b_layout, timeout, trace=gemm_trace, load_only=True)
-        state.loaded.add(key)
     main = torch.cuda.current_stream(a.device)
     side = state.side
-    state.start_event.record(main)
-    side.wait_event(state.start_event)
-    with torch.cuda.stream(side):
+    first = key not in state.loaded
+    state.loaded.add(key)
+    if not first:  # the forwarding kernel starts with the call: it copies tiles as they finish
+        state.start_event.record(main)
+        side.wait_event(state.start_event)
+    launch_gemm_part(plan, ws, a, b, out, b_layout, timeout, tile_end=plan.peer_tiles, reset=False,
+                     trace=gemm_trace)
+    if first:
         launch_forward(plan, ws, timeout, trace=comm_trace)
-    state.end_event.record(side)
-    launch_gemm_part(plan, ws, a, b, out, b_layout, timeout, trace=gemm_trace)
-    main.wait_event(state.end_event)
+    else:
+        with torch.cuda.stream(side):
+            launch_forward(plan, ws, timeout, trace=comm_trace)
+        state.end_event.record(side)
+    launch_gemm_part(plan, ws, a, b, out, b_layout, timeout, tile_begin=plan.peer_tiles, trace=own_trace)
+    if not first:
+        main.wait_event(state.end_event)
 
 
 _make_plan_cached = functools.lru_cache(maxsize=64)(make_plan)
