@@ -82,6 +82,15 @@ def paged_logits_kernel(
     t_rows = pid_g * ROWS + tl.arange(0, ROWS)
     out_rows = out_ptr + (b64 * NEXT_N + t_rows) * stride_out
 
+    # The chunk's page ids, read once: a key tile's address then depends on registers only, so
+    # its load is issued as many stages ahead as there are buffers (a block-table load inside
+    # the loop would hold each key load back by one memory latency). Read beside the length,
+    # not after it: one memory latency less before the first key load. Entries past the
+    # request's pages may hold anything; the key loads mask them by length.
+    bt_row = bt_ptr + b64 * stride_bt
+    first_page = chunk_lo // BLOCK_KV
+    chunk_page_ids = first_page + tl.arange(0, CHUNK_PAGES)
+    chunk_pages = tl.load(bt_row + chunk_page_ids, mask=chunk_page_ids < max_blocks, other=0)
     key_len = tl.minimum(_key_extent(ctx_ptr, stride_ctx, b64, NEXT_N, NEXT_N_P, CTX_2D), max_context_len)
     hi_tok = tl.minimum(chunk_lo + CHUNK, key_len)
     if chunk_lo < key_len:
@@ -90,14 +99,6 @@ def paged_logits_kernel(
             row_end = tl.load(ctx_ptr + b64 * stride_ctx + t_rows, mask=t_rows < NEXT_N, other=0)
         else:
             row_end = tl.load(ctx_ptr + b64 * stride_ctx) - NEXT_N + 1 + t_rows
-        # The chunk's page ids, read once: a key tile's address then depends on registers only,
-        # so its load is issued as many stages ahead as there are buffers (a block-table load
-        # inside the loop would hold each key load back by one memory latency).
-        bt_row = bt_ptr + b64 * stride_bt
-        first_page = chunk_lo // BLOCK_KV
-        chunk_page_ids = first_page + tl.arange(0, CHUNK_PAGES)
-        chunk_pages = tl.load(bt_row + chunk_page_ids,
-                              mask=(chunk_page_ids < max_blocks) & (chunk_page_ids * BLOCK_KV < hi_tok), other=0)
         # Queries and weights of this request's rows.
         q_offs = b64 * stride_qb + c_t[:, None] * stride_qt + c_h[:, None] * stride_qh + dq[None, :]
         q_raw = tl.load(q_ptr + q_offs, mask=c_ok[:, None], other=0.0)
