@@ -12,8 +12,16 @@ Public names resolve lazily, so ``import tilefuse`` stays cheap and works withou
 from __future__ import annotations
 
 import importlib
+import os
 
 __version__ = "0.1.0"
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    # Kernels run through Triton's CPU interpreter, whose float casts and bf16 arithmetic are
+    # wrong without this fix (MX formats would give garbage); see tilefuse._interpreter.
+    from tilefuse._interpreter import patch_interpreter_numerics
+
+    patch_interpreter_numerics()
 
 _PUBLIC = {
     "fp8_mqa_logits": "tilefuse.indexer.prefill",

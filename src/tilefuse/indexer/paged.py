@@ -2,7 +2,9 @@
 
 Public ops (names, argument order and defaults as DeepGEMM):
 
-* :func:`get_paged_mqa_logits_metadata` — the work split over ``num_sms`` workers;
+* :func:`get_paged_mqa_logits_metadata` — DeepGEMM's balanced split of the pages over
+  ``num_sms`` workers (checked against the lengths; the kernel schedules by request and chunk
+  of keys, see ``_paged_kernel.py``, so the logits do not depend on it);
 * :func:`fp8_paged_mqa_logits` — FP8 queries, fp32 logits;
 * :func:`fp8_fp4_paged_mqa_logits` — FP8, MXFP8 or MXFP4 (format chosen by the query tuple),
   fp32 or bf16 logits.
@@ -358,7 +360,11 @@ def _check_indices(indices, n: int, next_n: int, device) -> None:
 
 def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num_sms: int,
                                   indices: torch.Tensor | None = None) -> torch.Tensor:
-    """The work split of :func:`fp8_fp4_paged_mqa_logits` over ``num_sms`` workers.
+    """DeepGEMM's work split of the paged decode over ``num_sms`` workers.
+
+    Kept for API compatibility: :func:`fp8_fp4_paged_mqa_logits` checks that it matches the
+    lengths and then schedules one program per (request, chunk of keys), which measured
+    10-30% faster on the H200 than walking these ranges (``benchmarks/NOTES.md``).
 
     The batch's pages (``ceil(len_b / block_kv)`` per request; the longest row with 2-D
     lengths) are laid end to end and cut into ``num_sms`` ranges of equal size (within one
@@ -616,10 +622,10 @@ def fp8_fp4_paged_mqa_logits(
             ``[B, next_n]`` (row ``t`` sees ``j < ctx[b, t]``); each length <= max_context_len.
         block_table: int32 ``[B, max_blocks]``: token ``j`` of request ``b`` is slot
             ``j % block_kv`` of page ``block_table[b, j // block_kv]``; entries past a
-            request's length are not read.
+            request's length may be read but are never used as page ids.
         schedule_meta: ``get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms)``
-            for these lengths; its number of rows sets the number of workers. The result is
-            bitwise identical for every ``num_sms``.
+            for these lengths (checked); the result is bitwise identical for every
+            ``num_sms``.
         max_context_len: columns of the output.
         clean_logits: write ``-inf`` to every column outside each row's window (both length
             modes; DeepGEMM supports 1-D only). Without it those columns are unspecified.
