@@ -21,7 +21,9 @@ PAGE = KV * (D + 4)
 
 
 @triton.jit
-def gather_kernel(kv_ptr, bt_ptr, q_ptr, out_ptr, n_tiles, DOT: tl.constexpr, STAGES: tl.constexpr):
+def stream_pages_kernel(kv_ptr, kv_desc, bt_ptr, q_ptr, out_ptr, n_tiles, PAGE_BYTES: tl.constexpr,
+                        USE_TMA: tl.constexpr, STAGES: tl.constexpr):
+    """Programs take pages round-robin; per page one [64 keys, 128] x [128, 64] dot."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     r = tl.arange(0, 64)
@@ -29,23 +31,11 @@ def gather_kernel(kv_ptr, bt_ptr, q_ptr, out_ptr, n_tiles, DOT: tl.constexpr, ST
     q = tl.load(q_ptr + r[:, None] * 128 + d[None, :])
     acc = tl.zeros((64, 64), tl.float32)
     for t in tl.range(pid, n_tiles, nprog, num_stages=STAGES):
-        page = tl.load(bt_ptr + t + r * 0).to(tl.int64)
-        k = tl.load(kv_ptr + (page * 8448 + r * 128)[:, None] + d[None, :])
-        acc += tl.dot(k, tl.trans(q))
-    tl.store(out_ptr + pid * 64 + r, tl.sum(acc, axis=1))
-
-
-@triton.jit
-def tma_kernel(kv_desc, bt_ptr, q_ptr, out_ptr, n_tiles, STAGES: tl.constexpr):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    r = tl.arange(0, 64)
-    d = tl.arange(0, 128)
-    q = tl.load(q_ptr + r[:, None] * 128 + d[None, :])
-    acc = tl.zeros((64, 64), tl.float32)
-    for t in tl.range(pid, n_tiles, nprog, num_stages=STAGES):
-        page = tl.load(bt_ptr + t)
-        k = kv_desc.load([page, 0, 0]).reshape(64, 128)
+        if USE_TMA:
+            k = kv_desc.load([tl.load(bt_ptr + t), 0, 0]).reshape(64, 128)
+        else:  # the block-table entry loaded per key row, as the decode kernel gathers
+            page = tl.load(bt_ptr + t + r * 0).to(tl.int64)
+            k = tl.load(kv_ptr + (page * PAGE_BYTES + r * 128)[:, None] + d[None, :])
         acc += tl.dot(k, tl.trans(q))
     tl.store(out_ptr + pid * 64 + r, tl.sum(acc, axis=1))
 
@@ -59,14 +49,15 @@ def main():
     desc = TensorDescriptor(kv, [n_pages, 64, 128], [PAGE, 128, 1], [1, 64, 128])
     nbytes = n_pages * KV * D
     fns = {}
-    out = torch.empty(132 * 16 * 64, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.empty(sms * 16 * 64, device="cuda")
     for tname, bt in (("rand", rand), ("ident", ident)):
         for progs in (1, 2, 4, 8):
             for st in (3, 4, 6):
-                fns[f"ptr {tname} p{progs} st{st}"] = (lambda bt=bt, p=progs, s=st: gather_kernel[(132 * p,)](
-                    kv, bt, q, out, n_pages, True, s, num_warps=4))
-                fns[f"tma {tname} p{progs} st{st}"] = (lambda bt=bt, p=progs, s=st: tma_kernel[(132 * p,)](
-                    desc, bt, q, out, n_pages, s, num_warps=4))
+                for kind, tma in (("ptr", False), ("tma", True)):
+                    fns[f"{kind} {tname} p{progs} st{st}"] = (
+                        lambda bt=bt, p=progs, s=st, tma=tma: stream_pages_kernel[(sms * p,)](
+                            kv, desc, bt, q, out, n_pages, PAGE, tma, s, num_warps=4))
     ok = {}
     for name, fn in fns.items():
         try:
