@@ -38,12 +38,13 @@ def configs(b: int, next_n: int, max_len: int) -> list[PagedConfig]:
     out = [base] + [rep(chunk=c) for c in (512, 1024, 2048)]
     out += [rep(block_n=64, num_stages=4), rep(num_stages=2), rep(num_stages=4), rep(num_warps=8)]
     if next_n > 1:
-        out += [rep(rows=1)]
+        out += [rep(rows=1), rep(row_dots=True), rep(row_dots=True, block_n=128, num_stages=3)]
     return list(dict.fromkeys(out))
 
 
 def name_of(cfg: PagedConfig) -> str:
-    return f"n{cfg.block_n} r{cfg.rows} chunk{cfg.chunk} w{cfg.num_warps} st{cfg.num_stages}"
+    return (f"n{cfg.block_n} r{cfg.rows} chunk{cfg.chunk} w{cfg.num_warps} st{cfg.num_stages}"
+            + (" row-dots" if cfg.row_dots else ""))
 
 
 def make_row(b: int, next_n: int, mean: int, seed: int = 0):

@@ -128,6 +128,20 @@ def test_formats_length_modes_and_clean(fmt, ctx_2d, clean, poisoned):
     case.check(case.run(clean=clean), clean)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+@pytest.mark.parametrize("ctx_2d", [False, True])
+def test_one_dot_per_row(fmt, ctx_2d, poisoned):
+    """row_dots: two query rows scored by one dot each on the shared key tile (next_n = 3: a
+    full and a half row group), against both references."""
+    lens = shapes((70, 0, 129, 200), (5000, 0, 8193, 12000))
+    case = Case(fmt, lens=lens, next_n=3, h=8, d=64, block_kv=32, ctx_2d=ctx_2d, seed=17 + ctx_2d)
+    for cfg in (paged.PagedConfig(block_n=64, rows=2, chunk=128, row_dots=True),
+                paged.PagedConfig(block_n=128, rows=2, chunk=256, num_stages=2, row_dots=True)):
+        case.check(case.run(clean=True, config=cfg), True)
+    with pytest.raises(ValueError, match="row_dots"):
+        case.run(config=paged.PagedConfig(rows=1, row_dots=True))
+
+
 # (block_kv, next_n, H, D, fmt): every page size, next_n 1..8, H in {4, 8, 32, 64}, D in {32, 64, 128}.
 SHAPES = [
     (32, 1, 64, 128, "fp8"),
@@ -381,7 +395,7 @@ def test_custom_op_fake_and_torch_compile():
         args = [mode.from_tensor(t) for t in (case.qq[0], case.qq[1], case.cache, case.w, case.ctx, case.table,
                                               case.meta)]
         fake = torch.ops.tilefuse.paged_mqa_logits(*args, case.max_context_len, True, torch.bfloat16,
-                                                   64, 1, 512, 4, 3, 1024)
+                                                   64, 1, 512, 4, 3, 1024, False)
     assert fake.shape == real.shape and fake.stride() == real.stride() and fake.dtype == real.dtype
 
     def decode(qv, qs, cache, w, ctx, table):

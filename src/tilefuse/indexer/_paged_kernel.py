@@ -17,7 +17,8 @@ request's queries and weights once, then per tile of ``BLOCK_N`` keys: gather th
 scales), one ``tl.dot`` of ``[BLOCK_N, D] x [D, ROWS * HEADS_P]``, ReLU, the weighted head sum
 of each query row (a reshape to ``[BLOCK_N, ROWS, HEADS_P]`` and one reduction) and a store
 of ``[BLOCK_N, ROWS]``. A program scores ``ROWS`` of the request's ``next_n`` query rows (all
-heads) in one dot, so ``G = ceil(next_n / ROWS)``.
+heads) in one dot, so ``G = ceil(next_n / ROWS)``; with ``ROW_DOTS`` (ROWS = 2) in one dot per
+row on the same key tile, which keeps one row's accumulator live at a time.
 Formats (``FMT``): 0 = FP8 (E4M3 dot, per-key fp32 scale after the head sum), 1 = MXFP8,
 2 = MXFP4; MX operands are dequantised to bf16 in registers (exact) and run a bf16 dot, as
 Hopper has no block-scaled MMA.
@@ -61,7 +62,7 @@ def paged_logits_kernel(
     NEXT_N: tl.constexpr, NEXT_N_P: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr,
     D: tl.constexpr, BLOCK_KV: tl.constexpr, FMT: tl.constexpr, CTX_2D: tl.constexpr, CLEAN: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, BLOCK_FILL: tl.constexpr,
-    NUM_STAGES: tl.constexpr, G: tl.constexpr,
+    NUM_STAGES: tl.constexpr, G: tl.constexpr, ROW_DOTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_g = pid % G
@@ -109,6 +110,9 @@ def paged_logits_kernel(
             q_op = _dequant_tile(q_raw, q_sf, NC, D, FMT)
         w = tl.load(w_ptr + (b64 * NEXT_N + c_t) * stride_w + c_h, mask=c_ok, other=0.0).to(tl.float32)
 
+        if ROW_DOTS:  # ROWS == 2: one dot of HEADS_P columns per row, on the same key tile
+            q0, q1 = tl.split(tl.permute(tl.reshape(q_op, (2, HEADS_P, D)), (1, 2, 0)))
+            w0, w1 = tl.split(tl.permute(tl.reshape(w, (2, HEADS_P)), (1, 0)))
         for tile in tl.range(chunk_lo // BLOCK_N, tl.cdiv(hi_tok, BLOCK_N), num_stages=NUM_STAGES):
             j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             page_idx = j // BLOCK_KV
@@ -124,11 +128,16 @@ def paged_logits_kernel(
             else:
                 k_op = _dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT)
             # ReLU, weights, then the head sum of each query row: logits [BLOCK_N, ROWS].
-            x = tl.maximum(tl.dot(k_op, tl.trans(q_op)), 0.0) * w[None, :]
-            if ROWS == 1:
-                logits = tl.sum(x, axis=1)[:, None]
+            if ROW_DOTS:
+                l0 = tl.sum(tl.maximum(tl.dot(k_op, tl.trans(q0)), 0.0) * w0[None, :], axis=1)
+                l1 = tl.sum(tl.maximum(tl.dot(k_op, tl.trans(q1)), 0.0) * w1[None, :], axis=1)
+                logits = tl.join(l0, l1)
             else:
-                logits = tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HEADS_P)), axis=2)
+                x = tl.maximum(tl.dot(k_op, tl.trans(q_op)), 0.0) * w[None, :]
+                if ROWS == 1:
+                    logits = tl.sum(x, axis=1)[:, None]
+                else:
+                    logits = tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HEADS_P)), axis=2)
             if FMT == 0:
                 logits = logits * k_sf[:, None]
             if CLEAN:

@@ -79,6 +79,9 @@ class PagedConfig:
         ``max_context_len`` (a power of two, a multiple of ``block_n`` and of the page size).
     num_warps, num_stages: as in Triton; stages pipeline the key-tile loads.
     block_fill: columns per store of the ``-inf`` tail when cleaning.
+    row_dots: with ``rows == 2``, one dot per query row (``H`` columns each) on the shared key
+        tile instead of one dot of ``2 * H`` columns: fewer registers (FP8, 128-key tiles: 164
+        against 202 on sm_90a), not yet timed, so off by default.
     """
 
     block_n: int = 128
@@ -87,6 +90,7 @@ class PagedConfig:
     num_warps: int = 4
     num_stages: int = 3
     block_fill: int = 1024
+    row_dots: bool = False
 
 
 # Programs the chunk size aims for: about 16 per SM on a 132-SM H200, so that programs
@@ -133,6 +137,8 @@ def resolve_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
         v = getattr(cfg, name)
         _expect(v >= 1 and v & (v - 1) == 0, ValueError, f"PagedConfig.{name} must be a power of two, got {v}")
     _expect(cfg.block_n >= _MIN_DOT, ValueError, f"PagedConfig.block_n must be >= {_MIN_DOT}, got {cfg.block_n}")
+    _expect(not cfg.row_dots or cfg.rows == 2, ValueError,
+            f"PagedConfig.row_dots needs rows == 2, got rows = {cfg.rows}")
     _expect(cfg.num_warps >= 1 and cfg.num_stages >= 1, ValueError,
             f"PagedConfig: num_warps and num_stages must be >= 1, got {cfg}")
     _expect(cfg.chunk % max(cfg.block_n, block_kv) == 0, ValueError,
@@ -543,11 +549,13 @@ def _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, out, cle
         kv_cache.stride(0), kv_cache.stride(0) // _SCALE_BYTES,
         out.stride(0),
     )
+    # Dot columns per head group: at least the smallest dot, per row or shared by the rows.
+    heads_p = max(_next_pow2(h), _MIN_DOT if cfg.row_dots else _MIN_DOT // cfg.rows)
     consts = dict(
-        NEXT_N=next_n, NEXT_N_P=_next_pow2(next_n), NUM_HEADS=h, HEADS_P=max(_next_pow2(h), _MIN_DOT // cfg.rows),
+        NEXT_N=next_n, NEXT_N_P=_next_pow2(next_n), NUM_HEADS=h, HEADS_P=heads_p,
         D=dq * 2 if fmt == "mxfp4" else dq, BLOCK_KV=kv_cache.shape[1], FMT=_FORMAT_CODE[fmt],
         CTX_2D=context_lens.dim() == 2, CLEAN=clean_logits, ROWS=cfg.rows, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk,
-        BLOCK_FILL=cfg.block_fill, NUM_STAGES=cfg.num_stages, G=groups,
+        BLOCK_FILL=cfg.block_fill, NUM_STAGES=cfg.num_stages, G=groups, ROW_DOTS=cfg.row_dots,
     )
     return grid, args, consts
 
@@ -570,12 +578,13 @@ def _paged_mqa_logits(
     num_warps: int,
     num_stages: int,
     block_fill: int,
+    row_dots: bool,
 ) -> torch.Tensor:
     shape, stride = _out_layout(q.shape[0] * q.shape[1], max_context_len)
     out = torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
     if out.numel() == 0:
         return out
-    cfg = PagedConfig(block_n, rows, chunk, num_warps, num_stages, block_fill)
+    cfg = PagedConfig(block_n, rows, chunk, num_warps, num_stages, block_fill, row_dots)
     grid, args, consts = _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, out,
                                       clean_logits, cfg)
     kern.paged_logits_kernel[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
@@ -584,7 +593,8 @@ def _paged_mqa_logits(
 
 @_paged_mqa_logits.register_fake
 def _paged_mqa_logits_fake(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-                           clean_logits, logits_dtype, block_n, rows, chunk, num_warps, num_stages, block_fill):
+                           clean_logits, logits_dtype, block_n, rows, chunk, num_warps, num_stages, block_fill,
+                           row_dots):
     shape, stride = _out_layout(q.shape[0] * q.shape[1], max_context_len)
     return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
 
@@ -662,7 +672,7 @@ def fp8_fp4_paged_mqa_logits(
     _check_values(context_lens, block_table, schedule_meta, kv_cache.shape[0], p.block_kv, max_context_len)
     return _paged_mqa_logits(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
                              max_context_len, bool(clean_logits), logits_dtype, cfg.block_n, cfg.rows, cfg.chunk,
-                             cfg.num_warps, cfg.num_stages, cfg.block_fill)
+                             cfg.num_warps, cfg.num_stages, cfg.block_fill, cfg.row_dots)
 
 
 def fp8_paged_mqa_logits(
