@@ -29,6 +29,9 @@ from tilefuse.indexer.paged import PagedConfig, default_paged_config, make_paged
 
 # (B, next_n, mean context): the rows with targets.
 ROWS = [(64, 1, 8192), (256, 1, 8192), (64, 2, 32768), (1, 1, 65536)]
+# The same B = 64 row with the output as wide as a model's longest context, as serving engines
+# call it (max_context_len = max_model_len): most chunk programs find no keys.
+WIDE_ROWS = [(64, 1, 8192, 163840)]
 H, D, BLOCK_KV = 64, 128, 64
 
 
@@ -47,7 +50,7 @@ def name_of(cfg: PagedConfig) -> str:
             + (" row-dots" if cfg.row_dots else ""))
 
 
-def make_row(b: int, next_n: int, mean: int, seed: int = 0):
+def make_row(b: int, next_n: int, mean: int, out_cols: int | None = None, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     ctx = (mean * (0.7 + 0.6 * torch.rand(b, next_n, generator=g))).long().clamp(min=next_n)
     ctx = ctx.sort(dim=1).values.to(torch.int32).cuda()
@@ -55,12 +58,12 @@ def make_row(b: int, next_n: int, mean: int, seed: int = 0):
     cache, table = make_paged_kv_cache(keys, ctx, BLOCK_KV, "fp8", generator=g)
     q = F.quantize_q(torch.randn(b, next_n, H, D, generator=g).cuda(), "fp8")
     w = torch.randn(b * next_n, H, generator=g).cuda()
-    max_len = int(ctx.max())
+    max_len = out_cols or int(ctx.max())
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     meta = tilefuse.get_paged_mqa_logits_metadata(ctx, BLOCK_KV, num_sms)
     kv_bytes = int(((ctx.max(dim=1).values.long() + BLOCK_KV - 1) // BLOCK_KV).sum()) * BLOCK_KV * (D + 4)
     return dict(q=q, cache=cache, w=w, ctx=ctx, table=table, meta=meta, max_len=max_len,
-                bytes=kv_bytes + b * next_n * max_len * 4)
+                bytes=kv_bytes + b * next_n * int(ctx.max()) * 4)  # columns the kernel writes (no clean)
 
 
 def main(argv=None):
@@ -72,8 +75,8 @@ def main(argv=None):
     copy = ceilings.ceiling_value(record["ceilings"], "copy")
     print(f"copy ceiling {copy:.2f} TB/s", flush=True)
     table = []
-    for b, next_n, mean in ROWS:
-        row = make_row(b, next_n, mean)
+    for b, next_n, mean, *wide in ROWS + WIDE_ROWS:
+        row = make_row(b, next_n, mean, *wide)
         args_ = (row["q"], row["cache"], row["w"], row["ctx"], row["table"], row["meta"], row["max_len"])
         ref = R.fp8_fp4_paged_mqa_logits_ref(row["q"], row["cache"], row["w"], row["ctx"], row["table"],
                                              row["max_len"])
@@ -91,7 +94,7 @@ def main(argv=None):
             except Exception as e:  # a config that does not compile or launch is a row, not a crash
                 checks[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         stats = timing.time_graph(fns, calls=5, samples=args.samples) if fns else {}
-        label = f"B{b} n{next_n} ctx{mean}"
+        label = f"B{b} n{next_n} ctx{mean}" + (f" cols{wide[0]}" if wide else "")
         for name, check in checks.items():
             entry = {"batch": b, "next_n": next_n, "mean_context": mean, "config": name, "check": check,
                      "bytes": row["bytes"]}

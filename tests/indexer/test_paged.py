@@ -142,6 +142,18 @@ def test_one_dot_per_row(fmt, ctx_2d, poisoned):
         case.run(config=paged.PagedConfig(rows=1, row_dots=True))
 
 
+def test_table_entries_past_the_length_are_never_used(poisoned):
+    """Serving engines leave garbage (-1, stale ids) past each request's pages; the kernel reads
+    a chunk's table entries ahead of the length but must never use one as a page."""
+    case = Case("fp8", lens=shapes((70, 0, 129, 5), (5000, 0, 8193, 5)), next_n=2, h=8, d=64, block_kv=32,
+                seed=23)
+    npages = (case.ctx.long() + 31) // 32 if case.ctx.dim() == 1 else (case.ctx.max(1).values.long() + 31) // 32
+    cols = torch.arange(case.table.shape[1], device=DEVICE)
+    for junk in (-1, 2**31 - 1):
+        case.table = torch.where(cols[None, :] < npages[:, None], case.table, junk).to(torch.int32)
+        case.check(case.run(clean=True), True)
+
+
 # (block_kv, next_n, H, D, fmt): every page size, next_n 1..8, H in {4, 8, 32, 64}, D in {32, 64, 128}.
 SHAPES = [
     (32, 1, 64, 128, "fp8"),
