@@ -124,6 +124,28 @@ def test_policy_rows_from_results(tmp_path):
     saved = policy.table()
     try:
         out = write_policy([str(src)], str(tmp_path / "table.json"))
-        assert len(out) == 2 and policy.decide("gemm_rs", 1024, 4096, 1792, 2).path == "nccl"
+        assert len(out) == 2 and all(r["timing"] == "batch" for r in out)
+        assert policy.decide("gemm_rs", 1024, 4096, 1792, 2).path == "nccl"
     finally:
         policy.load_table(saved)
+
+
+def test_graph_capture_picks_the_graph_timed_rows():
+    """Eager calls answer from rows timed eagerly (host launch cost included), calls captured
+    into a CUDA graph from graph-timed rows; a mode without rows falls back to the other."""
+    saved = policy.table()
+    shape = {"op": "ag_gemm", "m": 4096, "n": 512, "k": 4096, "world": 2, "dtype": "bfloat16"}
+    try:
+        policy.load_table([{**shape, "timing": "batch", "winner": "nccl", "best_fused": "push"},
+                           {**shape, "timing": "graph", "winner": "push"}])
+        eager = policy.decide("ag_gemm", 4096, 512, 4096, 2, capturing=False)
+        graph = policy.decide("ag_gemm", 4096, 512, 4096, 2, capturing=True)
+        assert eager.path == "nccl" and "batch timing" in eager.reason
+        assert (graph.path, graph.design) == ("fused", "push") and "graph timing" in graph.reason
+        assert policy.decide("ag_gemm", 4096, 512, 4096, 2).path == "nccl"  # not capturing here
+        policy.load_table([{**shape, "timing": "graph", "winner": "push"}])
+        assert policy.decide("ag_gemm", 4096, 512, 4096, 2, capturing=False).design == "push"
+    finally:
+        policy.load_table(saved)
+    # The shipped table has both modes for 2 x H200.
+    assert {r.get("timing") for r in policy.table()} == {"batch", "graph"}

@@ -573,6 +573,7 @@ def policy_rows(result: dict, tie: float = 0.03) -> list[dict]:
     if not 0 <= tie < 1:
         raise ValueError(f"tie must be a fraction in [0, 1), got {tie!r}")
     rows = []
+    timing = result.get("settings", {}).get("mode", "batch")
     for s in result.get("summary", []):
         fused = s.get("fused_us") or {}
         cands = {name.replace("fused:", "").split("/")[0]: t for name, t in sorted(fused.items(), key=lambda x: -x[1])}
@@ -586,19 +587,21 @@ def policy_rows(result: dict, tie: float = 0.03) -> list[dict]:
         winner = "nccl" if best_design is None or (seq is not None and seq < cands[best_design]) else best_design
         rows.append({"op": s["op"], "m": s["m"], "n": s["n"], "k": s["k"], "world": s["world"],
                      "dtype": {"bf16": "bfloat16", "fp16": "float16"}.get(s.get("dtype"), s.get("dtype")),
+                     "timing": timing,
                      "winner": winner, "best_fused": best_design, "nccl+cublas_us": seq,
                      "fused_us": {d: round(t, 2) for d, t in cands.items()}})
     return rows
 
 
 def write_policy(results: list[str], path: str, tie: float = 0.03) -> list[dict]:
-    """Merge the policy rows of result files into a policy table file (later files win)."""
+    """Merge the policy rows of result files into a policy table file (later files win per shape
+    and timing mode: eager ``batch`` rows and CUDA-graph ``graph`` rows are kept side by side)."""
     rows: dict[tuple, dict] = {}
     for p in results:
         with open(p) as f:
             for r in policy_rows(json.load(f), tie):
-                rows[(r["op"], r["m"], r["n"], r["k"], r["world"], r["dtype"])] = r
-    out = sorted(rows.values(), key=lambda r: (r["op"], r["world"], r["m"], r["n"], r["k"]))
+                rows[(r["op"], r["m"], r["n"], r["k"], r["world"], r["dtype"], r["timing"])] = r
+    out = sorted(rows.values(), key=lambda r: (r["op"], r["timing"], r["world"], r["m"], r["n"], r["k"]))
     with open(path, "w") as f:
         json.dump({"source": [os.path.basename(p) for p in results], "rows": out}, f, indent=1)
         f.write("\n")

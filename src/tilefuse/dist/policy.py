@@ -4,7 +4,11 @@ The choice comes from a table of measured rows (``policy_table.json`` beside thi
 from ``benchmarks/results/<gpu>/`` by ``tilefuse.dist.bench --write-policy``): each row is a
 shape the benchmark timed, the winner (``"nccl"`` or a fused design) and the times behind it.
 A query takes the row of the same op and world size (else the nearest world size) whose shape
-is nearest in log2(M), log2(N), log2(K), and uses its winner. Rules before the table:
+is nearest in log2(M), log2(N), log2(K), and uses its winner. Rows carry the timing mode they
+were measured in: ``graph`` (CUDA-graph replay, no host work per call) answers calls made
+while a CUDA graph is being captured, ``batch`` (back-to-back eager calls, host launch cost
+included) answers eager calls; the two differ at small M, where an eager fused call is bound
+by its launch path. Rules before the table:
 
 1. an explicit ``path=`` / ``design=`` argument, then :func:`override` / :func:`set_override`,
    then the environment (``TILEFUSE_DIST_PATH=fused|nccl``, ``TILEFUSE_DIST_DESIGN``);
@@ -113,12 +117,16 @@ def _distance(r: dict, m: int, n: int, k: int) -> float:
     return sum(abs(math.log2(max(a, 1)) - math.log2(max(b, 1))) for a, b in ((r["m"], m), (r["n"], n), (r["k"], k)))
 
 
-def lookup(op: str, m: int, n: int, k: int, world: int, dtype: torch.dtype | None = None) -> dict | None:
-    """The table row nearest to the query (same op; nearest world size; nearest log-shape;
-    rows of the query's dtype preferred)."""
+def lookup(op: str, m: int, n: int, k: int, world: int, dtype: torch.dtype | None = None,
+           timing: str | None = None) -> dict | None:
+    """The table row nearest to the query (same op; rows of the timing mode ``graph`` or
+    ``batch`` preferred; nearest world size; nearest log-shape; rows of the query's dtype
+    preferred)."""
     rows = [r for r in table() if r["op"] == op]
     if not rows:
         return None
+    if timing is not None:
+        rows = [r for r in rows if r.get("timing", "batch") == timing] or rows
     best_w = min({r["world"] for r in rows}, key=lambda w: (abs(w - world), -w))
     rows = [r for r in rows if r["world"] == best_w]
     if dtype is not None:
@@ -140,8 +148,11 @@ def decide(
     nodes: int = 1,
     path: str | None = None,
     design: str | None = None,
+    capturing: bool | None = None,
 ) -> Decision:
-    """Pick the path for one call (see the module docstring for the order of the rules)."""
+    """Pick the path for one call (see the module docstring for the order of the rules).
+    ``capturing``: whether the call is being captured into a CUDA graph (picks the table's
+    ``graph`` rows); None asks torch for the current stream."""
     _check_op(op)
     _check_choice(op, path, design)
     if world < 1:
@@ -170,19 +181,24 @@ def decide(
         if forced:
             raise ValueError(f"{op}: the fused path was forced but is unavailable ({unavailable}); use path='nccl'")
         return Decision("nccl", None, unavailable)
+    if capturing is None:
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    timing = "graph" if capturing else "batch"
     if forced:
-        return Decision("fused", design or _table_design(op, m, n, k, world, dtype) or DEFAULT_DESIGN[op], "forced")
-    row = lookup(op, m, n, k, world, dtype)
+        return Decision("fused", design or _table_design(op, m, n, k, world, dtype, timing) or DEFAULT_DESIGN[op],
+                        "forced")
+    row = lookup(op, m, n, k, world, dtype, timing)
     if row is None:
         return Decision("fused", DEFAULT_DESIGN[op], "no measured rows: default fused design")
-    where = f"nearest measured row {row['op']} M={row['m']} N={row['n']} K={row['k']} W={row['world']}"
+    where = (f"nearest measured row {row['op']} M={row['m']} N={row['n']} K={row['k']} W={row['world']} "
+             f"({row.get('timing', 'batch')} timing)")
     if row["winner"] == "nccl":
         return Decision("nccl", None, f"{where}: NCCL + GEMM was faster", row)
     return Decision("fused", row["winner"], f"{where}: fused '{row['winner']}' was fastest", row)
 
 
-def _table_design(op, m, n, k, world, dtype) -> str | None:
-    row = lookup(op, m, n, k, world, dtype)
+def _table_design(op, m, n, k, world, dtype, timing=None) -> str | None:
+    row = lookup(op, m, n, k, world, dtype, timing)
     if row is None or row["winner"] == "nccl":
         return row.get("best_fused") if row else None
     return row["winner"]
