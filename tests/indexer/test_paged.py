@@ -154,7 +154,8 @@ def test_table_entries_past_the_length_are_never_used(poisoned):
         case.check(case.run(clean=True), True)
 
 
-# (block_kv, next_n, H, D, fmt): every page size, next_n 1..8, H in {4, 8, 32, 64}, D in {32, 64, 128}.
+# (block_kv, next_n, H, D, fmt): every page size (also 16, 48, 96), next_n 1..8, H in {4, 8, 32, 64},
+# D in {32, 64, 128}.
 SHAPES = [
     (32, 1, 64, 128, "fp8"),
     (64, 2, 64, 128, "fp8"),
@@ -163,6 +164,8 @@ SHAPES = [
     (64, 5, 8, 64, "fp8"),
     (128, 8, 8, 32, "fp8"),
     (16, 3, 8, 64, "fp8"),
+    (48, 2, 8, 64, "fp8"),  # a page size that is not a power of two
+    (96, 1, 4, 64, "mxfp4"),
     (64, 1, 64, 128, "mxfp8"),
     (32, 6, 4, 32, "mxfp8"),
     (128, 2, 32, 64, "mxfp4"),

@@ -76,7 +76,7 @@ class PagedConfig:
     rows: query rows (of ``next_n``) scored per program in one dot of ``rows * heads``
         columns (a power of two); ``ceil(next_n / rows)`` programs share each key tile.
     chunk: keys per program: one program per (request, chunk), the grid sized from
-        ``max_context_len`` (a power of two, a multiple of ``block_n`` and of the page size).
+        ``max_context_len``; a multiple of ``block_n`` and a power-of-two number of pages.
     num_warps, num_stages: as in Triton; stages pipeline the key-tile loads.
     block_fill: columns per store of the ``-inf`` tail when cleaning.
     row_dots: with ``rows == 2``, one dot per query row (``H`` columns each) on the shared key
@@ -109,7 +109,7 @@ def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
     * FP8 with <= 64 dot columns: 128-key tiles, 3 stages (two tiles in flight per program);
       otherwise 64-key tiles, 4 stages. Deeper pipelines were slower at every target row.
     * ``chunk``: the largest power of two in [512, 2048] that still gives about
-      ``_TARGET_PROGRAMS`` programs over the batch.
+      ``_TARGET_PROGRAMS`` programs over the batch, in whole pages (a power of two of them).
     """
     del head_dim
     heads_p = _next_pow2(num_heads)
@@ -118,10 +118,14 @@ def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
     # bf16 dequantisation in registers; otherwise 64 (128 spills there, on sm_100a too).
     block_n = 128 if rows * heads_p <= 64 and fmt == "fp8" else 64
     keys = max(1, batch) * max(1, max_context_len)
-    chunk = 512
-    while chunk < 2048 and keys // (2 * chunk) >= _TARGET_PROGRAMS:
-        chunk *= 2
-    chunk = max(chunk, _next_pow2(block_kv))
+    target = 512
+    while target < 2048 and keys // (2 * target) >= _TARGET_PROGRAMS:
+        target *= 2
+    # Whole pages, a power of two of them (any page size), and whole tiles.
+    pages = _next_pow2(max(1, target // block_kv))
+    while (pages * block_kv) % block_n:
+        pages *= 2
+    chunk = pages * block_kv
     return PagedConfig(block_n=block_n, rows=rows, chunk=chunk, num_warps=4, num_stages=3 if block_n == 128 else 4,
                        block_fill=1024)
 
@@ -133,7 +137,7 @@ def resolve_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
     overrides single fields."""
     cfg = config or default_paged_config(fmt, next_n, num_heads, head_dim, block_kv, batch, max_context_len)
     cfg = apply_env_overrides(cfg, "TILEFUSE_PAGED_CONFIG")
-    for name in ("block_n", "rows", "chunk", "block_fill"):
+    for name in ("block_n", "rows", "block_fill"):
         v = getattr(cfg, name)
         _expect(v >= 1 and v & (v - 1) == 0, ValueError, f"PagedConfig.{name} must be a power of two, got {v}")
     _expect(cfg.block_n >= _MIN_DOT, ValueError, f"PagedConfig.block_n must be >= {_MIN_DOT}, got {cfg.block_n}")
@@ -141,9 +145,10 @@ def resolve_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
             f"PagedConfig.row_dots needs rows == 2, got rows = {cfg.rows}")
     _expect(cfg.num_warps >= 1 and cfg.num_stages >= 1, ValueError,
             f"PagedConfig: num_warps and num_stages must be >= 1, got {cfg}")
-    _expect(cfg.chunk % max(cfg.block_n, block_kv) == 0, ValueError,
-            f"PagedConfig.chunk must be a multiple of block_n = {cfg.block_n} and of the page size "
-            f"{block_kv}, got {cfg.chunk}")
+    pages = cfg.chunk // block_kv
+    _expect(cfg.chunk > 0 and cfg.chunk % cfg.block_n == 0 and cfg.chunk % block_kv == 0 and pages & (pages - 1) == 0,
+            ValueError, f"PagedConfig.chunk must be a multiple of block_n = {cfg.block_n} and a power-of-two number "
+            f"of {block_kv}-token pages, got {cfg.chunk}")
     return cfg
 
 
