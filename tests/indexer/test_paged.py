@@ -142,6 +142,16 @@ def test_one_dot_per_row(fmt, ctx_2d, poisoned):
         case.run(config=paged.PagedConfig(rows=1, row_dots=True))
 
 
+@pytest.mark.parametrize("clean", [True, False])
+def test_output_much_wider_than_the_contexts(clean, poisoned):
+    """max_context_len as serving engines pass it (the model's longest context): most chunk
+    programs find no keys and only write -inf (clean) or nothing."""
+    case = Case("fp8", lens=shapes((70, 0, 129), (5000, 0, 8193)), next_n=2, h=8, d=64, block_kv=32,
+                extra_cols=shapes(1500, 150000), seed=29)
+    for cfg in (None, paged.PagedConfig(block_n=64, chunk=128)):
+        case.check(case.run(clean=clean, config=cfg), clean)
+
+
 def test_table_entries_past_the_length_are_never_used(poisoned):
     """Serving engines leave garbage (-1, stale ids) past each request's pages; the kernel reads
     a chunk's table entries ahead of the length but must never use one as a page."""
