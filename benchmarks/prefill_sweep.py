@@ -37,6 +37,9 @@ FP8_CONFIGS = [
 SMALL_Q_CONFIGS = FP8_CONFIGS[:1] + [
     C(16, 128, 4, 3, keys_major=True), C(16, 128, 4, 3, keys_major=True, head_unroll=2),
     C(32, 128, 4, 3, keys_major=True, head_unroll=2), C(16, 256, 8, 3, keys_major=True, head_unroll=2),
+    # (query row, head) pairs on the MMA's N side: the key tile loaded once per program.
+    C(16, 64, 4, 3, heads_on_n=True), C(16, 128, 4, 3, heads_on_n=True), C(16, 128, 8, 3, heads_on_n=True),
+    C(32, 64, 4, 3, heads_on_n=True), C(64, 128, 8, 3, heads_on_n=True),
 ]
 FP4_CONFIGS = [
     C(64, 256, 8, 3, fp4_via_fp8=True), C(64, 256, 8, 3, fp4_via_fp8=True, clean_pass=True), C(64, 256, 8, 3),
@@ -55,7 +58,7 @@ MXF16_CONFIGS = [C(64, 128, 4, 2, head_unroll=2, mxfp8_via_f16=True),
 def config_name(cfg: PrefillConfig) -> str:
     flags = [f for f, on in (("split", cfg.mx_split), ("km", cfg.keys_major), ("u2", cfg.head_unroll == 2),
                              ("via-fp8", cfg.fp4_via_fp8), ("clean-pass", cfg.clean_pass),
-                             ("via-f16", cfg.mxfp8_via_f16)) if on]
+                             ("via-f16", cfg.mxfp8_via_f16), ("heads-on-n", cfg.heads_on_n)) if on]
     return "/".join([f"{cfg.block_q}x{cfg.block_n}", f"w{cfg.num_warps}s{cfg.num_stages}", *flags])
 
 

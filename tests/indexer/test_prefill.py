@@ -29,6 +29,7 @@ VARIANTS = {  # name -> (format, config fields beyond the tile)
     "fp8-keys-major": ("fp8", dict(keys_major=True)),
     "fp8-unroll2": ("fp8", dict(head_unroll=2)),
     "fp8-clean-pass": ("fp8", dict(clean_pass=True)),
+    "fp8-heads-on-n": ("fp8", dict(heads_on_n=True)),
     "mxfp8": ("mxfp8", {}),
     "mxfp8-keys-major-unroll2": ("mxfp8", dict(keys_major=True, head_unroll=2)),
     "mxfp8-split": ("mxfp8", dict(mx_split=True)),
@@ -174,6 +175,33 @@ def test_compressed_layout(fmt, clean, poisoned):
     longest = int((ke.clamp(max=s_k) - ks).max())
     out = run(qq, kk, w, ks, ke, clean_logits=clean, max_seqlen_k=longest + 3)
     check_logits(out, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=longest + 3)
+
+
+@pytest.mark.parametrize("h,d", [(4, 32), (12, 64), (64, 128), (128, 64)])
+@pytest.mark.parametrize("layout", ["full+clean", "full", "compressed+clean", "compressed"])
+def test_heads_on_n(h, d, layout, poisoned):
+    """(query row, head) pairs on the MMA's N side: two rows per dot (one at H = 128), odd row
+    counts, empty and overhanging windows, both layouts, bf16 weights and logits once."""
+    s_q, s_k = shapes((21, 150), (77, 4096))  # two programs of 16 rows, the second partial
+    q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, "fp8", seed=h + d,
+                                  weights_dtype=torch.bfloat16 if h == 12 else torch.float32)
+    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(h), empty_fraction=0.2,
+                              overhang=9, device=DEVICE)
+    clean = layout.endswith("+clean")
+    longest = int((ke.clamp(max=s_k) - ks).max()) + 2 if layout.startswith("compressed") else 0
+    logits_dtype = torch.bfloat16 if h == 12 else torch.float32
+    cfg = prefill.PrefillConfig(block_q=16, block_n=64, heads_on_n=True)
+    out = run(qq, kk, w, ks, ke, config=cfg, clean_logits=clean, max_seqlen_k=longest, logits_dtype=logits_dtype)
+    check_logits(out, qq, kk, q, k, w, ks, ke, "fp8", clean=clean, max_seqlen_k=longest,
+                 logits_dtype=logits_dtype)
+    again = run(qq, kk, w, ks, ke, config=cfg, clean_logits=clean, max_seqlen_k=longest, logits_dtype=logits_dtype)
+    written = ~torch.isnan(out) if not clean else torch.ones_like(out, dtype=torch.bool)
+    assert torch.equal(out[written].view(torch.int16 if logits_dtype == torch.bfloat16 else torch.int32),
+                       again[written].view(torch.int16 if logits_dtype == torch.bfloat16 else torch.int32))
+    _, _, w_mx, q_mx, k_mx = make_inputs(4, 64, 8, 64, "mxfp8", seed=1)
+    ks_mx, ke_mx = W.causal_tail(4, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="heads_on_n"):
+        run(q_mx, k_mx, w_mx, ks_mx, ke_mx, config=cfg)
 
 
 def test_mxfp4_via_fp8_is_exact_and_recomputes_rows_with_wide_scale_spans(poisoned):

@@ -216,6 +216,65 @@ def prefill_logits_kernel(
 
 
 @triton.jit
+def prefill_heads_on_n_kernel(
+    q_ptr, stride_qs, stride_qh,
+    k_desc, k_scale_ptr,
+    w_ptr, stride_w,
+    ks_ptr, ke_ptr,
+    out_ptr, stride_out,
+    S_q, S_k,
+    H: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+    CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """FP8 logits for few query rows with (query row, head) pairs on the MMA's N side.
+
+    A program owns ``BLOCK_N`` keys x ``BLOCK_Q`` query rows. It loads the key tile once and
+    walks the rows ``ROWS`` at a time: one dot of [BLOCK_N, D] x [D, ROWS * HEADS_P] per step
+    (an MMA N of 64-128 instead of the query count), then ReLU, the weights and the head sum
+    of each row (a reshape to [BLOCK_N, ROWS, HEADS_P] and one reduction), as the paged decode
+    kernel scores its next_n rows. The rows' query loads are pipelined over the steps.
+    """
+    pid_n = tl.program_id(0)
+    pid_q = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    NC: tl.constexpr = ROWS * HEADS_P
+    c = tl.arange(0, NC)
+    c_r = c // HEADS_P
+    c_h = c % HEADS_P
+    dq = tl.arange(0, D)
+    k = k_desc.load([n0, 0])
+    k_sf = tl.load(k_scale_ptr + cols, mask=cols < S_k, other=0)
+    q_end = tl.minimum(S_q, (pid_q + 1) * BLOCK_Q)
+    for r0 in tl.range(pid_q * BLOCK_Q, q_end, ROWS, num_stages=NUM_STAGES):
+        rows = r0 + tl.arange(0, ROWS)
+        row_ok = rows < q_end
+        c_ok = (r0 + c_r < q_end) & (c_h < H)
+        c_rows = (r0 + c_r).to(tl.int64)
+        q = tl.load(q_ptr + c_rows[:, None] * stride_qs + c_h[:, None] * stride_qh + dq[None, :],
+                    mask=c_ok[:, None], other=0.0)
+        w = tl.load(w_ptr + c_rows * stride_w + c_h, mask=c_ok, other=0.0).to(tl.float32)
+        x = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
+        if ROWS == 1:
+            logits = tl.sum(x, axis=1)[:, None]
+        else:
+            logits = tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HEADS_P)), axis=2)
+        logits = logits * k_sf[:, None]  # [BLOCK_N, ROWS]
+        ks = tl.load(ks_ptr + rows, mask=row_ok, other=0)
+        ke = tl.minimum(tl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
+        valid = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :]) & row_ok[None, :]
+        out_cols = out_ptr + rows.to(tl.int64)[None, :] * stride_out
+        if CLEAN and not COMPRESSED:
+            logits = tl.where(valid, logits, float("-inf"))
+        val = logits.to(out_ptr.dtype.element_ty)
+        if COMPRESSED:
+            tl.store(out_cols + (cols[:, None] - ks[None, :]), val, mask=valid)
+        else:
+            tl.store(out_cols + cols[:, None], val, mask=row_ok[None, :] & (cols[:, None] < S_k))
+
+
+@triton.jit
 def fill_outside_windows_kernel(out_ptr, stride_out, ks_ptr, ke_ptr, S_q, S_k, n_cols,
                                 COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
     """``-inf`` in every column of a row outside its window: ``[0, ks) + [ke, S_k)`` in the full

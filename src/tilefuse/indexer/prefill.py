@@ -45,7 +45,10 @@ class PrefillConfig:
     few query rows: a 16-row query tile then wastes nothing); ``head_unroll`` = 2 issues two
     heads' dots per loop step. Neither applies to the MX split path. ``clean_pass`` writes the
     full layout's ``-inf`` in a separate store-only pass after the logits kernel, instead of
-    inside it (same output, bit for bit).
+    inside it (same output, bit for bit). ``heads_on_n`` (FP8, for few query rows) puts
+    (query row, head) pairs on the MMA's N side: a program loads its key tile once and walks
+    its ``block_q`` rows two at a time (one row at H > 64), each step one dot of
+    [block_n, D] x [D, rows * H] and a head sum per row; not yet timed, so off by default.
     """
 
     block_q: int = 64
@@ -58,6 +61,7 @@ class PrefillConfig:
     fp4_via_fp8: bool = False
     clean_pass: bool = False
     mxfp8_via_f16: bool = False
+    heads_on_n: bool = False
 
 
 def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
@@ -105,6 +109,8 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
         raise ValueError(f"block_q and block_n must be powers of two >= 16, got {cfg}")
     if cfg.head_unroll not in (1, 2):
         raise ValueError(f"head_unroll must be 1 or 2, got {cfg.head_unroll}")
+    if cfg.heads_on_n and fmt != "fp8":
+        raise ValueError(f"heads_on_n runs FP8 only, got format {fmt}")
     return cfg
 
 
@@ -255,6 +261,7 @@ def _mqa_logits(
     fp4_via_fp8: bool,
     clean_pass: bool,
     mxfp8_via_f16: bool,
+    heads_on_n: bool,
 ) -> torch.Tensor:
     fmt = format_of(q, q_sf)
     s_q, h, dq = q.shape
@@ -281,7 +288,7 @@ def _mqa_logits(
         _prefill_kernel_sm100.launch(q, q_sf, k, k_scale, weights, ks, ke, out, clean, compressed)
     else:
         cfg = PrefillConfig(block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll,
-                            fp4_via_fp8, clean_pass, mxfp8_via_f16)
+                            fp4_via_fp8, clean_pass, mxfp8_via_f16, heads_on_n)
         if ((fmt == "mxfp4" and fp4_via_fp8) or (fmt == "mxfp8" and mxfp8_via_f16)) and not mx_split:
             _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, clean, compressed, d, cfg)
         else:
@@ -297,6 +304,16 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
     it to the flagged tiles."""
     s_q, h, dq = q.shape
     s_k = k.shape[0]
+    if cfg.heads_on_n and fmt == "fp8":
+        heads_p = 1 << max(0, h - 1).bit_length()  # the head count padded to a power of two
+        k_desc = TensorDescriptor(k, [s_k, dq], [k.stride(0), 1], [cfg.block_n, dq])
+        grid = (triton.cdiv(s_k, cfg.block_n), triton.cdiv(s_q, cfg.block_q))
+        kern.prefill_heads_on_n_kernel[grid](
+            q, q.stride(0), q.stride(1), k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0),
+            s_q, s_k, H=h, HEADS_P=heads_p, D=d, ROWS=max(1, 128 // heads_p), CLEAN=clean, COMPRESSED=compressed,
+            BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return
     # With MX split, each load is one 32-element block (16 bytes of packed FP4).
     split = fmt != "fp8" and cfg.mx_split
     q_cols = (16 if fmt == "mxfp4" else 32) if split else dq
@@ -368,7 +385,7 @@ def _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, cl
 @_mqa_logits.register_fake
 def _mqa_logits_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype,
                      block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll, fp4_via_fp8,
-                     clean_pass, mxfp8_via_f16):
+                     clean_pass, mxfp8_via_f16, heads_on_n):
     shape, stride = _out_shape(q.shape[0], k.shape[0], max_seqlen_k)
     return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
 
@@ -446,7 +463,7 @@ def fp8_fp4_mqa_logits(
     return _mqa_logits(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end,
                        bool(clean_logits), max_seqlen_k, logits_dtype, cfg.block_q, cfg.block_n,
                        cfg.num_warps, cfg.num_stages, cfg.mx_split, cfg.keys_major, cfg.head_unroll,
-                       cfg.fp4_via_fp8, cfg.clean_pass, cfg.mxfp8_via_f16)
+                       cfg.fp4_via_fp8, cfg.clean_pass, cfg.mxfp8_via_f16, cfg.heads_on_n)
 
 
 def fp8_mqa_logits(

@@ -296,6 +296,8 @@ def _prefill_points():
                 yield fmt, d, h, bf16_cfg, True, True, bf16, bf16, "default"
         base = prefill.default_config(fmt, 64, d, 4096)
         for opt in prefill_option_configs(base):
+            if opt.heads_on_n and fmt != "fp8":
+                continue  # FP8 only
             # Options at D = 128; the MX split path (which changes the loads) at every D.
             if d == 128 or (opt.mx_split and fmt != "fp8"):
                 yield fmt, d, 64, opt, True, False, f32, f32, "option"
@@ -306,13 +308,14 @@ def _trace_prefill() -> tuple[Variant, ...]:
     from tilefuse.indexer import _dispatch, prefill
 
     main = f"{prefill.kern.__name__}:prefill_logits_kernel"
+    heads_on_n = f"{prefill.kern.__name__}:prefill_heads_on_n_kernel"
     tail = f"{prefill.kern.__name__}:fill_outside_windows_kernel"
     renormalise = f"{prefill.kern.__name__}:mx_rows_renormalise_kernel"
     out = []
     for fmt, d, h, cfg, clean, compressed, w_dtype, out_dtype, origin in _prefill_points():
         q, k, ks, ke = _prefill_inputs(fmt, d, h)
         base = prefill.default_config(fmt, h, d, 4096)
-        with tracing(main, tail, renormalise) as launches:
+        with tracing(main, heads_on_n, tail, renormalise) as launches:
             prefill.fp8_fp4_mqa_logits(q, k, _weights(_S_Q, h, w_dtype), ks, ke, clean,
                                        _MAX_SEQLEN_K if compressed else 0, out_dtype, config=cfg)
         extras = "".join(f" {n}={_short(t)}" for n, t in (("w", w_dtype), ("out", out_dtype)) if _short(t) != "fp32")
@@ -320,7 +323,10 @@ def _trace_prefill() -> tuple[Variant, ...]:
         targets = tuple(t for t in TARGETS_ALL if _dispatch.KERNEL_OF_PATH[
             _dispatch.prefill_kernel_path(TARGET_MAJOR[t], fmt, cfg.mx_split)] == main)
         for launch in launches:
-            if launch.function == main:
+            if launch.function == heads_on_n:
+                name = f"{fmt} D{d} H{h} {_layout_name(clean, compressed)} {_config_label(cfg, base)}{extras}"
+                out.append(variant_of(launch, "indexer.prefill", name, origin, targets))
+            elif launch.function == main:
                 # MX on renormalised rows launches the kernel twice: the pass over the renormalised
                 # rows (FP8 or f16 MMA), then the bf16 recompute of wide-span tiles.
                 role = (" bf16-recompute" if launch.arguments.get("FIXUP")
