@@ -379,9 +379,10 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
                                   indices: torch.Tensor | None = None) -> torch.Tensor:
     """DeepGEMM's work split of the paged decode over ``num_sms`` workers.
 
-    Kept for API compatibility: :func:`fp8_fp4_paged_mqa_logits` checks that it matches the
-    lengths and then schedules one program per (request, chunk of keys), which measured
-    10-30% faster on the H200 than walking these ranges (``benchmarks/NOTES.md``).
+    :func:`fp8_fp4_paged_mqa_logits` checks that it matches the lengths; its default schedule,
+    one program per (request, chunk of keys), measured 10-30% faster on the H200 than the first
+    kernel's walk over these ranges (``benchmarks/NOTES.md``) and does not read it; the
+    ``PagedConfig.walk`` option walks these ranges chunk by chunk.
 
     The batch's pages (``ceil(len_b / block_kv)`` per request; the longest row with 2-D
     lengths) are laid end to end and cut into ``num_sms`` ranges of equal size (within one
