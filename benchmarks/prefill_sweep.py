@@ -78,9 +78,20 @@ def check(out, ref, idx, full_mask, logits_dtype, clean):
     return {"ok": mask_ok and diff < bar, "calc_diff": diff, "mask_exact": mask_ok}
 
 
-def rows(quick: bool, schedules: bool):
+H32_CONFIGS = [C(64, 128, 4, 3, head_unroll=2), C(64, 256, 8, 3, head_unroll=2), C(128, 128, 8, 3, head_unroll=2),
+               C(64, 128, 4, 4, head_unroll=2), C(64, 128, 4, 3)]
+
+
+def rows(quick: bool, row_set: str):
     base = dict(s_q=2048, s_k=32768, h=64, d=128, clean=True, logits=torch.float32)
-    if schedules:
+    if row_set == "small":
+        for s_q, s_k in [(128, 32768), (16, 65536)]:
+            yield {**base, "s_q": s_q, "s_k": s_k, "fmt": "fp8"}, SMALL_Q_CONFIGS
+        return
+    if row_set == "h32":
+        yield {**base, "h": 32, "fmt": "fp8"}, H32_CONFIGS
+        return
+    if row_set == "schedules":
         # The clean-logits schedule per format (inline vs separate pass), and clean=False beside.
         for logits in (torch.float32, torch.bfloat16):
             yield {**base, "fmt": "fp8", "logits": logits}, FP8_CONFIGS[:2]
@@ -105,8 +116,9 @@ def main(argv=None):
     ap.add_argument("--output", default="prefill-sweep.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--samples", type=int, default=20)
-    ap.add_argument("--schedules", action="store_true",
-                    help="only the clean-logits schedule rows (each format, clean on and off)")
+    ap.add_argument("--set", default="all", choices=("all", "schedules", "small", "h32"),
+                    help="rows: all; schedules (clean-logits schedule per format, clean on and off); small "
+                         "(128/32768 and 16/65536 with the few-row tiles); h32 (H = 32 tiles)")
     ap.add_argument("--formats", default="fp8,mxfp8,mxfp4", help="comma-separated formats to sweep")
     args = ap.parse_args(argv)
     record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": []}
@@ -114,7 +126,7 @@ def main(argv=None):
     bf16_ceiling = ceilings.ceiling_value(record["ceilings"], "bf16_matmul")
     print(f"ceilings: fp8 {fp8_ceiling:.0f}  bf16 {bf16_ceiling:.0f} TFLOP/s", flush=True)
     table = []
-    for shape, configs in rows(args.quick, args.schedules):
+    for shape, configs in rows(args.quick, args.set):
         if shape["fmt"] not in args.formats.split(","):
             continue
         qq, kk, w = make(shape["s_q"], shape["s_k"], shape["h"], shape["d"], shape["fmt"])
