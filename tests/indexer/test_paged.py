@@ -157,7 +157,7 @@ def test_table_entries_past_the_length_are_never_used(poisoned):
     a chunk's table entries ahead of the length but must never use one as a page."""
     case = Case("fp8", lens=shapes((70, 0, 129, 5), (5000, 0, 8193, 5)), next_n=2, h=8, d=64, block_kv=32,
                 seed=23)
-    npages = (case.ctx.long() + 31) // 32 if case.ctx.dim() == 1 else (case.ctx.max(1).values.long() + 31) // 32
+    npages = (case.ctx.long() + 31) // 32  # 1-D lengths
     cols = torch.arange(case.table.shape[1], device=DEVICE)
     for junk in (-1, 2**31 - 1):
         case.table = torch.where(cols[None, :] < npages[:, None], case.table, junk).to(torch.int32)
@@ -539,3 +539,12 @@ def test_decode_shapes_on_gpu(batch, next_n, mean, fmt, ctx_2d, poisoned):
     case.check(case.run(clean=True), True)
     if not ctx_2d:
         case.check(case.run(clean=False), False)
+
+
+def test_custom_op_takes_the_config_fields_in_their_order():
+    """The public op passes ``dataclasses.astuple(config)`` after the fixed arguments."""
+    import dataclasses
+
+    names = [a.name for a in torch.ops.tilefuse.paged_mqa_logits.default._schema.arguments]
+    fields = [f.name for f in dataclasses.fields(paged.PagedConfig)]
+    assert names[-len(fields):] == fields

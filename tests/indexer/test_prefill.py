@@ -500,3 +500,12 @@ def test_traces_under_torch_compile_without_graph_breaks(fmt):
     compiled = torch.compile(logits, fullgraph=True, backend="aot_eager")
     got = compiled(qq[0], qq[1], kk[0], kk[1], w, ks, ke)
     assert torch.equal(got.view(torch.int16), real.view(torch.int16))
+
+
+def test_custom_op_takes_the_config_fields_in_their_order():
+    """The public op passes ``dataclasses.astuple(config)`` after the fixed arguments."""
+    import dataclasses
+
+    names = [a.name for a in torch.ops.tilefuse.mqa_logits.default._schema.arguments]
+    fields = [f.name for f in dataclasses.fields(prefill.PrefillConfig)]
+    assert names[-len(fields):] == fields

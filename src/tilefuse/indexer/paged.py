@@ -685,8 +685,8 @@ def fp8_fp4_paged_mqa_logits(
                                max_context_len)
     _check_values(context_lens, block_table, schedule_meta, kv_cache.shape[0], p.block_kv, max_context_len)
     return _paged_mqa_logits(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
-                             max_context_len, bool(clean_logits), logits_dtype, cfg.block_n, cfg.rows, cfg.chunk,
-                             cfg.num_warps, cfg.num_stages, cfg.block_fill, cfg.row_dots, cfg.walk)
+                             max_context_len, bool(clean_logits), logits_dtype,
+                             *dataclasses.astuple(cfg))  # the op takes the config's fields in their order
 
 
 def fp8_paged_mqa_logits(

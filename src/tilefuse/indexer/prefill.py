@@ -305,7 +305,7 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
     s_q, h, dq = q.shape
     s_k = k.shape[0]
     if cfg.heads_on_n and fmt == "fp8":
-        heads_p = 1 << max(0, h - 1).bit_length()  # the head count padded to a power of two
+        heads_p = triton.next_power_of_2(h)
         k_desc = TensorDescriptor(k, [s_k, dq], [k.stride(0), 1], [cfg.block_n, dq])
         grid = (triton.cdiv(s_k, cfg.block_n), triton.cdiv(s_q, cfg.block_q))
         kern.prefill_heads_on_n_kernel[grid](
@@ -461,9 +461,8 @@ def fp8_fp4_mqa_logits(
         _check_metadata(schedule_meta, s_q, q_values.device)
     _check_windows(cu_seq_len_k_start, cu_seq_len_k_end, s_k, max_seqlen_k)
     return _mqa_logits(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end,
-                       bool(clean_logits), max_seqlen_k, logits_dtype, cfg.block_q, cfg.block_n,
-                       cfg.num_warps, cfg.num_stages, cfg.mx_split, cfg.keys_major, cfg.head_unroll,
-                       cfg.fp4_via_fp8, cfg.clean_pass, cfg.mxfp8_via_f16, cfg.heads_on_n)
+                       bool(clean_logits), max_seqlen_k, logits_dtype,
+                       *dataclasses.astuple(cfg))  # the op takes the config's fields in their order
 
 
 def fp8_mqa_logits(
