@@ -110,7 +110,7 @@ def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
     ``TILEFUSE_PAGED_CONFIG`` overrides single fields for measurements).
 
     * ``rows``: as many query rows as fit 128 dot columns (``rows * next_pow2(H) <= 128``), so
-      next_n = 2 at H = 64 reads each key tile once (rows = 1 there: 1.4x slower).
+      next_n = 2 at H = 64 reads each key tile once (rows = 1 there: 1.27-1.35x slower).
     * FP8 with <= 64 dot columns: 128-key tiles, 3 stages (two tiles in flight per program);
       otherwise 64-key tiles, 4 stages. Deeper pipelines were slower at every target row.
     * ``chunk``: the largest power of two in [512, 2048] that still gives about
