@@ -58,7 +58,8 @@ MXF16_CONFIGS = [C(64, 128, 4, 2, head_unroll=2, mxfp8_via_f16=True),
 def config_name(cfg: PrefillConfig) -> str:
     flags = [f for f, on in (("split", cfg.mx_split), ("km", cfg.keys_major), ("u2", cfg.head_unroll == 2),
                              ("via-fp8", cfg.fp4_via_fp8), ("clean-pass", cfg.clean_pass),
-                             ("via-f16", cfg.mxfp8_via_f16), ("heads-on-n", cfg.heads_on_n)) if on]
+                             ("via-f16", cfg.mxfp8_via_f16), ("heads-on-n", cfg.heads_on_n),
+                             ("gluon", cfg.gluon)) if on]
     return "/".join([f"{cfg.block_q}x{cfg.block_n}", f"w{cfg.num_warps}s{cfg.num_stages}", *flags])
 
 
@@ -82,8 +83,31 @@ H32_CONFIGS = [C(64, 128, 4, 3, head_unroll=2), C(64, 256, 8, 3, head_unroll=2),
                C(64, 128, 4, 4, head_unroll=2), C(64, 128, 4, 3)]
 
 
+# The head loop in Gluon (async wgmma: head h+1's MMA under head h's epilogue) beside the
+# Triton defaults; num_stages is its ring of query buffers.
+GLUON = [C(64, 128, 4, 2, gluon=True), C(64, 128, 4, 3, gluon=True), C(64, 128, 4, 4, gluon=True),
+         C(128, 128, 8, 3, gluon=True)]
+FEW_ROWS = [C(16, 128, 4, 3, heads_on_n=True), C(32, 128, 4, 3, keys_major=True, head_unroll=2)]
+
+
+def gluon_rows():
+    base = dict(s_q=2048, s_k=32768, h=64, d=128, fmt="fp8", clean=True, logits=torch.float32)
+    yield base, FP8_CONFIGS[:1] + GLUON
+    yield {**base, "logits": torch.bfloat16}, FP8_CONFIGS[1:2] + [C(64, 128, 4, 3, gluon=True),
+                                                                  C(64, 128, 4, 3, gluon=True, clean_pass=True)]
+    yield {**base, "s_q": 8192, "s_k": 65536}, FP8_CONFIGS[:1] + GLUON[1:2]
+    yield {**base, "h": 32}, FP8_CONFIGS[:1] + GLUON[1:2]
+    for s_q, s_k in [(128, 32768), (64, 65536), (32, 65536)]:
+        yield {**base, "s_q": s_q, "s_k": s_k}, FP8_CONFIGS[:1] + GLUON[1:3] + FEW_ROWS
+    yield {**base, "fmt": "mxfp8"}, MXF16_CONFIGS[:1] + [C(64, 128, 4, 3, mxfp8_via_f16=True, gluon=True)]
+    yield {**base, "fmt": "mxfp4"}, FP4_CONFIGS[:1] + [C(64, 128, 4, 3, fp4_via_fp8=True, gluon=True)]
+
+
 def rows(quick: bool, row_set: str):
     base = dict(s_q=2048, s_k=32768, h=64, d=128, clean=True, logits=torch.float32)
+    if row_set == "gluon":
+        yield from gluon_rows()
+        return
     if row_set == "small":
         for s_q, s_k in [(128, 32768), (16, 65536)]:
             yield {**base, "s_q": s_q, "s_k": s_k, "fmt": "fp8"}, SMALL_Q_CONFIGS
@@ -116,7 +140,7 @@ def main(argv=None):
     ap.add_argument("--output", default="prefill-sweep.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--samples", type=int, default=20)
-    ap.add_argument("--set", default="all", choices=("all", "schedules", "small", "h32"),
+    ap.add_argument("--set", default="all", choices=("all", "schedules", "small", "h32", "gluon"),
                     help="rows: all; schedules (clean-logits schedule per format, clean on and off); small "
                          "(128/32768 and 16/65536 with the few-row tiles); h32 (H = 32 tiles)")
     ap.add_argument("--formats", default="fp8,mxfp8,mxfp4", help="comma-separated formats to sweep")
@@ -152,6 +176,7 @@ def main(argv=None):
                 fns[name] = fn
             except Exception as e:  # a config that does not compile or launch is a row, not a crash
                 checks[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                print(f"{name}: {checks[name]['error']}", flush=True)
         del ref, full_mask
         # Every captured call keeps its output alive: stay within ~40 GiB of retained logits.
         out_bytes = shape["s_q"] * shape["s_k"] * 4

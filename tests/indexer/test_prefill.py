@@ -509,3 +509,41 @@ def test_custom_op_takes_the_config_fields_in_their_order():
     names = [a.name for a in torch.ops.tilefuse.mqa_logits.default._schema.arguments]
     fields = [f.name for f in dataclasses.fields(prefill.PrefillConfig)]
     assert names[-len(fields):] == fields
+
+
+HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon head loop runs on Hopper only")
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+@pytest.mark.parametrize("layout", ["clean", "raw", "compressed", "bf16"])
+@pytest.mark.parametrize("num_buf", [1, 3])
+def test_gluon_head_loop_is_bitwise_the_triton_kernel(fmt, layout, num_buf, poisoned):
+    """Same tile, same head order, same MMA: the Gluon kernel (async wgmma) writes the Triton
+    kernel's bits, with uneven windows, empty rows, partial tiles and each output layout."""
+    s_q, s_k, h = 1000, 9000, 64
+    _, _, w, qq, kk = make_inputs(s_q, s_k, h, 128, fmt, seed=51)
+    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(5), empty_fraction=0.1,
+                              overhang=9, device=DEVICE)
+    kwargs = dict(clean_logits=layout != "raw", max_seqlen_k=4096 if layout == "compressed" else 0,
+                  logits_dtype=torch.bfloat16 if layout == "bf16" else torch.float32)
+    if layout == "compressed":
+        ke = torch.minimum(ke, ks + 4096)
+    base = prefill.PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=num_buf,
+                                 fp4_via_fp8=fmt == "mxfp4", mxfp8_via_f16=fmt == "mxfp8")
+    ref = run(qq, kk, w, ks, ke, config=base, **kwargs)
+    out = run(qq, kk, w, ks, ke, config=dataclasses.replace(base, gluon=True), **kwargs)
+    assert torch.equal(out.view(torch.int16 if layout == "bf16" else torch.int32),
+                       ref.view(torch.int16 if layout == "bf16" else torch.int32))
+
+
+def test_gluon_rejects_tiles_it_cannot_run():
+    _, _, w, qq, kk = make_inputs(16, 64, 8, 64, "fp8", seed=1)
+    ks, ke = W.causal_tail(16, 64, device=DEVICE)
+    for cfg in (prefill.PrefillConfig(block_q=32, num_warps=4, gluon=True),
+                prefill.PrefillConfig(block_q=64, keys_major=True, gluon=True)):
+        with pytest.raises(ValueError, match="gluon"):
+            tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=cfg)
+    if not HOPPER:
+        with pytest.raises(ValueError, match="Hopper"):
+            tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=prefill.PrefillConfig(gluon=True))

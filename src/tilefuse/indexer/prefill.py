@@ -48,7 +48,11 @@ class PrefillConfig:
     inside it (same output, bit for bit). ``heads_on_n`` (FP8, for few query rows) puts
     (query row, head) pairs on the MMA's N side: a program loads its key tile once and walks
     its ``block_q`` rows two at a time (one row at H > 64), each step one dot of
-    [block_n, D] x [D, rows * H] and a head sum per row; not yet timed, so off by default.
+    [block_n, D] x [D, rows * H] and a head sum per row. ``gluon`` (Hopper, FP8 and the f16
+    rows of ``mxfp8_via_f16``) runs the 2-D tile's head loop as a Gluon kernel that issues each
+    head's wgmma asynchronously, so head h+1's MMA overlaps head h's ReLU and weighting;
+    ``num_stages`` is then its ring of query-tile buffers and ``block_q`` must be 16 x
+    ``num_warps``. GPU-only (Gluon has no interpreter).
     """
 
     block_q: int = 64
@@ -62,6 +66,7 @@ class PrefillConfig:
     clean_pass: bool = False
     mxfp8_via_f16: bool = False
     heads_on_n: bool = False
+    gluon: bool = False
 
 
 def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
@@ -111,6 +116,9 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
         raise ValueError(f"head_unroll must be 1 or 2, got {cfg.head_unroll}")
     if cfg.heads_on_n and fmt != "fp8":
         raise ValueError(f"heads_on_n runs FP8 only, got format {fmt}")
+    if cfg.gluon and (cfg.keys_major or cfg.heads_on_n or cfg.mx_split or cfg.block_q != 16 * cfg.num_warps):
+        raise ValueError("gluon runs the 2-D tile (not keys_major, heads_on_n or mx_split) with "
+                         f"block_q = 16 x num_warps, got {cfg}")
     return cfg
 
 
@@ -262,6 +270,7 @@ def _mqa_logits(
     clean_pass: bool,
     mxfp8_via_f16: bool,
     heads_on_n: bool,
+    gluon: bool,
 ) -> torch.Tensor:
     fmt = format_of(q, q_sf)
     s_q, h, dq = q.shape
@@ -288,7 +297,7 @@ def _mqa_logits(
         _prefill_kernel_sm100.launch(q, q_sf, k, k_scale, weights, ks, ke, out, clean, compressed)
     else:
         cfg = PrefillConfig(block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll,
-                            fp4_via_fp8, clean_pass, mxfp8_via_f16, heads_on_n)
+                            fp4_via_fp8, clean_pass, mxfp8_via_f16, heads_on_n, gluon)
         if ((fmt == "mxfp4" and fp4_via_fp8) or (fmt == "mxfp8" and mxfp8_via_f16)) and not mx_split:
             _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, clean, compressed, d, cfg)
         else:
@@ -313,6 +322,14 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
             s_q, s_k, H=h, HEADS_P=heads_p, D=d, ROWS=max(1, 128 // heads_p), CLEAN=clean, COMPRESSED=compressed,
             BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return
+    if cfg.gluon and fmt == "fp8" and fix_q is None:
+        if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+            raise ValueError("gluon: the Gluon prefill kernel runs on Hopper (sm_90) GPUs only")
+        from tilefuse.indexer import _prefill_kernel_gluon
+
+        _prefill_kernel_gluon.launch(q, k, k_scale, weights, ks, ke, out, clean, compressed, cfg.block_q,
+                                     cfg.block_n, cfg.num_warps, cfg.num_stages)
         return
     # With MX split, each load is one 32-element block (16 bytes of packed FP4).
     split = fmt != "fp8" and cfg.mx_split
@@ -374,7 +391,7 @@ def _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, cl
     k_rows, k_row_scale, k_exact = _renormalise_rows(k, k_scale, fmt, d)
     # relu(c * x) = c * relu(x) for c > 0: the query row scale moves into the weights.
     w_rows = weights.float() * q_row_scale.view(s_q, h)
-    fp8_cfg = default_config("fp8", h, d, s_q)
+    fp8_cfg = cfg if cfg.gluon else default_config("fp8", h, d, s_q)
     _launch(q_rows.view(s_q, h, d), None, k_rows, k_row_scale, w_rows, ks, ke, out, "fp8", d, clean, compressed,
             fp8_cfg)
     fix_q = _block_flags(~q_exact.view(s_q, h).all(dim=1), cfg.block_q)
@@ -385,7 +402,7 @@ def _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, cl
 @_mqa_logits.register_fake
 def _mqa_logits_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype,
                      block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll, fp4_via_fp8,
-                     clean_pass, mxfp8_via_f16, heads_on_n):
+                     clean_pass, mxfp8_via_f16, heads_on_n, gluon):
     shape, stride = _out_shape(q.shape[0], k.shape[0], max_seqlen_k)
     return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
 
