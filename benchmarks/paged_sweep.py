@@ -40,16 +40,13 @@ def configs(b: int, next_n: int, max_len: int) -> list[PagedConfig]:
     rep = lambda **kw: PagedConfig(**{**base.__dict__, **kw})  # noqa: E731
     out = [base] + [rep(chunk=c) for c in (512, 1024, 2048)]
     out += [rep(block_n=64, num_stages=4), rep(num_stages=2), rep(num_stages=4), rep(num_warps=8)]
-    # Walking the metadata's page ranges: the grid follows the lengths, not max_context_len.
-    out += [rep(walk=2), rep(walk=4), rep(walk=4, chunk=512)]
     if next_n > 1:
-        out += [rep(rows=1), rep(row_dots=True), rep(row_dots=True, block_n=128, num_stages=3)]
+        out += [rep(rows=1)]
     return list(dict.fromkeys(out))
 
 
 def name_of(cfg: PagedConfig) -> str:
-    return (f"n{cfg.block_n} r{cfg.rows} chunk{cfg.chunk} w{cfg.num_warps} st{cfg.num_stages}"
-            + (" row-dots" if cfg.row_dots else "") + (f" walk{cfg.walk}" if cfg.walk else ""))
+    return f"n{cfg.block_n} r{cfg.rows} chunk{cfg.chunk} w{cfg.num_warps} st{cfg.num_stages}"
 
 
 def make_row(b: int, next_n: int, mean: int, out_cols: int | None = None, seed: int = 0):

@@ -128,27 +128,13 @@ def test_formats_length_modes_and_clean(fmt, ctx_2d, clean, poisoned):
     case.check(case.run(clean=clean), clean)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
-@pytest.mark.parametrize("ctx_2d", [False, True])
-def test_one_dot_per_row(fmt, ctx_2d, poisoned):
-    """row_dots: two query rows scored by one dot each on the shared key tile (next_n = 3: a
-    full and a half row group), against both references."""
-    lens = shapes((70, 0, 129, 200), (5000, 0, 8193, 12000))
-    case = Case(fmt, lens=lens, next_n=3, h=8, d=64, block_kv=32, ctx_2d=ctx_2d, seed=17 + ctx_2d)
-    for cfg in (paged.PagedConfig(block_n=64, rows=2, chunk=128, row_dots=True),
-                paged.PagedConfig(block_n=128, rows=2, chunk=256, num_stages=2, row_dots=True)):
-        case.check(case.run(clean=True, config=cfg), True)
-    with pytest.raises(ValueError, match="row_dots"):
-        case.run(config=paged.PagedConfig(rows=1, row_dots=True))
-
-
 @pytest.mark.parametrize("clean", [True, False])
 def test_output_much_wider_than_the_contexts(clean, poisoned):
     """max_context_len as serving engines pass it (the model's longest context): most chunk
     programs find no keys and only write -inf (clean) or nothing."""
     case = Case("fp8", lens=shapes((70, 0, 129), (5000, 0, 8193)), next_n=2, h=8, d=64, block_kv=32,
                 extra_cols=shapes(1500, 150000), seed=29)
-    for cfg in (None, paged.PagedConfig(block_n=64, chunk=128), paged.PagedConfig(chunk=256, walk=2)):
+    for cfg in (None, paged.PagedConfig(block_n=64, chunk=128)):
         case.check(case.run(clean=clean, config=cfg), clean)
 
 
@@ -279,24 +265,17 @@ def test_bitwise_reruns_whatever_the_metadata(fmt):
     first = case.run(clean=True)
     counts = [1, 2, 5, 64] if not ON_GPU else [1, 7, NUM_SMS, 2 * NUM_SMS, 1000]
     configs = [None, paged.PagedConfig(rows=1), paged.PagedConfig(rows=1, block_n=64, chunk=64),
-               paged.PagedConfig(rows=1, chunk=256, num_stages=2), paged.PagedConfig(rows=1, chunk=2048),
-               paged.PagedConfig(rows=1, walk=1), paged.PagedConfig(rows=1, chunk=256, walk=3),
-               paged.PagedConfig(rows=1, block_n=64, chunk=64, walk=2)]
+               paged.PagedConfig(rows=1, chunk=256, num_stages=2), paged.PagedConfig(rows=1, chunk=2048)]
     reruns = 20 if ON_GPU else 3
     for i in range(reruns):
         n = counts[i % len(counts)]
         meta = tilefuse.get_paged_mqa_logits_metadata(case.ctx, 32, n)
         again = case.run(clean=True, meta=meta)
         assert torch.equal(first.view(torch.int32), again.view(torch.int32)), f"rerun {i} (num_sms={n}) differs"
-    # Neither do the chunk size, 64- or 128-key tiles (both wgmma on sm_90) and walking the
-    # metadata's page ranges (with any worker count); rows changes the dot.
+    # Neither do the chunk size and 64- or 128-key tiles (both wgmma on sm_90); rows changes the dot.
     base = case.run(clean=True, config=configs[1])
     for cfg in configs[2:]:
         assert torch.equal(base.view(torch.int32), case.run(clean=True, config=cfg).view(torch.int32)), cfg
-    for n in counts:
-        meta = tilefuse.get_paged_mqa_logits_metadata(case.ctx, 32, n)
-        again = case.run(clean=True, meta=meta, config=paged.PagedConfig(rows=1, chunk=128, walk=2))
-        assert torch.equal(base.view(torch.int32), again.view(torch.int32)), f"walk over {n} workers differs"
 
 
 def _worker_pages(meta: torch.Tensor, pages: torch.Tensor) -> list[int]:
@@ -414,9 +393,8 @@ def test_ops_run_the_triton_kernel(record_launches):
     launched = record_launches(kern, "paged_logits_kernel")
     case = Case("fp8", lens=(40, 90), next_n=3, h=64, block_kv=32, seed=15, num_sms=5)
     case.run(config=paged.PagedConfig(rows=2, block_n=64, chunk=64))
-    case.run(config=paged.PagedConfig(rows=2, block_n=64, chunk=64, walk=3))
-    # row groups x requests x chunks of max_context_len; row groups x workers x walk
-    assert launched == [(2 * 2 * ((case.max_context_len + 63) // 64),), (2 * 5 * 3,)]
+    # row groups x requests x chunks of max_context_len
+    assert launched == [(2 * 2 * ((case.max_context_len + 63) // 64),)]
 
 
 def test_custom_op_fake_and_torch_compile():
@@ -428,7 +406,7 @@ def test_custom_op_fake_and_torch_compile():
         args = [mode.from_tensor(t) for t in (case.qq[0], case.qq[1], case.cache, case.w, case.ctx, case.table,
                                               case.meta)]
         fake = torch.ops.tilefuse.paged_mqa_logits(*args, case.max_context_len, True, torch.bfloat16,
-                                                   64, 1, 512, 4, 3, 1024, False, 0)
+                                                   64, 1, 512, 4, 3, 1024)
     assert fake.shape == real.shape and fake.stride() == real.stride() and fake.dtype == real.dtype
 
     def decode(qv, qs, cache, w, ctx, table):

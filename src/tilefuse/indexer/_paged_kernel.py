@@ -17,20 +17,13 @@ request's queries and weights once, then per tile of ``BLOCK_N`` keys: gather th
 scales), one ``tl.dot`` of ``[BLOCK_N, D] x [D, ROWS * HEADS_P]``, ReLU, the weighted head sum
 of each query row (a reshape to ``[BLOCK_N, ROWS, HEADS_P]`` and one reduction) and a store
 of ``[BLOCK_N, ROWS]``. A program scores ``ROWS`` of the request's ``next_n`` query rows (all
-heads) in one dot, so ``G = ceil(next_n / ROWS)``; with ``ROW_DOTS`` (ROWS = 2) in one dot per
-row on the same key tile, which keeps one row's accumulator live at a time.
+heads) in one dot, so ``G = ceil(next_n / ROWS)``.
 Formats (``FMT``): 0 = FP8 (E4M3 dot, per-key fp32 scale after the head sum), 1 = MXFP8,
 2 = MXFP4; MX operands are dequantised to bf16 in registers (exact) and run a bf16 dot, as
 Hopper has no block-scaled MMA.
 
-``WALK > 0`` (an option, not yet timed): ``G * W * WALK`` programs for the ``W`` workers of the
-schedule metadata; the programs of a worker take the chunks of its balanced page range in
-turn (chunks clipped to the range), so the grid follows the lengths rather than
-``max_context_len``; same per-chunk code, same bits.
-
 ``clean_logits``: the tiles write ``-inf`` outside each row's window up to the request's key
-extent; each chunk then fills its columns past that extent (with ``WALK``, the programs fill
-the tails of the requests in turn).
+extent; each chunk then fills its columns past that extent.
 """
 
 from __future__ import annotations
@@ -57,99 +50,9 @@ def _key_extent(ctx_ptr, stride_ctx, b, NEXT_N: tl.constexpr, NEXT_N_P: tl.const
 
 
 @triton.jit
-def _score_chunk(
-    q_ptr, q_sf_ptr, kv_ptr, kv_sf_ptr, w_ptr, ctx_ptr, out_rows, chunk_pages,
-    b64, first_page, tok_lo, tok_hi, pid_g, max_blocks,
-    stride_qb, stride_qt, stride_qh, stride_sfb, stride_sft, stride_w, stride_ctx,
-    page_stride, page_stride_words,
-    NEXT_N: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr,
-    BLOCK_KV: tl.constexpr, FMT: tl.constexpr, CTX_2D: tl.constexpr, CLEAN: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, ROW_DOTS: tl.constexpr,
-    MASK_LO: tl.constexpr,
-):
-    """Score keys [tok_lo, tok_hi) of request ``b64`` (one chunk, whose page ids from
-    ``first_page`` on are in ``chunk_pages``) for this program's query rows; ``MASK_LO``: tok_lo
-    may fall inside a tile."""
-    DQ: tl.constexpr = D // 2 if FMT == 2 else D  # value bytes per token
-    SF_OFFSET: tl.constexpr = BLOCK_KV * DQ // 4  # first scale of a page, in 4-byte words
-    NC: tl.constexpr = ROWS * HEADS_P  # dot columns: (query row, head) pairs
-    # Columns of the dot: query row t = pid_g * ROWS + c // HEADS_P, head c % HEADS_P.
-    c = tl.arange(0, NC)
-    c_t = pid_g * ROWS + c // HEADS_P
-    c_h = c % HEADS_P
-    c_ok = (c_t < NEXT_N) & (c_h < NUM_HEADS)
-    dq = tl.arange(0, DQ)
-    t_rows = pid_g * ROWS + tl.arange(0, ROWS)
-    # Exclusive end of each of this program's query rows.
-    if CTX_2D:
-        row_end = tl.load(ctx_ptr + b64 * stride_ctx + t_rows, mask=t_rows < NEXT_N, other=0)
-    else:
-        row_end = tl.load(ctx_ptr + b64 * stride_ctx) - NEXT_N + 1 + t_rows
-    # Queries and weights of this request's rows.
-    q_offs = b64 * stride_qb + c_t[:, None] * stride_qt + c_h[:, None] * stride_qh + dq[None, :]
-    q_raw = tl.load(q_ptr + q_offs, mask=c_ok[:, None], other=0.0)
-    if FMT == 0:
-        q_op = q_raw
-    else:
-        q_sf = tl.load(q_sf_ptr + b64 * stride_sfb + c_t * stride_sft + c_h, mask=c_ok, other=0)
-        q_op = _dequant_tile(q_raw, q_sf, NC, D, FMT)
-    w = tl.load(w_ptr + (b64 * NEXT_N + c_t) * stride_w + c_h, mask=c_ok, other=0.0).to(tl.float32)
-
-    if ROW_DOTS:  # ROWS == 2: one dot of HEADS_P columns per row, on the same key tile
-        q0, q1 = tl.split(tl.permute(tl.reshape(q_op, (2, HEADS_P, D)), (1, 2, 0)))
-        w0, w1 = tl.split(tl.permute(tl.reshape(w, (2, HEADS_P)), (1, 0)))
-    for tile in tl.range(tok_lo // BLOCK_N, tl.cdiv(tok_hi, BLOCK_N), num_stages=NUM_STAGES):
-        j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        page_idx = j // BLOCK_KV
-        in_table = page_idx < max_blocks
-        j_ok = j < tok_hi
-        if MASK_LO:
-            j_ok = j_ok & (j >= tok_lo)
-        ld_ok = j_ok & in_table
-        page = tl.gather(chunk_pages, page_idx - first_page, 0).to(tl.int64)
-        slot = j % BLOCK_KV
-        k_raw = tl.load(kv_ptr + (page * page_stride + slot * DQ)[:, None] + dq[None, :],
-                        mask=ld_ok[:, None], other=0.0)
-        k_sf = tl.load(kv_sf_ptr + page * page_stride_words + SF_OFFSET + slot, mask=ld_ok, other=0)
-        if FMT == 0:
-            k_op = k_raw
-        else:
-            k_op = _dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT)
-        # ReLU, weights, then the head sum of each query row: logits [BLOCK_N, ROWS].
-        if ROW_DOTS:
-            l0 = tl.sum(tl.maximum(tl.dot(k_op, tl.trans(q0)), 0.0) * w0[None, :], axis=1)
-            l1 = tl.sum(tl.maximum(tl.dot(k_op, tl.trans(q1)), 0.0) * w1[None, :], axis=1)
-            logits = tl.join(l0, l1)
-        else:
-            x = tl.maximum(tl.dot(k_op, tl.trans(q_op)), 0.0) * w[None, :]
-            if ROWS == 1:
-                logits = tl.sum(x, axis=1)[:, None]
-            else:
-                logits = tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HEADS_P)), axis=2)
-        if FMT == 0:
-            logits = logits * k_sf[:, None]
-        if CLEAN:
-            logits = tl.where(j[:, None] < row_end[None, :], logits, float("-inf"))
-        # A key past the block table's width has no page: NaN, never a read out of bounds.
-        logits = tl.where(in_table[:, None], logits, float("nan"))
-        tl.store(out_rows[None, :] + j[:, None], logits.to(out_rows.dtype.element_ty),
-                 mask=j_ok[:, None] & (t_rows < NEXT_N)[None, :])
-
-
-@triton.jit
-def _fill_tail(out_rows, t_rows, lo, hi, NEXT_N: tl.constexpr, ROWS: tl.constexpr, BLOCK_FILL: tl.constexpr):
-    """-inf in columns [lo, hi) of this program's query rows."""
-    f = tl.arange(0, BLOCK_FILL)
-    fill = tl.full((ROWS, BLOCK_FILL), float("-inf"), tl.float32).to(out_rows.dtype.element_ty)
-    for c0 in range(lo, hi, BLOCK_FILL):
-        col = c0 + f
-        tl.store(out_rows[:, None] + col[None, :], fill, mask=(t_rows < NEXT_N)[:, None] & (col < hi)[None, :])
-
-
-@triton.jit
 def paged_logits_kernel(
-    q_ptr, q_sf_ptr, kv_ptr, kv_sf_ptr, w_ptr, ctx_ptr, bt_ptr, meta_ptr, out_ptr,
-    num_requests, max_context_len, max_blocks, chunks_per_request,
+    q_ptr, q_sf_ptr, kv_ptr, kv_sf_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr,
+    max_context_len, max_blocks, chunks_per_request,
     stride_qb, stride_qt, stride_qh,
     stride_sfb, stride_sft,
     stride_w, stride_ctx, stride_bt,
@@ -158,79 +61,87 @@ def paged_logits_kernel(
     NEXT_N: tl.constexpr, NEXT_N_P: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr,
     D: tl.constexpr, BLOCK_KV: tl.constexpr, FMT: tl.constexpr, CTX_2D: tl.constexpr, CLEAN: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, BLOCK_FILL: tl.constexpr,
-    NUM_STAGES: tl.constexpr, G: tl.constexpr, ROW_DOTS: tl.constexpr, WALK: tl.constexpr,
+    NUM_STAGES: tl.constexpr, G: tl.constexpr,
 ):
+    DQ: tl.constexpr = D // 2 if FMT == 2 else D  # value bytes per token
+    SF_OFFSET: tl.constexpr = BLOCK_KV * DQ // 4  # first scale of a page, in 4-byte words
+    NC: tl.constexpr = ROWS * HEADS_P  # dot columns: (query row, head) pairs
+    CHUNK_PAGES: tl.constexpr = CHUNK // BLOCK_KV
     pid = tl.program_id(0)
     pid_g = pid % G
     unit = pid // G
-    CHUNK_PAGES: tl.constexpr = CHUNK // BLOCK_KV
+    b64 = tl.cast(unit // chunks_per_request, tl.int64)
+    chunk_lo = (unit % chunks_per_request) * CHUNK
     t_rows = pid_g * ROWS + tl.arange(0, ROWS)
-    if WALK == 0:
-        b64 = tl.cast(unit // chunks_per_request, tl.int64)
-        chunk_lo = (unit % chunks_per_request) * CHUNK
-        out_rows = out_ptr + (b64 * NEXT_N + t_rows) * stride_out
-        # The chunk's page ids, read once: a key tile's address then depends on registers only,
-        # so its load is issued as many stages ahead as there are buffers (a block-table load
-        # inside the loop would hold each key load back by one memory latency). Read beside the
-        # length, not after it. Entries past the request's pages may hold anything; the key
-        # loads mask them by length.
-        bt_row = bt_ptr + b64 * stride_bt
-        first_page = chunk_lo // BLOCK_KV
-        chunk_page_ids = first_page + tl.arange(0, CHUNK_PAGES)
-        chunk_pages = tl.load(bt_row + chunk_page_ids, mask=chunk_page_ids < max_blocks, other=0)
-        key_len = tl.minimum(_key_extent(ctx_ptr, stride_ctx, b64, NEXT_N, NEXT_N_P, CTX_2D), max_context_len)
-        hi_tok = tl.minimum(chunk_lo + CHUNK, key_len)
-        if chunk_lo < key_len:
-            _score_chunk(q_ptr, q_sf_ptr, kv_ptr, kv_sf_ptr, w_ptr, ctx_ptr, out_rows, chunk_pages,
-                         b64, first_page, chunk_lo, hi_tok, pid_g, max_blocks,
-                         stride_qb, stride_qt, stride_qh, stride_sfb, stride_sft, stride_w, stride_ctx,
-                         page_stride, page_stride_words,
-                         NEXT_N, NUM_HEADS, HEADS_P, D, BLOCK_KV, FMT, CTX_2D, CLEAN, ROWS, BLOCK_N, NUM_STAGES,
-                         ROW_DOTS, False)
-        if CLEAN:
-            # This chunk's columns past the request's key extent (the tiles wrote the rest).
-            _fill_tail(out_rows, t_rows, tl.maximum(chunk_lo, key_len), tl.minimum(chunk_lo + CHUNK, max_context_len),
-                       NEXT_N, ROWS, BLOCK_FILL)
-    else:
-        # WALK programs per metadata worker: the worker's pages [(b_first, p_first),
-        # (b_last, p_last)) cut into chunks (whole CHUNK-aligned chunks of each request, clipped
-        # to the range), every WALK-th chunk to this program. Work follows the lengths, not
-        # max_context_len.
-        worker = unit // WALK
-        split = unit % WALK
-        b_first = tl.load(meta_ptr + 2 * worker)
-        p_first = tl.load(meta_ptr + 2 * worker + 1)
-        b_last = tl.load(meta_ptr + 2 * worker + 2)
-        p_last = tl.load(meta_ptr + 2 * worker + 3)
-        seen = 0  # chunks of this worker before request b
-        for b in range(b_first, tl.minimum(b_last + 1, num_requests)):
-            b64 = tl.cast(b, tl.int64)
-            key_len = tl.minimum(_key_extent(ctx_ptr, stride_ctx, b64, NEXT_N, NEXT_N_P, CTX_2D), max_context_len)
-            lo_page = tl.where(b == b_first, p_first, 0)
-            hi_page = tl.where(b == b_last, p_last, tl.cdiv(key_len, BLOCK_KV))
-            c_lo = lo_page // CHUNK_PAGES
-            c_hi = tl.cdiv(hi_page, CHUNK_PAGES)
-            out_rows = out_ptr + (b64 * NEXT_N + t_rows) * stride_out
-            bt_row = bt_ptr + b64 * stride_bt
-            for ch in range(c_lo + (split - seen % WALK + WALK) % WALK, c_hi, WALK):
-                first_page = ch * CHUNK_PAGES
-                chunk_page_ids = first_page + tl.arange(0, CHUNK_PAGES)
-                chunk_pages = tl.load(bt_row + chunk_page_ids, mask=chunk_page_ids < max_blocks, other=0)
-                tok_lo = tl.maximum(first_page, lo_page) * BLOCK_KV
-                tok_hi = tl.minimum(tl.minimum(first_page + CHUNK_PAGES, hi_page) * BLOCK_KV, key_len)
-                _score_chunk(q_ptr, q_sf_ptr, kv_ptr, kv_sf_ptr, w_ptr, ctx_ptr, out_rows, chunk_pages,
-                             b64, first_page, tok_lo, tok_hi, pid_g, max_blocks,
-                             stride_qb, stride_qt, stride_qh, stride_sfb, stride_sft, stride_w, stride_ctx,
-                             page_stride, page_stride_words,
-                             NEXT_N, NUM_HEADS, HEADS_P, D, BLOCK_KV, FMT, CTX_2D, CLEAN, ROWS, BLOCK_N,
-                             NUM_STAGES, ROW_DOTS, True)
-            seen += tl.maximum(c_hi - c_lo, 0)
-        if CLEAN:
-            # Columns past each request's key extent, requests spread over the programs.
-            prog = worker * WALK + split
-            nprog = tl.num_programs(0) // G
-            for b in range(prog, num_requests, nprog):
-                b64 = tl.cast(b, tl.int64)
-                start = tl.minimum(_key_extent(ctx_ptr, stride_ctx, b64, NEXT_N, NEXT_N_P, CTX_2D), max_context_len)
-                _fill_tail(out_ptr + (b64 * NEXT_N + t_rows) * stride_out, t_rows, start, max_context_len,
-                           NEXT_N, ROWS, BLOCK_FILL)
+    out_rows = out_ptr + (b64 * NEXT_N + t_rows) * stride_out
+    # The chunk's page ids, read once: a key tile's address then depends on registers only,
+    # so its load is issued as many stages ahead as there are buffers (a block-table load
+    # inside the loop would hold each key load back by one memory latency). Read beside the
+    # length, not after it. Entries past the request's pages may hold anything; the key
+    # loads mask them by length.
+    bt_row = bt_ptr + b64 * stride_bt
+    first_page = chunk_lo // BLOCK_KV
+    chunk_page_ids = first_page + tl.arange(0, CHUNK_PAGES)
+    chunk_pages = tl.load(bt_row + chunk_page_ids, mask=chunk_page_ids < max_blocks, other=0)
+    key_len = tl.minimum(_key_extent(ctx_ptr, stride_ctx, b64, NEXT_N, NEXT_N_P, CTX_2D), max_context_len)
+    hi_tok = tl.minimum(chunk_lo + CHUNK, key_len)
+    if chunk_lo < key_len:
+        # Keys [chunk_lo, hi_tok) of request b64 for this program's query rows.
+        # Columns of the dot: query row t = pid_g * ROWS + c // HEADS_P, head c % HEADS_P.
+        c = tl.arange(0, NC)
+        c_t = pid_g * ROWS + c // HEADS_P
+        c_h = c % HEADS_P
+        c_ok = (c_t < NEXT_N) & (c_h < NUM_HEADS)
+        dq = tl.arange(0, DQ)
+        # Exclusive end of each of this program's query rows.
+        if CTX_2D:
+            row_end = tl.load(ctx_ptr + b64 * stride_ctx + t_rows, mask=t_rows < NEXT_N, other=0)
+        else:
+            row_end = tl.load(ctx_ptr + b64 * stride_ctx) - NEXT_N + 1 + t_rows
+        # Queries and weights of this request's rows.
+        q_offs = b64 * stride_qb + c_t[:, None] * stride_qt + c_h[:, None] * stride_qh + dq[None, :]
+        q_raw = tl.load(q_ptr + q_offs, mask=c_ok[:, None], other=0.0)
+        if FMT == 0:
+            q_op = q_raw
+        else:
+            q_sf = tl.load(q_sf_ptr + b64 * stride_sfb + c_t * stride_sft + c_h, mask=c_ok, other=0)
+            q_op = _dequant_tile(q_raw, q_sf, NC, D, FMT)
+        w = tl.load(w_ptr + (b64 * NEXT_N + c_t) * stride_w + c_h, mask=c_ok, other=0.0).to(tl.float32)
+
+        for tile in tl.range(chunk_lo // BLOCK_N, tl.cdiv(hi_tok, BLOCK_N), num_stages=NUM_STAGES):
+            j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            page_idx = j // BLOCK_KV
+            in_table = page_idx < max_blocks
+            j_ok = j < hi_tok
+            ld_ok = j_ok & in_table
+            page = tl.gather(chunk_pages, page_idx - first_page, 0).to(tl.int64)
+            slot = j % BLOCK_KV
+            k_raw = tl.load(kv_ptr + (page * page_stride + slot * DQ)[:, None] + dq[None, :],
+                            mask=ld_ok[:, None], other=0.0)
+            k_sf = tl.load(kv_sf_ptr + page * page_stride_words + SF_OFFSET + slot, mask=ld_ok, other=0)
+            if FMT == 0:
+                k_op = k_raw
+            else:
+                k_op = _dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT)
+            # ReLU, weights, then the head sum of each query row: logits [BLOCK_N, ROWS].
+            x = tl.maximum(tl.dot(k_op, tl.trans(q_op)), 0.0) * w[None, :]
+            if ROWS == 1:
+                logits = tl.sum(x, axis=1)[:, None]
+            else:
+                logits = tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HEADS_P)), axis=2)
+            if FMT == 0:
+                logits = logits * k_sf[:, None]
+            if CLEAN:
+                logits = tl.where(j[:, None] < row_end[None, :], logits, float("-inf"))
+            # A key past the block table's width has no page: NaN, never a read out of bounds.
+            logits = tl.where(in_table[:, None], logits, float("nan"))
+            tl.store(out_rows[None, :] + j[:, None], logits.to(out_rows.dtype.element_ty),
+                     mask=j_ok[:, None] & (t_rows < NEXT_N)[None, :])
+    if CLEAN:
+        # -inf in this chunk's columns past the request's key extent (the tiles wrote the rest).
+        f = tl.arange(0, BLOCK_FILL)
+        fill = tl.full((ROWS, BLOCK_FILL), float("-inf"), tl.float32).to(out_rows.dtype.element_ty)
+        fill_hi = tl.minimum(chunk_lo + CHUNK, max_context_len)
+        for c0 in range(tl.maximum(chunk_lo, key_len), fill_hi, BLOCK_FILL):
+            col = c0 + f
+            tl.store(out_rows[:, None] + col[None, :], fill, mask=(t_rows < NEXT_N)[:, None] & (col < fill_hi)[None, :])

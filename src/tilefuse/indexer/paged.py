@@ -79,13 +79,6 @@ class PagedConfig:
         ``max_context_len``; a multiple of ``block_n`` and a power-of-two number of pages.
     num_warps, num_stages: as in Triton; stages pipeline the key-tile loads.
     block_fill: columns per store of the ``-inf`` tail when cleaning.
-    row_dots: with ``rows == 2``, one dot per query row (``H`` columns each) on the shared key
-        tile instead of one dot of ``2 * H`` columns: fewer registers (FP8, 128-key tiles: 164
-        against 202 on sm_90a), not yet timed, so off by default.
-    walk: 0: the grid has one program per (request, chunk), sized from ``max_context_len``.
-        ``> 0``: ``walk`` programs per metadata worker walk the chunks of the worker's page
-        range, so the grid follows the lengths, not ``max_context_len`` (for outputs much wider
-        than the contexts); not yet timed, so off by default.
     """
 
     block_n: int = 128
@@ -94,8 +87,6 @@ class PagedConfig:
     num_warps: int = 4
     num_stages: int = 3
     block_fill: int = 1024
-    row_dots: bool = False
-    walk: int = 0
 
 
 # Programs the chunk size aims for: about 16 per SM on a 132-SM H200, so that programs
@@ -146,9 +137,6 @@ def resolve_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
         v = getattr(cfg, name)
         _expect(v >= 1 and v & (v - 1) == 0, ValueError, f"PagedConfig.{name} must be a power of two, got {v}")
     _expect(cfg.block_n >= _MIN_DOT, ValueError, f"PagedConfig.block_n must be >= {_MIN_DOT}, got {cfg.block_n}")
-    _expect(not cfg.row_dots or cfg.rows == 2, ValueError,
-            f"PagedConfig.row_dots needs rows == 2, got rows = {cfg.rows}")
-    _expect(cfg.walk >= 0, ValueError, f"PagedConfig.walk must be >= 0, got {cfg.walk}")
     _expect(cfg.num_warps >= 1 and cfg.num_stages >= 1, ValueError,
             f"PagedConfig: num_warps and num_stages must be >= 1, got {cfg}")
     pages = cfg.chunk // block_kv
@@ -381,8 +369,7 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
 
     :func:`fp8_fp4_paged_mqa_logits` checks that it matches the lengths; its default schedule,
     one program per (request, chunk of keys), measured 10-30% faster on the H200 than the first
-    kernel's walk over these ranges (``benchmarks/NOTES.md``) and does not read it; the
-    ``PagedConfig.walk`` option walks these ranges chunk by chunk.
+    kernel's walk over these ranges (``benchmarks/NOTES.md``) and does not read it.
 
     The batch's pages (``ceil(len_b / block_kv)`` per request; the longest row with 2-D
     lengths) are laid end to end and cut into ``num_sms`` ranges of equal size (within one
@@ -540,7 +527,7 @@ def _out_layout(rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]
     return (rows, cols), (stride, 1)
 
 
-def _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, out, clean_logits: bool,
+def _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, out, clean_logits: bool,
                  cfg: PagedConfig) -> tuple[tuple[int, int, int], tuple, dict]:
     """Grid, positional arguments and constexprs of one kernel launch (``out`` already allocated)."""
     fmt = format_of(q, q_sf)
@@ -550,25 +537,23 @@ def _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, schedule
     kv_scales = kv_cache.view(torch.float32 if fmt == "fp8" else torch.int32)
     groups = triton.cdiv(next_n, cfg.rows)
     chunks_per_request = triton.cdiv(out.shape[1], cfg.chunk)
-    units = (schedule_meta.shape[0] - 1) * cfg.walk if cfg.walk else b * chunks_per_request
-    grid = (groups * units,)
+    grid = (groups * b * chunks_per_request,)
     args = (
-        q, q_sf if q_sf is not None else context_lens, kv_values, kv_scales, weights, context_lens, block_table,
-        schedule_meta, out,
-        b, out.shape[1], block_table.shape[1], chunks_per_request,
+        q, q_sf if q_sf is not None else context_lens, kv_values, kv_scales, weights, context_lens, block_table, out,
+        out.shape[1], block_table.shape[1], chunks_per_request,
         q.stride(0), q.stride(1), q.stride(2),
         q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
         weights.stride(0), context_lens.stride(0), block_table.stride(0),
         kv_cache.stride(0), kv_cache.stride(0) // _SCALE_BYTES,
         out.stride(0),
     )
-    # Dot columns per head group: at least the smallest dot, per row or shared by the rows.
-    heads_p = max(_next_pow2(h), _MIN_DOT if cfg.row_dots else _MIN_DOT // cfg.rows)
+    # Dot columns per head group: the rows share the dot, which has at least _MIN_DOT columns.
+    heads_p = max(_next_pow2(h), _MIN_DOT // cfg.rows)
     consts = dict(
         NEXT_N=next_n, NEXT_N_P=_next_pow2(next_n), NUM_HEADS=h, HEADS_P=heads_p,
         D=dq * 2 if fmt == "mxfp4" else dq, BLOCK_KV=kv_cache.shape[1], FMT=_FORMAT_CODE[fmt],
         CTX_2D=context_lens.dim() == 2, CLEAN=clean_logits, ROWS=cfg.rows, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk,
-        BLOCK_FILL=cfg.block_fill, NUM_STAGES=cfg.num_stages, G=groups, ROW_DOTS=cfg.row_dots, WALK=cfg.walk,
+        BLOCK_FILL=cfg.block_fill, NUM_STAGES=cfg.num_stages, G=groups,
     )
     return grid, args, consts
 
@@ -591,24 +576,20 @@ def _paged_mqa_logits(
     num_warps: int,
     num_stages: int,
     block_fill: int,
-    row_dots: bool,
-    walk: int,
 ) -> torch.Tensor:
     shape, stride = _out_layout(q.shape[0] * q.shape[1], max_context_len)
     out = torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
     if out.numel() == 0:
         return out
-    cfg = PagedConfig(block_n, rows, chunk, num_warps, num_stages, block_fill, row_dots, walk)
-    grid, args, consts = _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, out,
-                                      clean_logits, cfg)
+    cfg = PagedConfig(block_n, rows, chunk, num_warps, num_stages, block_fill)
+    grid, args, consts = _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, out, clean_logits, cfg)
     kern.paged_logits_kernel[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 @_paged_mqa_logits.register_fake
 def _paged_mqa_logits_fake(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-                           clean_logits, logits_dtype, block_n, rows, chunk, num_warps, num_stages, block_fill,
-                           row_dots, walk):
+                           clean_logits, logits_dtype, block_n, rows, chunk, num_warps, num_stages, block_fill):
     shape, stride = _out_layout(q.shape[0] * q.shape[1], max_context_len)
     return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
 
