@@ -331,7 +331,8 @@ def test_split_over_keys_is_bitwise_identical_to_one_key_block(fmt):
     tile orientations, with and without schedule metadata) gives the bits of one key block per
     row block. Integer-valued inputs make every dot exact, so the comparison sees the schedule
     (which keys a program visits, where it writes) and not the order in which the interpreter's
-    matmul sums a tile, which depends on the tile's shape."""
+    matmul sums a tile, which depends on the tile's shape. The few-row kernel (``heads_on_n``,
+    the default at this S_q) sums the heads in its own order, so it is compared with itself."""
     s_q, s_k, h, d = shapes((16, 3000, 8, 64), (16, 65536, 64, 128))
     g = torch.Generator().manual_seed(41)
     q = torch.randint(-6, 7, (s_q, h, d), generator=g).to(torch.bfloat16)
@@ -345,10 +346,18 @@ def test_split_over_keys_is_bitwise_identical_to_one_key_block(fmt):
     one_block = 4096 if not ON_GPU else 256  # on a GPU: the widest tile that fits
     unsplit = run(qq, kk, w, ks, ke, config=prefill.PrefillConfig(block_q=16, block_n=one_block), clean_logits=True)
     splits = [prefill.PrefillConfig(block_q=16, block_n=32), prefill.PrefillConfig(block_q=16, block_n=64,
-              keys_major=True, head_unroll=2), None]
+              keys_major=True, head_unroll=2)]
     for i, cfg in enumerate(splits):
         out = run(qq, kk, w, ks, ke, config=cfg, clean_logits=True, schedule_meta=meta if i % 2 else None)
         assert torch.equal(out.view(torch.int32), unsplit.view(torch.int32)), f"split config {cfg} differs"
+    # The default: the few-row kernel (FP8, and MX's pass over renormalised rows) over few or
+    # many key blocks, with and without metadata.
+    assert prefill.default_config("fp8", h, d, s_q).heads_on_n
+    few = prefill.PrefillConfig(block_q=16, block_n=one_block // 2, heads_on_n=True) if fmt == "fp8" else None
+    unsplit = run(qq, kk, w, ks, ke, config=few, clean_logits=True)
+    for i, cfg in enumerate([dataclasses.replace(few, block_n=32), None] if fmt == "fp8" else [None]):
+        out = run(qq, kk, w, ks, ke, config=cfg, clean_logits=True, schedule_meta=None if i % 2 else meta)
+        assert torch.equal(out.view(torch.int32), unsplit.view(torch.int32)), f"few-row config {cfg} differs"
 
 
 def test_metadata_depends_only_on_arguments():
@@ -517,8 +526,8 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 @pytest.mark.skipif(not HOPPER, reason="the Gluon head loop runs on Hopper only")
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
 @pytest.mark.parametrize("layout", ["clean", "raw", "compressed", "bf16"])
-@pytest.mark.parametrize("num_buf", [1, 3])
-def test_gluon_head_loop_is_bitwise_the_triton_kernel(fmt, layout, num_buf, poisoned):
+@pytest.mark.parametrize("tile", [(4, 2), (8, 3)])
+def test_gluon_head_loop_is_bitwise_the_triton_kernel(fmt, layout, tile, poisoned):
     """Same tile, same head order, same MMA: the Gluon kernel (async wgmma) writes the Triton
     kernel's bits, with uneven windows, empty rows, partial tiles and each output layout."""
     s_q, s_k, h = 1000, 9000, 64
@@ -529,7 +538,8 @@ def test_gluon_head_loop_is_bitwise_the_triton_kernel(fmt, layout, num_buf, pois
                   logits_dtype=torch.bfloat16 if layout == "bf16" else torch.float32)
     if layout == "compressed":
         ke = torch.minimum(ke, ks + 4096)
-    base = prefill.PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=num_buf,
+    num_warps, num_buf = tile
+    base = prefill.PrefillConfig(block_q=64, block_n=128, num_warps=num_warps, num_stages=num_buf,
                                  fp4_via_fp8=fmt == "mxfp4", mxfp8_via_f16=fmt == "mxfp8")
     ref = run(qq, kk, w, ks, ke, config=base, **kwargs)
     out = run(qq, kk, w, ks, ke, config=dataclasses.replace(base, gluon=True), **kwargs)
@@ -541,6 +551,7 @@ def test_gluon_rejects_tiles_it_cannot_run():
     _, _, w, qq, kk = make_inputs(16, 64, 8, 64, "fp8", seed=1)
     ks, ke = W.causal_tail(16, 64, device=DEVICE)
     for cfg in (prefill.PrefillConfig(block_q=32, num_warps=4, gluon=True),
+                prefill.PrefillConfig(block_q=64, num_warps=4, num_stages=1, gluon=True),
                 prefill.PrefillConfig(block_q=64, keys_major=True, gluon=True)):
         with pytest.raises(ValueError, match="gluon"):
             tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=cfg)

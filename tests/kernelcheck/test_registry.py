@@ -33,12 +33,15 @@ def test_round_trip_through_json(registry):
 def test_prefill_defaults_are_covered(registry):
     """Every tile default_config picks appears, in every format, D and output layout."""
     pre = [v for v in registry if v.kernel == "indexer.prefill" and v.origin == "default"]
+    few_rows = [v for v in pre if v.function.endswith(":prefill_heads_on_n_kernel")]
+    pre = [v for v in pre if v.function.endswith(":prefill_logits_kernel")]
     for fmt, d in V._FMT_D:
         code = prefill._FORMAT_CODE[fmt]
         mine = [v for v in pre if v.constexprs["FMT"] == code and v.constexprs["D"] == d]
         for s_q in V._Q_ROWS:
             cfg = prefill.default_config(fmt, 64, d, s_q)
-            tiles = {(v.constexprs["BLOCK_Q"], v.constexprs["BLOCK_N"], v.num_warps, v.num_stages) for v in mine}
+            kernels = [v for v in few_rows if v.name.startswith(f"{fmt} D{d} ")] if cfg.heads_on_n else mine
+            tiles = {(v.constexprs["BLOCK_Q"], v.constexprs["BLOCK_N"], v.num_warps, v.num_stages) for v in kernels}
             assert (cfg.block_q, cfg.block_n, cfg.num_warps, cfg.num_stages) in tiles, (fmt, d, s_q, cfg)
         layouts = {(v.constexprs["CLEAN"], v.constexprs["COMPRESSED"]) for v in mine}
         assert layouts == set(V._LAYOUTS)
@@ -61,6 +64,8 @@ def test_targets_follow_the_dispatch_table(registry):
             assert v.targets == (("sm_90a",) if mx else ("sm_90a", "sm_100a")), v.name
         elif v.kernel == "indexer.prefill_sm100":
             assert v.targets == ("sm_100a",)
+        elif v.kernel == "indexer.prefill_gluon":
+            assert v.targets == ("sm_90a",)
         else:
             assert v.targets == V.TARGETS_ALL
 

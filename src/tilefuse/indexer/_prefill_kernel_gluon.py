@@ -26,6 +26,43 @@ _GL_DTYPE = {torch.float8_e4m3fn: gl.float8e4nv, torch.float16: gl.float16, torc
 
 
 @gluon.jit
+def _issue(q_desc, q_smem, q_bars, k_t, s, head, NUM_BUF: gl.constexpr):
+    """Start head ``head``'s MMA once its query tile has landed; overwrites ``s``."""
+    buf = head % NUM_BUF
+    mbarrier.wait(q_bars.index(buf), phase=(head // NUM_BUF) & 1)
+    return warpgroup_mma(q_smem.index(buf), k_t, s, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _refill(q_desc, q_smem, q_bars, q0, head, H: gl.constexpr, D: gl.constexpr, NUM_BUF: gl.constexpr):
+    """Head ``head``'s MMA is done: its buffer takes the query tile of head ``head + NUM_BUF``."""
+    nxt = head + NUM_BUF
+    if nxt < H:
+        buf = head % NUM_BUF
+        mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q0, nxt * D], q_bars.index(buf), q_smem.index(buf))
+
+
+@gluon.jit
+def _store_tile(val, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr,
+                mma: gl.constexpr):
+    """Write a [rows, keys] tile: -inf outside the windows when cleaning, only in-window keys
+    (at column key - ks) in the compressed layout."""
+    BLOCK_N: gl.constexpr = val.shape[1]
+    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    row_ok = rows < S_q
+    out_rows = out_ptr + rows.to(gl.int64)[:, None] * stride_out
+    valid = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None]) & row_ok[:, None]
+    if CLEAN and not COMPRESSED:
+        val = gl.where(valid, val, float("-inf"))
+    val = val.to(out_ptr.dtype.element_ty)
+    if COMPRESSED:
+        gl.store(out_rows + (cols[None, :] - ks[:, None]), val, mask=valid)
+    else:
+        gl.store(out_rows + cols[None, :], val, mask=row_ok[:, None] & (cols[None, :] < S_k))
+
+
+@gluon.jit
 def prefill_logits_gluon_kernel(
     q_desc, k_desc, k_scale_ptr,
     w_ptr, stride_w,
@@ -38,10 +75,13 @@ def prefill_logits_gluon_kernel(
     BLOCK_Q: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    # One warpgroup per 64 rows along M; the MMA's N is the whole key tile.
+    # Warps tile M in 16-row slabs; with more warps than slabs, the warpgroups split the keys
+    # (fewer registers per score tile, at twice the shared-memory reads of the query tile).
+    WARPS_M: gl.constexpr = BLOCK_Q // 16
+    WARPS_N: gl.constexpr = num_warps // WARPS_M
     mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1],
-        instr_shape=[16, BLOCK_N, 256 // q_desc.dtype.primitive_bitwidth])
+        version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N],
+        instr_shape=[16, BLOCK_N // WARPS_N, 256 // q_desc.dtype.primitive_bitwidth])
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
 
@@ -50,14 +90,9 @@ def prefill_logits_gluon_kernel(
     q0 = pid_q * BLOCK_Q
     n0 = pid_n * BLOCK_N
     rows = q0 + gl.arange(0, BLOCK_Q, layout=row_l)
-    cols = n0 + gl.arange(0, BLOCK_N, layout=col_l)
     row_ok = rows < S_q
     ks = gl.load(ks_ptr + rows, mask=row_ok, other=0)
     ke = gl.minimum(gl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
-    valid = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None]) & row_ok[:, None]
-    out_rows = out_ptr + rows.to(gl.int64)[:, None] * stride_out
-    in_cols = row_ok[:, None] & (cols[None, :] < S_k)
-
     has_keys = row_ok & (ks < ke)
     lo = gl.min(gl.where(has_keys, ks, S_k), axis=0)
     hi = gl.max(gl.where(has_keys, ke, 0), axis=0)
@@ -65,7 +100,7 @@ def prefill_logits_gluon_kernel(
         # No row of this tile sees these keys: no math, only the -inf of the full layout.
         if CLEAN and not COMPRESSED:
             fill = gl.full((BLOCK_Q, BLOCK_N), float("-inf"), gl.float32, layout=mma)
-            gl.store(out_rows + cols[None, :], fill.to(out_ptr.dtype.element_ty), mask=in_cols)
+            _store_tile(fill, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, False, False, mma)
     else:
         k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_BUF, BLOCK_Q, D], q_desc.layout)
@@ -81,55 +116,55 @@ def prefill_logits_gluon_kernel(
             tma.async_copy_global_to_shared(q_desc, [q0, i * D], q_bars.index(i), q_smem.index(i))
 
         w_rows = w_ptr + rows.to(gl.int64) * stride_w
-        k_sf = gl.load(k_scale_ptr + cols, mask=cols < S_k, other=0.0)
         acc = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
         k_t = k_smem.permute((1, 0))
         mbarrier.wait(k_bar, phase=0)
 
-        mbarrier.wait(q_bars.index(0), phase=0)
-        s_prev = warpgroup_mma(q_smem.index(0), k_t, acc, use_acc=False, is_async=True)
-        w_prev = gl.load(w_rows, mask=row_ok, other=0.0).to(gl.float32)
-        for h in range(1, H):
-            buf = h % NUM_BUF
-            mbarrier.wait(q_bars.index(buf), phase=(h // NUM_BUF) & 1)
-            s_cur = warpgroup_mma(q_smem.index(buf), k_t, acc, use_acc=False, is_async=True)
-            # Head h-1's MMA is done (head h's may still run): its buffer takes head h-1+NUM_BUF.
-            s_prev = warpgroup_mma_wait(num_outstanding=1, deps=(s_prev, ))
-            refill = h - 1 + NUM_BUF
-            if refill < H:
-                free = (h - 1) % NUM_BUF
-                mbarrier.expect(q_bars.index(free), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [q0, refill * D], q_bars.index(free), q_smem.index(free))
-            w_cur = gl.load(w_rows + h, mask=row_ok, other=0.0).to(gl.float32)
-            acc += gl.maximum(s_prev, 0.0) * w_prev[:, None]
-            s_prev = s_cur
-            w_prev = w_cur
-        s_prev = warpgroup_mma_wait(num_outstanding=0, deps=(s_prev, ))
-        acc += gl.maximum(s_prev, 0.0) * w_prev[:, None]
+        # Two score tiles alternate: while one head's MMA runs, the warps apply ReLU and the
+        # weight to the other's scores. Exactly one MMA is in flight at any time and every wait
+        # is for zero outstanding groups, the pattern ptxas keeps asynchronous; each MMA
+        # writes over the tile whose scores were just consumed (use_acc=False), and the loop is
+        # unrolled by two, so no accumulator is copied or redefined while an MMA runs.
+        s0 = _issue(q_desc, q_smem, q_bars, k_t, gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma), 0, NUM_BUF)
+        s1 = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
+        w0 = gl.load(w_rows, mask=row_ok, other=0.0).to(gl.float32)
+        w1 = gl.load(w_rows + 1, mask=row_ok, other=0.0).to(gl.float32)
+        s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
+        _refill(q_desc, q_smem, q_bars, q0, 0, H, D, NUM_BUF)
+        for h in range(0, H - 2, 2):
+            s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, h + 1, NUM_BUF)
+            acc += gl.maximum(s0, 0.0) * w0[:, None]
+            w0 = gl.load(w_rows + h + 2, mask=row_ok, other=0.0).to(gl.float32)
+            s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
+            _refill(q_desc, q_smem, q_bars, q0, h + 1, H, D, NUM_BUF)
+            s0 = _issue(q_desc, q_smem, q_bars, k_t, s0, h + 2, NUM_BUF)
+            acc += gl.maximum(s1, 0.0) * w1[:, None]
+            w1 = gl.load(w_rows + h + 3, mask=row_ok, other=0.0).to(gl.float32)
+            s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
+            _refill(q_desc, q_smem, q_bars, q0, h + 2, H, D, NUM_BUF)
+        s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, H - 1, NUM_BUF)
+        acc += gl.maximum(s0, 0.0) * w0[:, None]
+        s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
+        acc += gl.maximum(s1, 0.0) * w1[:, None]
         mbarrier.invalidate(k_bar)
         for i in gl.static_range(NUM_BUF):
             mbarrier.invalidate(q_bars.index(i))
 
-        acc = acc * k_sf[None, :]
-        if CLEAN and not COMPRESSED:
-            acc = gl.where(valid, acc, float("-inf"))
-        val = acc.to(out_ptr.dtype.element_ty)
-        if COMPRESSED:
-            # Column c of row i holds key ks[i] + c; only in-window keys are stored.
-            gl.store(out_rows + (cols[None, :] - ks[:, None]), val, mask=valid)
-        else:
-            gl.store(out_rows + cols[None, :], val, mask=in_cols)
-
+        # Column vectors of the MMA layout hold 32 values per thread: built only now, so the
+        # loop keeps its registers for the three [64, 128] tiles.
+        cols = n0 + gl.arange(0, BLOCK_N, layout=col_l)
+        acc = acc * gl.load(k_scale_ptr + cols, mask=cols < S_k, other=0.0)[None, :]
+        _store_tile(acc, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, mma)
 
 def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, block_q: int, block_n: int,
            num_warps: int, num_buf: int) -> None:
     """q [S_q, H, D] and k [S_k, D] in E4M3 or f16, the rest as the Triton kernel takes them."""
     s_q, h, d = q.shape
     s_k = k.shape[0]
-    if num_buf < 1 or num_buf > h:
-        raise ValueError(f"gluon prefill: num_stages (query buffers) must be in 1..H={h}, got {num_buf}")
-    if block_q != 16 * num_warps:
-        raise ValueError(f"gluon prefill: block_q must be 16 x num_warps (one MMA row slab per warp), "
+    if num_buf < 2 or num_buf > h:
+        raise ValueError(f"gluon prefill: num_stages (query buffers) must be in 2..H={h}, got {num_buf}")
+    if block_q not in (64, 128) or num_warps % (block_q // 16):
+        raise ValueError(f"gluon prefill: block_q must be 64 or 128 with num_warps a multiple of block_q / 16, "
                          f"got block_q={block_q}, num_warps={num_warps}")
     dt = _GL_DTYPE[q.dtype]
     q_block, k_block = [block_q, d], [block_n, d]

@@ -51,8 +51,8 @@ class PrefillConfig:
     [block_n, D] x [D, rows * H] and a head sum per row. ``gluon`` (Hopper, FP8 and the f16
     rows of ``mxfp8_via_f16``) runs the 2-D tile's head loop as a Gluon kernel that issues each
     head's wgmma asynchronously, so head h+1's MMA overlaps head h's ReLU and weighting;
-    ``num_stages`` is then its ring of query-tile buffers and ``block_q`` must be 16 x
-    ``num_warps``. GPU-only (Gluon has no interpreter).
+    ``num_stages`` (>= 2) is then its ring of query-tile buffers, ``block_q`` is 64 or 128 and
+    warps beyond one per 16 rows split the keys. GPU-only (Gluon has no interpreter).
     """
 
     block_q: int = 64
@@ -76,8 +76,10 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
     FP8, more than 32 query rows: 64 rows x 128 keys, 4 warps, 3 stages, two heads per step
     (1000 TFLOP/s at 2048/32768 against 975 without the unroll, 952 with 2 stages, 710-840
     for every 8-warp tile; with bf16 logits 956 against 890).
-    FP8, at most 32 query rows: keys on the MMA's M side with a 16- or 32-row tile, so no MMA
-    row is padding: 16/65536 in 39 us against 95 us with the 64-row tile.
+    FP8, at most 32 query rows: (query row, head) pairs on the MMA's N side (``heads_on_n``),
+    16 rows x 128 keys per program: 16/65536 in 24.8 us against 38.9 with keys on the MMA's M
+    side and 83.4 with the 64-row tile; 32/65536 in 47.4 us against 65.1 and 70.7. From 64 rows
+    on the 64-row tile wins (64/65536: 69.1 us against 91.2; 128/32768: 68.8 against 91.7).
     Clean logits: inline for fp32 logits (972 / 988 TFLOP/s against 942 / 955 for the
     separate -inf pass, two runs), the separate pass for bf16 logits (1027 / 1032 against
     936 / 930); clean=False 974, so the choice costs the unclean path nothing.
@@ -94,9 +96,7 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
     del num_heads, head_dim  # one tile per format fits every H and D measured so far
     if fmt == "fp8":
         if num_q_rows is not None and num_q_rows <= 32:
-            rows = 16 if num_q_rows <= 16 else 32
-            return PrefillConfig(block_q=rows, block_n=128, num_warps=4, num_stages=3, keys_major=True,
-                                 head_unroll=2)
+            return PrefillConfig(block_q=16, block_n=128, num_warps=4, num_stages=3, heads_on_n=True)
         return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3, head_unroll=2,
                              clean_pass=logits_dtype == torch.bfloat16)
     if fmt == "mxfp8":
@@ -116,9 +116,10 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
         raise ValueError(f"head_unroll must be 1 or 2, got {cfg.head_unroll}")
     if cfg.heads_on_n and fmt != "fp8":
         raise ValueError(f"heads_on_n runs FP8 only, got format {fmt}")
-    if cfg.gluon and (cfg.keys_major or cfg.heads_on_n or cfg.mx_split or cfg.block_q != 16 * cfg.num_warps):
-        raise ValueError("gluon runs the 2-D tile (not keys_major, heads_on_n or mx_split) with "
-                         f"block_q = 16 x num_warps, got {cfg}")
+    if cfg.gluon and (cfg.keys_major or cfg.heads_on_n or cfg.mx_split or cfg.block_q not in (64, 128)
+                      or cfg.num_warps % (cfg.block_q // 16) or cfg.num_stages < 2):
+        raise ValueError("gluon runs the 2-D tile (not keys_major, heads_on_n or mx_split) with block_q 64 or "
+                         f"128, num_warps a multiple of block_q / 16 and num_stages >= 2, got {cfg}")
     return cfg
 
 

@@ -256,7 +256,12 @@ def compile_variant(variant: Variant, target: str, sass: bool = True) -> KernelR
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in variant.aligned}
     constexprs = {k: tl.dtype(v[len(TL_DTYPE_PREFIX):]) if isinstance(v, str) and v.startswith(TL_DTYPE_PREFIX) else v
                   for k, v in variant.constexprs.items()}
-    src = ASTSource(fn, signature, constexprs, attrs)
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(fn, signature, constexprs, attrs)
+    else:
+        src = ASTSource(fn, signature, constexprs, attrs)
     options = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
 
     t0 = time.perf_counter()
@@ -284,7 +289,10 @@ def compile_variant(variant: Variant, target: str, sass: bool = True) -> KernelR
     except ValueError as e:
         report.error = str(e)
         return report
-    report.dots = count_ops(compiled.asm["ttir"], _DOT_OPS)
+    if "ttir" in compiled.asm:
+        report.dots = count_ops(compiled.asm["ttir"], _DOT_OPS)
+    else:  # Gluon starts at TTGIR: its MMAs are written out, and they are the dots
+        report.dots = {op: n for op, n in count_ops(compiled.asm["ttgir"], _MMA_OPS).items() if n}
     report.lowered = count_ops(compiled.asm["ttgir"], _MMA_OPS + _DOT_OPS)
     report.ptx = count_ptx(compiled.asm["ptx"])
     if sass:

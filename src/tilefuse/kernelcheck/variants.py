@@ -173,6 +173,8 @@ def _specialise(name: str, value, constexpr: bool):
         return "arg", "*" + _dtype_name(value.dtype), value.data_ptr() % 16 == 0
     if isinstance(value, TensorDescriptor):
         return "arg", f"tensordesc<{_dtype_name(value.base.dtype)}{list(value.block_shape)}>", False
+    if hasattr(value, "__mangle__") and hasattr(value, "layout"):  # a Gluon descriptor: its type names the layout
+        return "arg", value.__mangle__(), False
     raise TypeError(f"argument {name}: cannot specialise a {type(value).__name__}")
 
 
@@ -190,7 +192,9 @@ def variant_of(launch: Launch, kernel: str, name: str, origin: str = "default",
             sig[arg] = ty
             if align:
                 aligned.append(arg)
-    return Variant(kernel, name, launch.function, sig, const, int(launch.options.get("num_warps", 4)),
+    # Gluon kernels take num_warps as a parameter as well as a launch option.
+    warps = launch.options.get("num_warps", const.get("num_warps", 4))
+    return Variant(kernel, name, launch.function, sig, const, int(warps),
                    int(launch.options.get("num_stages", 3)), tuple(aligned), targets, origin)
 
 
@@ -291,13 +295,14 @@ def _prefill_points():
             for clean, compressed in _LAYOUTS:
                 yield fmt, d, h, cfg, clean, compressed, f32, f32, "default"
             if d == 128:
-                bf16_cfg = prefill.default_config(fmt, h, d, 4096 if not cfg.keys_major else cfg.block_q, bf16)
+                rows = cfg.block_q if cfg.keys_major or cfg.heads_on_n else 4096
+                bf16_cfg = prefill.default_config(fmt, h, d, rows, bf16)
                 yield fmt, d, h, bf16_cfg, True, False, bf16, bf16, "default"
                 yield fmt, d, h, bf16_cfg, True, True, bf16, bf16, "default"
         base = prefill.default_config(fmt, 64, d, 4096)
         for opt in prefill_option_configs(base):
-            if opt.heads_on_n and fmt != "fp8":
-                continue  # FP8 only
+            if (opt.heads_on_n and fmt != "fp8") or opt.gluon:
+                continue  # heads_on_n: FP8 only; the Gluon kernel has its own builder (GPU-only launch)
             # Options at D = 128; the MX split path (which changes the loads) at every D.
             if d == 128 or (opt.mx_split and fmt != "fp8"):
                 yield fmt, d, 64, opt, True, False, f32, f32, "option"
@@ -364,6 +369,39 @@ def prefill_variants() -> list[Variant]:
     every D, the others at D = 128).
     """
     return _unique(v for v in _trace_prefill() if v.kernel == "indexer.prefill")
+
+
+def prefill_gluon_variants() -> list[Variant]:
+    """``prefill_logits_gluon_kernel`` (Hopper only) as its launcher builds it, for the configs
+    the sweeps try: E4M3 and f16 operands (FP8; MXFP8 renormalised into f16) at D = 128, H = 64,
+    8 warps (two warpgroups splitting the key tile) with 3 and 4 query buffers, in the four
+    output layouts with fp32 logits and the clean layout with bf16 logits. The launcher is
+    called directly: the op only dispatches to it on an sm_90 GPU."""
+    import torch
+
+    from tilefuse.indexer import _prefill_kernel_gluon as gk
+
+    path = f"{gk.__name__}:prefill_logits_gluon_kernel"
+    out = []
+    h, d = 64, 128
+    ks = torch.zeros(_S_Q, dtype=torch.int32)
+    ke = torch.full((_S_Q,), _MAX_SEQLEN_K, dtype=torch.int32)
+    for dtype in (torch.float8_e4m3fn, torch.float16):
+        q = torch.zeros(_S_Q, h, d, dtype=dtype)
+        k = torch.zeros(_S_K, d, dtype=dtype)
+        cases = [(clean, comp, torch.float32) for clean, comp in _LAYOUTS] + [(True, False, torch.bfloat16)]
+        for num_buf in (3, 4):
+            for clean, compressed, out_dtype in cases:
+                cols = _MAX_SEQLEN_K if compressed else _S_K
+                logits = torch.zeros(_S_Q, cols + (-cols) % 16, dtype=out_dtype)
+                with tracing(path) as launches:
+                    gk.launch(q, k, torch.ones(_S_K), _weights(_S_Q, h, torch.float32), ks, ke, logits, clean,
+                              compressed, 64, 128, 8, num_buf)
+                name = (f"{_dtype_name(dtype)} D{d} H{h} {_layout_name(clean, compressed)} 64x128 w8 buf{num_buf}"
+                        + ("" if out_dtype == torch.float32 else f" out={_short(out_dtype)}"))
+                out += [variant_of(launch, "indexer.prefill_gluon", name, "option", ("sm_90a",))
+                        for launch in launches]
+    return _unique(out)
 
 
 def mx_renormalise_variants() -> list[Variant]:
@@ -619,6 +657,7 @@ KERNELS: dict[str, tuple[Callable[[], list[Variant]], str]] = {
     "indexer.prefill_fill": (prefill_fill_variants, "tilefuse.indexer._prefill_kernel"),
     "indexer.mx_renormalise": (mx_renormalise_variants, "tilefuse.indexer._prefill_kernel"),
     "indexer.prefill_sm100": (prefill_sm100_variants, "tilefuse.indexer._prefill_kernel_sm100"),
+    "indexer.prefill_gluon": (prefill_gluon_variants, "tilefuse.indexer._prefill_kernel_gluon"),
     "indexer.paged": (paged_variants, "tilefuse.indexer._paged_kernel"),
     "dist.gemm": (dist_gemm_variants, "tilefuse.dist._gemm_core"),
     "dist.comm": (dist_comm_variants, "tilefuse.dist._comm_kernels"),
