@@ -353,9 +353,16 @@ def test_split_over_keys_is_bitwise_identical_to_one_key_block(fmt):
     # The default: the few-row kernel (FP8, and MX's pass over renormalised rows) over few or
     # many key blocks, with and without metadata.
     assert prefill.default_config("fp8", h, d, s_q).heads_on_n
-    few = prefill.PrefillConfig(block_q=16, block_n=one_block // 2, heads_on_n=True) if fmt == "fp8" else None
+    # On a GPU the key tile is the MMA's M side, whose shape sets the order of the head sum:
+    # there the split is over query-row groups at the default key tile.
+    few = (prefill.PrefillConfig(block_q=16, block_n=128 if ON_GPU else one_block // 2, heads_on_n=True)
+           if fmt == "fp8" else None)
     unsplit = run(qq, kk, w, ks, ke, config=few, clean_logits=True)
-    for i, cfg in enumerate([dataclasses.replace(few, block_n=32), None] if fmt == "fp8" else [None]):
+    if fmt == "fp8":
+        splits = [dataclasses.replace(few, block_q=32) if ON_GPU else dataclasses.replace(few, block_n=32), None]
+    else:
+        splits = [None]
+    for i, cfg in enumerate(splits):
         out = run(qq, kk, w, ks, ke, config=cfg, clean_logits=True, schedule_meta=None if i % 2 else meta)
         assert torch.equal(out.view(torch.int32), unsplit.view(torch.int32)), f"few-row config {cfg} differs"
 

@@ -372,35 +372,38 @@ def prefill_variants() -> list[Variant]:
 
 
 def prefill_gluon_variants() -> list[Variant]:
-    """``prefill_logits_gluon_kernel`` (Hopper only) as its launcher builds it, for the configs
-    the sweeps try: E4M3 and f16 operands (FP8; MXFP8 renormalised into f16) at D = 128, H = 64,
-    8 warps (two warpgroups splitting the key tile) with 3 and 4 query buffers, in the four
-    output layouts with fp32 logits and the clean layout with bf16 logits. The launcher is
-    called directly: the op only dispatches to it on an sm_90 GPU."""
+    """``prefill_logits_gluon_kernel`` (Hopper only) as its launcher builds it: E4M3 and f16
+    operands (FP8; MXFP8 renormalised into f16) at D = 128, H = 64, in the four output layouts
+    with fp32 logits and the clean layout with bf16 logits. Default: the tile ``default_config``
+    picks on Hopper (64x128, 4 warps, 3 buffers); options: 8 warps splitting the key tile, 3 and
+    4 buffers. The launcher is called directly: the op only dispatches to it on an sm_90 GPU."""
     import torch
 
     from tilefuse.indexer import _prefill_kernel_gluon as gk
+    from tilefuse.indexer import prefill
 
     path = f"{gk.__name__}:prefill_logits_gluon_kernel"
-    out = []
     h, d = 64, 128
+    default = prefill.default_config("fp8", h, d, 4096, arch=9)
+    tiles = [(default.num_warps, default.num_stages, "default"), (8, 3, "option"), (8, 4, "option")]
     ks = torch.zeros(_S_Q, dtype=torch.int32)
     ke = torch.full((_S_Q,), _MAX_SEQLEN_K, dtype=torch.int32)
+    out = []
     for dtype in (torch.float8_e4m3fn, torch.float16):
         q = torch.zeros(_S_Q, h, d, dtype=dtype)
         k = torch.zeros(_S_K, d, dtype=dtype)
         cases = [(clean, comp, torch.float32) for clean, comp in _LAYOUTS] + [(True, False, torch.bfloat16)]
-        for num_buf in (3, 4):
+        for num_warps, num_buf, origin in tiles:
             for clean, compressed, out_dtype in cases:
                 cols = _MAX_SEQLEN_K if compressed else _S_K
                 logits = torch.zeros(_S_Q, cols + (-cols) % 16, dtype=out_dtype)
                 with tracing(path) as launches:
                     gk.launch(q, k, torch.ones(_S_K), _weights(_S_Q, h, torch.float32), ks, ke, logits, clean,
-                              compressed, 64, 128, 8, num_buf)
-                name = (f"{_dtype_name(dtype)} D{d} H{h} {_layout_name(clean, compressed)} 64x128 w8 buf{num_buf}"
+                              compressed, default.block_q, default.block_n, num_warps, num_buf)
+                name = (f"{_dtype_name(dtype)} D{d} H{h} {_layout_name(clean, compressed)} "
+                        f"{default.block_q}x{default.block_n} w{num_warps} buf{num_buf}"
                         + ("" if out_dtype == torch.float32 else f" out={_short(out_dtype)}"))
-                out += [variant_of(launch, "indexer.prefill_gluon", name, "option", ("sm_90a",))
-                        for launch in launches]
+                out += [variant_of(launch, "indexer.prefill_gluon", name, origin, ("sm_90a",)) for launch in launches]
     return _unique(out)
 
 
