@@ -55,14 +55,25 @@ class GemmConfig:
             raise ValueError(f"invalid GemmConfig {self}")
 
 
+def _wave_efficiency(tiles: int, num_sms: int) -> float:
+    """Fraction of the SM-slots of the last full wave count that ``tiles`` tiles keep busy."""
+    return tiles / (cdiv(tiles, num_sms) * num_sms)
+
+
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> GemmConfig:
-    """Tiles measured on H200 (benchmarks/NOTES.md): 128x256x64 / 3 stages / 8 warps wherever
-    it yields at least one wave of tiles, else 128x128x64 / 4 stages / 4 warps (e.g. the
-    N = 512 and N = 1024 ag_gemm shapes, where 128x256 leaves SMs idle)."""
+    """Tiles measured on H200 against cuBLAS (``benchmarks/gemm_sweep.py``,
+    ``results/h200/dist-gemm-core-sweep-1.json``): 128x256x64 / 3 stages / 8 warps, the best
+    tile at 18 of 22 shapes (0.94-1.02 of cuBLAS), unless 128x128 tiles fill the last wave
+    clearly better, then 128x128x64 / 5 stages / 8 warps: 4096x512x4096 (64 wide tiles on 132
+    SMs: 0.58 against 0.97) and 4096x3584x4096 (448 tiles, 3.4 waves: 0.92 against 1.02).
+    Where the two fill alike the wide tile wins even below one wave (1024x3584x4096: 0.98
+    against 0.87 for the 128x128 / 4-stage tile this table used to pick there)."""
     del k
-    if cdiv(m, 128) * cdiv(n, 256) >= num_sms:
-        return GemmConfig(128, 256, 64, 8, 3, 8)
-    return GemmConfig(128, 128, 64, 8, 4, 4)
+    wide = _wave_efficiency(cdiv(m, 128) * cdiv(n, 256), num_sms)
+    narrow = _wave_efficiency(cdiv(m, 128) * cdiv(n, 128), num_sms)
+    if narrow > wide + 0.1:
+        return GemmConfig(128, 128, 64, 8, 5, 8)
+    return GemmConfig(128, 256, 64, 8, 3, 8)
 
 
 @functools.lru_cache(maxsize=16)

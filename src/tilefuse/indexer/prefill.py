@@ -94,10 +94,14 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
     as the whole path, against 221 at 64x128 and 120 for the per-block FP8 split).
     ``arch`` is the GPU's compute-capability major (None: no GPU, the interpreter). On Hopper
     (9) the 64x128 tile's head loop runs as the Gluon kernel (``gluon``): FP8 with fp32 logits
-    1002-1006 TFLOP/s against 978 for the Triton loop in one run, 962 / 948 at 8192/65536,
-    936 / 877 at H = 32, 70.6 / 71.1 us at 128/32768; MXFP8 (f16 rows) 744 TFLOP/s against 488,
-    1.09 of the BF16 ceiling. 4 warps and 3 buffers: 8 warps splitting the keys (one block per
-    SM at 164 registers) ran 815-829. Elsewhere the Triton loop.
+    1002-1006 TFLOP/s against 978 for the Triton loop in one run and 970-984 against 954 in
+    another, 962 / 948 at 8192/65536, 927-936 against 867-877 at H = 32, 70.6 / 71.1 us at
+    128/32768; MXFP8 (f16 rows) 710-744 TFLOP/s against 465-488, 0.98-1.09 of the BF16 ceiling.
+    4 warps, 4 query buffers (3: 1002 / 970, 710 for MXFP8); 8 warps splitting the keys (one
+    block per SM at 164 registers) ran 815-829. bf16 logits stay on the Triton loop with the
+    separate -inf pass (1017 against 929-931 for Gluon, either clean schedule). MXFP4 stays on
+    the Triton loop (Gluon 957-973 against 942-960: within run-to-run spread, and its wide
+    64x256 tile also serves the bf16 recompute pass). Elsewhere the Triton loop.
     """
     del num_heads, head_dim  # one tile per format fits every H and D measured so far
     hopper = arch == 9
@@ -105,12 +109,12 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
         if num_q_rows is not None and num_q_rows <= 32:
             return PrefillConfig(block_q=16, block_n=128, num_warps=4, num_stages=3, heads_on_n=True)
         if hopper and logits_dtype == torch.float32:
-            return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3, gluon=True)
+            return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon=True)
         return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3, head_unroll=2,
                              clean_pass=logits_dtype == torch.bfloat16)
     if fmt == "mxfp8":
         if hopper and (num_q_rows is None or num_q_rows > 32):
-            return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3, mxfp8_via_f16=True, gluon=True)
+            return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, mxfp8_via_f16=True, gluon=True)
         return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=2, head_unroll=2, mxfp8_via_f16=True)
     return PrefillConfig(block_q=64, block_n=256, num_warps=8, num_stages=3, fp4_via_fp8=True)
 
