@@ -63,7 +63,7 @@ def _wave_efficiency(tiles: int, num_sms: int) -> float:
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> GemmConfig:
     """Tiles measured on H200 against cuBLAS (``benchmarks/gemm_sweep.py``,
     ``results/h200/dist-gemm-core-sweep-1.json``): 128x256x64 / 3 stages / 8 warps, the best
-    tile at 18 of 22 shapes (0.94-1.02 of cuBLAS), unless 128x128 tiles fill the last wave
+    tile at 20 of 22 shapes (0.89-1.02 of cuBLAS), unless 128x128 tiles fill the last wave
     clearly better, then 128x128x64 / 5 stages / 8 warps: 4096x512x4096 (64 wide tiles on 132
     SMs: 0.58 against 0.97) and 4096x3584x4096 (448 tiles, 3.4 waves: 0.92 against 1.02).
     Where the two fill alike the wide tile wins even below one wave (1024x3584x4096: 0.98
