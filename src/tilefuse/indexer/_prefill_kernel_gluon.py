@@ -25,22 +25,46 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 _GL_DTYPE = {torch.float8_e4m3fn: gl.float8e4nv, torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
+# ``ABLATE`` removes one part of the work so that ``benchmarks/prefill_bound.py`` can time
+# what is left (the output is then wrong): 0 = the kernel; 1 = scores summed without ReLU and
+# weight (one add per score); 2 = no MMA (the query tiles still stream in); 3 = no query
+# traffic after the first NUM_BUF heads (their buffers are reused).
+ABLATIONS = {"none": 0, "no-relu-weight": 1, "no-mma": 2, "no-query-loads": 3}
+
+
 @gluon.jit
-def _issue(q_desc, q_smem, q_bars, k_t, s, head, NUM_BUF: gl.constexpr):
+def _issue(q_desc, q_smem, q_bars, k_t, s, head, NUM_BUF: gl.constexpr, ABLATE: gl.constexpr):
     """Start head ``head``'s MMA once its query tile has landed; overwrites ``s``."""
     buf = head % NUM_BUF
-    mbarrier.wait(q_bars.index(buf), phase=(head // NUM_BUF) & 1)
-    return warpgroup_mma(q_smem.index(buf), k_t, s, use_acc=False, is_async=True)
+    if ABLATE != 3:
+        mbarrier.wait(q_bars.index(buf), phase=(head // NUM_BUF) & 1)
+    elif head < NUM_BUF:
+        mbarrier.wait(q_bars.index(buf), phase=0)
+    if ABLATE != 2:
+        s = warpgroup_mma(q_smem.index(buf), k_t, s, use_acc=False, is_async=True)
+    return s
 
 
 @gluon.jit
-def _refill(q_desc, q_smem, q_bars, q0, head, H: gl.constexpr, D: gl.constexpr, NUM_BUF: gl.constexpr):
+def _apply(acc, s, w, ABLATE: gl.constexpr):
+    """acc += relu(s) * w per row."""
+    if ABLATE == 1:
+        acc += s
+    else:
+        acc += gl.maximum(s, 0.0) * w[:, None]
+    return acc
+
+
+@gluon.jit
+def _refill(q_desc, q_smem, q_bars, q0, head, H: gl.constexpr, D: gl.constexpr, NUM_BUF: gl.constexpr,
+            ABLATE: gl.constexpr):
     """Head ``head``'s MMA is done: its buffer takes the query tile of head ``head + NUM_BUF``."""
     nxt = head + NUM_BUF
-    if nxt < H:
-        buf = head % NUM_BUF
-        mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q0, nxt * D], q_bars.index(buf), q_smem.index(buf))
+    if ABLATE != 3:
+        if nxt < H:
+            buf = head % NUM_BUF
+            mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q0, nxt * D], q_bars.index(buf), q_smem.index(buf))
 
 
 @gluon.jit
@@ -70,7 +94,7 @@ def prefill_logits_gluon_kernel(
     out_ptr, stride_out,
     S_q, S_k,
     H: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr, NUM_BUF: gl.constexpr,
-    num_warps: gl.constexpr,
+    num_warps: gl.constexpr, ABLATE: gl.constexpr = 0,
 ):
     BLOCK_Q: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
@@ -125,27 +149,28 @@ def prefill_logits_gluon_kernel(
         # is for zero outstanding groups, the pattern ptxas keeps asynchronous; each MMA
         # writes over the tile whose scores were just consumed (use_acc=False), and the loop is
         # unrolled by two, so no accumulator is copied or redefined while an MMA runs.
-        s0 = _issue(q_desc, q_smem, q_bars, k_t, gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma), 0, NUM_BUF)
+        s0 = _issue(q_desc, q_smem, q_bars, k_t, gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma), 0, NUM_BUF,
+                    ABLATE)
         s1 = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
         w0 = gl.load(w_rows, mask=row_ok, other=0.0).to(gl.float32)
         w1 = gl.load(w_rows + 1, mask=row_ok, other=0.0).to(gl.float32)
         s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
-        _refill(q_desc, q_smem, q_bars, q0, 0, H, D, NUM_BUF)
+        _refill(q_desc, q_smem, q_bars, q0, 0, H, D, NUM_BUF, ABLATE)
         for h in range(0, H - 2, 2):
-            s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, h + 1, NUM_BUF)
-            acc += gl.maximum(s0, 0.0) * w0[:, None]
+            s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, h + 1, NUM_BUF, ABLATE)
+            acc = _apply(acc, s0, w0, ABLATE)
             w0 = gl.load(w_rows + h + 2, mask=row_ok, other=0.0).to(gl.float32)
             s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
-            _refill(q_desc, q_smem, q_bars, q0, h + 1, H, D, NUM_BUF)
-            s0 = _issue(q_desc, q_smem, q_bars, k_t, s0, h + 2, NUM_BUF)
-            acc += gl.maximum(s1, 0.0) * w1[:, None]
+            _refill(q_desc, q_smem, q_bars, q0, h + 1, H, D, NUM_BUF, ABLATE)
+            s0 = _issue(q_desc, q_smem, q_bars, k_t, s0, h + 2, NUM_BUF, ABLATE)
+            acc = _apply(acc, s1, w1, ABLATE)
             w1 = gl.load(w_rows + h + 3, mask=row_ok, other=0.0).to(gl.float32)
             s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
-            _refill(q_desc, q_smem, q_bars, q0, h + 2, H, D, NUM_BUF)
-        s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, H - 1, NUM_BUF)
-        acc += gl.maximum(s0, 0.0) * w0[:, None]
+            _refill(q_desc, q_smem, q_bars, q0, h + 2, H, D, NUM_BUF, ABLATE)
+        s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, H - 1, NUM_BUF, ABLATE)
+        acc = _apply(acc, s0, w0, ABLATE)
         s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
-        acc += gl.maximum(s1, 0.0) * w1[:, None]
+        acc = _apply(acc, s1, w1, ABLATE)
         mbarrier.invalidate(k_bar)
         for i in gl.static_range(NUM_BUF):
             mbarrier.invalidate(q_bars.index(i))
@@ -156,9 +181,11 @@ def prefill_logits_gluon_kernel(
         acc = acc * gl.load(k_scale_ptr + cols, mask=cols < S_k, other=0.0)[None, :]
         _store_tile(acc, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, mma)
 
+
 def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, block_q: int, block_n: int,
-           num_warps: int, num_buf: int) -> None:
-    """q [S_q, H, D] and k [S_k, D] in E4M3 or f16, the rest as the Triton kernel takes them."""
+           num_warps: int, num_buf: int, ablate: int = 0):
+    """q [S_q, H, D] and k [S_k, D] in E4M3 or f16, the rest as the Triton kernel takes them.
+    Returns the compiled kernel (registers, spills)."""
     s_q, h, d = q.shape
     s_k = k.shape[0]
     if num_buf < 2 or num_buf > h:
@@ -174,6 +201,6 @@ def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, b
     k_desc = TensorDescriptor(k, [s_k, d], [k.stride(0), 1], k_block,
                               gl.NVMMASharedLayout.get_default_for(k_block, dt))
     grid = (triton.cdiv(s_k, block_n), triton.cdiv(s_q, block_q))
-    prefill_logits_gluon_kernel[grid](
+    return prefill_logits_gluon_kernel[grid](
         q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k,
-        H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps)
+        H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps, ABLATE=ablate)
