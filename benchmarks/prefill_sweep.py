@@ -92,10 +92,13 @@ def gluon_rows():
     """The Gluon head loop against the Triton loop, per format and logits dtype (the H200
     default since this sweep's first round: 4 warps, 3 buffers)."""
     base = dict(s_q=2048, s_k=32768, h=64, d=128, fmt="fp8", clean=True, logits=torch.float32)
-    yield base, FP8_CONFIGS[:1] + GLUON[:2]
+    # 64-key tiles: three 64x64 fp32 tiles fit three blocks per SM (more blocks to overlap one
+    # block's ReLU*w with another's MMA), at half the MMA width and twice the query traffic.
+    narrow = [C(64, 64, 4, 4, gluon=True), C(64, 64, 4, 6, gluon=True)]
+    yield base, FP8_CONFIGS[:1] + GLUON[:2] + narrow
+    yield {**base, "h": 32}, FP8_CONFIGS[:1] + GLUON[1:2] + narrow[:1]
     yield {**base, "logits": torch.bfloat16}, FP8_CONFIGS[1:2] + [GLUON[0], C(64, 128, 4, 3, gluon=True,
                                                                               clean_pass=True)]
-    yield {**base, "h": 32}, FP8_CONFIGS[:1] + GLUON[:1]
     yield {**base, "fmt": "mxfp8"}, MXF16_CONFIGS[:1] + [C(64, 128, 4, 3, mxfp8_via_f16=True, gluon=True),
                                                          C(64, 128, 4, 4, mxfp8_via_f16=True, gluon=True)]
     yield {**base, "fmt": "mxfp4"}, FP4_CONFIGS[:1] + [C(64, 128, 4, 3, fp4_via_fp8=True, gluon=True)]
