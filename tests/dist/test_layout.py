@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from tilefuse.dist import _primitives as P
-from tilefuse.dist._gemm_core import GemmConfig, TileSchedule, launch_gemm
 from tilefuse.dist.symm import FusedState, emulated_workspaces
 
 ag = importlib.import_module("tilefuse.dist.ag_gemm")
