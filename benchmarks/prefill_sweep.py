@@ -59,7 +59,7 @@ def config_name(cfg: PrefillConfig) -> str:
     flags = [f for f, on in (("split", cfg.mx_split), ("km", cfg.keys_major), ("u2", cfg.head_unroll == 2),
                              ("via-fp8", cfg.fp4_via_fp8), ("clean-pass", cfg.clean_pass),
                              ("via-f16", cfg.mxfp8_via_f16), ("heads-on-n", cfg.heads_on_n),
-                             ("gluon", cfg.gluon)) if on]
+                             ("gluon", cfg.gluon), ("persistent", cfg.persistent)) if on]
     return "/".join([f"{cfg.block_q}x{cfg.block_n}", f"w{cfg.num_warps}s{cfg.num_stages}", *flags])
 
 
@@ -89,19 +89,19 @@ GLUON = [C(64, 128, 4, 3, gluon=True), C(64, 128, 4, 4, gluon=True), C(64, 128, 
 
 
 def gluon_rows():
-    """The Gluon head loop against the Triton loop, per format and logits dtype (the H200
-    default since this sweep's first round: 4 warps, 3 buffers)."""
+    """The Gluon head loop against the Triton loop (the H200 default: 4 warps, 4 buffers), and
+    its persistent schedule against its 2-D grid. The rounds behind it are in NOTES (round 6)."""
     base = dict(s_q=2048, s_k=32768, h=64, d=128, fmt="fp8", clean=True, logits=torch.float32)
-    # 64-key tiles: three 64x64 fp32 tiles fit three blocks per SM (more blocks to overlap one
-    # block's ReLU*w with another's MMA), at half the MMA width and twice the query traffic.
-    narrow = [C(64, 64, 4, 4, gluon=True), C(64, 64, 4, 6, gluon=True)]
-    yield base, FP8_CONFIGS[:1] + GLUON[:2] + narrow
-    yield {**base, "h": 32}, FP8_CONFIGS[:1] + GLUON[1:2] + narrow[:1]
-    yield {**base, "logits": torch.bfloat16}, FP8_CONFIGS[1:2] + [GLUON[0], C(64, 128, 4, 3, gluon=True,
-                                                                              clean_pass=True)]
-    yield {**base, "fmt": "mxfp8"}, MXF16_CONFIGS[:1] + [C(64, 128, 4, 3, mxfp8_via_f16=True, gluon=True),
-                                                         C(64, 128, 4, 4, mxfp8_via_f16=True, gluon=True)]
-    yield {**base, "fmt": "mxfp4"}, FP4_CONFIGS[:1] + [C(64, 128, 4, 3, fp4_via_fp8=True, gluon=True)]
+    # Persistent: the same tiles walked by two programs per SM, the next tile's loads under the
+    # current tile's last heads.
+    persistent = [C(64, 128, 4, 4, gluon=True, persistent=True), C(64, 128, 4, 3, gluon=True, persistent=True)]
+    yield base, FP8_CONFIGS[:1] + GLUON[1:2] + persistent
+    yield {**base, "h": 32}, FP8_CONFIGS[:1] + GLUON[1:2] + persistent[:1]
+    yield {**base, "s_q": 128}, GLUON[1:2] + persistent[:1]
+    yield {**base, "s_q": 8192, "s_k": 65536}, GLUON[1:2] + persistent[:1]
+    yield {**base, "fmt": "mxfp8"}, MXF16_CONFIGS[:1] + [C(64, 128, 4, 4, mxfp8_via_f16=True, gluon=True),
+                                                         C(64, 128, 4, 3, mxfp8_via_f16=True, gluon=True,
+                                                           persistent=True)]
 
 
 def rows(quick: bool, row_set: str):

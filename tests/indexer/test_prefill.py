@@ -533,23 +533,28 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 @pytest.mark.skipif(not HOPPER, reason="the Gluon head loop runs on Hopper only")
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
 @pytest.mark.parametrize("layout", ["clean", "raw", "compressed", "bf16"])
-@pytest.mark.parametrize("tile", [(4, 2), (8, 3)])
-def test_gluon_head_loop_is_bitwise_the_triton_kernel(fmt, layout, tile, poisoned):
-    """Same tile, same head order, same MMA: the Gluon kernel (async wgmma) writes the Triton
-    kernel's bits, with uneven windows, empty rows, partial tiles and each output layout."""
+@pytest.mark.parametrize("tile", [(4, 2, False), (8, 3, False), (4, 4, True), (4, 3, True)])
+@pytest.mark.parametrize("windows", ["random", "zigzag"])
+def test_gluon_head_loop_is_bitwise_the_triton_kernel(fmt, layout, tile, windows, poisoned):
+    """Same tile, same head order, same MMA: the Gluon kernels (async wgmma; 2-D grid or
+    persistent) write the Triton kernel's bits, with uneven windows, empty rows, partial tiles,
+    whole tiles no row sees (zig-zag), and each output layout."""
     s_q, s_k, h = 1000, 9000, 64
     _, _, w, qq, kk = make_inputs(s_q, s_k, h, 128, fmt, seed=51)
-    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(5), empty_fraction=0.1,
-                              overhang=9, device=DEVICE)
+    if windows == "random":
+        ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(5), empty_fraction=0.1,
+                                  overhang=9, device=DEVICE)
+    else:
+        ks, ke = W.zigzag(s_q, s_k, device=DEVICE)
     kwargs = dict(clean_logits=layout != "raw", max_seqlen_k=4096 if layout == "compressed" else 0,
                   logits_dtype=torch.bfloat16 if layout == "bf16" else torch.float32)
     if layout == "compressed":
         ke = torch.minimum(ke, ks + 4096)
-    num_warps, num_buf = tile
+    num_warps, num_buf, persistent = tile
     base = prefill.PrefillConfig(block_q=64, block_n=128, num_warps=num_warps, num_stages=num_buf,
                                  fp4_via_fp8=fmt == "mxfp4", mxfp8_via_f16=fmt == "mxfp8")
     ref = run(qq, kk, w, ks, ke, config=base, **kwargs)
-    out = run(qq, kk, w, ks, ke, config=dataclasses.replace(base, gluon=True), **kwargs)
+    out = run(qq, kk, w, ks, ke, config=dataclasses.replace(base, gluon=True, persistent=persistent), **kwargs)
     assert torch.equal(out.view(torch.int16 if layout == "bf16" else torch.int32),
                        ref.view(torch.int16 if layout == "bf16" else torch.int32))
 
@@ -559,6 +564,7 @@ def test_gluon_rejects_tiles_it_cannot_run():
     ks, ke = W.causal_tail(16, 64, device=DEVICE)
     for cfg in (prefill.PrefillConfig(block_q=32, num_warps=4, gluon=True),
                 prefill.PrefillConfig(block_q=64, num_warps=4, num_stages=1, gluon=True),
+                prefill.PrefillConfig(block_q=64, num_warps=4, persistent=True),
                 prefill.PrefillConfig(block_q=64, keys_major=True, gluon=True)):
         with pytest.raises(ValueError, match="gluon"):
             tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=cfg)

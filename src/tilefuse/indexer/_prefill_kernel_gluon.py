@@ -182,10 +182,173 @@ def prefill_logits_gluon_kernel(
         _store_tile(acc, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, mma)
 
 
+
+# --------------------------------------------------------------------------------------------
+# Persistent variant: the same tiles, walked by a fixed number of programs
+
+
+@gluon.jit
+def _tile_window(ks_ptr, ke_ptr, t, NKB, S_q, S_k, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
+                 row_l: gl.constexpr):
+    """Tile ``t`` (query block t // NKB, key block t % NKB): its rows, their windows, and whether
+    no row sees any of its keys."""
+    q0 = (t // NKB) * BLOCK_Q
+    n0 = (t % NKB) * BLOCK_N
+    rows = q0 + gl.arange(0, BLOCK_Q, layout=row_l)
+    row_ok = rows < S_q
+    ks = gl.load(ks_ptr + rows, mask=row_ok, other=0)
+    ke = gl.minimum(gl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
+    has_keys = row_ok & (ks < ke)
+    lo = gl.min(gl.where(has_keys, ks, S_k), axis=0)
+    hi = gl.max(gl.where(has_keys, ke, 0), axis=0)
+    empty = (n0 >= hi) | (n0 + BLOCK_N <= lo)
+    return q0, n0, rows, ks, ke, empty
+
+
+@gluon.jit
+def _next_live_tile(t, step, num_tiles, NKB, ks_ptr, ke_ptr, out_ptr, stride_out, S_q, S_k,
+                    CLEAN: gl.constexpr, COMPRESSED: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
+                    mma: gl.constexpr):
+    """The first tile from ``t`` on (in steps of ``step``) that has keys to score, or a value
+    >= ``num_tiles``; the -inf of the skipped tiles is written on the way."""
+    searching = t < num_tiles
+    while searching:
+        q0, n0, rows, ks, ke, empty = _tile_window(ks_ptr, ke_ptr, t, NKB, S_q, S_k, BLOCK_Q, BLOCK_N,
+                                                   gl.SliceLayout(1, mma))
+        if empty:
+            if CLEAN and not COMPRESSED:
+                fill = gl.full((BLOCK_Q, BLOCK_N), float("-inf"), gl.float32, layout=mma)
+                _store_tile(fill, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, False, False, mma)
+            t += step
+        searching = empty & (t < num_tiles)
+    return t
+
+
+@gluon.jit
+def _load_keys(k_desc, k_smem, k_bars, t, NKB, slot, BLOCK_N: gl.constexpr):
+    mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [(t % NKB) * BLOCK_N, 0], k_bars.index(slot), k_smem.index(slot))
+
+
+@gluon.jit
+def _refill_stream(q_desc, q_smem, q_bars, g, head, q0, q0_next, has_next, H: gl.constexpr, D: gl.constexpr,
+                   NUM_BUF: gl.constexpr):
+    """Global head ``g`` (head ``head`` of this tile) is done: its buffer takes the query tile
+    NUM_BUF heads later in this program's stream, which may be a head of its next tile."""
+    buf = g % NUM_BUF
+    later = head + NUM_BUF
+    if later < H:
+        mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q0, later * D], q_bars.index(buf), q_smem.index(buf))
+    else:
+        if has_next:
+            mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q0_next, (later - H) * D], q_bars.index(buf), q_smem.index(buf))
+
+
+@gluon.jit
+def prefill_logits_gluon_persistent_kernel(
+    q_desc, k_desc, k_scale_ptr,
+    w_ptr, stride_w,
+    ks_ptr, ke_ptr,
+    out_ptr, stride_out,
+    S_q, S_k,
+    H: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr, NUM_BUF: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """``prefill_logits_gluon_kernel``'s tiles (same arithmetic, same bits) walked by a fixed
+    grid: program p takes tiles p, p + P, ... in the 2-D grid's order, skipping those no row
+    sees (their -inf written on the way). The query tiles of all its tiles form one stream
+    through the buffer ring, so the next tile's first heads and its key tile (two key buffers)
+    load under the current tile's last heads instead of after its store."""
+    BLOCK_Q: gl.constexpr = q_desc.block_type.shape[0]
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    WARPS_M: gl.constexpr = BLOCK_Q // 16
+    WARPS_N: gl.constexpr = num_warps // WARPS_M
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N],
+        instr_shape=[16, BLOCK_N // WARPS_N, 256 // q_desc.dtype.primitive_bitwidth])
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+
+    step = gl.num_programs(0)
+    NKB = gl.cdiv(S_k, BLOCK_N)
+    num_tiles = NKB * gl.cdiv(S_q, BLOCK_Q)
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, D], k_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_BUF, BLOCK_Q, D], q_desc.layout)
+    k_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(k_bars.index(i), count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(q_bars.index(i), count=1)
+
+    t = _next_live_tile(gl.program_id(0), step, num_tiles, NKB, ks_ptr, ke_ptr, out_ptr, stride_out, S_q, S_k,
+                        CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N, mma)
+    if t < num_tiles:
+        _load_keys(k_desc, k_smem, k_bars, t, NKB, 0, BLOCK_N)
+        for i in gl.static_range(NUM_BUF):  # H >= NUM_BUF (checked by the launcher)
+            mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [(t // NKB) * BLOCK_Q, i * D], q_bars.index(i), q_smem.index(i))
+    done = 0  # tiles scored so far: picks the key buffer and its phase
+    g0 = 0  # position of this tile's head 0 in the query stream: picks ring buffers and phases
+    while t < num_tiles:
+        t_next = _next_live_tile(t + step, step, num_tiles, NKB, ks_ptr, ke_ptr, out_ptr, stride_out, S_q, S_k,
+                                 CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N, mma)
+        has_next = t_next < num_tiles
+        q0_next = (t_next // NKB) * BLOCK_Q
+        if has_next:
+            _load_keys(k_desc, k_smem, k_bars, t_next, NKB, (done + 1) % 2, BLOCK_N)
+        q0, n0, rows, ks, ke, empty = _tile_window(ks_ptr, ke_ptr, t, NKB, S_q, S_k, BLOCK_Q, BLOCK_N, row_l)
+        row_ok = rows < S_q
+        w_rows = w_ptr + rows.to(gl.int64) * stride_w
+        acc = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
+        mbarrier.wait(k_bars.index(done % 2), phase=(done // 2) & 1)
+        k_t = k_smem.index(done % 2).permute((1, 0))
+
+        # The head loop of prefill_logits_gluon_kernel, with positions in the query stream.
+        s0 = _issue(q_desc, q_smem, q_bars, k_t, gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma), g0,
+                    NUM_BUF, 0)
+        s1 = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
+        w0 = gl.load(w_rows, mask=row_ok, other=0.0).to(gl.float32)
+        w1 = gl.load(w_rows + 1, mask=row_ok, other=0.0).to(gl.float32)
+        s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
+        _refill_stream(q_desc, q_smem, q_bars, g0, 0, q0, q0_next, has_next, H, D, NUM_BUF)
+        for h in range(0, H - 2, 2):
+            s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, g0 + h + 1, NUM_BUF, 0)
+            acc = _apply(acc, s0, w0, 0)
+            w0 = gl.load(w_rows + h + 2, mask=row_ok, other=0.0).to(gl.float32)
+            s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
+            _refill_stream(q_desc, q_smem, q_bars, g0 + h + 1, h + 1, q0, q0_next, has_next, H, D, NUM_BUF)
+            s0 = _issue(q_desc, q_smem, q_bars, k_t, s0, g0 + h + 2, NUM_BUF, 0)
+            acc = _apply(acc, s1, w1, 0)
+            w1 = gl.load(w_rows + h + 3, mask=row_ok, other=0.0).to(gl.float32)
+            s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
+            _refill_stream(q_desc, q_smem, q_bars, g0 + h + 2, h + 2, q0, q0_next, has_next, H, D, NUM_BUF)
+        s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, g0 + H - 1, NUM_BUF, 0)
+        acc = _apply(acc, s0, w0, 0)
+        s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
+        _refill_stream(q_desc, q_smem, q_bars, g0 + H - 1, H - 1, q0, q0_next, has_next, H, D, NUM_BUF)
+        acc = _apply(acc, s1, w1, 0)
+
+        cols = n0 + gl.arange(0, BLOCK_N, layout=col_l)
+        acc = acc * gl.load(k_scale_ptr + cols, mask=cols < S_k, other=0.0)[None, :]
+        _store_tile(acc, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, mma)
+        done += 1
+        g0 += H
+        t = t_next
+    for i in gl.static_range(2):
+        mbarrier.invalidate(k_bars.index(i))
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(q_bars.index(i))
+
 def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, block_q: int, block_n: int,
-           num_warps: int, num_buf: int, ablate: int = 0):
+           num_warps: int, num_buf: int, ablate: int = 0, persistent: bool = False, blocks_per_sm: int = 2):
     """q [S_q, H, D] and k [S_k, D] in E4M3 or f16, the rest as the Triton kernel takes them.
-    Returns the compiled kernel (registers, spills)."""
+    ``persistent``: ``blocks_per_sm`` programs per SM walk the tiles (two fit at the 4-warp
+    tile's registers). Returns the compiled kernel (registers, spills)."""
     s_q, h, d = q.shape
     s_k = k.shape[0]
     if num_buf < 2 or num_buf > h:
@@ -195,12 +358,22 @@ def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, b
                          f"got block_q={block_q}, num_warps={num_warps}")
     dt = _GL_DTYPE[q.dtype]
     q_block, k_block = [block_q, d], [block_n, d]
-    q2 = q.view(s_q, h * d)
-    q_desc = TensorDescriptor(q2, [s_q, h * d], [q2.stride(0), 1], q_block,
+    # Rows of q may be padded (stride(0) >= H * D); heads and head dim are contiguous (checked).
+    q_desc = TensorDescriptor(q, [s_q, h * d], [q.stride(0), 1], q_block,
                               gl.NVMMASharedLayout.get_default_for(q_block, dt))
     k_desc = TensorDescriptor(k, [s_k, d], [k.stride(0), 1], k_block,
                               gl.NVMMASharedLayout.get_default_for(k_block, dt))
+    args = (q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k)
+    tiles = triton.cdiv(s_k, block_n) * triton.cdiv(s_q, block_q)
+    if persistent:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        # No more programs than fit at once (228 KiB of shared memory per SM, 1 KiB of it
+        # reserved per block): a program that cannot start until another ends would serialise.
+        smem = (2 * block_n + num_buf * block_q) * d * q.element_size()
+        resident = max(1, min(blocks_per_sm, (228 * 1024) // (smem + 2048)))
+        grid = (min(tiles, sms * resident),)
+        return prefill_logits_gluon_persistent_kernel[grid](
+            *args, H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps)
     grid = (triton.cdiv(s_k, block_n), triton.cdiv(s_q, block_q))
     return prefill_logits_gluon_kernel[grid](
-        q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k,
-        H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps, ABLATE=ablate)
+        *args, H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps, ABLATE=ablate)
