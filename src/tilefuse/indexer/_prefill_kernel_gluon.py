@@ -273,8 +273,8 @@ def prefill_logits_gluon_persistent_kernel(
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
 
     step = gl.num_programs(0)
-    NKB = gl.cdiv(S_k, BLOCK_N)
-    num_tiles = NKB * gl.cdiv(S_q, BLOCK_Q)
+    NKB = (S_k + BLOCK_N - 1) // BLOCK_N
+    num_tiles = NKB * ((S_q + BLOCK_Q - 1) // BLOCK_Q)
 
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, D], k_desc.layout)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_BUF, BLOCK_Q, D], q_desc.layout)
