@@ -56,15 +56,60 @@ def _apply(acc, s, w, ABLATE: gl.constexpr):
 
 
 @gluon.jit
-def _refill(q_desc, q_smem, q_bars, q0, head, H: gl.constexpr, D: gl.constexpr, NUM_BUF: gl.constexpr,
-            ABLATE: gl.constexpr):
-    """Head ``head``'s MMA is done: its buffer takes the query tile of head ``head + NUM_BUF``."""
-    nxt = head + NUM_BUF
+def _refill(q_desc, q_smem, q_bars, g, head, q0, q0_next, has_next, H: gl.constexpr, D: gl.constexpr,
+            NUM_BUF: gl.constexpr, ABLATE: gl.constexpr):
+    """Position ``g`` of the query stream (head ``head`` of this tile) is done: its buffer takes
+    the query tile NUM_BUF positions later, a head of this tile or, past the last head, of the
+    program's next tile (when ``has_next``)."""
+    buf = g % NUM_BUF
+    later = head + NUM_BUF
     if ABLATE != 3:
-        if nxt < H:
-            buf = head % NUM_BUF
+        if later < H:
             mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q0, nxt * D], q_bars.index(buf), q_smem.index(buf))
+            tma.async_copy_global_to_shared(q_desc, [q0, later * D], q_bars.index(buf), q_smem.index(buf))
+        elif has_next:
+            mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q0_next, (later - H) * D], q_bars.index(buf),
+                                            q_smem.index(buf))
+
+
+@gluon.jit
+def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, g0, q0, q0_next, has_next, H: gl.constexpr,
+               D: gl.constexpr, NUM_BUF: gl.constexpr, ABLATE: gl.constexpr, BLOCK_Q: gl.constexpr,
+               BLOCK_N: gl.constexpr, mma: gl.constexpr):
+    """sum_h relu(q_h . k) * w_h for one tile, heads in order; the tile's head 0 is position
+    ``g0`` of the query stream (its tiles already requested up to g0 + NUM_BUF - 1).
+
+    Two score tiles alternate: while one head's MMA runs, the warps apply ReLU and the weight to
+    the other's scores. Exactly one MMA is in flight at any time and every wait is for zero
+    outstanding groups, the pattern ptxas keeps asynchronous; each MMA writes over the tile
+    whose scores were just consumed (use_acc=False), and the loop is unrolled by two, so no
+    accumulator is copied or redefined while an MMA runs (either makes ptxas serialise every
+    wgmma: NOTES, round 6)."""
+    acc = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
+    s0 = _issue(q_desc, q_smem, q_bars, k_t, gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma), g0, NUM_BUF,
+                ABLATE)
+    s1 = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
+    w0 = gl.load(w_rows, mask=row_ok, other=0.0).to(gl.float32)
+    w1 = gl.load(w_rows + 1, mask=row_ok, other=0.0).to(gl.float32)
+    s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
+    _refill(q_desc, q_smem, q_bars, g0, 0, q0, q0_next, has_next, H, D, NUM_BUF, ABLATE)
+    for h in range(0, H - 2, 2):
+        s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, g0 + h + 1, NUM_BUF, ABLATE)
+        acc = _apply(acc, s0, w0, ABLATE)
+        w0 = gl.load(w_rows + h + 2, mask=row_ok, other=0.0).to(gl.float32)
+        s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
+        _refill(q_desc, q_smem, q_bars, g0 + h + 1, h + 1, q0, q0_next, has_next, H, D, NUM_BUF, ABLATE)
+        s0 = _issue(q_desc, q_smem, q_bars, k_t, s0, g0 + h + 2, NUM_BUF, ABLATE)
+        acc = _apply(acc, s1, w1, ABLATE)
+        w1 = gl.load(w_rows + h + 3, mask=row_ok, other=0.0).to(gl.float32)
+        s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
+        _refill(q_desc, q_smem, q_bars, g0 + h + 2, h + 2, q0, q0_next, has_next, H, D, NUM_BUF, ABLATE)
+    s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, g0 + H - 1, NUM_BUF, ABLATE)
+    acc = _apply(acc, s0, w0, ABLATE)
+    s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
+    _refill(q_desc, q_smem, q_bars, g0 + H - 1, H - 1, q0, q0_next, has_next, H, D, NUM_BUF, ABLATE)
+    return _apply(acc, s1, w1, ABLATE)
 
 
 @gluon.jit
@@ -140,37 +185,10 @@ def prefill_logits_gluon_kernel(
             tma.async_copy_global_to_shared(q_desc, [q0, i * D], q_bars.index(i), q_smem.index(i))
 
         w_rows = w_ptr + rows.to(gl.int64) * stride_w
-        acc = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
         k_t = k_smem.permute((1, 0))
         mbarrier.wait(k_bar, phase=0)
-
-        # Two score tiles alternate: while one head's MMA runs, the warps apply ReLU and the
-        # weight to the other's scores. Exactly one MMA is in flight at any time and every wait
-        # is for zero outstanding groups, the pattern ptxas keeps asynchronous; each MMA
-        # writes over the tile whose scores were just consumed (use_acc=False), and the loop is
-        # unrolled by two, so no accumulator is copied or redefined while an MMA runs.
-        s0 = _issue(q_desc, q_smem, q_bars, k_t, gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma), 0, NUM_BUF,
-                    ABLATE)
-        s1 = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
-        w0 = gl.load(w_rows, mask=row_ok, other=0.0).to(gl.float32)
-        w1 = gl.load(w_rows + 1, mask=row_ok, other=0.0).to(gl.float32)
-        s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
-        _refill(q_desc, q_smem, q_bars, q0, 0, H, D, NUM_BUF, ABLATE)
-        for h in range(0, H - 2, 2):
-            s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, h + 1, NUM_BUF, ABLATE)
-            acc = _apply(acc, s0, w0, ABLATE)
-            w0 = gl.load(w_rows + h + 2, mask=row_ok, other=0.0).to(gl.float32)
-            s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
-            _refill(q_desc, q_smem, q_bars, q0, h + 1, H, D, NUM_BUF, ABLATE)
-            s0 = _issue(q_desc, q_smem, q_bars, k_t, s0, h + 2, NUM_BUF, ABLATE)
-            acc = _apply(acc, s1, w1, ABLATE)
-            w1 = gl.load(w_rows + h + 3, mask=row_ok, other=0.0).to(gl.float32)
-            s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
-            _refill(q_desc, q_smem, q_bars, q0, h + 2, H, D, NUM_BUF, ABLATE)
-        s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, H - 1, NUM_BUF, ABLATE)
-        acc = _apply(acc, s0, w0, ABLATE)
-        s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
-        acc = _apply(acc, s1, w1, ABLATE)
+        acc = _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, 0, q0, 0, False, H, D, NUM_BUF, ABLATE,
+                         BLOCK_Q, BLOCK_N, mma)
         mbarrier.invalidate(k_bar)
         for i in gl.static_range(NUM_BUF):
             mbarrier.invalidate(q_bars.index(i))
@@ -180,7 +198,6 @@ def prefill_logits_gluon_kernel(
         cols = n0 + gl.arange(0, BLOCK_N, layout=col_l)
         acc = acc * gl.load(k_scale_ptr + cols, mask=cols < S_k, other=0.0)[None, :]
         _store_tile(acc, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, mma)
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,22 +245,6 @@ def _next_live_tile(t, step, num_tiles, NKB, ks_ptr, ke_ptr, out_ptr, stride_out
 def _load_keys(k_desc, k_smem, k_bars, t, NKB, slot, BLOCK_N: gl.constexpr):
     mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [(t % NKB) * BLOCK_N, 0], k_bars.index(slot), k_smem.index(slot))
-
-
-@gluon.jit
-def _refill_stream(q_desc, q_smem, q_bars, g, head, q0, q0_next, has_next, H: gl.constexpr, D: gl.constexpr,
-                   NUM_BUF: gl.constexpr):
-    """Global head ``g`` (head ``head`` of this tile) is done: its buffer takes the query tile
-    NUM_BUF heads later in this program's stream, which may be a head of its next tile."""
-    buf = g % NUM_BUF
-    later = head + NUM_BUF
-    if later < H:
-        mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q0, later * D], q_bars.index(buf), q_smem.index(buf))
-    else:
-        if has_next:
-            mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q0_next, (later - H) * D], q_bars.index(buf), q_smem.index(buf))
 
 
 @gluon.jit
@@ -304,34 +305,10 @@ def prefill_logits_gluon_persistent_kernel(
         q0, n0, rows, ks, ke, empty = _tile_window(ks_ptr, ke_ptr, t, NKB, S_q, S_k, BLOCK_Q, BLOCK_N, row_l)
         row_ok = rows < S_q
         w_rows = w_ptr + rows.to(gl.int64) * stride_w
-        acc = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
         mbarrier.wait(k_bars.index(done % 2), phase=(done // 2) & 1)
         k_t = k_smem.index(done % 2).permute((1, 0))
-
-        # The head loop of prefill_logits_gluon_kernel, with positions in the query stream.
-        s0 = _issue(q_desc, q_smem, q_bars, k_t, gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma), g0,
-                    NUM_BUF, 0)
-        s1 = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
-        w0 = gl.load(w_rows, mask=row_ok, other=0.0).to(gl.float32)
-        w1 = gl.load(w_rows + 1, mask=row_ok, other=0.0).to(gl.float32)
-        s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
-        _refill_stream(q_desc, q_smem, q_bars, g0, 0, q0, q0_next, has_next, H, D, NUM_BUF)
-        for h in range(0, H - 2, 2):
-            s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, g0 + h + 1, NUM_BUF, 0)
-            acc = _apply(acc, s0, w0, 0)
-            w0 = gl.load(w_rows + h + 2, mask=row_ok, other=0.0).to(gl.float32)
-            s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
-            _refill_stream(q_desc, q_smem, q_bars, g0 + h + 1, h + 1, q0, q0_next, has_next, H, D, NUM_BUF)
-            s0 = _issue(q_desc, q_smem, q_bars, k_t, s0, g0 + h + 2, NUM_BUF, 0)
-            acc = _apply(acc, s1, w1, 0)
-            w1 = gl.load(w_rows + h + 3, mask=row_ok, other=0.0).to(gl.float32)
-            s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
-            _refill_stream(q_desc, q_smem, q_bars, g0 + h + 2, h + 2, q0, q0_next, has_next, H, D, NUM_BUF)
-        s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, g0 + H - 1, NUM_BUF, 0)
-        acc = _apply(acc, s0, w0, 0)
-        s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
-        _refill_stream(q_desc, q_smem, q_bars, g0 + H - 1, H - 1, q0, q0_next, has_next, H, D, NUM_BUF)
-        acc = _apply(acc, s1, w1, 0)
+        acc = _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, g0, q0, q0_next, has_next, H, D, NUM_BUF, 0,
+                         BLOCK_Q, BLOCK_N, mma)
 
         cols = n0 + gl.arange(0, BLOCK_N, layout=col_l)
         acc = acc * gl.load(k_scale_ptr + cols, mask=cols < S_k, other=0.0)[None, :]
