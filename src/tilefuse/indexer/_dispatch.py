@@ -10,6 +10,9 @@
   Blackwell. Hopper has no block-scaled MMA: MX operands are dequantised to bf16 for the dot
   (``hopper-mx-bf16``) or run as one FP8 dot per 32-element block (``hopper-mx-split``,
   chosen with ``PrefillConfig(mx_split=True)``).
+* On 9.x the default config (``default_config(arch=9)``) runs the FP8 path's head loop, and
+  MXFP8's f16-row pass, as the Gluon kernel (``_prefill_kernel_gluon.py``, async wgmma): same
+  tile, same bits; ``PrefillConfig(gluon=False)`` keeps the Triton loop.
 * ``sm100-mx-dot-scaled``: ``prefill_logits_mx_kernel`` (``_prefill_kernel_sm100.py``), the
   native block-scaled MMA through ``tl.dot_scaled``, with its own tile.
 
