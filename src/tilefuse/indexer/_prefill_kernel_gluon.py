@@ -8,8 +8,11 @@ non-accumulating dot before its consumer, so there the MMA and that CUDA-core ep
 (benchmarks/NOTES.md, "Where the time goes"). Query tiles stream through a ring of ``NUM_BUF``
 shared-memory buffers filled by TMA, one mbarrier per buffer.
 
-Runs the 2-byte and 1-byte float operands the Triton kernel's FP8 path takes (E4M3, and f16
-for MXFP8 renormalised into f16). Gluon has no interpreter, so this path is GPU-only; CPU tests
+Two schedules of the same tiles: ``prefill_logits_gluon_kernel`` (the 2-D grid, one tile per
+program, the default) and ``prefill_logits_gluon_persistent_kernel`` (a fixed grid whose
+programs stream their tiles' query tiles through the ring, so the next tile's loads start under
+the current tile's last heads). Both run the 2-byte and 1-byte float operands the Triton
+kernel's FP8 path takes (E4M3, and f16 for MXFP8 renormalised into f16). Gluon has no interpreter, so this path is GPU-only; CPU tests
 compile it for sm_90a and the GPU suite checks it bit for bit against the Triton kernel.
 """
 
