@@ -12,8 +12,9 @@ Two schedules of the same tiles: ``prefill_logits_gluon_kernel`` (the 2-D grid, 
 program, the default) and ``prefill_logits_gluon_persistent_kernel`` (a fixed grid whose
 programs stream their tiles' query tiles through the ring, so the next tile's loads start under
 the current tile's last heads). Both run the 2-byte and 1-byte float operands the Triton
-kernel's FP8 path takes (E4M3, and f16 for MXFP8 renormalised into f16). Gluon has no interpreter, so this path is GPU-only; CPU tests
-compile it for sm_90a and the GPU suite checks it bit for bit against the Triton kernel.
+kernel's FP8 path takes (E4M3, and f16 for MXFP8 renormalised into f16). Gluon has no
+interpreter, so this path is GPU-only; CPU tests compile it for sm_90a and the GPU suite checks
+it bit for bit against the Triton kernel.
 """
 
 from __future__ import annotations
@@ -135,6 +136,38 @@ def _store_tile(val, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN: gl.
 
 
 @gluon.jit
+def _tile_window(ks_ptr, ke_ptr, q0, n0, S_q, S_k, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
+                 row_l: gl.constexpr):
+    """The tile at (q0, n0): its rows, their windows, and whether no row sees any of its keys."""
+    rows = q0 + gl.arange(0, BLOCK_Q, layout=row_l)
+    row_ok = rows < S_q
+    ks = gl.load(ks_ptr + rows, mask=row_ok, other=0)
+    ke = gl.minimum(gl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
+    has_keys = row_ok & (ks < ke)
+    lo = gl.min(gl.where(has_keys, ks, S_k), axis=0)
+    hi = gl.max(gl.where(has_keys, ke, 0), axis=0)
+    empty = (n0 >= hi) | (n0 + BLOCK_N <= lo)
+    return rows, ks, ke, empty
+
+
+@gluon.jit
+def _fill_skipped(rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr,
+                  BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, mma: gl.constexpr):
+    """A tile no row sees: no math, only the -inf of the full layout."""
+    if CLEAN and not COMPRESSED:
+        fill = gl.full((BLOCK_Q, BLOCK_N), float("-inf"), gl.float32, layout=mma)
+        _store_tile(fill, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, False, False, mma)
+
+
+@gluon.jit
+def _load_first_queries(q_desc, q_smem, q_bars, q0, D: gl.constexpr, NUM_BUF: gl.constexpr):
+    """Heads 0 .. NUM_BUF - 1 of the tile at row q0 into the ring (H >= NUM_BUF: the launcher checks)."""
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q0, i * D], q_bars.index(i), q_smem.index(i))
+
+
+@gluon.jit
 def prefill_logits_gluon_kernel(
     q_desc, k_desc, k_scale_ptr,
     w_ptr, stride_w,
@@ -161,18 +194,10 @@ def prefill_logits_gluon_kernel(
     pid_q = gl.program_id(1)
     q0 = pid_q * BLOCK_Q
     n0 = pid_n * BLOCK_N
-    rows = q0 + gl.arange(0, BLOCK_Q, layout=row_l)
+    rows, ks, ke, empty = _tile_window(ks_ptr, ke_ptr, q0, n0, S_q, S_k, BLOCK_Q, BLOCK_N, row_l)
     row_ok = rows < S_q
-    ks = gl.load(ks_ptr + rows, mask=row_ok, other=0)
-    ke = gl.minimum(gl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
-    has_keys = row_ok & (ks < ke)
-    lo = gl.min(gl.where(has_keys, ks, S_k), axis=0)
-    hi = gl.max(gl.where(has_keys, ke, 0), axis=0)
-    if (n0 >= hi) | (n0 + BLOCK_N <= lo):
-        # No row of this tile sees these keys: no math, only the -inf of the full layout.
-        if CLEAN and not COMPRESSED:
-            fill = gl.full((BLOCK_Q, BLOCK_N), float("-inf"), gl.float32, layout=mma)
-            _store_tile(fill, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, False, False, mma)
+    if empty:
+        _fill_skipped(rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N, mma)
     else:
         k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_BUF, BLOCK_Q, D], q_desc.layout)
@@ -183,9 +208,7 @@ def prefill_logits_gluon_kernel(
             mbarrier.init(q_bars.index(i), count=1)
         mbarrier.expect(k_bar, k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [n0, 0], k_bar, k_smem)
-        for i in gl.static_range(NUM_BUF):  # H >= NUM_BUF (checked by the launcher)
-            mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q0, i * D], q_bars.index(i), q_smem.index(i))
+        _load_first_queries(q_desc, q_smem, q_bars, q0, D, NUM_BUF)
 
         w_rows = w_ptr + rows.to(gl.int64) * stride_w
         k_t = k_smem.permute((1, 0))
@@ -208,24 +231,6 @@ def prefill_logits_gluon_kernel(
 
 
 @gluon.jit
-def _tile_window(ks_ptr, ke_ptr, t, NKB, S_q, S_k, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
-                 row_l: gl.constexpr):
-    """Tile ``t`` (query block t // NKB, key block t % NKB): its rows, their windows, and whether
-    no row sees any of its keys."""
-    q0 = (t // NKB) * BLOCK_Q
-    n0 = (t % NKB) * BLOCK_N
-    rows = q0 + gl.arange(0, BLOCK_Q, layout=row_l)
-    row_ok = rows < S_q
-    ks = gl.load(ks_ptr + rows, mask=row_ok, other=0)
-    ke = gl.minimum(gl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
-    has_keys = row_ok & (ks < ke)
-    lo = gl.min(gl.where(has_keys, ks, S_k), axis=0)
-    hi = gl.max(gl.where(has_keys, ke, 0), axis=0)
-    empty = (n0 >= hi) | (n0 + BLOCK_N <= lo)
-    return q0, n0, rows, ks, ke, empty
-
-
-@gluon.jit
 def _next_live_tile(t, step, num_tiles, NKB, ks_ptr, ke_ptr, out_ptr, stride_out, S_q, S_k,
                     CLEAN: gl.constexpr, COMPRESSED: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
                     mma: gl.constexpr):
@@ -233,12 +238,11 @@ def _next_live_tile(t, step, num_tiles, NKB, ks_ptr, ke_ptr, out_ptr, stride_out
     >= ``num_tiles``; the -inf of the skipped tiles is written on the way."""
     searching = t < num_tiles
     while searching:
-        q0, n0, rows, ks, ke, empty = _tile_window(ks_ptr, ke_ptr, t, NKB, S_q, S_k, BLOCK_Q, BLOCK_N,
-                                                   gl.SliceLayout(1, mma))
+        n0 = (t % NKB) * BLOCK_N
+        rows, ks, ke, empty = _tile_window(ks_ptr, ke_ptr, (t // NKB) * BLOCK_Q, n0, S_q, S_k, BLOCK_Q, BLOCK_N,
+                                           gl.SliceLayout(1, mma))
         if empty:
-            if CLEAN and not COMPRESSED:
-                fill = gl.full((BLOCK_Q, BLOCK_N), float("-inf"), gl.float32, layout=mma)
-                _store_tile(fill, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, False, False, mma)
+            _fill_skipped(rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N, mma)
             t += step
         searching = empty & (t < num_tiles)
     return t
@@ -293,9 +297,7 @@ def prefill_logits_gluon_persistent_kernel(
                         CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N, mma)
     if t < num_tiles:
         _load_keys(k_desc, k_smem, k_bars, t, NKB, 0, BLOCK_N)
-        for i in gl.static_range(NUM_BUF):  # H >= NUM_BUF (checked by the launcher)
-            mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [(t // NKB) * BLOCK_Q, i * D], q_bars.index(i), q_smem.index(i))
+        _load_first_queries(q_desc, q_smem, q_bars, (t // NKB) * BLOCK_Q, D, NUM_BUF)
     done = 0  # tiles scored so far: picks the key buffer and its phase
     g0 = 0  # position of this tile's head 0 in the query stream: picks ring buffers and phases
     while t < num_tiles:
@@ -305,7 +307,9 @@ def prefill_logits_gluon_persistent_kernel(
         q0_next = (t_next // NKB) * BLOCK_Q
         if has_next:
             _load_keys(k_desc, k_smem, k_bars, t_next, NKB, (done + 1) % 2, BLOCK_N)
-        q0, n0, rows, ks, ke, empty = _tile_window(ks_ptr, ke_ptr, t, NKB, S_q, S_k, BLOCK_Q, BLOCK_N, row_l)
+        q0 = (t // NKB) * BLOCK_Q
+        n0 = (t % NKB) * BLOCK_N
+        rows, ks, ke, empty = _tile_window(ks_ptr, ke_ptr, q0, n0, S_q, S_k, BLOCK_Q, BLOCK_N, row_l)
         row_ok = rows < S_q
         w_rows = w_ptr + rows.to(gl.int64) * stride_w
         mbarrier.wait(k_bars.index(done % 2), phase=(done // 2) & 1)
