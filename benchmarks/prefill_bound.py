@@ -20,8 +20,9 @@ import torch
 
 os.environ.setdefault("TILEFUSE_CHECK_WINDOWS", "0")
 
+import prefill_sweep  # noqa: E402  (beside this script: the sweep's inputs)
+
 import tilefuse  # noqa: E402
-from tilefuse import formats as F  # noqa: E402
 from tilefuse.bench import ceilings, env, timing  # noqa: E402
 from tilefuse.indexer import _prefill_kernel_gluon as gk  # noqa: E402
 from tilefuse.indexer import windows as W  # noqa: E402
@@ -41,11 +42,7 @@ def main(argv=None) -> int:
     fp8_ceiling = ceilings.ceiling_value(record["ceilings"], "fp8_matmul")
     table = []
     for s_q, s_k, h in SHAPES:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(s_q, h, 128, device="cuda", generator=g, dtype=torch.bfloat16)
-        k = torch.randn(s_k, 128, device="cuda", generator=g, dtype=torch.bfloat16)
-        w = torch.randn(s_q, h, device="cuda", generator=g)
-        (q8, _), (k8, k_sf) = F.quantize_q(q, "fp8"), F.quantize_k(k, "fp8")
+        (q8, _), (k8, k_sf), w = prefill_sweep.make(s_q, s_k, h, 128, "fp8")
         ks, ke = W.causal_tail(s_q, s_k, device="cuda")
         flops = 2 * W.valid_pairs(ks, ke, s_k) * h * 128
         ref = tilefuse.fp8_fp4_mqa_logits((q8, None), (k8, k_sf), w, ks, ke, True, config=TRITON_LOOP)

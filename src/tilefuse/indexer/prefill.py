@@ -347,7 +347,7 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return
     if cfg.gluon and fmt == "fp8" and fix_q is None:
-        if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        if _dispatch.capability_major(q.device) != 9:
             raise ValueError("gluon: the Gluon prefill kernel runs on Hopper (sm_90) GPUs only")
         from tilefuse.indexer import _prefill_kernel_gluon
 
