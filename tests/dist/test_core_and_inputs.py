@@ -114,9 +114,15 @@ def test_bench_arguments():
     with pytest.raises(ValueError, match="MxNxK"):
         shapes("ag_gemm", "big")
     assert fused_variants("ag_gemm", "ce,push/p16+32") == [
-        ("fused:ce", "ce", None), ("fused:push/p16", "push", 16), ("fused:push/p32", "push", 32)]
+        ("fused:ce", "ce", {}), ("fused:push/p16", "push", {"comm_programs": 16}),
+        ("fused:push/p32", "push", {"comm_programs": 32})]
+    assert [v[0] for v in fused_variants("gemm_rs", "push/l0+198,forward/p16")] == [
+        "fused:push/l0", "fused:push/l198", "fused:forward/p16"]
+    assert fused_variants("gemm_rs", "push/l0")[0][2] == {"lag": 0}
     with pytest.raises(ValueError, match="design"):
         fused_variants("gemm_rs", "ce")
+    with pytest.raises(ValueError, match="variant option"):
+        fused_variants("gemm_rs", "push/x3")
 
 
 def test_bench_entry_without_gpus(tmp_path, capsys):

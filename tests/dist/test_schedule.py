@@ -61,6 +61,51 @@ def test_decode_visits_every_tile_once_in_chunk_order(world, mc, block_m, group_
         assert s.aligned == (mc % block_m == 0)
 
 
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("mc,block_m,group_m,lag", [(256, 64, 4, 1), (250, 64, 8, 5), (40, 16, 1, 7),
+                                                    (1000, 128, 8, 100), (64, 64, 2, 3)])
+def test_interleaved_order_leads_every_own_tile(world, mc, block_m, group_m, lag):
+    """lag > 0: every tile once, the own chunk spread through the walk, and each peer's copy of
+    a rank's tile i computed at least lag positions ((W - 1) * lag + 1 before the tail, W *
+    lag in the middle) before that rank reduces tile i."""
+    scheds = [TileSchedule(mc, 96, world, block_m, 32, group_m, tuple(chunk_order("owner_last", r, world)), lag)
+              for r in range(world)]
+    tpc, eff = scheds[0].tiles_per_chunk, scheds[0].lag_tiles
+    assert eff == min(lag, tpc)
+    where = []  # per rank: (chunk, in-chunk index) -> position
+    for r, s in enumerate(scheds):
+        pos = {}
+        for t in range(s.num_tiles):
+            ci, i = s.position(t)
+            chunk, j, col = s.decode(t)
+            assert chunk == s.order[ci] and (j, col) == TileSchedule(
+                mc, 96, world, block_m, 32, group_m, s.order).decode(ci * tpc + i)[1:]
+            pos[(chunk, i)] = t
+        assert len(pos) == s.num_tiles == world * tpc
+        where.append(pos)
+    for r in range(world):
+        for i in range(tpc):
+            own = where[r][(r, i)]
+            assert own >= (world - 1) * eff  # nothing of the own chunk in the lead
+            for p in range(world):
+                if p != r:
+                    lead = own - where[p][(r, i)]
+                    assert lead >= eff, (r, p, i, lead)
+                    if i < tpc - eff:
+                        assert lead >= (world - 1) * eff + 1, (r, p, i, lead)
+                    if eff <= i < tpc - eff:
+                        assert lead >= world * eff, (r, p, i, lead)
+
+
+def test_interleaved_order_bad_arguments():
+    with pytest.raises(ValueError, match="lag"):
+        TileSchedule(64, 64, 2, 32, 32, 1, (1, 0), -1)
+    with pytest.raises(ValueError, match="two chunks"):
+        TileSchedule(64, 64, 1, 32, 32, 1, (0,), 2)
+    s = TileSchedule(64, 64, 2, 32, 32, 1, (1, 0), 1)  # 4 tiles a chunk: peer, peer, own, ... own
+    assert [s.position(t) for t in range(8)] == [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (0, 3), (1, 2), (1, 3)]
+
+
 def test_banded_super_tiles():
     s = TileSchedule(512, 128, 1, 64, 32, 4, (0,))
     first = [s.decode(t) for t in range(16)]
@@ -90,8 +135,10 @@ def test_program_tiles_and_push_items():
     assert len(items) == 2 * 3 * 2 and all(peer != 1 for _, peer, _ in items)
 
 
-@pytest.mark.parametrize("world,order", [(2, "arrival"), (4, "owner_last"), (8, "local_first"), (3, "natural")])
-def test_kernel_visits_tiles_in_the_python_order(world, order):
+@pytest.mark.parametrize("world,order,lag", [(2, "arrival", 0), (4, "owner_last", 0), (8, "local_first", 0),
+                                             (3, "natural", 0), (2, "owner_last", 2), (4, "owner_last", 1),
+                                             (3, "owner_last", 50)])
+def test_kernel_visits_tiles_in_the_python_order(world, order, lag):
     """The persistent kernel's tile decode equals TileSchedule.decode (read back from a trace)."""
     torch.manual_seed(world)
     cfg = GemmConfig(16, 16, 16, 2, 1, 4)
@@ -101,8 +148,8 @@ def test_kernel_visits_tiles_in_the_python_order(world, order):
     b = torch.randn(k, n).to(torch.bfloat16)
     tr = Trace(max_events=64)
     buf = tr.buffer("gemm", rank, programs, a.device)
-    out = gemm(a, b, config=cfg, chunks=world, order=order, rank=rank, num_programs=programs, trace=buf)
-    s = TileSchedule(mc, n, world, 16, 16, 2, tuple(chunk_order(order, rank, world)))
+    out = gemm(a, b, config=cfg, chunks=world, order=order, rank=rank, lag=lag, num_programs=programs, trace=buf)
+    s = TileSchedule(mc, n, world, 16, 16, 2, tuple(chunk_order(order, rank, world)), lag)
     seen = {}
     for e in tr.events():
         seen.setdefault(e["program"], []).append((e["seq"], (e["chunk"], e["tile_row"], e["tile_col"])))

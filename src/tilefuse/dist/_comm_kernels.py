@@ -117,7 +117,7 @@ def _rs_forward_kernel(
     go_ok = 0
     ev = 0
     for it in range(pid, n_items, NUM_PROGRAMS):
-        chunk, j, col = _decode_tile(it, Mc, N, order_ptr, BM, BN, GROUP_M)
+        chunk, j, col = _decode_tile(it, Mc, N, order_ptr, 0, W, BM, BN, GROUP_M)
         tic = j * tn + col
         t_start = P.now_ns(USE_TIMER)
         P.wait_geq(part_flags + chunk * tpc + tic, 1, ctl_ptr, err_ptr, timeout, rank, 2, P.ROLE_FORWARD, chunk,

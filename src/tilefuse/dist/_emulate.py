@@ -62,16 +62,19 @@ def emulate_ag_gemm(shards: list[torch.Tensor], b: torch.Tensor, *, design: str,
 
 def emulate_gemm_rs(a_list: list[torch.Tensor], b_list: list[torch.Tensor], *, design: str, b_layout: str = "kn",
                     config=None, comm_programs: int | None = None, num_programs: int = 4, spins: int = 200,
-                    trace=None):
+                    lag: int | None = None, trace=None):
     """Every rank's ``gemm_rs`` output: peer-owned tiles of all ranks first, then (forward) the
-    forwarding kernels, then the owners' own tiles with the fused reduction."""
+    forwarding kernels, then the owners' own tiles with the fused reduction. An interleaved
+    order (push, lag > 0) runs in lock-step segments of ``lag`` tile positions, every rank's
+    segment before the next: an own tile needs peer tiles at least ``lag`` positions
+    earlier, so they are always in an earlier segment."""
     world = len(a_list)
     m, k = a_list[0].shape
     b0 = b_list[0]
     n = b0.shape[1] if b_layout == "kn" else b0.shape[0]
     dev = a_list[0].device
     plans = [rs.make_plan(design, m, n, k, world, r, a_list[0].dtype, dev, config=config,
-                          comm_programs=comm_programs, num_programs=num_programs) for r in range(world)]
+                          comm_programs=comm_programs, num_programs=num_programs, lag=lag) for r in range(world)]
     wss = emulated_workspaces(world, max(p.nbytes for p in plans), dev)
     timeout = P.timeout_units(1.0, dev.type, spins)
     outs = [_poisoned((m // world, n), a_list[0]) for _ in range(world)]
@@ -82,6 +85,13 @@ def emulate_gemm_rs(a_list: list[torch.Tensor], b_list: list[torch.Tensor], *, d
         rs.launch_gemm_part(plans[r], wss[r], a_list[r], b_list[r], outs[r], b_layout, timeout, tile_begin=begin,
                             tile_end=end, reset=reset, barrier=False, trace=buf)
 
+    step = plans[0].schedule.lag_tiles
+    if step:
+        total = plans[0].schedule.num_tiles
+        for begin in range(0, total, step):
+            for r in range(world):
+                gemm(r, begin, min(begin + step, total), begin + step >= total)
+        return outs, wss, plans
     for r in range(world):
         gemm(r, 0, plans[r].peer_tiles, False)
     if design == "forward":

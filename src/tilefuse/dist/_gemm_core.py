@@ -94,12 +94,25 @@ def num_sms(device: torch.device) -> int:
 
 
 @triton.jit
-def _decode_tile(t, Mc, N, order_ptr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+def _decode_tile(t, Mc, N, order_ptr, lag, W: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """``TileSchedule.decode``: ``lag`` is ``TileSchedule.lag_tiles`` (0: whole chunks)."""
     tm = tl.cdiv(Mc, BM)
     tn = tl.cdiv(N, BN)
     tpc = tm * tn
     ci = t // tpc
     r = t % tpc
+    if W > 1:  # interleaved: the peer stream, the own chunk ``lag`` positions behind it
+        head = (W - 1) * lag
+        tt = tl.maximum(t - head, 0)
+        g = tt // W
+        mid_end = head + W * (tpc - lag)
+        in_lead = t < head
+        in_tail = t >= mid_end
+        own = in_tail | ((t >= head) & (tt % W == W - 1))
+        slot = tl.where(in_lead, t, head + g * (W - 1) + tt % W)
+        ci = tl.where(lag == 0, ci, tl.where(own, W - 1, slot % (W - 1)))
+        r = tl.where(lag == 0, r, tl.where(own, tl.where(in_tail, t - mid_end + tpc - lag, g), slot // (W - 1)))
     chunk = tl.load(order_ptr + ci)
     width = GROUP_M * tn
     first = (r // width) * GROUP_M
@@ -163,7 +176,7 @@ def _reduce_own(acc, ws_addr, j, col0, tic, tpc, Mc, N, rank, recv_off, flags_of
 def _persistent_gemm(
     a_desc, b_desc, c_desc, out_ptr,
     M, N, K, Mc, rank,
-    order_ptr, tile_begin, tile_end,
+    order_ptr, lag, tile_begin, tile_end,
     ws_addr, bases_ptr, flags_off, band_tiles, bands_per_chunk, flag_target,
     recv_off, part_off, part_flags_off, n_reset_flags,
     err_addr, timeout, trace_ptr,
@@ -188,7 +201,7 @@ def _persistent_gemm(
     pend = tl.full([], 0, tl.int64)  # address of a peer flag whose tile has not been released
     ev = 0
     for t in range(tile_begin + pid, tile_end, NUM_PROGRAMS):
-        chunk, j, col = _decode_tile(t, Mc, N, order_ptr, BM, BN, GROUP_M)
+        chunk, j, col = _decode_tile(t, Mc, N, order_ptr, lag, W, BM, BN, GROUP_M)
         t_start = P.now_ns(USE_TIMER)
         wait_ns = t_start - t_start
         remote = chunk != rank
@@ -334,7 +347,7 @@ def launch_gemm(
     args = (
         a_desc, b_desc, c_desc, out,
         a.shape[0], n, k, schedule.mc, rank,
-        order, tile_begin, tile_end,
+        order, schedule.lag_tiles, tile_begin, tile_end,
         c["ws_addr"], c["bases"], c["flags_off"], c["band_tiles"], c["bands_per_chunk"], c["flag_target"],
         c["recv_off"], c["part_off"], c["part_flags_off"], c["n_reset"],
         c["err_addr"], c["timeout"], trace if trace is not None else _dummy(device),
@@ -411,12 +424,13 @@ def gemm(
     chunks: int = 1,
     order: str = "natural",
     rank: int = 0,
+    lag: int = 0,
     num_programs: int | None = None,
     trace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``a @ b`` (or ``a @ b.T`` for ``b_layout='nk'``) by the persistent kernel alone: the
-    engine of the fused ops, benchmarked on its own against cuBLAS. ``chunks``/``order``/``rank``
-    select the tile order the fused ops use (``_schedule.chunk_order``)."""
+    engine of the fused ops, benchmarked on its own against cuBLAS. ``chunks``/``order``/``rank``/
+    ``lag`` select the tile order the fused ops use (``_schedule``)."""
     from tilefuse.dist._schedule import chunk_order, chunk_rows
 
     k, n = check_operands(a, b, b_layout)
@@ -427,7 +441,7 @@ def gemm(
     elif out.shape != (m, n) or out.dtype != a.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {a.dtype} tensor of shape {(m, n)}")
     sched = TileSchedule(chunk_rows(m, chunks), n, chunks, cfg.block_m, cfg.block_n, cfg.group_m,
-                         tuple(chunk_order(order, rank, chunks)))
+                         tuple(chunk_order(order, rank, chunks)), lag)
     launch_gemm(a, b, out, schedule=sched, rank=rank, config=cfg, b_layout=b_layout,
                 num_programs=num_programs, trace=trace)
     return out

@@ -10,6 +10,14 @@ A persistent program walks tile indices ``t = pid, pid + P, ...``; ``decode`` ma
 ``(chunk, tile_row_in_chunk, tile_col)``: chunks in ``chunk_order``, and inside a chunk the
 banded "super-tile" order (``group_m`` tile rows sweep all columns together, for L2 reuse).
 ``_gemm_core._decode_tile`` is the same arithmetic in Triton; the tests keep them equal.
+
+``lag > 0`` (gemm_rs, ``owner_last`` order) interleaves instead of walking whole chunks: the
+peer chunks' tiles form one stream, round-robin over the peers by tile index, and the own
+chunk's tile ``i`` follows ``lag`` stream positions behind: first ``(W-1) * lag`` peer tiles,
+then groups of ``W-1`` peer tiles and one own tile, then the last ``lag`` own tiles. Every
+peer computes a rank's tile ``i`` at least ``lag`` positions before that rank reduces it
+(``W * lag`` in the middle of the walk), and the pushes to the owners spread over the whole
+GEMM instead of its first ``(W-1)/W``.
 """
 
 from __future__ import annotations
@@ -66,12 +74,17 @@ class TileSchedule:
     block_n: int
     group_m: int
     order: tuple[int, ...]
+    lag: int = 0  # 0: whole chunks in ``order``; > 0: interleaved, own chunk ``order[-1]`` lagging
 
     def __post_init__(self):
         if sorted(self.order) != list(range(self.world)):
             raise ValueError(f"order {self.order} is not a permutation of range({self.world})")
         if min(self.mc, self.n, self.block_m, self.block_n, self.group_m) < 1:
             raise ValueError("mc, n, block_m, block_n and group_m must be positive")
+        if self.lag < 0:
+            raise ValueError(f"lag must be >= 0, got {self.lag}")
+        if self.lag and self.world < 2:
+            raise ValueError("an interleaved order (lag > 0) needs at least two chunks")
 
     @property
     def tile_rows_per_chunk(self) -> int:
@@ -98,7 +111,7 @@ class TileSchedule:
         """Tile index ``t`` -> ``(chunk, tile row inside the chunk, tile column)``."""
         if not 0 <= t < self.num_tiles:
             raise ValueError(f"tile index {t} outside [0, {self.num_tiles})")
-        ci, r = divmod(t, self.tiles_per_chunk)
+        ci, r = self.position(t)
         chunk = self.order[ci]
         tm, tn = self.tile_rows_per_chunk, self.tile_cols
         width = self.group_m * tn
@@ -107,6 +120,28 @@ class TileSchedule:
         j = first + (r % width) % size
         col = (r % width) // size
         return chunk, j, col
+
+    @property
+    def lag_tiles(self) -> int:
+        """The lag in effect (at most the tiles of a chunk)."""
+        return min(self.lag, self.tiles_per_chunk)
+
+    def position(self, t: int) -> tuple[int, int]:
+        """Tile index ``t`` -> ``(index into order, index inside the chunk's super-tile order)``."""
+        tpc, w, lag = self.tiles_per_chunk, self.world, self.lag_tiles
+        if lag == 0:
+            return divmod(t, tpc)
+        head = (w - 1) * lag
+        if t < head:  # the lead: peer tiles only
+            slot = t
+        elif t < head + w * (tpc - lag):
+            g, r = divmod(t - head, w)
+            if r == w - 1:
+                return w - 1, g
+            slot = head + g * (w - 1) + r
+        else:  # the tail: own tiles only
+            return w - 1, t - head - w * (tpc - lag) + tpc - lag
+        return slot % (w - 1), slot // (w - 1)
 
     def tile_in_chunk(self, j: int, col: int) -> int:
         """Index of a tile inside its chunk's flag array (row-major over the chunk's tiles)."""

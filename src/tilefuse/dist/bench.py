@@ -12,7 +12,8 @@ scatters ``[M/W, N]`` rows) every rank times, in one rotation:
 * ``nccl``: the collective alone (``all_gather_into_tensor`` / ``reduce_scatter_tensor``);
 * ``nccl+cublas``: the sequential baseline;
 * ``symm_mem``: ``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``;
-* ``fused:<design>[/p<programs>]``: tilefuse's fused designs.
+* ``fused:<design>[/p<programs>][/l<lag>]``: tilefuse's fused designs (communication programs;
+  gemm_rs push's tile order).
 
 Every output is checked first (poisoned buffer, relative error to the sequential baseline);
 a variant that fails on any rank is dropped on every rank and recorded. The result row of a
@@ -76,22 +77,30 @@ def shapes(op: str, spec: str) -> list[tuple[int, int, int, str]]:
     return [(m, n, k, fam) for (m, n, k), fam in unique.items()]
 
 
-def fused_variants(op: str, spec: str) -> list[tuple[str, str, int | None]]:
-    """``(name, design, comm_programs)`` from ``design[/p16+32]`` items, e.g. ``ce,push/p16+32``."""
+def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
+    """``(name, design, options)`` from ``design[/p16+32][/l0+198]`` items, e.g. ``ce,push/p16+32``:
+    ``p`` sets ``comm_programs``, ``l`` sets ``lag`` (one variant per combination)."""
+    import itertools
+
     from tilefuse.dist.policy import FUSED_DESIGNS
 
+    keys = {"p": "comm_programs", "l": "lag"}
     out = []
     for item in spec.split(","):
         item = item.strip()
         if not item:
             continue
-        design, _, progs = item.partition("/p")
+        design, *opts = item.split("/")
         if design not in FUSED_DESIGNS[op]:
             raise ValueError(f"design {design!r}: {op} has {FUSED_DESIGNS[op]}")
-        if progs:
-            out += [(f"fused:{design}/p{p}", design, int(p)) for p in progs.split("+")]
-        else:
-            out.append((f"fused:{design}", design, None))
+        axes = []
+        for opt in opts:
+            if opt[:1] not in keys or not all(v.isdigit() for v in opt[1:].split("+")):
+                raise ValueError(f"variant option {opt!r} in {item!r}: expected p<int>[+<int>...] or l<int>[+...]")
+            axes.append([(opt[0], int(v)) for v in opt[1:].split("+")])
+        for combo in itertools.product(*axes):
+            name = "fused:" + "/".join([design] + [f"{k}{v}" for k, v in combo])
+            out.append((name, design, {keys[k]: v for k, v in combo}))
     return out
 
 
@@ -227,9 +236,9 @@ class _Case:
             if symm_mem:
                 fns["symm_mem"] = lambda: torch.ops.symm_mem.fused_all_gather_matmul(
                     a, [b], 0, self.group_name)[1][0]
-            for name, design, progs in fused:
-                fns[name] = (lambda d=design, p=progs, nm=name: td.ag_gemm(
-                    a, b, out=self.out(nm), path="fused", design=d, comm_programs=p, timeout_s=self.args.timeout))
+            for name, design, opts in fused:
+                fns[name] = (lambda d=design, o=opts, nm=name: td.ag_gemm(
+                    a, b, out=self.out(nm), path="fused", design=d, timeout_s=self.args.timeout, **o))
         else:
             fns["nccl"] = lambda: dist.reduce_scatter_tensor(self.coll, self.prod)
 
@@ -243,9 +252,9 @@ class _Case:
             if symm_mem:
                 fns["symm_mem"] = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
                     a, b, "sum", 0, self.group_name)
-            for name, design, progs in fused:
-                fns[name] = (lambda d=design, p=progs, nm=name: td.gemm_rs(
-                    a, b, out=self.out(nm), path="fused", design=d, comm_programs=p, timeout_s=self.args.timeout))
+            for name, design, opts in fused:
+                fns[name] = (lambda d=design, o=opts, nm=name: td.gemm_rs(
+                    a, b, out=self.out(nm), path="fused", design=d, timeout_s=self.args.timeout, **o))
         return fns
 
     def reference(self) -> torch.Tensor:
@@ -335,11 +344,11 @@ def _trace(case: _Case, fused, path: Path) -> str | None:
 
     if not fused:
         return None
-    name, design, progs = fused[0]
+    name, design, opts = fused[0]
     tr = Trace()
     fn = tdist.ag_gemm if case.op == "ag_gemm" else tdist.gemm_rs
-    fn(case.a, case.b, out=case.out(name), path="fused", design=design, comm_programs=progs, trace=tr,
-       timeout_s=case.args.timeout)
+    fn(case.a, case.b, out=case.out(name), path="fused", design=design, trace=tr, timeout_s=case.args.timeout,
+       **opts)
     torch.cuda.synchronize()
     events = tr.events()
     everyone = [None] * case.world

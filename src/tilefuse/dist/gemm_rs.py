@@ -1,6 +1,6 @@
 """gemm_rs: ``reduce_scatter(a @ b, dim 0, sum)`` with the transfers hidden under the product.
 
-Each rank computes the peer-owned row chunks first (rank+1, rank+2, ...) and its own chunk last
+Each rank computes the peer-owned row chunks (rank+1, rank+2, ...) before its own
 (``_schedule.chunk_order("owner_last")``); the owner adds the peers' partials of a tile in the
 epilogue of its own tile (fp32 accumulator + each peer's partial in the output dtype, in rank
 order from rank+1), then writes the result once. Designs (``design=``):
@@ -9,7 +9,9 @@ order from rank+1), then writes the result once. Designs (``design=``):
   receive buffer (symmetric memory) and the owner's per-tile flag is raised one tile later, when
   the stores have drained under the next tile's main loop. Program 0 first meets the peers (so
   every owner has finished reading its buffer from the last call) and opens the go word the
-  others wait on before their first remote store. One kernel, all SMs, no side stream.
+  others wait on before their first remote store. One kernel, all SMs, no side stream. The
+  tile order interleaves peer and own tiles (``lag``, ``_schedule``): with whole peer chunks
+  first, the link has to carry every partial during the first half of the GEMM (at W = 2).
 * ``"forward"`` — communication programs: the GEMM writes peer-owned tiles to a local buffer
   with a local flag; ``comm_programs`` programs of a forwarding kernel copy each finished tile
   to its owner and raise the owner's flag; the GEMM runs on the remaining SMs. The two kernels
@@ -41,6 +43,10 @@ from tilefuse.dist.symm import Workspace
 
 DESIGNS = ("push", "forward")
 _ALIGN = 1024
+# push: the own chunk's tiles trail the peer stream by about this many waves of the persistent
+# grid (``default_lag``), so a peer's partial has been stored and flagged when its owner's tile
+# reduces it; 0 restores whole peer chunks first.
+LAG_WAVES = 3.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,10 @@ class RsPlan:
     nbytes: int
 
     @property
+    def lag(self) -> int:
+        return self.schedule.lag
+
+    @property
     def mc(self) -> int:
         return self.m // self.world
 
@@ -77,12 +87,19 @@ class RsPlan:
 
     @property
     def peer_tiles(self) -> int:
-        """Tiles of peer-owned chunks: the first ones in this rank's order."""
+        """Tiles of peer-owned chunks: the first ones in this rank's order (forward: lag 0)."""
         return (self.world - 1) * self.tiles_per_chunk
 
 
 def _align(x: int) -> int:
     return -(-x // _ALIGN) * _ALIGN
+
+
+def default_lag(world: int, programs: int, waves: float = LAG_WAVES) -> int:
+    """Lag (tiles of the own chunk) that puts ``waves`` waves of ``programs`` between a peer
+    computing a tile and its owner reducing it in the middle of the walk, where the own tile
+    follows ``world * lag`` positions after the peer's copy of it (at least ``lag`` at the ends)."""
+    return max(1, -(-int(waves * programs) // world))
 
 
 def make_plan(
@@ -98,18 +115,27 @@ def make_plan(
     config: GemmConfig | None = None,
     comm_programs: int | None = None,
     num_programs: int | None = None,
+    lag: int | None = None,
 ) -> RsPlan:
     """Layout, the same for both designs (so that calls of either design leave the other's flag
     words zero): recv flags ``[W, tiles per chunk]``, local tile flags of the same shape
     (forward only), the receive buffer ``[W, M/W, N]`` and the local partial ``[M, N]``
-    (forward only; push's workspace ends before it)."""
+    (forward only; push's workspace ends before it). ``lag``: push's tile order (None: the
+    default, ``default_lag``; 0: whole peer chunks first); forward splits its GEMM at the end of
+    the peer chunks and takes lag 0 only."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
+    if lag is not None and (not isinstance(lag, int) or lag < 0):
+        raise ValueError(f"lag must be a non-negative int or None, got {lag!r}")
+    if design == "forward" and lag:
+        raise ValueError(f"the forward design walks whole peer chunks first: lag must be 0 or None, got {lag}")
     mc = chunk_rows(m, world)
     sms = num_programs or num_sms(device)
     cfg = config or default_config(m, n, k, sms)
+    if lag is None:
+        lag = default_lag(world, sms) if design == "push" and world > 1 else 0
     sched = TileSchedule(mc, n, world, cfg.block_m, cfg.block_n, cfg.group_m,
-                         tuple(chunk_order("owner_last", rank, world)))
+                         tuple(chunk_order("owner_last", rank, world)), lag if world > 1 else 0)
     n_flags = world * sched.tiles_per_chunk
     item = torch.empty((), dtype=dtype).element_size()
     recv_flags_off = P.FLAGS_OFFSET
@@ -219,6 +245,7 @@ def gemm_rs(
     design: str | None = None,
     config: GemmConfig | None = None,
     comm_programs: int | None = None,
+    lag: int | None = None,
     timeout_s: float | None = None,
     trace=None,
 ):
@@ -234,6 +261,8 @@ def gemm_rs(
         path / design: force ``"fused"`` / ``"nccl"`` and the design (``"push"`` epilogue push,
             ``"forward"`` communication programs); by default the policy decides.
         config, comm_programs: GEMM tiles; programs of the forwarding kernel.
+        lag: push's tile order: own tiles this many tiles behind the peer stream (None: the
+            measured default; 0: all peer tiles first).
         timeout_s: bound of every cross-GPU wait (default 60 s).
         trace: a :class:`tilefuse.dist.Trace`.
 
@@ -267,7 +296,7 @@ def gemm_rs(
         return _common.gemm_rs_nccl(a, b, out, g, b_layout, config)
     state = get_state(g, "gemm_rs", a.device)
     plan = _make_plan_cached(dec.design, m, n, k, world, rank, a.dtype, a.device, config=config,
-                             comm_programs=comm_programs)
+                             comm_programs=comm_programs, lag=lag)
     ws = state.ensure(plan.nbytes)
     state.clear_flags(plan.flags_end)
     timeout = P.timeout_units(timeout_s or DEFAULT_TIMEOUT_S, a.device.type)
