@@ -82,6 +82,47 @@ def test_plans_bad_options_and_layouts():
     p = rs.make_plan("forward", 8192, 8192, 1024, 2, 0, torch.bfloat16, CPU, num_programs=132)
     assert p.schedule.order == (1, 0) and p.peer_tiles == p.tiles_per_chunk and p.gemm_programs == 116
     assert p.part_off == p.recv_off + 8192 * 8192 * 2 and p.nbytes == p.part_off + 8192 * 8192 * 2
+    assert p.lag == 0
+
+
+def test_gemm_rs_push_lag_defaults_and_checks():
+    """Interleave where whole peer chunks first was link-bound on 2 x H200 (K <= 2048) and the
+    grid has >= 3 waves; one wave of lag (66 tiles at W = 2, 132 programs)."""
+    def lag(m, n, k, design="push", **kw):
+        return rs.make_plan(design, m, n, k, 2, 0, torch.bfloat16, CPU, num_programs=132, **kw).lag
+
+    assert lag(8192, 8192, 1024) == lag(4096, 4096, 512) == lag(16384, 4096, 1792) == 66
+    assert lag(16384, 16384, 2048) == 66
+    assert lag(32768, 32768, 4096) == lag(8192, 8192, 3584) == 0  # the link keeps up
+    assert lag(1024, 4096, 1792) == lag(1024, 8192, 3584) == 0  # one or two waves
+    assert lag(8192, 8192, 1024, "forward") == 0 and lag(8192, 8192, 1024, lag=0) == 0
+    assert lag(8192, 8192, 1024, lag=500) == 500
+    assert rs.default_lag(1024, 8, 132, 10**6) == 17 and rs.default_lag(1024, 1, 132, 10**6) == 0
+    with pytest.raises(ValueError, match="lag"):
+        lag(8192, 8192, 1024, lag=-1)
+    with pytest.raises(ValueError, match="forward"):
+        lag(8192, 8192, 1024, "forward", lag=3)
+
+
+def test_gemm_rs_push_programs_cycle_through_roles():
+    """With an interleaved order push runs on the most programs coprime with W (each program's
+    tiles then alternate between pushing and reducing); otherwise one per SM."""
+    assert rs.default_programs(132, 2, 66) == 131 and rs.default_programs(132, 2, 0) == 132
+    assert [rs.default_programs(132, w, 1) for w in (3, 4, 6, 8)] == [131, 131, 131, 131]
+    assert rs.default_programs(132, 1, 5) == 132
+
+    def plan(m, n, k, design="push", **kw):
+        return rs.make_plan(design, m, n, k, 2, 0, torch.bfloat16, CPU, num_programs=132, **kw)
+
+    assert plan(8192, 8192, 1024).gemm_programs == 131 and plan(32768, 32768, 4096).gemm_programs == 132
+    assert plan(8192, 8192, 1024, gemm_programs=132).gemm_programs == 132
+    with pytest.raises(ValueError, match="gemm_programs"):
+        plan(8192, 8192, 1024, gemm_programs=133)
+    with pytest.raises(ValueError, match="gemm_programs"):
+        plan(8192, 8192, 1024, "forward", gemm_programs=100)
+    s = plan(8192, 8192, 1024).schedule
+    roles = [s.decode(t)[0] == 0 for t in range(5, s.num_tiles, 131)]  # program 5: own (chunk 0) or peer
+    assert sum(roles[2:-2]) in (len(roles[2:-2]) // 2, (len(roles[2:-2]) + 1) // 2)
 
 
 def test_trace_export(tmp_path):
@@ -116,8 +157,8 @@ def test_bench_arguments():
     assert fused_variants("ag_gemm", "ce,push/p16+32") == [
         ("fused:ce", "ce", {}), ("fused:push/p16", "push", {"comm_programs": 16}),
         ("fused:push/p32", "push", {"comm_programs": 32})]
-    assert [v[0] for v in fused_variants("gemm_rs", "push/l0+198,forward/p16")] == [
-        "fused:push/l0", "fused:push/l198", "fused:forward/p16"]
+    assert [v[0] for v in fused_variants("gemm_rs", "push/l0+198,forward/p16,push/l66/g131+132")] == [
+        "fused:push/l0", "fused:push/l198", "fused:forward/p16", "fused:push/l66/g131", "fused:push/l66/g132"]
     assert fused_variants("gemm_rs", "push/l0")[0][2] == {"lag": 0}
     with pytest.raises(ValueError, match="design"):
         fused_variants("gemm_rs", "ce")

@@ -12,8 +12,8 @@ scatters ``[M/W, N]`` rows) every rank times, in one rotation:
 * ``nccl``: the collective alone (``all_gather_into_tensor`` / ``reduce_scatter_tensor``);
 * ``nccl+cublas``: the sequential baseline;
 * ``symm_mem``: ``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``;
-* ``fused:<design>[/p<programs>][/l<lag>]``: tilefuse's fused designs (communication programs;
-  gemm_rs push's tile order).
+* ``fused:<design>[/p<programs>][/l<lag>][/g<programs>]``: tilefuse's fused designs
+  (communication programs; gemm_rs push's tile order and program count).
 
 Every output is checked first (poisoned buffer, relative error to the sequential baseline);
 a variant that fails on any rank is dropped on every rank and recorded. The result row of a
@@ -78,13 +78,14 @@ def shapes(op: str, spec: str) -> list[tuple[int, int, int, str]]:
 
 
 def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
-    """``(name, design, options)`` from ``design[/p16+32][/l0+198]`` items, e.g. ``ce,push/p16+32``:
-    ``p`` sets ``comm_programs``, ``l`` sets ``lag`` (one variant per combination)."""
+    """``(name, design, options)`` from ``design[/p16+32][/l0+66][/g132]`` items, e.g.
+    ``ce,push/p16+32``: ``p`` sets ``comm_programs``, ``l`` gemm_rs's ``lag``, ``g`` gemm_rs's
+    ``num_programs`` (one variant per combination)."""
     import itertools
 
     from tilefuse.dist.policy import FUSED_DESIGNS
 
-    keys = {"p": "comm_programs", "l": "lag"}
+    keys = {"p": "comm_programs", "l": "lag", "g": "num_programs"}
     out = []
     for item in spec.split(","):
         item = item.strip()
@@ -96,7 +97,7 @@ def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
         axes = []
         for opt in opts:
             if opt[:1] not in keys or not all(v.isdigit() for v in opt[1:].split("+")):
-                raise ValueError(f"variant option {opt!r} in {item!r}: expected p<int>[+<int>...] or l<int>[+...]")
+                raise ValueError(f"variant option {opt!r} in {item!r}: expected p, l or g and <int>[+<int>...]")
             axes.append([(opt[0], int(v)) for v in opt[1:].split("+")])
         for combo in itertools.product(*axes):
             name = "fused:" + "/".join([design] + [f"{k}{v}" for k, v in combo])

@@ -23,6 +23,7 @@ Every wait is bounded (``timeout_s``).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +44,16 @@ from tilefuse.dist.symm import Workspace
 
 DESIGNS = ("push", "forward")
 _ALIGN = 1024
-# push: the own chunk's tiles trail the peer stream by about this many waves of the persistent
-# grid (``default_lag``), so a peer's partial has been stored and flagged when its owner's tile
-# reduces it; 0 restores whole peer chunks first.
-LAG_WAVES = 3.0
+# push's tile order (``default_lag``; measured on 2 x H200, benchmarks/NOTES.md, fused GEMM round
+# 6). Interleave only where whole peer chunks first would ask more of the link than it carries:
+# the partials of (W-1)/W of the product leave in (W-1)/W of the GEMM, i.e. at elem_bytes *
+# GEMM_FLOPS / (2 K) bytes/s whatever M, N and W; and only on grids of INTERLEAVE_MIN_WAVES waves
+# or more (on one or two waves the own tiles just wait). Then the own tiles trail the peer
+# stream by LAG_WAVES waves of the grid in the middle of the walk.
+GEMM_FLOPS = 650e12  # bf16 dense GEMM rate of the core on an H200
+LINK_BYTES_PER_S = 250e9  # push rate above which the peer phase was link-bound
+INTERLEAVE_MIN_WAVES = 3
+LAG_WAVES = 1.0
 
 
 @dataclass(frozen=True)
@@ -95,11 +102,28 @@ def _align(x: int) -> int:
     return -(-x // _ALIGN) * _ALIGN
 
 
-def default_lag(world: int, programs: int, waves: float = LAG_WAVES) -> int:
-    """Lag (tiles of the own chunk) that puts ``waves`` waves of ``programs`` between a peer
-    computing a tile and its owner reducing it in the middle of the walk, where the own tile
-    follows ``world * lag`` positions after the peer's copy of it (at least ``lag`` at the ends)."""
-    return max(1, -(-int(waves * programs) // world))
+def default_lag(k: int, world: int, programs: int, num_tiles: int, elem_bytes: int = 2) -> int:
+    """push's lag: 0 (whole peer chunks first) where the link keeps up with the GEMM or the grid
+    is short, else ``LAG_WAVES`` waves of ``programs`` between a peer computing a tile and its
+    owner reducing it in the middle of the walk (the own tile follows ``world * lag`` positions
+    after the peer's copy of it there, at least ``lag`` at the ends)."""
+    demand = elem_bytes * GEMM_FLOPS / (2 * k)
+    if world < 2 or demand <= LINK_BYTES_PER_S or num_tiles < INTERLEAVE_MIN_WAVES * programs:
+        return 0
+    return max(1, -(-int(LAG_WAVES * programs) // world))
+
+
+def default_programs(sms: int, world: int, lag: int) -> int:
+    """push's programs: one per SM; with an interleaved order the most that are coprime with W,
+    so that each program's tiles (positions t, t + P, ...) cycle through the W roles instead of
+    one program pushing every tile and another reducing every tile (at P = 132, W = 2 every
+    even program would push all its tiles: the pushing programs then set the pace)."""
+    if not lag or world < 2:
+        return sms
+    p = sms
+    while math.gcd(p, world) != 1:
+        p -= 1
+    return p
 
 
 def make_plan(
@@ -116,13 +140,15 @@ def make_plan(
     comm_programs: int | None = None,
     num_programs: int | None = None,
     lag: int | None = None,
+    gemm_programs: int | None = None,
 ) -> RsPlan:
     """Layout, the same for both designs (so that calls of either design leave the other's flag
     words zero): recv flags ``[W, tiles per chunk]``, local tile flags of the same shape
     (forward only), the receive buffer ``[W, M/W, N]`` and the local partial ``[M, N]``
-    (forward only; push's workspace ends before it). ``lag``: push's tile order (None: the
-    default, ``default_lag``; 0: whole peer chunks first); forward splits its GEMM at the end of
-    the peer chunks and takes lag 0 only."""
+    (forward only; push's workspace ends before it). ``num_programs``: the SMs to plan for
+    (default: the device's). ``lag``: push's tile order (None: the default, ``default_lag``; 0:
+    whole peer chunks first); forward splits its GEMM at the end of the peer chunks and takes
+    lag 0 only. ``gemm_programs``: push's persistent programs (default ``default_programs``)."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if lag is not None and (not isinstance(lag, int) or lag < 0):
@@ -132,10 +158,12 @@ def make_plan(
     mc = chunk_rows(m, world)
     sms = num_programs or num_sms(device)
     cfg = config or default_config(m, n, k, sms)
+    order = tuple(chunk_order("owner_last", rank, world))
     if lag is None:
-        lag = default_lag(world, sms) if design == "push" and world > 1 else 0
-    sched = TileSchedule(mc, n, world, cfg.block_m, cfg.block_n, cfg.group_m,
-                         tuple(chunk_order("owner_last", rank, world)), lag if world > 1 else 0)
+        tiles = TileSchedule(mc, n, world, cfg.block_m, cfg.block_n, cfg.group_m, order).num_tiles
+        item = torch.empty((), dtype=dtype).element_size()
+        lag = default_lag(k, world, sms, tiles, item) if design == "push" else 0
+    sched = TileSchedule(mc, n, world, cfg.block_m, cfg.block_n, cfg.group_m, order, lag if world > 1 else 0)
     n_flags = world * sched.tiles_per_chunk
     item = torch.empty((), dtype=dtype).element_size()
     recv_flags_off = P.FLAGS_OFFSET
@@ -145,12 +173,18 @@ def make_plan(
     if design == "push":
         comm = 0
         nbytes = part_off
+        if gemm_programs is not None and not (isinstance(gemm_programs, int) and 1 <= gemm_programs <= sms):
+            raise ValueError(f"gemm_programs must be an int in [1, {sms}] (resident programs), got {gemm_programs!r}")
+        programs = gemm_programs or default_programs(sms, world, sched.lag)
     else:
         comm = 16 if comm_programs is None else comm_programs
         if not 1 <= comm < sms:
             raise ValueError(f"comm_programs must be in [1, {sms}), got {comm}")
+        if gemm_programs is not None:
+            raise ValueError("gemm_programs is push's; forward runs its GEMM on the SMs the forwarding kernel leaves")
+        programs = sms - comm
         nbytes = part_off + m * n * item
-    return RsPlan(design, m, n, k, world, rank, dtype, cfg, sched, comm, sms - comm, recv_flags_off,
+    return RsPlan(design, m, n, k, world, rank, dtype, cfg, sched, comm, programs, recv_flags_off,
                   part_flags_off, recv_off, part_off, nbytes)
 
 
@@ -246,6 +280,7 @@ def gemm_rs(
     config: GemmConfig | None = None,
     comm_programs: int | None = None,
     lag: int | None = None,
+    num_programs: int | None = None,
     timeout_s: float | None = None,
     trace=None,
 ):
@@ -263,6 +298,7 @@ def gemm_rs(
         config, comm_programs: GEMM tiles; programs of the forwarding kernel.
         lag: push's tile order: own tiles this many tiles behind the peer stream (None: the
             measured default; 0: all peer tiles first).
+        num_programs: push's persistent programs, at most one per SM (None: the default).
         timeout_s: bound of every cross-GPU wait (default 60 s).
         trace: a :class:`tilefuse.dist.Trace`.
 
@@ -296,7 +332,7 @@ def gemm_rs(
         return _common.gemm_rs_nccl(a, b, out, g, b_layout, config)
     state = get_state(g, "gemm_rs", a.device)
     plan = _make_plan_cached(dec.design, m, n, k, world, rank, a.dtype, a.device, config=config,
-                             comm_programs=comm_programs, lag=lag)
+                             comm_programs=comm_programs, lag=lag, gemm_programs=num_programs)
     ws = state.ensure(plan.nbytes)
     state.clear_flags(plan.flags_end)
     timeout = P.timeout_units(timeout_s or DEFAULT_TIMEOUT_S, a.device.type)
