@@ -23,7 +23,6 @@ Every wait is bounded (``timeout_s``).
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -113,19 +112,6 @@ def default_lag(k: int, world: int, programs: int, num_tiles: int, elem_bytes: i
     return max(1, -(-int(LAG_WAVES * programs) // world))
 
 
-def default_programs(sms: int, world: int, lag: int) -> int:
-    """push's programs: one per SM; with an interleaved order the most that are coprime with W,
-    so that each program's tiles (positions t, t + P, ...) cycle through the W roles instead of
-    one program pushing every tile and another reducing every tile (at P = 132, W = 2 every
-    even program would push all its tiles: the pushing programs then set the pace)."""
-    if not lag or world < 2:
-        return sms
-    p = sms
-    while math.gcd(p, world) != 1:
-        p -= 1
-    return p
-
-
 def make_plan(
     design: str,
     m: int,
@@ -148,7 +134,8 @@ def make_plan(
     (forward only; push's workspace ends before it). ``num_programs``: the SMs to plan for
     (default: the device's). ``lag``: push's tile order (None: the default, ``default_lag``; 0:
     whole peer chunks first); forward splits its GEMM at the end of the peer chunks and takes
-    lag 0 only. ``gemm_programs``: push's persistent programs (default ``default_programs``)."""
+    lag 0 only. ``gemm_programs``: push's persistent programs (default: one per SM; measured
+    against 131 at W = 2, where each program alternates pushed and own tiles: slower, NOTES)."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if lag is not None and (not isinstance(lag, int) or lag < 0):
@@ -175,7 +162,7 @@ def make_plan(
         nbytes = part_off
         if gemm_programs is not None and not (isinstance(gemm_programs, int) and 1 <= gemm_programs <= sms):
             raise ValueError(f"gemm_programs must be an int in [1, {sms}] (resident programs), got {gemm_programs!r}")
-        programs = gemm_programs or default_programs(sms, world, sched.lag)
+        programs = gemm_programs or sms
     else:
         comm = 16 if comm_programs is None else comm_programs
         if not 1 <= comm < sms:
@@ -298,7 +285,7 @@ def gemm_rs(
         config, comm_programs: GEMM tiles; programs of the forwarding kernel.
         lag: push's tile order: own tiles this many tiles behind the peer stream (None: the
             measured default; 0: all peer tiles first).
-        num_programs: push's persistent programs, at most one per SM (None: the default).
+        num_programs: push's persistent programs, at most one per SM (None: one per SM).
         timeout_s: bound of every cross-GPU wait (default 60 s).
         trace: a :class:`tilefuse.dist.Trace`.
 
