@@ -59,7 +59,7 @@ def config_name(cfg: PrefillConfig) -> str:
     flags = [f for f, on in (("split", cfg.mx_split), ("km", cfg.keys_major), ("u2", cfg.head_unroll == 2),
                              ("via-fp8", cfg.fp4_via_fp8), ("clean-pass", cfg.clean_pass),
                              ("via-f16", cfg.mxfp8_via_f16), ("heads-on-n", cfg.heads_on_n),
-                             ("gluon", cfg.gluon), ("persistent", cfg.persistent)) if on]
+                             ("gluon", cfg.gluon), ("pairs", cfg.gluon_head_loop == "pairs")) if on]
     return "/".join([f"{cfg.block_q}x{cfg.block_n}", f"w{cfg.num_warps}s{cfg.num_stages}", *flags])
 
 
@@ -89,19 +89,19 @@ GLUON = [C(64, 128, 4, 3, gluon=True), C(64, 128, 4, 4, gluon=True), C(64, 128, 
 
 
 def gluon_rows():
-    """The Gluon head loop against the Triton loop (the H200 default: 4 warps, 4 buffers), and
-    its persistent schedule against its 2-D grid. The rounds behind it are in NOTES (round 6)."""
+    """The Gluon head loop against the Triton loop (the H200 default: 4 warps, 4 buffers), each
+    with its two head loops: "overlap" (one MMA in flight under the other head's epilogue, the
+    default) and "pairs" (two heads' MMAs issued together, applied as they land). The rounds
+    behind it are in NOTES (round 6)."""
     base = dict(s_q=2048, s_k=32768, h=64, d=128, fmt="fp8", clean=True, logits=torch.float32)
-    # Persistent: the same tiles walked by two programs per SM, the next tile's loads under the
-    # current tile's last heads.
-    persistent = [C(64, 128, 4, 4, gluon=True, persistent=True), C(64, 128, 4, 3, gluon=True, persistent=True)]
-    yield base, FP8_CONFIGS[:1] + GLUON[1:2] + persistent
-    yield {**base, "h": 32}, FP8_CONFIGS[:1] + GLUON[1:2] + persistent[:1]
-    yield {**base, "s_q": 128}, GLUON[1:2] + persistent[:1]
-    yield {**base, "s_q": 8192, "s_k": 65536}, GLUON[1:2] + persistent[:1]
-    yield {**base, "fmt": "mxfp8"}, MXF16_CONFIGS[:1] + [C(64, 128, 4, 4, mxfp8_via_f16=True, gluon=True),
-                                                         C(64, 128, 4, 3, mxfp8_via_f16=True, gluon=True,
-                                                           persistent=True)]
+    loops = [GLUON[1], C(64, 128, 4, 4, gluon=True, gluon_head_loop="pairs")]
+    yield base, FP8_CONFIGS[:1] + loops
+    yield {**base, "h": 32}, FP8_CONFIGS[:1] + loops
+    yield {**base, "s_q": 128}, loops
+    yield {**base, "s_q": 8192, "s_k": 65536}, loops
+    yield {**base, "fmt": "mxfp8"}, MXF16_CONFIGS[:1] + [
+        C(64, 128, 4, 4, mxfp8_via_f16=True, gluon=True),
+        C(64, 128, 4, 4, mxfp8_via_f16=True, gluon=True, gluon_head_loop="pairs")]
 
 
 def rows(quick: bool, row_set: str):
@@ -143,7 +143,8 @@ def main(argv=None):
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--set", default="all", choices=("all", "schedules", "small", "h32", "gluon"),
                     help="rows: all; schedules (clean-logits schedule per format, clean on and off); small "
-                         "(128/32768 and 16/65536 with the few-row tiles); h32 (H = 32 tiles)")
+                         "(128/32768 and 16/65536 with the few-row tiles); h32 (H = 32 tiles); gluon (the "
+                         "Gluon head loops, overlap and pairs, against the Triton loop)")
     ap.add_argument("--formats", default="fp8,mxfp8,mxfp4", help="comma-separated formats to sweep")
     args = ap.parse_args(argv)
     record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": []}

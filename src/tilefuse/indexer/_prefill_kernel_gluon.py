@@ -8,13 +8,15 @@ non-accumulating dot before its consumer, so there the MMA and that CUDA-core ep
 (benchmarks/NOTES.md, "Where the time goes"). Query tiles stream through a ring of ``NUM_BUF``
 shared-memory buffers filled by TMA, one mbarrier per buffer.
 
-Two schedules of the same tiles: ``prefill_logits_gluon_kernel`` (the 2-D grid, one tile per
-program, the default) and ``prefill_logits_gluon_persistent_kernel`` (a fixed grid whose
-programs stream their tiles' query tiles through the ring, so the next tile's loads start under
-the current tile's last heads). Both run the 2-byte and 1-byte float operands the Triton
-kernel's FP8 path takes (E4M3, and f16 for MXFP8 renormalised into f16). Gluon has no
-interpreter, so this path is GPU-only; CPU tests compile it for sm_90a and the GPU suite checks
-it bit for bit against the Triton kernel.
+One schedule, ``prefill_logits_gluon_kernel``: the 2-D grid, one tile per program (a
+persistent grid walking the same tiles ran 2-3% slower: NOTES, sweep 11). Two head loops,
+picked by ``HEAD_LOOP`` (``HEAD_LOOPS``): "overlap" (the default) keeps one MMA in flight
+under the other head's epilogue; "pairs" issues two heads' MMAs back to back and applies each
+as it lands. Both sum the heads in the same order, so both write the Triton kernel's bits.
+The kernel runs the 2-byte and 1-byte float operands the Triton kernel's FP8 path takes (E4M3,
+and f16 for MXFP8 renormalised into f16). Gluon has no interpreter, so this path is GPU-only;
+CPU tests compile it for sm_90a and the GPU suite checks it bit for bit against the Triton
+kernel.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ _GL_DTYPE = {torch.float8_e4m3fn: gl.float8e4nv, torch.float16: gl.float16, torc
 # weight (one add per score); 2 = no MMA (the query tiles still stream in); 3 = no query
 # traffic after the first NUM_BUF heads (their buffers are reused).
 ABLATIONS = {"none": 0, "no-relu-weight": 1, "no-mma": 2, "no-query-loads": 3}
+
+# ``HEAD_LOOP``: how the MMAs of the heads interleave with their epilogues (same arithmetic,
+# same bits). 0 = "overlap": head h+1's MMA in flight while head h is applied, one MMA at a
+# time (``_head_loop``); 1 = "pairs": heads h and h+1 issued together, h applied once it lands
+# while h+1 still runs, then h+1 (``_head_loop_pairs``; needs an even H).
+HEAD_LOOPS = {"overlap": 0, "pairs": 1}
 
 
 @gluon.jit
@@ -60,29 +68,23 @@ def _apply(acc, s, w, ABLATE: gl.constexpr):
 
 
 @gluon.jit
-def _refill(q_desc, q_smem, q_bars, g, head, q0, q0_next, has_next, H: gl.constexpr, D: gl.constexpr,
-            NUM_BUF: gl.constexpr, ABLATE: gl.constexpr):
-    """Position ``g`` of the query stream (head ``head`` of this tile) is done: its buffer takes
-    the query tile NUM_BUF positions later, a head of this tile or, past the last head, of the
-    program's next tile (when ``has_next``)."""
-    buf = g % NUM_BUF
+def _refill(q_desc, q_smem, q_bars, head, q0, H: gl.constexpr, D: gl.constexpr, NUM_BUF: gl.constexpr,
+            ABLATE: gl.constexpr):
+    """Head ``head``'s MMA is done: its buffer takes the query tile of head ``head + NUM_BUF``, if any."""
+    buf = head % NUM_BUF
     later = head + NUM_BUF
     if ABLATE != 3:
         if later < H:
             mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [q0, later * D], q_bars.index(buf), q_smem.index(buf))
-        elif has_next:
-            mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q0_next, (later - H) * D], q_bars.index(buf),
-                                            q_smem.index(buf))
 
 
 @gluon.jit
-def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, g0, q0, q0_next, has_next, H: gl.constexpr,
-               D: gl.constexpr, NUM_BUF: gl.constexpr, ABLATE: gl.constexpr, BLOCK_Q: gl.constexpr,
-               BLOCK_N: gl.constexpr, mma: gl.constexpr):
-    """sum_h relu(q_h . k) * w_h for one tile, heads in order; the tile's head 0 is position
-    ``g0`` of the query stream (its tiles already requested up to g0 + NUM_BUF - 1).
+def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr, D: gl.constexpr,
+               NUM_BUF: gl.constexpr, ABLATE: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
+               mma: gl.constexpr):
+    """sum_h relu(q_h . k) * w_h for one tile, heads in order ("overlap"; the ring already holds
+    requests for heads 0 .. NUM_BUF - 1).
 
     Two score tiles alternate: while one head's MMA runs, the warps apply ReLU and the weight to
     the other's scores. Exactly one MMA is in flight at any time and every wait is for zero
@@ -91,29 +93,55 @@ def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, g0, q0, q0_next, has
     accumulator is copied or redefined while an MMA runs (either makes ptxas serialise every
     wgmma: NOTES, round 6)."""
     acc = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
-    s0 = _issue(q_desc, q_smem, q_bars, k_t, gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma), g0, NUM_BUF,
+    s0 = _issue(q_desc, q_smem, q_bars, k_t, gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma), 0, NUM_BUF,
                 ABLATE)
     s1 = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
     w0 = gl.load(w_rows, mask=row_ok, other=0.0).to(gl.float32)
     w1 = gl.load(w_rows + 1, mask=row_ok, other=0.0).to(gl.float32)
     s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
-    _refill(q_desc, q_smem, q_bars, g0, 0, q0, q0_next, has_next, H, D, NUM_BUF, ABLATE)
+    _refill(q_desc, q_smem, q_bars, 0, q0, H, D, NUM_BUF, ABLATE)
     for h in range(0, H - 2, 2):
-        s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, g0 + h + 1, NUM_BUF, ABLATE)
+        s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, h + 1, NUM_BUF, ABLATE)
         acc = _apply(acc, s0, w0, ABLATE)
         w0 = gl.load(w_rows + h + 2, mask=row_ok, other=0.0).to(gl.float32)
         s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
-        _refill(q_desc, q_smem, q_bars, g0 + h + 1, h + 1, q0, q0_next, has_next, H, D, NUM_BUF, ABLATE)
-        s0 = _issue(q_desc, q_smem, q_bars, k_t, s0, g0 + h + 2, NUM_BUF, ABLATE)
+        _refill(q_desc, q_smem, q_bars, h + 1, q0, H, D, NUM_BUF, ABLATE)
+        s0 = _issue(q_desc, q_smem, q_bars, k_t, s0, h + 2, NUM_BUF, ABLATE)
         acc = _apply(acc, s1, w1, ABLATE)
         w1 = gl.load(w_rows + h + 3, mask=row_ok, other=0.0).to(gl.float32)
         s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
-        _refill(q_desc, q_smem, q_bars, g0 + h + 2, h + 2, q0, q0_next, has_next, H, D, NUM_BUF, ABLATE)
-    s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, g0 + H - 1, NUM_BUF, ABLATE)
+        _refill(q_desc, q_smem, q_bars, h + 2, q0, H, D, NUM_BUF, ABLATE)
+    s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, H - 1, NUM_BUF, ABLATE)
     acc = _apply(acc, s0, w0, ABLATE)
     s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
-    _refill(q_desc, q_smem, q_bars, g0 + H - 1, H - 1, q0, q0_next, has_next, H, D, NUM_BUF, ABLATE)
+    _refill(q_desc, q_smem, q_bars, H - 1, q0, H, D, NUM_BUF, ABLATE)
     return _apply(acc, s1, w1, ABLATE)
+
+
+@gluon.jit
+def _head_loop_pairs(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr, D: gl.constexpr,
+                     NUM_BUF: gl.constexpr, ABLATE: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
+                     mma: gl.constexpr):
+    """``_head_loop``'s sum, same order and bits ("pairs", H even): each step issues heads h and
+    h+1 back to back, waits for h alone (one group still outstanding: groups retire in order),
+    frees its buffer and applies it while h+1's MMA runs, then waits for h+1 and applies it with
+    no MMA in flight. The tensor cores get two heads' work at once; the CUDA cores overlap only
+    the first of the two epilogues."""
+    acc = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
+    s0 = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
+    s1 = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
+    for h in range(0, H, 2):
+        w0 = gl.load(w_rows + h, mask=row_ok, other=0.0).to(gl.float32)
+        w1 = gl.load(w_rows + h + 1, mask=row_ok, other=0.0).to(gl.float32)
+        s0 = _issue(q_desc, q_smem, q_bars, k_t, s0, h, NUM_BUF, ABLATE)
+        s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, h + 1, NUM_BUF, ABLATE)
+        s0 = warpgroup_mma_wait(num_outstanding=1, deps=(s0, ))
+        _refill(q_desc, q_smem, q_bars, h, q0, H, D, NUM_BUF, ABLATE)
+        acc = _apply(acc, s0, w0, ABLATE)
+        s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
+        _refill(q_desc, q_smem, q_bars, h + 1, q0, H, D, NUM_BUF, ABLATE)
+        acc = _apply(acc, s1, w1, ABLATE)
+    return acc
 
 
 @gluon.jit
@@ -175,7 +203,7 @@ def prefill_logits_gluon_kernel(
     out_ptr, stride_out,
     S_q, S_k,
     H: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr, NUM_BUF: gl.constexpr,
-    num_warps: gl.constexpr, ABLATE: gl.constexpr = 0,
+    num_warps: gl.constexpr, ABLATE: gl.constexpr = 0, HEAD_LOOP: gl.constexpr = 0,
 ):
     BLOCK_Q: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
@@ -213,8 +241,12 @@ def prefill_logits_gluon_kernel(
         w_rows = w_ptr + rows.to(gl.int64) * stride_w
         k_t = k_smem.permute((1, 0))
         mbarrier.wait(k_bar, phase=0)
-        acc = _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, 0, q0, 0, False, H, D, NUM_BUF, ABLATE,
-                         BLOCK_Q, BLOCK_N, mma)
+        if HEAD_LOOP == 1:
+            acc = _head_loop_pairs(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H, D, NUM_BUF, ABLATE, BLOCK_Q,
+                                   BLOCK_N, mma)
+        else:
+            acc = _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H, D, NUM_BUF, ABLATE, BLOCK_Q,
+                             BLOCK_N, mma)
         mbarrier.invalidate(k_bar)
         for i in gl.static_range(NUM_BUF):
             mbarrier.invalidate(q_bars.index(i))
@@ -226,113 +258,11 @@ def prefill_logits_gluon_kernel(
         _store_tile(acc, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, mma)
 
 
-# --------------------------------------------------------------------------------------------
-# Persistent variant: the same tiles, walked by a fixed number of programs
-
-
-@gluon.jit
-def _next_live_tile(t, step, num_tiles, NKB, ks_ptr, ke_ptr, out_ptr, stride_out, S_q, S_k,
-                    CLEAN: gl.constexpr, COMPRESSED: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
-                    mma: gl.constexpr):
-    """The first tile from ``t`` on (in steps of ``step``) that has keys to score, or a value
-    >= ``num_tiles``; the -inf of the skipped tiles is written on the way."""
-    searching = t < num_tiles
-    while searching:
-        n0 = (t % NKB) * BLOCK_N
-        rows, ks, ke, empty = _tile_window(ks_ptr, ke_ptr, (t // NKB) * BLOCK_Q, n0, S_q, S_k, BLOCK_Q, BLOCK_N,
-                                           gl.SliceLayout(1, mma))
-        if empty:
-            _fill_skipped(rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N, mma)
-            t += step
-        searching = empty & (t < num_tiles)
-    return t
-
-
-@gluon.jit
-def _load_keys(k_desc, k_smem, k_bars, t, NKB, slot, BLOCK_N: gl.constexpr):
-    mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [(t % NKB) * BLOCK_N, 0], k_bars.index(slot), k_smem.index(slot))
-
-
-@gluon.jit
-def prefill_logits_gluon_persistent_kernel(
-    q_desc, k_desc, k_scale_ptr,
-    w_ptr, stride_w,
-    ks_ptr, ke_ptr,
-    out_ptr, stride_out,
-    S_q, S_k,
-    H: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr, NUM_BUF: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    """``prefill_logits_gluon_kernel``'s tiles (same arithmetic, same bits) walked by a fixed
-    grid: program p takes tiles p, p + P, ... in the 2-D grid's order, skipping those no row
-    sees (their -inf written on the way). The query tiles of all its tiles form one stream
-    through the buffer ring, so the next tile's first heads and its key tile (two key buffers)
-    load under the current tile's last heads instead of after its store."""
-    BLOCK_Q: gl.constexpr = q_desc.block_type.shape[0]
-    D: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    WARPS_M: gl.constexpr = BLOCK_Q // 16
-    WARPS_N: gl.constexpr = num_warps // WARPS_M
-    mma: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N],
-        instr_shape=[16, BLOCK_N // WARPS_N, 256 // q_desc.dtype.primitive_bitwidth])
-    row_l: gl.constexpr = gl.SliceLayout(1, mma)
-    col_l: gl.constexpr = gl.SliceLayout(0, mma)
-
-    step = gl.num_programs(0)
-    NKB = (S_k + BLOCK_N - 1) // BLOCK_N
-    num_tiles = NKB * ((S_q + BLOCK_Q - 1) // BLOCK_Q)
-
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK_N, D], k_desc.layout)
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_BUF, BLOCK_Q, D], q_desc.layout)
-    k_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(k_bars.index(i), count=1)
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(q_bars.index(i), count=1)
-
-    t = _next_live_tile(gl.program_id(0), step, num_tiles, NKB, ks_ptr, ke_ptr, out_ptr, stride_out, S_q, S_k,
-                        CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N, mma)
-    if t < num_tiles:
-        _load_keys(k_desc, k_smem, k_bars, t, NKB, 0, BLOCK_N)
-        _load_first_queries(q_desc, q_smem, q_bars, (t // NKB) * BLOCK_Q, D, NUM_BUF)
-    done = 0  # tiles scored so far: picks the key buffer and its phase
-    g0 = 0  # position of this tile's head 0 in the query stream: picks ring buffers and phases
-    while t < num_tiles:
-        t_next = _next_live_tile(t + step, step, num_tiles, NKB, ks_ptr, ke_ptr, out_ptr, stride_out, S_q, S_k,
-                                 CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N, mma)
-        has_next = t_next < num_tiles
-        q0_next = (t_next // NKB) * BLOCK_Q
-        if has_next:
-            _load_keys(k_desc, k_smem, k_bars, t_next, NKB, (done + 1) % 2, BLOCK_N)
-        q0 = (t // NKB) * BLOCK_Q
-        n0 = (t % NKB) * BLOCK_N
-        rows, ks, ke, empty = _tile_window(ks_ptr, ke_ptr, q0, n0, S_q, S_k, BLOCK_Q, BLOCK_N, row_l)
-        row_ok = rows < S_q
-        w_rows = w_ptr + rows.to(gl.int64) * stride_w
-        mbarrier.wait(k_bars.index(done % 2), phase=(done // 2) & 1)
-        k_t = k_smem.index(done % 2).permute((1, 0))
-        acc = _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, g0, q0, q0_next, has_next, H, D, NUM_BUF, 0,
-                         BLOCK_Q, BLOCK_N, mma)
-
-        cols = n0 + gl.arange(0, BLOCK_N, layout=col_l)
-        acc = acc * gl.load(k_scale_ptr + cols, mask=cols < S_k, other=0.0)[None, :]
-        _store_tile(acc, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, mma)
-        done += 1
-        g0 += H
-        t = t_next
-    for i in gl.static_range(2):
-        mbarrier.invalidate(k_bars.index(i))
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.invalidate(q_bars.index(i))
-
 def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, block_q: int, block_n: int,
-           num_warps: int, num_buf: int, ablate: int = 0, persistent: bool = False, blocks_per_sm: int = 2):
+           num_warps: int, num_buf: int, ablate: int = 0, head_loop: str = "overlap"):
     """q [S_q, H, D] and k [S_k, D] in E4M3 or f16, the rest as the Triton kernel takes them.
-    ``persistent``: ``blocks_per_sm`` programs per SM walk the tiles (two fit at the 4-warp
-    tile's registers). Returns the compiled kernel (registers, spills)."""
+    ``head_loop``: a key of ``HEAD_LOOPS`` ("pairs" needs an even H). Returns the compiled
+    kernel (registers, spills)."""
     s_q, h, d = q.shape
     s_k = k.shape[0]
     if num_buf < 2 or num_buf > h:
@@ -340,6 +270,10 @@ def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, b
     if block_q not in (64, 128) or num_warps % (block_q // 16):
         raise ValueError(f"gluon prefill: block_q must be 64 or 128 with num_warps a multiple of block_q / 16, "
                          f"got block_q={block_q}, num_warps={num_warps}")
+    if head_loop not in HEAD_LOOPS:
+        raise ValueError(f"gluon prefill: head_loop must be one of {sorted(HEAD_LOOPS)}, got {head_loop!r}")
+    if head_loop == "pairs" and h % 2:
+        raise ValueError(f"gluon prefill: the pairs head loop needs an even head count, got H={h}")
     dt = _GL_DTYPE[q.dtype]
     q_block, k_block = [block_q, d], [block_n, d]
     # Rows of q may be padded (stride(0) >= H * D); heads and head dim are contiguous (checked).
@@ -347,17 +281,8 @@ def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, b
                               gl.NVMMASharedLayout.get_default_for(q_block, dt))
     k_desc = TensorDescriptor(k, [s_k, d], [k.stride(0), 1], k_block,
                               gl.NVMMASharedLayout.get_default_for(k_block, dt))
-    args = (q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k)
-    tiles = triton.cdiv(s_k, block_n) * triton.cdiv(s_q, block_q)
-    if persistent:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        # No more programs than fit at once (228 KiB of shared memory per SM, 1 KiB of it
-        # reserved per block): a program that cannot start until another ends would serialise.
-        smem = (2 * block_n + num_buf * block_q) * d * q.element_size()
-        resident = max(1, min(blocks_per_sm, (228 * 1024) // (smem + 2048)))
-        grid = (min(tiles, sms * resident),)
-        return prefill_logits_gluon_persistent_kernel[grid](
-            *args, H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps)
     grid = (triton.cdiv(s_k, block_n), triton.cdiv(s_q, block_q))
     return prefill_logits_gluon_kernel[grid](
-        *args, H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps, ABLATE=ablate)
+        q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k,
+        H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps, ABLATE=ablate,
+        HEAD_LOOP=HEAD_LOOPS[head_loop])
