@@ -3,10 +3,9 @@ its work removed at a time (``_prefill_kernel_gluon.ABLATIONS``), beside the Tri
 FP8 matmul ceiling of the same run. Rates are the op's FLOPs (2 * valid pairs * H * D) over each
 variant's time, so a variant that runs at the same rate as the whole kernel removed nothing
 that bounds it. Outputs of the ablated variants are wrong by design and not checked; the
-whole kernel is checked bit for bit against the Triton loop first. ``--head-loop`` picks the
-Gluon head loop (``_prefill_kernel_gluon.HEAD_LOOPS``; "both" times each, ablations included).
+whole kernel is checked bit for bit against the Triton loop first.
 
-    python benchmarks/prefill_bound.py --output prefill-bound.json [--head-loop pairs]
+    python benchmarks/prefill_bound.py --output prefill-bound.json
 """
 
 from __future__ import annotations
@@ -38,10 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output", default="prefill-bound.json")
     ap.add_argument("--samples", type=int, default=15)
     ap.add_argument("--num-buf", type=int, default=4)
-    ap.add_argument("--head-loop", default="overlap", choices=(*gk.HEAD_LOOPS, "both"),
-                    help="the Gluon kernel's head loop (default: overlap, the op's)")
     args = ap.parse_args(argv)
-    head_loops = list(gk.HEAD_LOOPS) if args.head_loop == "both" else [args.head_loop]
     record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": []}
     fp8_ceiling = ceilings.ceiling_value(record["ceilings"], "fp8_matmul")
     table = []
@@ -51,25 +47,22 @@ def main(argv=None) -> int:
         flops = 2 * W.valid_pairs(ks, ke, s_k) * h * 128
         ref = tilefuse.fp8_fp4_mqa_logits((q8, None), (k8, k_sf), w, ks, ke, True, config=TRITON_LOOP)
         out = torch.empty_like(ref)
-        compiled, loop_of = {}, {}
+        compiled = {}
         fns = {"triton loop": functools.partial(tilefuse.fp8_fp4_mqa_logits, (q8, None), (k8, k_sf), w, ks, ke,
                                                 True, config=TRITON_LOOP)}
-        for loop in head_loops:
-            for name, code in gk.ABLATIONS.items():
-                run = functools.partial(gk.launch, q8, k8, k_sf, w, ks, ke, out, True, False, 64, 128, 4,
-                                        args.num_buf, code, head_loop=loop)
-                label = f"gluon {name}" if len(head_loops) == 1 else f"gluon {loop} {name}"
-                compiled[label], loop_of[label] = run(), loop
-                if code == 0:
-                    torch.cuda.synchronize()
-                    assert torch.equal(out.view(torch.int32), ref.view(torch.int32)), f"gluon {loop} loop differs"
-                fns[label] = run
+        for name, code in gk.ABLATIONS.items():
+            run = functools.partial(gk.launch, q8, k8, k_sf, w, ks, ke, out, True, False, 64, 128, 4, args.num_buf,
+                                    code)
+            compiled[name] = run()
+            if code == 0:
+                torch.cuda.synchronize()
+                assert torch.equal(out.view(torch.int32), ref.view(torch.int32)), "gluon loop differs from triton"
+            fns[f"gluon {name}"] = run
         stats = timing.time_graph(fns, calls=5, samples=args.samples)
         for name, st in stats.items():
             tflops = flops / (st.median_us * 1e-6) / 1e12
-            kern = compiled.get(name)
-            row = {"s_q": s_q, "s_k": s_k, "h": h, "variant": name, "head_loop": loop_of.get(name),
-                   "stats": st.to_dict(), "tflops": tflops,
+            kern = compiled.get(name.removeprefix("gluon "))
+            row = {"s_q": s_q, "s_k": s_k, "h": h, "variant": name, "stats": st.to_dict(), "tflops": tflops,
                    "ceiling_ratio": tflops / fp8_ceiling,
                    "registers": getattr(kern, "n_regs", None), "spills": getattr(kern, "n_spills", None)}
             record["rows"].append(row)
@@ -80,9 +73,9 @@ def main(argv=None) -> int:
     with open(args.output, "w") as f:
         json.dump(record, f, indent=1)
     print(f"fp8 ceiling {fp8_ceiling:.0f} TFLOP/s")
-    print(f"{'shape':16s} {'variant':30s} {'us':>9s} {'TFLOP/s':>8s} {'ceil':>5s} {'regs':>5s} {'spill':>5s}")
+    print(f"{'shape':16s} {'variant':24s} {'us':>9s} {'TFLOP/s':>8s} {'ceil':>5s} {'regs':>5s} {'spill':>5s}")
     for label, name, us, tf, ratio, regs, spills in table:
-        print(f"{label:16s} {name:30s} {us:9.1f} {tf:8.0f} {ratio:5.2f} {regs!s:>5s} {spills!s:>5s}")
+        print(f"{label:16s} {name:24s} {us:9.1f} {tf:8.0f} {ratio:5.2f} {regs!s:>5s} {spills!s:>5s}")
     return 0
 
 

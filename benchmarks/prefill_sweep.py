@@ -59,7 +59,7 @@ def config_name(cfg: PrefillConfig) -> str:
     flags = [f for f, on in (("split", cfg.mx_split), ("km", cfg.keys_major), ("u2", cfg.head_unroll == 2),
                              ("via-fp8", cfg.fp4_via_fp8), ("clean-pass", cfg.clean_pass),
                              ("via-f16", cfg.mxfp8_via_f16), ("heads-on-n", cfg.heads_on_n),
-                             ("gluon", cfg.gluon), ("pairs", cfg.gluon_head_loop == "pairs")) if on]
+                             ("gluon", cfg.gluon)) if on]
     return "/".join([f"{cfg.block_q}x{cfg.block_n}", f"w{cfg.num_warps}s{cfg.num_stages}", *flags])
 
 
@@ -89,19 +89,15 @@ GLUON = [C(64, 128, 4, 3, gluon=True), C(64, 128, 4, 4, gluon=True), C(64, 128, 
 
 
 def gluon_rows():
-    """The Gluon head loop against the Triton loop (the H200 default: 4 warps, 4 buffers), each
-    with its two head loops: "overlap" (one MMA in flight under the other head's epilogue, the
-    default) and "pairs" (two heads' MMAs issued together, applied as they land). The rounds
-    behind it are in NOTES (round 6)."""
+    """The Gluon head loop (its 2-D grid at the H200 default: 4 warps, 4 buffers) against the
+    Triton loop on the same rows. The rounds behind it are in NOTES (round 6)."""
     base = dict(s_q=2048, s_k=32768, h=64, d=128, fmt="fp8", clean=True, logits=torch.float32)
-    loops = [GLUON[1], C(64, 128, 4, 4, gluon=True, gluon_head_loop="pairs")]
-    yield base, FP8_CONFIGS[:1] + loops
-    yield {**base, "h": 32}, FP8_CONFIGS[:1] + loops
+    loops = FP8_CONFIGS[:1] + GLUON[1:2]
+    yield base, loops
+    yield {**base, "h": 32}, loops
     yield {**base, "s_q": 128}, loops
     yield {**base, "s_q": 8192, "s_k": 65536}, loops
-    yield {**base, "fmt": "mxfp8"}, MXF16_CONFIGS[:1] + [
-        C(64, 128, 4, 4, mxfp8_via_f16=True, gluon=True),
-        C(64, 128, 4, 4, mxfp8_via_f16=True, gluon=True, gluon_head_loop="pairs")]
+    yield {**base, "fmt": "mxfp8"}, MXF16_CONFIGS[:1] + [C(64, 128, 4, 4, mxfp8_via_f16=True, gluon=True)]
 
 
 def rows(quick: bool, row_set: str):
@@ -144,7 +140,7 @@ def main(argv=None):
     ap.add_argument("--set", default="all", choices=("all", "schedules", "small", "h32", "gluon"),
                     help="rows: all; schedules (clean-logits schedule per format, clean on and off); small "
                          "(128/32768 and 16/65536 with the few-row tiles); h32 (H = 32 tiles); gluon (the "
-                         "Gluon head loops, overlap and pairs, against the Triton loop)")
+                         "Gluon head loop against the Triton loop)")
     ap.add_argument("--formats", default="fp8,mxfp8,mxfp4", help="comma-separated formats to sweep")
     args = ap.parse_args(argv)
     record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": []}

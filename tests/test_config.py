@@ -11,7 +11,6 @@ from tilefuse._config import apply_env_overrides
 class Cfg:
     block: int = 64
     fast: bool = False
-    loop: str = "a"
 
 
 def test_overrides_ints_and_flags(monkeypatch):
@@ -21,11 +20,6 @@ def test_overrides_ints_and_flags(monkeypatch):
     assert apply_env_overrides(Cfg(fast=True), "X_CFG") == Cfg(64, False)
     monkeypatch.delenv("X_CFG")
     assert apply_env_overrides(Cfg(32), "X_CFG") == Cfg(32)
-
-
-def test_overrides_strings_as_given(monkeypatch):
-    monkeypatch.setenv("X_CFG", "loop= b ,block=32")
-    assert apply_env_overrides(Cfg(), "X_CFG") == Cfg(32, False, "b")
 
 
 @pytest.mark.parametrize("spec,match", [("blok=3", "unknown field 'blok'"), ("block=big", "needs an int")])

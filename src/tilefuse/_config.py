@@ -13,12 +13,11 @@ _TRUE = ("1", "true", "yes", "on")
 def apply_env_overrides(cfg: C, env: str) -> C:
     """``cfg`` with the fields named in ``$env`` (``"field=value,field=value"``) replaced.
 
-    Booleans take 1/true/yes/on (anything else is False), string fields the text as given (the
-    config's own checks judge it), every other field an int. Meant for experiments: production
-    callers pass a config object instead.
+    Booleans take 1/true/yes/on (anything else is False), every other field an int. Meant for
+    experiments: production callers pass a config object instead.
 
     Raises:
-        ValueError: a field the config does not have, or an int field's value that is not an int.
+        ValueError: a field the config does not have, or a value that is not an int.
     """
     spec = os.environ.get(env, "").strip()
     if not spec:
@@ -32,8 +31,6 @@ def apply_env_overrides(cfg: C, env: str) -> C:
             raise ValueError(f"{env}: unknown field {key!r}; fields are {sorted(fields)}")
         if isinstance(fields[key], bool):
             updates[key] = value.lower() in _TRUE
-        elif isinstance(fields[key], str):
-            updates[key] = value
         else:
             try:
                 updates[key] = int(value)

@@ -533,12 +533,12 @@ HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 @pytest.mark.skipif(not HOPPER, reason="the Gluon head loop runs on Hopper only")
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
 @pytest.mark.parametrize("layout", ["clean", "raw", "compressed", "bf16"])
-@pytest.mark.parametrize("tile", [(4, 2, "overlap"), (8, 3, "overlap"), (4, 4, "pairs"), (4, 3, "pairs")])
+@pytest.mark.parametrize("tile", [(4, 2), (8, 3), (4, 4), (4, 3)])
 @pytest.mark.parametrize("windows", ["random", "zigzag"])
 def test_gluon_head_loop_is_bitwise_the_triton_kernel(fmt, layout, tile, windows, poisoned):
-    """Same tile, same head order, same MMA: the Gluon kernel (async wgmma; either head loop)
-    writes the Triton kernel's bits, with uneven windows, empty rows, partial tiles, whole
-    tiles no row sees (zig-zag), and each output layout."""
+    """Same tile, same head order, same MMA: the Gluon kernel (async wgmma) writes the Triton
+    kernel's bits, with uneven windows, empty rows, partial tiles, whole tiles no row sees
+    (zig-zag), and each output layout."""
     s_q, s_k, h = 1000, 9000, 64
     _, _, w, qq, kk = make_inputs(s_q, s_k, h, 128, fmt, seed=51)
     if windows == "random":
@@ -550,43 +550,28 @@ def test_gluon_head_loop_is_bitwise_the_triton_kernel(fmt, layout, tile, windows
                   logits_dtype=torch.bfloat16 if layout == "bf16" else torch.float32)
     if layout == "compressed":
         ke = torch.minimum(ke, ks + 4096)
-    num_warps, num_buf, head_loop = tile
+    num_warps, num_buf = tile
     base = prefill.PrefillConfig(block_q=64, block_n=128, num_warps=num_warps, num_stages=num_buf,
                                  fp4_via_fp8=fmt == "mxfp4", mxfp8_via_f16=fmt == "mxfp8")
     ref = run(qq, kk, w, ks, ke, config=base, **kwargs)
-    out = run(qq, kk, w, ks, ke, config=dataclasses.replace(base, gluon=True, gluon_head_loop=head_loop), **kwargs)
+    out = run(qq, kk, w, ks, ke, config=dataclasses.replace(base, gluon=True), **kwargs)
     assert torch.equal(out.view(torch.int16 if layout == "bf16" else torch.int32),
                        ref.view(torch.int16 if layout == "bf16" else torch.int32))
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon head loop runs on Hopper only")
-@pytest.mark.parametrize("head_loop", ["overlap", "pairs"])
 @pytest.mark.parametrize("h", [4, 8, 12])
 @pytest.mark.parametrize("num_buf", [2, 3, 4])
-def test_gluon_head_loops_at_few_heads(head_loop, h, num_buf, poisoned):
-    """The ends of both head loops, bitwise the Triton loop: H down to 4 (where the overlap
-    loop's unrolled body runs once and the pairs loop twice) and a ring as deep as H (no refills)."""
+def test_gluon_head_loop_at_few_heads(h, num_buf, poisoned):
+    """The ends of the head loop, bitwise the Triton loop: H down to 4 (where the unrolled body
+    runs once) and a ring as deep as H (no refills)."""
     _, _, w, qq, kk = make_inputs(300, 2000, h, 128, "fp8", seed=52)
     ks, ke = W.random_windows(300, 2000, generator=torch.Generator().manual_seed(6), empty_fraction=0.1,
                               overhang=9, device=DEVICE)
     base = prefill.PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=num_buf)
     ref = run(qq, kk, w, ks, ke, config=base)
-    out = run(qq, kk, w, ks, ke, config=dataclasses.replace(base, gluon=True, gluon_head_loop=head_loop))
+    out = run(qq, kk, w, ks, ke, config=dataclasses.replace(base, gluon=True))
     assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
-
-
-def test_gluon_launcher_rejects_head_loops_it_cannot_run():
-    """Checked before anything is built, so on CPU too: the pairs loop walks heads two at a
-    time (the op's H is a multiple of 4; the launcher may be called with any)."""
-    from tilefuse.indexer import _prefill_kernel_gluon as gk
-
-    q, k = torch.zeros(64, 5, 128, dtype=torch.float8_e4m3fn), torch.zeros(128, 128, dtype=torch.float8_e4m3fn)
-    ks, ke, w, out = torch.zeros(64, dtype=torch.int32), torch.zeros(64, dtype=torch.int32), torch.zeros(64, 5), None
-    args = (q, k, torch.ones(128), w, ks, ke, out, True, False, 64, 128, 4, 2)
-    with pytest.raises(ValueError, match="even head count"):
-        gk.launch(*args, head_loop="pairs")
-    with pytest.raises(ValueError, match="head_loop must be one of"):
-        gk.launch(*args, head_loop="triples")
 
 
 def test_gluon_rejects_tiles_it_cannot_run():
@@ -594,8 +579,6 @@ def test_gluon_rejects_tiles_it_cannot_run():
     ks, ke = W.causal_tail(16, 64, device=DEVICE)
     for cfg in (prefill.PrefillConfig(block_q=32, num_warps=4, gluon=True),
                 prefill.PrefillConfig(block_q=64, num_warps=4, num_stages=1, gluon=True),
-                prefill.PrefillConfig(block_q=64, num_warps=4, gluon_head_loop="pairs"),
-                prefill.PrefillConfig(block_q=64, num_warps=4, gluon=True, gluon_head_loop="triples"),
                 prefill.PrefillConfig(block_q=64, keys_major=True, gluon=True)):
         with pytest.raises(ValueError, match="gluon"):
             tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=cfg)

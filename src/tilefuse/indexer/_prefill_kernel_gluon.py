@@ -9,14 +9,13 @@ non-accumulating dot before its consumer, so there the MMA and that CUDA-core ep
 shared-memory buffers filled by TMA, one mbarrier per buffer.
 
 One schedule, ``prefill_logits_gluon_kernel``: the 2-D grid, one tile per program (a
-persistent grid walking the same tiles ran 2-3% slower: NOTES, sweep 11). Two head loops,
-picked by ``HEAD_LOOP`` (``HEAD_LOOPS``): "overlap" (the default) keeps one MMA in flight
-under the other head's epilogue; "pairs" issues two heads' MMAs back to back and applies each
-as it lands. Both sum the heads in the same order, so both write the Triton kernel's bits.
-The kernel runs the 2-byte and 1-byte float operands the Triton kernel's FP8 path takes (E4M3,
-and f16 for MXFP8 renormalised into f16). Gluon has no interpreter, so this path is GPU-only;
-CPU tests compile it for sm_90a and the GPU suite checks it bit for bit against the Triton
-kernel.
+persistent grid walking the same tiles ran 2-3% slower: NOTES, sweep 11). One head loop,
+``_head_loop``: one MMA in flight under the other head's epilogue (a "pairs" loop, issuing two
+heads' MMAs together and applying the first under the second, was measured slower: NOTES,
+round 6). The kernel runs the 2-byte and 1-byte float operands the Triton kernel's FP8 path
+takes (E4M3, and f16 for MXFP8 renormalised into f16). Gluon has no interpreter, so this path
+is GPU-only; CPU tests compile it for sm_90a and the GPU suite checks it bit for bit against
+the Triton kernel.
 """
 
 from __future__ import annotations
@@ -36,12 +35,6 @@ _GL_DTYPE = {torch.float8_e4m3fn: gl.float8e4nv, torch.float16: gl.float16, torc
 # weight (one add per score); 2 = no MMA (the query tiles still stream in); 3 = no query
 # traffic after the first NUM_BUF heads (their buffers are reused).
 ABLATIONS = {"none": 0, "no-relu-weight": 1, "no-mma": 2, "no-query-loads": 3}
-
-# ``HEAD_LOOP``: how the MMAs of the heads interleave with their epilogues (same arithmetic,
-# same bits). 0 = "overlap": head h+1's MMA in flight while head h is applied, one MMA at a
-# time (``_head_loop``); 1 = "pairs": heads h and h+1 issued together, h applied once it lands
-# while h+1 still runs, then h+1 (``_head_loop_pairs``; needs an even H).
-HEAD_LOOPS = {"overlap": 0, "pairs": 1}
 
 
 @gluon.jit
@@ -83,8 +76,8 @@ def _refill(q_desc, q_smem, q_bars, head, q0, H: gl.constexpr, D: gl.constexpr, 
 def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr, D: gl.constexpr,
                NUM_BUF: gl.constexpr, ABLATE: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
                mma: gl.constexpr):
-    """sum_h relu(q_h . k) * w_h for one tile, heads in order ("overlap"; the ring already holds
-    requests for heads 0 .. NUM_BUF - 1).
+    """sum_h relu(q_h . k) * w_h for one tile, heads in order (the ring already holds requests
+    for heads 0 .. NUM_BUF - 1).
 
     Two score tiles alternate: while one head's MMA runs, the warps apply ReLU and the weight to
     the other's scores. Exactly one MMA is in flight at any time and every wait is for zero
@@ -116,32 +109,6 @@ def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr,
     s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
     _refill(q_desc, q_smem, q_bars, H - 1, q0, H, D, NUM_BUF, ABLATE)
     return _apply(acc, s1, w1, ABLATE)
-
-
-@gluon.jit
-def _head_loop_pairs(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr, D: gl.constexpr,
-                     NUM_BUF: gl.constexpr, ABLATE: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
-                     mma: gl.constexpr):
-    """``_head_loop``'s sum, same order and bits ("pairs", H even): each step issues heads h and
-    h+1 back to back, waits for h alone (one group still outstanding: groups retire in order),
-    frees its buffer and applies it while h+1's MMA runs, then waits for h+1 and applies it with
-    no MMA in flight. The tensor cores get two heads' work at once; the CUDA cores overlap only
-    the first of the two epilogues."""
-    acc = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
-    s0 = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
-    s1 = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
-    for h in range(0, H, 2):
-        w0 = gl.load(w_rows + h, mask=row_ok, other=0.0).to(gl.float32)
-        w1 = gl.load(w_rows + h + 1, mask=row_ok, other=0.0).to(gl.float32)
-        s0 = _issue(q_desc, q_smem, q_bars, k_t, s0, h, NUM_BUF, ABLATE)
-        s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, h + 1, NUM_BUF, ABLATE)
-        s0 = warpgroup_mma_wait(num_outstanding=1, deps=(s0, ))
-        _refill(q_desc, q_smem, q_bars, h, q0, H, D, NUM_BUF, ABLATE)
-        acc = _apply(acc, s0, w0, ABLATE)
-        s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
-        _refill(q_desc, q_smem, q_bars, h + 1, q0, H, D, NUM_BUF, ABLATE)
-        acc = _apply(acc, s1, w1, ABLATE)
-    return acc
 
 
 @gluon.jit
@@ -203,7 +170,7 @@ def prefill_logits_gluon_kernel(
     out_ptr, stride_out,
     S_q, S_k,
     H: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr, NUM_BUF: gl.constexpr,
-    num_warps: gl.constexpr, ABLATE: gl.constexpr = 0, HEAD_LOOP: gl.constexpr = 0,
+    num_warps: gl.constexpr, ABLATE: gl.constexpr = 0,
 ):
     BLOCK_Q: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
@@ -241,12 +208,8 @@ def prefill_logits_gluon_kernel(
         w_rows = w_ptr + rows.to(gl.int64) * stride_w
         k_t = k_smem.permute((1, 0))
         mbarrier.wait(k_bar, phase=0)
-        if HEAD_LOOP == 1:
-            acc = _head_loop_pairs(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H, D, NUM_BUF, ABLATE, BLOCK_Q,
-                                   BLOCK_N, mma)
-        else:
-            acc = _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H, D, NUM_BUF, ABLATE, BLOCK_Q,
-                             BLOCK_N, mma)
+        acc = _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H, D, NUM_BUF, ABLATE, BLOCK_Q, BLOCK_N,
+                         mma)
         mbarrier.invalidate(k_bar)
         for i in gl.static_range(NUM_BUF):
             mbarrier.invalidate(q_bars.index(i))
@@ -259,10 +222,9 @@ def prefill_logits_gluon_kernel(
 
 
 def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, block_q: int, block_n: int,
-           num_warps: int, num_buf: int, ablate: int = 0, head_loop: str = "overlap"):
+           num_warps: int, num_buf: int, ablate: int = 0):
     """q [S_q, H, D] and k [S_k, D] in E4M3 or f16, the rest as the Triton kernel takes them.
-    ``head_loop``: a key of ``HEAD_LOOPS`` ("pairs" needs an even H). Returns the compiled
-    kernel (registers, spills)."""
+    Returns the compiled kernel (registers, spills)."""
     s_q, h, d = q.shape
     s_k = k.shape[0]
     if num_buf < 2 or num_buf > h:
@@ -270,10 +232,6 @@ def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, b
     if block_q not in (64, 128) or num_warps % (block_q // 16):
         raise ValueError(f"gluon prefill: block_q must be 64 or 128 with num_warps a multiple of block_q / 16, "
                          f"got block_q={block_q}, num_warps={num_warps}")
-    if head_loop not in HEAD_LOOPS:
-        raise ValueError(f"gluon prefill: head_loop must be one of {sorted(HEAD_LOOPS)}, got {head_loop!r}")
-    if head_loop == "pairs" and h % 2:
-        raise ValueError(f"gluon prefill: the pairs head loop needs an even head count, got H={h}")
     dt = _GL_DTYPE[q.dtype]
     q_block, k_block = [block_q, d], [block_n, d]
     # Rows of q may be padded (stride(0) >= H * D); heads and head dim are contiguous (checked).
@@ -284,5 +242,4 @@ def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, b
     grid = (triton.cdiv(s_k, block_n), triton.cdiv(s_q, block_q))
     return prefill_logits_gluon_kernel[grid](
         q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k,
-        H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps, ABLATE=ablate,
-        HEAD_LOOP=HEAD_LOOPS[head_loop])
+        H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps, ABLATE=ablate)

@@ -26,9 +26,6 @@ _LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 # Output rows are padded to this many elements so every row starts 64-byte aligned.
 _ROW_ALIGN = 16
-# PrefillConfig.gluon_head_loop values (``_prefill_kernel_gluon.HEAD_LOOPS``; that module
-# imports Gluon, so it is imported only where the Gluon kernel launches).
-_GLUON_HEAD_LOOPS = ("overlap", "pairs")
 
 
 # ---------------------------------------------------------------------------------------
@@ -56,10 +53,6 @@ class PrefillConfig:
     head's wgmma asynchronously, so head h+1's MMA overlaps head h's ReLU and weighting;
     ``num_stages`` (>= 2) is then its ring of query-tile buffers, ``block_q`` is 64 or 128 and
     warps beyond one per 16 rows split the keys. GPU-only (Gluon has no interpreter).
-    ``gluon_head_loop`` (with ``gluon``) picks that kernel's head loop: "overlap" keeps one
-    head's MMA in flight under the other head's ReLU and weighting; "pairs" issues two heads'
-    MMAs back to back, applies the first once it lands while the second runs, then the
-    second. Same head order, same bits.
     """
 
     block_q: int = 64
@@ -74,7 +67,6 @@ class PrefillConfig:
     mxfp8_via_f16: bool = False
     heads_on_n: bool = False
     gluon: bool = False
-    gluon_head_loop: str = "overlap"
 
 
 def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
@@ -144,11 +136,6 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
                       or cfg.num_warps % (cfg.block_q // 16) or cfg.num_stages < 2):
         raise ValueError("gluon runs the 2-D tile (not keys_major, heads_on_n or mx_split) with block_q 64 or "
                          f"128, num_warps a multiple of block_q / 16 and num_stages >= 2, got {cfg}")
-    if cfg.gluon_head_loop not in _GLUON_HEAD_LOOPS:
-        raise ValueError(f"gluon_head_loop must be one of {_GLUON_HEAD_LOOPS}, got {cfg.gluon_head_loop!r}")
-    if cfg.gluon_head_loop != "overlap" and not cfg.gluon:
-        raise ValueError(f"gluon_head_loop={cfg.gluon_head_loop!r} is a head loop of the Gluon kernel: set "
-                         f"gluon=True too, got {cfg}")
     return cfg
 
 
@@ -301,7 +288,6 @@ def _mqa_logits(
     mxfp8_via_f16: bool,
     heads_on_n: bool,
     gluon: bool,
-    gluon_head_loop: str,
 ) -> torch.Tensor:
     fmt = format_of(q, q_sf)
     s_q, h, dq = q.shape
@@ -328,7 +314,7 @@ def _mqa_logits(
         _prefill_kernel_sm100.launch(q, q_sf, k, k_scale, weights, ks, ke, out, clean, compressed)
     else:
         cfg = PrefillConfig(block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll,
-                            fp4_via_fp8, clean_pass, mxfp8_via_f16, heads_on_n, gluon, gluon_head_loop)
+                            fp4_via_fp8, clean_pass, mxfp8_via_f16, heads_on_n, gluon)
         if ((fmt == "mxfp4" and fp4_via_fp8) or (fmt == "mxfp8" and mxfp8_via_f16)) and not mx_split:
             _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, clean, compressed, d, cfg)
         else:
@@ -360,7 +346,7 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
         from tilefuse.indexer import _prefill_kernel_gluon
 
         _prefill_kernel_gluon.launch(q, k, k_scale, weights, ks, ke, out, clean, compressed, cfg.block_q,
-                                     cfg.block_n, cfg.num_warps, cfg.num_stages, head_loop=cfg.gluon_head_loop)
+                                     cfg.block_n, cfg.num_warps, cfg.num_stages)
         return
     # With MX split, each load is one 32-element block (16 bytes of packed FP4).
     split = fmt != "fp8" and cfg.mx_split
@@ -433,7 +419,7 @@ def _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, cl
 @_mqa_logits.register_fake
 def _mqa_logits_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype,
                      block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll, fp4_via_fp8,
-                     clean_pass, mxfp8_via_f16, heads_on_n, gluon, gluon_head_loop):
+                     clean_pass, mxfp8_via_f16, heads_on_n, gluon):
     shape, stride = _out_shape(q.shape[0], k.shape[0], max_seqlen_k)
     return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
 

@@ -207,8 +207,8 @@ _HEADS = tuple(range(4, 129, 4))
 _Q_ROWS = (1, 16, 64, 256, 1024, 4096, 16384, 65536)
 # (clean_logits, compressed): clean full layout, raw full layout, compressed, compressed + -inf tail.
 _LAYOUTS = ((True, False), (False, False), (False, True), (True, True))
-# Non-boolean PrefillConfig fields other than the tile, and the values callers may set.
-_PREFILL_OPTIONS = {"head_unroll": (1, 2), "gluon_head_loop": ("overlap", "pairs")}
+# Integer PrefillConfig fields other than the tile, and the values callers may set.
+_PREFILL_INT_OPTIONS = {"head_unroll": (1, 2)}
 _S_Q, _S_K, _MAX_SEQLEN_K = 37, 300, 45
 
 
@@ -252,7 +252,7 @@ def _prefill_inputs(fmt: str, d: int, h: int):
 
 def prefill_option_configs(base) -> list:
     """One config per non-default option of ``PrefillConfig``: every boolean field set, every
-    other non-tile field at the values of ``_PREFILL_OPTIONS``.
+    other non-tile field at the values of ``_PREFILL_INT_OPTIONS``.
 
     Raises:
         ValueError: a field the registry does not know how to vary (add it to the table).
@@ -264,8 +264,8 @@ def prefill_option_configs(base) -> list:
         value = getattr(base, f.name)
         if isinstance(value, bool):
             out.append(dataclasses.replace(base, **{f.name: not value}))
-        elif f.name in _PREFILL_OPTIONS:
-            out += [dataclasses.replace(base, **{f.name: v}) for v in _PREFILL_OPTIONS[f.name] if v != value]
+        elif f.name in _PREFILL_INT_OPTIONS:
+            out += [dataclasses.replace(base, **{f.name: v}) for v in _PREFILL_INT_OPTIONS[f.name] if v != value]
         else:
             raise ValueError(f"PrefillConfig.{f.name}: no option values in the kernel registry")
     return out
@@ -301,7 +301,7 @@ def _prefill_points():
                 yield fmt, d, h, bf16_cfg, True, True, bf16, bf16, "default"
         base = prefill.default_config(fmt, 64, d, 4096)
         for opt in prefill_option_configs(base):
-            if (opt.heads_on_n and fmt != "fp8") or opt.gluon or opt.gluon_head_loop != base.gluon_head_loop:
+            if (opt.heads_on_n and fmt != "fp8") or opt.gluon:
                 continue  # heads_on_n: FP8 only; the Gluon kernel has its own builder (GPU-only launch)
             # Options at D = 128; the MX split path (which changes the loads) at every D.
             if d == 128 or (opt.mx_split and fmt != "fp8"):
@@ -376,8 +376,7 @@ def prefill_gluon_variants() -> list[Variant]:
     operands (FP8; MXFP8 renormalised into f16) at D = 128, H = 64, in the four output layouts
     with fp32 logits and the clean layout with bf16 logits. Default: the tile ``default_config``
     picks on Hopper (64x128, 4 warps, 4 buffers); options: 8 warps splitting the key tile (3 and 4
-    buffers), the "pairs" head loop (4 warps, 3 and 4 buffers). The launcher is called directly: the
-    op only dispatches to it on an sm_90 GPU."""
+    buffers). The launcher is called directly: the op only dispatches to it on an sm_90 GPU."""
     import torch
 
     from tilefuse.indexer import _prefill_kernel_gluon as gk
@@ -386,11 +385,8 @@ def prefill_gluon_variants() -> list[Variant]:
     path = f"{gk.__name__}:prefill_logits_gluon_kernel"
     h, d = 64, 128
     default = prefill.default_config("fp8", h, d, 4096, arch=9)
-    loop = default.gluon_head_loop
-    # (warps, buffers, head loop, origin)
-    tiles = [(default.num_warps, default.num_stages, loop, "default"), (8, 3, loop, "option"),
-             (8, 4, loop, "option"), (default.num_warps, default.num_stages, "pairs", "option"),
-             (default.num_warps, 3, "pairs", "option")]
+    # (warps, buffers, origin)
+    tiles = [(default.num_warps, default.num_stages, "default"), (8, 3, "option"), (8, 4, "option")]
     ks = torch.zeros(_S_Q, dtype=torch.int32)
     ke = torch.full((_S_Q,), _MAX_SEQLEN_K, dtype=torch.int32)
     out = []
@@ -398,17 +394,15 @@ def prefill_gluon_variants() -> list[Variant]:
         q = torch.zeros(_S_Q, h, d, dtype=dtype)
         k = torch.zeros(_S_K, d, dtype=dtype)
         cases = [(clean, comp, torch.float32) for clean, comp in _LAYOUTS] + [(True, False, torch.bfloat16)]
-        for num_warps, num_buf, head_loop, origin in tiles:
+        for num_warps, num_buf, origin in tiles:
             for clean, compressed, out_dtype in cases:
                 cols = _MAX_SEQLEN_K if compressed else _S_K
                 logits = torch.zeros(_S_Q, cols + (-cols) % 16, dtype=out_dtype)
                 with tracing(path) as launches:
                     gk.launch(q, k, torch.ones(_S_K), _weights(_S_Q, h, torch.float32), ks, ke, logits, clean,
-                              compressed, default.block_q, default.block_n, num_warps, num_buf,
-                              head_loop=head_loop)
+                              compressed, default.block_q, default.block_n, num_warps, num_buf)
                 name = (f"{_dtype_name(dtype)} D{d} H{h} {_layout_name(clean, compressed)} "
                         f"{default.block_q}x{default.block_n} w{num_warps} buf{num_buf}"
-                        + ("" if head_loop == loop else f" {head_loop}")
                         + ("" if out_dtype == torch.float32 else f" out={_short(out_dtype)}"))
                 out += [variant_of(launch, "indexer.prefill_gluon", name, origin, ("sm_90a",)) for launch in launches]
     return _unique(out)
