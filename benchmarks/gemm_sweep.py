@@ -13,6 +13,7 @@ winners into ``tilefuse.dist._gemm_core.default_config``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -44,13 +45,20 @@ def main(argv=None):
     ap.add_argument("--output", default="gemm-sweep.json")
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--max-m", type=int, default=16384, help="skip larger M (time)")
+    ap.add_argument("--shapes", default=None, help="only these MxNxK, comma-separated")
+    ap.add_argument("--flatten", action="store_true",
+                    help="the default tile, 128x256 / 3 stages and 128x128 / 5 stages, each with and without flatten")
     args = ap.parse_args(argv)
+    only = None if not args.shapes else {tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")}
+    configs = CONFIGS
+    if args.flatten:
+        configs = [c for base in (CONFIGS[0], CONFIGS[2]) for c in (base, dataclasses.replace(base, flatten=True))]
     dev = torch.device("cuda")
     sms = num_sms(dev)
     record = {"environment": env.environment("graph"), "rows": []}
     table = []
     for m, n, k in gemm_shapes():
-        if m > args.max_m:
+        if m > args.max_m or (only is not None and (m, n, k) not in only):
             continue
         g = torch.Generator(device="cuda").manual_seed(0)
         a = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
@@ -59,8 +67,9 @@ def main(argv=None):
         default = default_config(m, n, k, sms)
         fns = {"cublas": functools.partial(torch.matmul, a, b)}
         errs = {}
-        for cfg in dict.fromkeys([default, *CONFIGS]):
+        for cfg in dict.fromkeys([default, *configs]):
             name = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages} w{cfg.num_warps}"
+            name += " flat" if cfg.flatten else ""
             name += " (default)" if cfg == default else ""
             fn = functools.partial(gemm, a, b, config=cfg)
             try:

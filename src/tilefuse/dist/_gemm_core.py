@@ -45,6 +45,10 @@ class GemmConfig:
     group_m: int = 8
     num_stages: int = 3
     num_warps: int = 8
+    # Flatten the tile loop and the K loop into one software-pipelined loop (``tl.range(...,
+    # flatten=True)``), so the next tile's first loads are in flight during this tile's
+    # epilogue; plain GEMM launches only (the fused epilogues keep the nested loops).
+    flatten: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -184,7 +188,7 @@ def _persistent_gemm(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     B_KN: tl.constexpr, EPI: tl.constexpr, WAIT_A: tl.constexpr,
     ALIGNED: tl.constexpr, RESET: tl.constexpr, BARRIER: tl.constexpr, TRACE: tl.constexpr,
-    MAX_EVENTS: tl.constexpr, USE_TIMER: tl.constexpr, OP: tl.constexpr,
+    MAX_EVENTS: tl.constexpr, USE_TIMER: tl.constexpr, OP: tl.constexpr, FLATTEN: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     OUT_DTYPE = out_ptr.dtype.element_ty
@@ -200,9 +204,12 @@ def _persistent_gemm(
     go_ok = 0  # set once this program has seen the start barrier's go word
     pend = tl.full([], 0, tl.int64)  # address of a peer flag whose tile has not been released
     ev = 0
-    for t in range(tile_begin + pid, tile_end, NUM_PROGRAMS):
+    for t in tl.range(tile_begin + pid, tile_end, NUM_PROGRAMS, flatten=FLATTEN):
         chunk, j, col = _decode_tile(t, Mc, N, order_ptr, lag, W, BM, BN, GROUP_M)
-        t_start = P.now_ns(USE_TIMER)
+        if TRACE:  # the clock is read only for traces (a volatile read per tile hinders FLATTEN)
+            t_start = P.now_ns(USE_TIMER)
+        else:
+            t_start = tl.full([], 0, tl.int64)
         wait_ns = t_start - t_start
         remote = chunk != rank
         if WAIT_A:  # every chunk, own included: the local shard lands in the buffer band by band too
@@ -359,6 +366,7 @@ def launch_gemm(
         ALIGNED=schedule.aligned, RESET=c["reset"], BARRIER=c["barrier"],
         TRACE=trace is not None, MAX_EVENTS=max_events,
         USE_TIMER=P.use_timer(device.type), OP=P.OP_CODES[op],
+        FLATTEN=cfg.flatten and epilogue == EPI_LOCAL.value and not wait_a and comm is None and trace is None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _persistent_gemm[(programs,)](*args, **kwargs)
