@@ -59,7 +59,7 @@ def test_gemm_bad_inputs():
 
 
 def test_default_config():
-    assert default_config(8192, 8192, 1024) == GemmConfig(128, 256, 64, 8, 3, 8)
+    assert default_config(8192, 8192, 1024) == GemmConfig(128, 256, 64, 8, 3, 8, flatten=True)
     assert default_config(4096, 512, 4096).block_n == 128
 
 

@@ -67,17 +67,19 @@ def _wave_efficiency(tiles: int, num_sms: int) -> float:
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> GemmConfig:
     """Tiles measured on H200 against cuBLAS (``benchmarks/gemm_sweep.py``,
     ``results/h200/dist-gemm-core-sweep-1.json``): 128x256x64 / 3 stages / 8 warps, the best
-    tile at 20 of 22 shapes (0.89-1.02 of cuBLAS), unless 128x128 tiles fill the last wave
-    clearly better, then 128x128x64 / 5 stages / 8 warps: 4096x512x4096 (64 wide tiles on 132
-    SMs: 0.58 against 0.97) and 4096x3584x4096 (448 tiles, 3.4 waves: 0.92 against 1.02).
-    Where the two fill alike the wide tile wins even below one wave (1024x3584x4096: 0.98
-    against 0.87 for the 128x128 / 4-stage tile this table used to pick there)."""
+    tile at 20 of 22 shapes, unless 128x128 tiles fill the last wave clearly better, then
+    128x128x64 / 5 stages / 8 warps: 4096x512x4096 (64 wide tiles on 132 SMs: 0.58 against
+    0.97) and 4096x3584x4096 (448 tiles, 3.4 waves: 0.92 against 1.02). Where the two fill
+    alike the wide tile wins even below one wave (1024x3584x4096: 0.98 against 0.87 for the
+    128x128 / 4-stage tile this table used to pick there). The wide tile runs flattened
+    (``sweep-2-flatten``: 4096x4096x512 0.89 -> 0.99, 8192x8192x1024 0.91 -> 1.01 of cuBLAS);
+    the narrow one does not (flattened it lost 0.08-0.15)."""
     del k
     wide = _wave_efficiency(cdiv(m, 128) * cdiv(n, 256), num_sms)
     narrow = _wave_efficiency(cdiv(m, 128) * cdiv(n, 128), num_sms)
     if narrow > wide + 0.1:
         return GemmConfig(128, 128, 64, 8, 5, 8)
-    return GemmConfig(128, 256, 64, 8, 3, 8)
+    return GemmConfig(128, 256, 64, 8, 3, 8, flatten=True)
 
 
 @functools.lru_cache(maxsize=16)
