@@ -37,7 +37,9 @@ def main(argv=None) -> int:
     ap.add_argument("--output", default="prefill-bound.json")
     ap.add_argument("--samples", type=int, default=15)
     ap.add_argument("--num-buf", type=int, default=4)
+    ap.add_argument("--refill-every", default="1", help="query-ring refill step(s) of the Gluon loop, e.g. 1,2")
     args = ap.parse_args(argv)
+    refills = [int(x) for x in args.refill_every.split(",")]
     record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": []}
     fp8_ceiling = ceilings.ceiling_value(record["ceilings"], "fp8_matmul")
     table = []
@@ -50,14 +52,18 @@ def main(argv=None) -> int:
         compiled = {}
         fns = {"triton loop": functools.partial(tilefuse.fp8_fp4_mqa_logits, (q8, None), (k8, k_sf), w, ks, ke,
                                                 True, config=TRITON_LOOP)}
-        for name, code in gk.ABLATIONS.items():
-            run = functools.partial(gk.launch, q8, k8, k_sf, w, ks, ke, out, True, False, 64, 128, 4, args.num_buf,
-                                    code)
-            compiled[name] = run()
-            if code == 0:
-                torch.cuda.synchronize()
-                assert torch.equal(out.view(torch.int32), ref.view(torch.int32)), "gluon loop differs from triton"
-            fns[f"gluon {name}"] = run
+        for refill in refills:
+            for name, code in gk.ABLATIONS.items():
+                if refill != 1 and code != 0:
+                    continue  # ablations of the default loop only
+                label = name if refill == 1 else f"{name} refill{refill}"
+                run = functools.partial(gk.launch, q8, k8, k_sf, w, ks, ke, out, True, False, 64, 128, 4,
+                                        args.num_buf, code, refill_every=refill)
+                compiled[label] = run()
+                if code == 0:
+                    torch.cuda.synchronize()
+                    assert torch.equal(out.view(torch.int32), ref.view(torch.int32)), f"gluon {label} differs"
+                fns[f"gluon {label}"] = run
         stats = timing.time_graph(fns, calls=5, samples=args.samples)
         for name, st in stats.items():
             tflops = flops / (st.median_us * 1e-6) / 1e12

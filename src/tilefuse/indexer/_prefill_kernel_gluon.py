@@ -75,7 +75,7 @@ def _refill(q_desc, q_smem, q_bars, head, q0, H: gl.constexpr, D: gl.constexpr, 
 @gluon.jit
 def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr, D: gl.constexpr,
                NUM_BUF: gl.constexpr, ABLATE: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
-               mma: gl.constexpr):
+               mma: gl.constexpr, REFILL_EVERY: gl.constexpr = 1):
     """sum_h relu(q_h . k) * w_h for one tile, heads in order (the ring already holds requests
     for heads 0 .. NUM_BUF - 1).
 
@@ -84,7 +84,8 @@ def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr,
     outstanding groups, the pattern ptxas keeps asynchronous; each MMA writes over the tile
     whose scores were just consumed (use_acc=False), and the loop is unrolled by two, so no
     accumulator is copied or redefined while an MMA runs (either makes ptxas serialise every
-    wgmma: NOTES, round 6)."""
+    wgmma: NOTES, round 6). ``REFILL_EVERY`` 2 refills the ring two buffers at a time, after
+    every second head (one set of CTA barriers around the TMA issue per two heads)."""
     acc = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
     s0 = _issue(q_desc, q_smem, q_bars, k_t, gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma), 0, NUM_BUF,
                 ABLATE)
@@ -92,22 +93,29 @@ def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr,
     w0 = gl.load(w_rows, mask=row_ok, other=0.0).to(gl.float32)
     w1 = gl.load(w_rows + 1, mask=row_ok, other=0.0).to(gl.float32)
     s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
-    _refill(q_desc, q_smem, q_bars, 0, q0, H, D, NUM_BUF, ABLATE)
+    if REFILL_EVERY == 1:
+        _refill(q_desc, q_smem, q_bars, 0, q0, H, D, NUM_BUF, ABLATE)
     for h in range(0, H - 2, 2):
         s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, h + 1, NUM_BUF, ABLATE)
         acc = _apply(acc, s0, w0, ABLATE)
         w0 = gl.load(w_rows + h + 2, mask=row_ok, other=0.0).to(gl.float32)
         s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
-        _refill(q_desc, q_smem, q_bars, h + 1, q0, H, D, NUM_BUF, ABLATE)
+        if REFILL_EVERY == 1:
+            _refill(q_desc, q_smem, q_bars, h + 1, q0, H, D, NUM_BUF, ABLATE)
+        else:  # heads h and h + 1 are done: both their buffers take later heads
+            _refill(q_desc, q_smem, q_bars, h, q0, H, D, NUM_BUF, ABLATE)
+            _refill(q_desc, q_smem, q_bars, h + 1, q0, H, D, NUM_BUF, ABLATE)
         s0 = _issue(q_desc, q_smem, q_bars, k_t, s0, h + 2, NUM_BUF, ABLATE)
         acc = _apply(acc, s1, w1, ABLATE)
         w1 = gl.load(w_rows + h + 3, mask=row_ok, other=0.0).to(gl.float32)
         s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
-        _refill(q_desc, q_smem, q_bars, h + 2, q0, H, D, NUM_BUF, ABLATE)
+        if REFILL_EVERY == 1:
+            _refill(q_desc, q_smem, q_bars, h + 2, q0, H, D, NUM_BUF, ABLATE)
     s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, H - 1, NUM_BUF, ABLATE)
     acc = _apply(acc, s0, w0, ABLATE)
     s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
-    _refill(q_desc, q_smem, q_bars, H - 1, q0, H, D, NUM_BUF, ABLATE)
+    if REFILL_EVERY == 1:
+        _refill(q_desc, q_smem, q_bars, H - 1, q0, H, D, NUM_BUF, ABLATE)
     return _apply(acc, s1, w1, ABLATE)
 
 
@@ -170,7 +178,7 @@ def prefill_logits_gluon_kernel(
     out_ptr, stride_out,
     S_q, S_k,
     H: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr, NUM_BUF: gl.constexpr,
-    num_warps: gl.constexpr, ABLATE: gl.constexpr = 0,
+    num_warps: gl.constexpr, ABLATE: gl.constexpr = 0, REFILL_EVERY: gl.constexpr = 1,
 ):
     BLOCK_Q: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
@@ -209,7 +217,7 @@ def prefill_logits_gluon_kernel(
         k_t = k_smem.permute((1, 0))
         mbarrier.wait(k_bar, phase=0)
         acc = _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H, D, NUM_BUF, ABLATE, BLOCK_Q, BLOCK_N,
-                         mma)
+                         mma, REFILL_EVERY)
         mbarrier.invalidate(k_bar)
         for i in gl.static_range(NUM_BUF):
             mbarrier.invalidate(q_bars.index(i))
@@ -222,9 +230,10 @@ def prefill_logits_gluon_kernel(
 
 
 def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, block_q: int, block_n: int,
-           num_warps: int, num_buf: int, ablate: int = 0):
+           num_warps: int, num_buf: int, ablate: int = 0, refill_every: int = 1):
     """q [S_q, H, D] and k [S_k, D] in E4M3 or f16, the rest as the Triton kernel takes them.
-    Returns the compiled kernel (registers, spills)."""
+    ``refill_every``: query buffers refilled after every head (1) or two at a time (2, needs
+    num_buf >= 3). Returns the compiled kernel (registers, spills)."""
     s_q, h, d = q.shape
     s_k = k.shape[0]
     if num_buf < 2 or num_buf > h:
@@ -232,6 +241,9 @@ def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, b
     if block_q not in (64, 128) or num_warps % (block_q // 16):
         raise ValueError(f"gluon prefill: block_q must be 64 or 128 with num_warps a multiple of block_q / 16, "
                          f"got block_q={block_q}, num_warps={num_warps}")
+    if refill_every not in (1, 2) or (refill_every == 2 and num_buf < 3):
+        raise ValueError(f"gluon prefill: refill_every must be 1, or 2 with num_buf >= 3, got {refill_every} "
+                         f"(num_buf {num_buf})")
     dt = _GL_DTYPE[q.dtype]
     q_block, k_block = [block_q, d], [block_n, d]
     # Rows of q may be padded (stride(0) >= H * D); heads and head dim are contiguous (checked).
@@ -242,4 +254,5 @@ def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, b
     grid = (triton.cdiv(s_k, block_n), triton.cdiv(s_q, block_q))
     return prefill_logits_gluon_kernel[grid](
         q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k,
-        H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps, ABLATE=ablate)
+        H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps, ABLATE=ablate,
+        REFILL_EVERY=refill_every)
