@@ -230,13 +230,10 @@ def prefill_logits_gluon_kernel(
 
 
 def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, block_q: int, block_n: int,
-           num_warps: int, num_buf: int, ablate: int = 0, refill_every: int | None = None):
+           num_warps: int, num_buf: int, ablate: int = 0, refill_every: int = 1):
     """q [S_q, H, D] and k [S_k, D] in E4M3 or f16, the rest as the Triton kernel takes them.
     ``refill_every``: query buffers refilled after every head (1) or two at a time (2, needs
-    num_buf >= 3); default 2 where allowed (measured: 1028 against 1050 µs at H64 2048/32768,
-    equal at H32; ``indexer-prefill-bound-2-refill.json``). Returns the compiled kernel."""
-    if refill_every is None:
-        refill_every = 2 if num_buf >= 3 else 1
+    num_buf >= 3). Returns the compiled kernel (registers, spills)."""
     s_q, h, d = q.shape
     s_k = k.shape[0]
     if num_buf < 2 or num_buf > h:
