@@ -115,6 +115,22 @@ def _add_relu_weighted(acc, s, w, KEYS_MAJOR: tl.constexpr):
 
 
 @triton.jit
+def _store_logits(val, out_rows, key, ks, valid, row_ok, S_k, CLEAN: tl.constexpr, COMPRESSED: tl.constexpr):
+    """Store a logits tile in either orientation ([row, key] or [key, row]): every operand comes
+    broadcastable to ``val`` in that orientation (``out_rows`` the rows' base pointers, ``key``
+    each element's key, ``ks`` its row's window start, ``valid`` whether the key is in its row's
+    window, ``row_ok`` whether the row exists). Clean: -inf outside the windows; compressed:
+    only in-window keys, key ``ks[i] + c`` at column ``c``."""
+    if CLEAN and not COMPRESSED:
+        val = tl.where(valid, val, float("-inf"))
+    val = val.to(out_rows.dtype.element_ty)
+    if COMPRESSED:
+        tl.store(out_rows + (key - ks), val, mask=valid)
+    else:
+        tl.store(out_rows + key, val, mask=row_ok & (key < S_k))
+
+
+@triton.jit
 def prefill_logits_kernel(
     q_desc, q_sf_ptr, stride_qsf,
     k_desc, k_scale_ptr,
@@ -149,8 +165,8 @@ def prefill_logits_kernel(
     if (n0 >= hi) | (n0 + BLOCK_N <= lo):
         # No row of this tile sees these keys: skip the math, write the -inf of the full layout.
         if CLEAN and not COMPRESSED:
-            fill = tl.full((BLOCK_Q, BLOCK_N), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
-            tl.store(out_rows + cols[None, :], fill, mask=row_ok[:, None] & (cols[None, :] < S_k))
+            fill = tl.full((BLOCK_Q, BLOCK_N), float("-inf"), tl.float32)
+            _store_logits(fill, out_rows, cols[None, :], ks[:, None], valid, row_ok[:, None], S_k, False, False)
         return
 
     w_rows = w_ptr + rows.to(tl.int64) * stride_w
@@ -205,14 +221,7 @@ def prefill_logits_kernel(
                     _ue8m0_byte_scale(q_sf, 3)[:, None] * _ue8m0_byte_scale(k_sf, 3)[None, :])
             acc += tl.maximum(s, 0.0) * w[:, None]
 
-    if CLEAN and not COMPRESSED:
-        acc = tl.where(valid, acc, float("-inf"))
-    val = acc.to(out_ptr.dtype.element_ty)
-    if COMPRESSED:
-        # Column c of row i holds key ks[i] + c; only in-window keys are stored.
-        tl.store(out_rows + (cols[None, :] - ks[:, None]), val, mask=valid)
-    else:
-        tl.store(out_rows + cols[None, :], val, mask=row_ok[:, None] & (cols[None, :] < S_k))
+    _store_logits(acc, out_rows, cols[None, :], ks[:, None], valid, row_ok[:, None], S_k, CLEAN, COMPRESSED)
 
 
 @triton.jit
@@ -265,13 +274,7 @@ def prefill_heads_on_n_kernel(
         ke = tl.minimum(tl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
         valid = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :]) & row_ok[None, :]
         out_cols = out_ptr + rows.to(tl.int64)[None, :] * stride_out
-        if CLEAN and not COMPRESSED:
-            logits = tl.where(valid, logits, float("-inf"))
-        val = logits.to(out_ptr.dtype.element_ty)
-        if COMPRESSED:
-            tl.store(out_cols + (cols[:, None] - ks[None, :]), val, mask=valid)
-        else:
-            tl.store(out_cols + cols[:, None], val, mask=row_ok[None, :] & (cols[:, None] < S_k))
+        _store_logits(logits, out_cols, cols[:, None], ks[None, :], valid, row_ok[None, :], S_k, CLEAN, COMPRESSED)
 
 
 @triton.jit

@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from tilefuse.indexer._prefill_kernel import _store_logits
+
 FMT_MXFP8 = 1
 FMT_MXFP4 = 2
 
@@ -65,8 +67,8 @@ def prefill_logits_mx_kernel(
     if (n0 >= hi) | (n0 + BLOCK_N <= lo):
         # No row of this tile sees these keys: skip the math, write the -inf of the full layout.
         if CLEAN and not COMPRESSED:
-            fill = tl.full((BLOCK_Q, BLOCK_N), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
-            tl.store(out_rows + cols[None, :], fill, mask=row_ok[:, None] & (cols[None, :] < S_k))
+            fill = tl.full((BLOCK_Q, BLOCK_N), float("-inf"), tl.float32)
+            _store_logits(fill, out_rows, cols[None, :], None, None, row_ok[:, None], S_k, False, False)
         return
 
     NB: tl.constexpr = D // 32
@@ -99,14 +101,7 @@ def prefill_logits_mx_kernel(
     acc = tl.trans(acc)  # to [query row, key] for row-contiguous stores
 
     valid = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None]) & row_ok[:, None]
-    if CLEAN and not COMPRESSED:
-        acc = tl.where(valid, acc, float("-inf"))
-    val = acc.to(out_ptr.dtype.element_ty)
-    if COMPRESSED:
-        # Column c of row i holds key ks[i] + c; only in-window keys are stored.
-        tl.store(out_rows + (cols[None, :] - ks[:, None]), val, mask=valid)
-    else:
-        tl.store(out_rows + cols[None, :], val, mask=row_ok[:, None] & (cols[None, :] < S_k))
+    _store_logits(acc, out_rows, cols[None, :], ks[:, None], valid, row_ok[:, None], S_k, CLEAN, COMPRESSED)
 
 
 def launch(q, q_sf, k, k_sf, weights, ks, ke, out, clean_logits: bool, compressed: bool, *,
