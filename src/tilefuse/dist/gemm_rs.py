@@ -23,7 +23,7 @@ Every wait is bounded (``timeout_s``).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -145,14 +145,14 @@ def make_plan(
     mc = chunk_rows(m, world)
     sms = num_programs or num_sms(device)
     cfg = config or default_config(m, n, k, sms)
-    order = tuple(chunk_order("owner_last", rank, world))
-    if lag is None:
-        tiles = TileSchedule(mc, n, world, cfg.block_m, cfg.block_n, cfg.group_m, order).num_tiles
-        item = torch.empty((), dtype=dtype).element_size()
-        lag = default_lag(k, world, sms, tiles, item) if design == "push" else 0
-    sched = TileSchedule(mc, n, world, cfg.block_m, cfg.block_n, cfg.group_m, order, lag if world > 1 else 0)
-    n_flags = world * sched.tiles_per_chunk
     item = torch.empty((), dtype=dtype).element_size()
+    sched = TileSchedule(mc, n, world, cfg.block_m, cfg.block_n, cfg.group_m,
+                         tuple(chunk_order("owner_last", rank, world)))
+    if lag is None:
+        lag = default_lag(k, world, sms, sched.num_tiles, item) if design == "push" else 0
+    if lag and world > 1:
+        sched = replace(sched, lag=lag)
+    n_flags = world * sched.tiles_per_chunk
     recv_flags_off = P.FLAGS_OFFSET
     part_flags_off = recv_flags_off + 4 * n_flags
     recv_off = _align(part_flags_off + 4 * n_flags)
