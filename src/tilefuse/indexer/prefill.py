@@ -53,6 +53,8 @@ class PrefillConfig:
     head's wgmma asynchronously, so head h+1's MMA overlaps head h's ReLU and weighting;
     ``num_stages`` (>= 2) is then its ring of query-tile buffers, ``block_q`` is 64 or 128 and
     warps beyond one per 16 rows split the keys. GPU-only (Gluon has no interpreter).
+    ``gluon_refill``: the Gluon kernel refills its query ring after every head (1) or two
+    buffers at a time (2, needs ``num_stages >= 3``: half the CTA barriers around the refills).
     """
 
     block_q: int = 64
@@ -67,6 +69,7 @@ class PrefillConfig:
     mxfp8_via_f16: bool = False
     heads_on_n: bool = False
     gluon: bool = False
+    gluon_refill: int = 1
 
 
 def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
@@ -97,11 +100,13 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
     1002-1006 TFLOP/s against 978 for the Triton loop in one run and 970-984 against 954 in
     another, 962 / 948 at 8192/65536, 927-936 against 867-877 at H = 32, 70.6 / 71.1 us at
     128/32768; MXFP8 (f16 rows) 710-744 TFLOP/s against 465-488, 0.98-1.09 of the BF16 ceiling.
-    4 warps, 4 query buffers (3: 1002 / 970, 710 for MXFP8); 8 warps splitting the keys (one
-    block per SM at 164 registers) ran 815-829. bf16 logits stay on the Triton loop with the
-    separate -inf pass (1017 against 929-931 for Gluon, either clean schedule). MXFP4 stays on
-    the Triton loop (Gluon 957-973 against 942-960: within run-to-run spread, and its wide
-    64x256 tile also serves the bf16 recompute pass). Elsewhere the Triton loop.
+    4 warps, 4 query buffers (3: 1002 / 970, 710 for MXFP8), refilled two at a time (1027.7
+    against 1049.8 us at H64 2048/32768, equal at H32: ``indexer-prefill-bound-2-refill.json``);
+    8 warps splitting the keys (one block per SM at 164 registers) ran 815-829. bf16 logits stay
+    on the Triton loop with the separate -inf pass (1017 against 929-931 for Gluon, either clean
+    schedule). MXFP4 stays on the Triton loop (Gluon 957-973 against 942-960: within run-to-run
+    spread, and its wide 64x256 tile also serves the bf16 recompute pass). Elsewhere the Triton
+    loop.
     """
     del num_heads, head_dim  # one tile per format fits every H and D measured so far
     hopper = arch == 9
@@ -109,12 +114,13 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
         if num_q_rows is not None and num_q_rows <= 32:
             return PrefillConfig(block_q=16, block_n=128, num_warps=4, num_stages=3, heads_on_n=True)
         if hopper and logits_dtype == torch.float32:
-            return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon=True)
+            return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon=True, gluon_refill=2)
         return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3, head_unroll=2,
                              clean_pass=logits_dtype == torch.bfloat16)
     if fmt == "mxfp8":
         if hopper and (num_q_rows is None or num_q_rows > 32):
-            return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, mxfp8_via_f16=True, gluon=True)
+            return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, mxfp8_via_f16=True, gluon=True,
+                                 gluon_refill=2)
         return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=2, head_unroll=2, mxfp8_via_f16=True)
     return PrefillConfig(block_q=64, block_n=256, num_warps=8, num_stages=3, fp4_via_fp8=True)
 
@@ -136,6 +142,8 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
                       or cfg.num_warps % (cfg.block_q // 16) or cfg.num_stages < 2):
         raise ValueError("gluon runs the 2-D tile (not keys_major, heads_on_n or mx_split) with block_q 64 or "
                          f"128, num_warps a multiple of block_q / 16 and num_stages >= 2, got {cfg}")
+    if cfg.gluon_refill not in (1, 2) or (cfg.gluon_refill == 2 and cfg.num_stages < 3):
+        raise ValueError(f"gluon_refill must be 1, or 2 with num_stages >= 3, got {cfg}")
     return cfg
 
 
@@ -346,7 +354,7 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
         from tilefuse.indexer import _prefill_kernel_gluon
 
         _prefill_kernel_gluon.launch(q, k, k_scale, weights, ks, ke, out, clean, compressed, cfg.block_q,
-                                     cfg.block_n, cfg.num_warps, cfg.num_stages)
+                                     cfg.block_n, cfg.num_warps, cfg.num_stages, refill_every=cfg.gluon_refill)
         return
     # With MX split, each load is one 32-element block (16 bytes of packed FP4).
     split = fmt != "fp8" and cfg.mx_split

@@ -375,8 +375,9 @@ def prefill_gluon_variants() -> list[Variant]:
     """``prefill_logits_gluon_kernel`` (Hopper only) as its launcher builds it: E4M3 and f16
     operands (FP8; MXFP8 renormalised into f16) at D = 128, H = 64, in the four output layouts
     with fp32 logits and the clean layout with bf16 logits. Default: the tile ``default_config``
-    picks on Hopper (64x128, 4 warps, 4 buffers); options: 8 warps splitting the key tile (3 and 4
-    buffers). The launcher is called directly: the op only dispatches to it on an sm_90 GPU."""
+    picks on Hopper (64x128, 4 warps, 4 buffers refilled two at a time); options: the same tile
+    refilled after every head, 8 warps splitting the key tile (3 and 4 buffers). The launcher is
+    called directly: the op only dispatches to it on an sm_90 GPU."""
     import torch
 
     from tilefuse.indexer import _prefill_kernel_gluon as gk
@@ -385,8 +386,9 @@ def prefill_gluon_variants() -> list[Variant]:
     path = f"{gk.__name__}:prefill_logits_gluon_kernel"
     h, d = 64, 128
     default = prefill.default_config("fp8", h, d, 4096, arch=9)
-    # (warps, buffers, origin)
-    tiles = [(default.num_warps, default.num_stages, "default"), (8, 3, "option"), (8, 4, "option")]
+    # (warps, buffers, refill, origin)
+    tiles = [(default.num_warps, default.num_stages, default.gluon_refill, "default"),
+             (default.num_warps, default.num_stages, 1, "option"), (8, 3, 1, "option"), (8, 4, 1, "option")]
     ks = torch.zeros(_S_Q, dtype=torch.int32)
     ke = torch.full((_S_Q,), _MAX_SEQLEN_K, dtype=torch.int32)
     out = []
@@ -394,15 +396,16 @@ def prefill_gluon_variants() -> list[Variant]:
         q = torch.zeros(_S_Q, h, d, dtype=dtype)
         k = torch.zeros(_S_K, d, dtype=dtype)
         cases = [(clean, comp, torch.float32) for clean, comp in _LAYOUTS] + [(True, False, torch.bfloat16)]
-        for num_warps, num_buf, origin in tiles:
+        for num_warps, num_buf, refill, origin in tiles:
             for clean, compressed, out_dtype in cases:
                 cols = _MAX_SEQLEN_K if compressed else _S_K
                 logits = torch.zeros(_S_Q, cols + (-cols) % 16, dtype=out_dtype)
                 with tracing(path) as launches:
                     gk.launch(q, k, torch.ones(_S_K), _weights(_S_Q, h, torch.float32), ks, ke, logits, clean,
-                              compressed, default.block_q, default.block_n, num_warps, num_buf)
+                              compressed, default.block_q, default.block_n, num_warps, num_buf, refill_every=refill)
                 name = (f"{_dtype_name(dtype)} D{d} H{h} {_layout_name(clean, compressed)} "
                         f"{default.block_q}x{default.block_n} w{num_warps} buf{num_buf}"
+                        + (f" refill{refill}" if refill != 1 else "")
                         + ("" if out_dtype == torch.float32 else f" out={_short(out_dtype)}"))
                 out += [variant_of(launch, "indexer.prefill_gluon", name, origin, ("sm_90a",)) for launch in launches]
     return _unique(out)
