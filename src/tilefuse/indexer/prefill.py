@@ -296,6 +296,7 @@ def _mqa_logits(
     mxfp8_via_f16: bool,
     heads_on_n: bool,
     gluon: bool,
+    gluon_refill: int,
 ) -> torch.Tensor:
     fmt = format_of(q, q_sf)
     s_q, h, dq = q.shape
@@ -322,7 +323,7 @@ def _mqa_logits(
         _prefill_kernel_sm100.launch(q, q_sf, k, k_scale, weights, ks, ke, out, clean, compressed)
     else:
         cfg = PrefillConfig(block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll,
-                            fp4_via_fp8, clean_pass, mxfp8_via_f16, heads_on_n, gluon)
+                            fp4_via_fp8, clean_pass, mxfp8_via_f16, heads_on_n, gluon, gluon_refill)
         if ((fmt == "mxfp4" and fp4_via_fp8) or (fmt == "mxfp8" and mxfp8_via_f16)) and not mx_split:
             _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, clean, compressed, d, cfg)
         else:
@@ -427,7 +428,7 @@ def _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, cl
 @_mqa_logits.register_fake
 def _mqa_logits_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype,
                      block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll, fp4_via_fp8,
-                     clean_pass, mxfp8_via_f16, heads_on_n, gluon):
+                     clean_pass, mxfp8_via_f16, heads_on_n, gluon, gluon_refill):
     shape, stride = _out_shape(q.shape[0], k.shape[0], max_seqlen_k)
     return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
 
