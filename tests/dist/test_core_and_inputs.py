@@ -101,8 +101,17 @@ def test_plans_bad_options_and_layouts():
     p = ag.make_plan("push", 4096, 512, 4096, 2, 1, torch.bfloat16, CPU, num_programs=132, comm_programs=32)
     assert (p.gemm_programs, p.pieces, p.bands, p.schedule.order) == (100, 4, 16, (1, 0))
     assert p.gath_off % 1024 == 0 and p.nbytes == p.gath_off + 4096 * 4096 * 2
+    assert (p.local_copy, p.local_splits) == ("sm", 0)
+    p = ag.make_plan("push", 4096, 512, 4096, 2, 1, torch.bfloat16, CPU, num_programs=132, local_copy="ce",
+                     splits=3)
+    assert (p.local_copy, p.local_splits, p.bands, p.pieces) == ("ce", 3, 16, 4)
+    with pytest.raises(ValueError, match="local_copy"):
+        ag.make_plan("push", 64, 64, 64, 2, 0, torch.bfloat16, CPU, local_copy="dma")
+    with pytest.raises(ValueError, match="local_copy"):
+        ag.make_plan("ce", 64, 64, 64, 2, 0, torch.bfloat16, CPU, local_copy="sm")
     p = ag.make_plan("ce", 4096, 512, 4096, 2, 0, torch.bfloat16, CPU, num_programs=132, splits=4)
     assert (p.gemm_programs, p.band_tiles, p.bands, p.pieces) == (131, 4, 4, 1)
+    assert (p.local_copy, p.local_splits) == ("ce", 4)
     p = rs.make_plan("forward", 8192, 8192, 1024, 2, 0, torch.bfloat16, CPU, num_programs=132)
     assert p.schedule.order == (1, 0) and p.peer_tiles == p.tiles_per_chunk and p.gemm_programs == 116
     assert p.part_off == p.recv_off + 8192 * 8192 * 2 and p.nbytes == p.part_off + 8192 * 8192 * 2
@@ -175,6 +184,10 @@ def test_bench_arguments():
     assert [v[0] for v in fused_variants("gemm_rs", "push/l0+198,forward/p16,push/l66/g131+132")] == [
         "fused:push/l0", "fused:push/l198", "fused:forward/p16", "fused:push/l66/g131", "fused:push/l66/g132"]
     assert fused_variants("gemm_rs", "push/l0")[0][2] == {"lag": 0}
+    assert fused_variants("ag_gemm", "push/csm+ce/s8") == [
+        ("fused:push/csm/s8", "push", {"local_copy": "sm", "splits": 8}),
+        ("fused:push/cce/s8", "push", {"local_copy": "ce", "splits": 8})]
+    assert fused_variants("gemm_rs", "push/t1")[0][2] == {"recv_tma": True}
     with pytest.raises(ValueError, match="design"):
         fused_variants("gemm_rs", "ce")
     with pytest.raises(ValueError, match="variant option"):

@@ -47,10 +47,13 @@ def make_ag(world, mc, k, n, layout, dtype=torch.bfloat16, seed=0):
     [
         (2, "ce", 40, "kn", {}),
         (2, "push", 40, "nk", {"piece_cols": 16}),  # two pieces per band: counted flags
+        # the local shard staged by copy engines in 3 pieces over 5 bands, peers by the push kernel
+        (2, "push", 80, "kn", {"piece_cols": 16, "local_copy": "ce", "splits": 3}),
         (4, "ce", 32, "nk", {"splits": 1}),
         (4, "push", 24, "kn", {}),
         (8, "ce", 20, "kn", {"splits": 2}),
         (8, "push", 16, "nk", {}),
+        (4, "push", 24, "nk", {"local_copy": "ce"}),
     ],
 )
 def test_ag_gemm_data_path(world, design, mc, layout, extra):
@@ -136,3 +139,22 @@ def test_gemm_rs_reduces_in_rank_order():
             src = (r + s) % world
             acc += (a_list[src][rows].float() @ b_list[src].float()).to(torch.bfloat16).float()
         torch.testing.assert_close(outs[r].float(), acc.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("world,design,mc,lag", [(2, "push", 48, 3), (3, "forward", 32, 0), (2, "push", 40, 0)])
+def test_gemm_rs_partials_by_tma(world, design, mc, lag):
+    """The owner's partials loaded through the receive buffer's tensor descriptor: the same bits
+    as per-thread loads (aligned chunks; mc = 40 is not a multiple of the 16-row tile, so the
+    option falls back to per-thread loads there)."""
+    k, n = 32, 48
+    g = torch.Generator().manual_seed(300 + world)
+    a_list = [torch.randn(mc * world, k, generator=g).to(torch.bfloat16) for _ in range(world)]
+    b_list = [(torch.randn(k, n, generator=g) / k**0.5).to(torch.bfloat16) for _ in range(world)]
+    kw = dict(design=design, config=CFG, comm_programs=2, lag=lag)
+    outs, wss, plans = emulate_gemm_rs(a_list, b_list, recv_tma=True, **kw)
+    base, _, _ = emulate_gemm_rs(a_list, b_list, recv_tma=False, **kw)
+    assert plans[0].recv_tma
+    for r in range(world):
+        assert not outs[r].isnan().any(), f"rank {r}: unwritten output"
+        assert torch.equal(outs[r], base[r]), f"rank {r}: TMA loads changed the bits"
+    assert_clean(wss, 2 * world * plans[0].tiles_per_chunk)

@@ -80,8 +80,11 @@ def test_every_prefill_option_is_varied():
     base = prefill.default_config("fp8", 64, 128)
     flipped = {f.name for cfg in V.prefill_option_configs(base) for f in dataclasses.fields(cfg)
                if getattr(cfg, f.name) != getattr(base, f.name)}
-    options = {f.name for f in dataclasses.fields(base)} - set(V._TILE_FIELDS)
+    options = {f.name for f in dataclasses.fields(base)} - set(V._TILE_FIELDS) - set(V._GLUON_ONLY_FIELDS)
     assert flipped == options
+    # Gluon-only fields are varied by the Gluon kernel's own registry.
+    names = [v.name for v in V.prefill_gluon_variants()]
+    assert any(n.endswith("refill2") for n in names) and any("w4 buf4" in n and "refill" not in n for n in names)
 
 
 def test_unknown_config_field_is_an_error():

@@ -4,8 +4,9 @@
   kernel raises the local go words that let this call's GEMM / communication kernel write into
   peers' buffers (the peers have finished reading them in the previous call).
 * ``_ag_push_kernel``: ag_gemm, SM-driven gather. ``P`` programs copy the local shard, band by
-  band and piece by piece, into the gathered buffer of every rank (own included) and add one to
-  that band's flag on the destination; the destination's GEMM waits for ``pieces`` per band.
+  band and piece by piece, into the gathered buffer of every rank (own included unless
+  ``LOCAL`` is off: then copy engines stage it) and add one to that band's flag on the
+  destination; the destination's GEMM waits for ``pieces`` per band.
   Program 0 runs the start barrier first; programs wait for its go word before a remote store.
 * ``_rs_forward_kernel``: gemm_rs with communication programs. Each peer-owned tile the local
   GEMM finished (local flag) is copied into the owner's receive slot, then the owner's tile flag
@@ -54,6 +55,7 @@ def _ag_push_kernel(
     err_addr, timeout, trace_ptr,
     W: tl.constexpr, NUM_PROGRAMS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
     BARRIER: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_TIMER: tl.constexpr,
+    LOCAL: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     DTYPE = a_ptr.dtype.element_ty
@@ -64,12 +66,13 @@ def _ag_push_kernel(
             P.barrier_all(bases_ptr, ctl_ptr, err_ptr, timeout, rank, 1, W, USE_TIMER)
             tl.atomic_xchg(ctl_ptr + P.CTL_GO_COMM, 1, sem="release", scope="gpu")
     go_ok = 0
-    per_band = W * pieces
+    first = 0 if LOCAL else 1  # destinations rank + first, ..., rank + W - 1
+    per_band = (W - first) * pieces
     n_items = bands * per_band
     ev = 0
     for it in range(pid, n_items, NUM_PROGRAMS):
         b = it // per_band
-        s = (it % per_band) // pieces
+        s = first + (it % per_band) // pieces
         q = it % pieces
         dst_rank = (rank + s) % W
         t_start = P.now_ns(USE_TIMER)

@@ -32,7 +32,8 @@ def _set_go(wss: list[Workspace], word) -> None:
 
 def emulate_ag_gemm(shards: list[torch.Tensor], b: torch.Tensor, *, design: str, b_layout: str = "kn",
                     config=None, comm_programs: int | None = None, splits: int | None = None,
-                    piece_cols: int | None = None, num_programs: int = 4, spins: int = 200, trace=None):
+                    piece_cols: int | None = None, num_programs: int = 4, spins: int = 200, trace=None,
+                    local_copy: str | None = None):
     """Every rank's ``ag_gemm`` output (poisoned before the launch), workspaces and plans."""
     world = len(shards)
     mc, k = shards[0].shape
@@ -40,11 +41,14 @@ def emulate_ag_gemm(shards: list[torch.Tensor], b: torch.Tensor, *, design: str,
     dev = shards[0].device
     plans = [ag.make_plan(design, mc * world, n, k, world, r, shards[0].dtype, dev, config=config,
                           comm_programs=comm_programs, splits=splits, piece_cols=piece_cols,
-                          num_programs=num_programs) for r in range(world)]
+                          num_programs=num_programs, local_copy=local_copy) for r in range(world)]
     wss = emulated_workspaces(world, max(p.nbytes for p in plans), dev)
     timeout = P.timeout_units(1.0, dev.type, spins)
     if design == "push":
         _set_go(wss, P.CTL_GO_COMM)
+        for r in range(world):
+            if plans[r].local_copy == "ce":
+                ag.ce_local_copies(plans[r], wss[r], shards[r])
         for r in range(world):
             buf = trace.buffer("push", r, plans[r].comm_programs, dev) if trace is not None else None
             ag.launch_push(plans[r], wss[r], shards[r], timeout, barrier=False, trace=buf)
@@ -62,7 +66,7 @@ def emulate_ag_gemm(shards: list[torch.Tensor], b: torch.Tensor, *, design: str,
 
 def emulate_gemm_rs(a_list: list[torch.Tensor], b_list: list[torch.Tensor], *, design: str, b_layout: str = "kn",
                     config=None, comm_programs: int | None = None, num_programs: int = 4, spins: int = 200,
-                    lag: int | None = None, trace=None):
+                    lag: int | None = None, trace=None, recv_tma: bool | None = None):
     """Every rank's ``gemm_rs`` output: peer-owned tiles of all ranks first, then (forward) the
     forwarding kernels, then the owners' own tiles with the fused reduction. An interleaved
     order (push, lag > 0) runs in lock-step segments of ``lag`` tile positions, every rank's
@@ -74,7 +78,8 @@ def emulate_gemm_rs(a_list: list[torch.Tensor], b_list: list[torch.Tensor], *, d
     n = b0.shape[1] if b_layout == "kn" else b0.shape[0]
     dev = a_list[0].device
     plans = [rs.make_plan(design, m, n, k, world, r, a_list[0].dtype, dev, config=config,
-                          comm_programs=comm_programs, num_programs=num_programs, lag=lag) for r in range(world)]
+                          comm_programs=comm_programs, num_programs=num_programs, lag=lag, recv_tma=recv_tma)
+             for r in range(world)]
     wss = emulated_workspaces(world, max(p.nbytes for p in plans), dev)
     timeout = P.timeout_units(1.0, dev.type, spins)
     outs = [_poisoned((m // world, n), a_list[0]) for _ in range(world)]

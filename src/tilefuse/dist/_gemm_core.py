@@ -162,25 +162,31 @@ def _store_rows(base, row0, rows_valid, col0, N, vals, BM: tl.constexpr, BN: tl.
 
 
 @triton.jit
-def _reduce_own(acc, ws_addr, j, col0, tic, tpc, Mc, N, rank, recv_off, flags_off, ctl_ptr, err_ptr,
+def _reduce_own(acc, r_desc, ws_addr, j, col0, tic, tpc, Mc, N, rank, recv_off, flags_off, ctl_ptr, err_ptr,
                 timeout, chunk, OUT_DTYPE: tl.constexpr, W: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr, USE_TIMER: tl.constexpr, OP: tl.constexpr):
-    """acc (own partial, fp32) + every peer's partial of this tile, in rank order from rank+1."""
+                BN: tl.constexpr, USE_TIMER: tl.constexpr, OP: tl.constexpr, RECV_TMA: tl.constexpr):
+    """acc (own partial, fp32) + every peer's partial of this tile, in rank order from rank+1.
+    ``RECV_TMA``: the partial comes through the receive buffer's tensor descriptor (a TMA load
+    into shared memory) instead of per-thread loads (aligned chunks only)."""
     flags = P.as_ptr(ws_addr + flags_off, tl.int32)
     recv = P.as_ptr(ws_addr + recv_off, OUT_DTYPE)
     for s in tl.static_range(1, W):
         src = (rank + s) % W
         P.wait_geq(flags + src * tpc + tic, 1, ctl_ptr, err_ptr, timeout, rank, OP, P.ROLE_GEMM, chunk,
                    src * tpc + tic, USE_TIMER)
-        ptrs, mask = _tile_ptrs(recv, src * Mc + j * BM, Mc - j * BM, col0, N, BM, BN)
-        part = tl.load(ptrs, mask=mask, other=0.0)
+        if RECV_TMA:
+            P.fence_proxy_async(USE_TIMER)  # the peer's stores were acquired by the generic proxy
+            part = r_desc.load([src * Mc + j * BM, col0])
+        else:
+            ptrs, mask = _tile_ptrs(recv, src * Mc + j * BM, Mc - j * BM, col0, N, BM, BN)
+            part = tl.load(ptrs, mask=mask, other=0.0)
         acc += part.to(tl.float32)
     return acc
 
 
 @triton.jit
 def _persistent_gemm(
-    a_desc, b_desc, c_desc, out_ptr,
+    a_desc, b_desc, c_desc, r_desc, out_ptr,
     M, N, K, Mc, rank,
     order_ptr, lag, tile_begin, tile_end,
     ws_addr, bases_ptr, flags_off, band_tiles, bands_per_chunk, flag_target,
@@ -191,6 +197,7 @@ def _persistent_gemm(
     B_KN: tl.constexpr, EPI: tl.constexpr, WAIT_A: tl.constexpr,
     ALIGNED: tl.constexpr, RESET: tl.constexpr, BARRIER: tl.constexpr, TRACE: tl.constexpr,
     MAX_EVENTS: tl.constexpr, USE_TIMER: tl.constexpr, OP: tl.constexpr, FLATTEN: tl.constexpr = False,
+    RECV_TMA: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     OUT_DTYPE = out_ptr.dtype.element_ty
@@ -252,8 +259,8 @@ def _persistent_gemm(
                     P.set_flag(pflag, 1)
             else:
                 w0 = P.now_ns(USE_TIMER)
-                acc = _reduce_own(acc, ws_addr, j, col * BN, tic, tpc, Mc, N, rank, recv_off, flags_off, ctl_ptr,
-                                  err_ptr, timeout, chunk, OUT_DTYPE, W, BM, BN, USE_TIMER, OP)
+                acc = _reduce_own(acc, r_desc, ws_addr, j, col * BN, tic, tpc, Mc, N, rank, recv_off, flags_off,
+                                  ctl_ptr, err_ptr, timeout, chunk, OUT_DTYPE, W, BM, BN, USE_TIMER, OP, RECV_TMA)
                 wait_ns += P.now_ns(USE_TIMER) - w0
                 if ALIGNED:
                     c_desc.store([j * BM, col * BN], acc.to(OUT_DTYPE))
@@ -290,6 +297,7 @@ class CommArgs:
     part_off: int = 0
     part_flags_off: int = 0
     n_reset_flags: int = 0
+    recv: torch.Tensor | None = None  # the receive buffer [W * Mc, N]: partials loaded by TMA
     reset: bool = True
     barrier: bool = False  # program 0 runs the start barrier (gemm_rs push)
 
@@ -332,6 +340,9 @@ def launch_gemm(
     a_desc = _desc(a, [bm, bk])
     b_desc = _desc(b, [bk, bn] if b_layout == "kn" else [bn, bk])
     c_desc = _desc(out, [bm, bn])
+    recv_tma = comm is not None and comm.recv is not None and schedule.aligned
+    # Without it the kernel never reads r_desc; c_desc stands in (same type: no new specialization).
+    r_desc = _desc(comm.recv, [bm, bn]) if recv_tma else c_desc
     tile_end = schedule.num_tiles if tile_end is None else tile_end
     programs = num_programs or num_sms(device)
     programs = max(1, min(programs, tile_end - tile_begin))
@@ -354,7 +365,7 @@ def launch_gemm(
         raise ValueError(f"trace buffer has {trace.shape[0]} rows, needs {programs}")
     c = comm_vals
     args = (
-        a_desc, b_desc, c_desc, out,
+        a_desc, b_desc, c_desc, r_desc, out,
         a.shape[0], n, k, schedule.mc, rank,
         order, schedule.lag_tiles, tile_begin, tile_end,
         c["ws_addr"], c["bases"], c["flags_off"], c["band_tiles"], c["bands_per_chunk"], c["flag_target"],
@@ -369,6 +380,7 @@ def launch_gemm(
         TRACE=trace is not None, MAX_EVENTS=max_events,
         USE_TIMER=P.use_timer(device.type), OP=P.OP_CODES[op],
         FLATTEN=cfg.flatten and epilogue == EPI_LOCAL.value and not wait_a and comm is None and trace is None,
+        RECV_TMA=recv_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _persistent_gemm[(programs,)](*args, **kwargs)

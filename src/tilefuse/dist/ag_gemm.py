@@ -8,8 +8,11 @@ Designs (``design=``; the policy picks one per shape from measurements):
   ...), writing a flag after each band; a final barrier tells peers their shard was read.
   The persistent GEMM uses every SM and waits, per tile, on the flag of the band it reads.
 * ``"push"`` — SM-driven. ``comm_programs`` programs of a push kernel copy the local shard,
-  band by band (one band = one tile row) and piece by piece, into every rank's gathered buffer
-  and count pieces on the destination's band flag; the GEMM runs on the remaining SMs.
+  band by band (one band = one tile row) and piece by piece, into every peer's gathered buffer
+  and count pieces on the destination's band flag; the GEMM runs on the remaining SMs. The
+  local shard lands in this rank's own buffer by the same programs (``local_copy="sm"``) or by
+  copy engines on a second side stream in ``splits`` pieces (``"ce"``), leaving the push
+  programs the remote stores alone.
 
 Both: the GEMM visits chunks in arrival order (own rows first, ``_schedule.chunk_order``), so
 a tile never waits behind data that arrives later. Every wait is bounded (``timeout_s``).
@@ -38,6 +41,8 @@ from tilefuse.dist._schedule import TileSchedule, cdiv, chunk_order, chunk_rows
 from tilefuse.dist.symm import Workspace
 
 DESIGNS = ("ce", "push")
+LOCAL_COPIES = ("sm", "ce")
+DEFAULT_PUSH_LOCAL_COPY = "sm"
 DEFAULT_TIMEOUT_S = float(os.environ.get("TILEFUSE_DIST_TIMEOUT_S", "60"))
 _ALIGN = 1024
 
@@ -61,6 +66,8 @@ class AgPlan:
     piece_cols: int
     comm_programs: int  # push kernel programs (0 for ce)
     gemm_programs: int
+    local_copy: str  # who stages the local shard: "sm" (push programs) or "ce" (copy engines)
+    local_splits: int  # copy-engine pieces of the local shard (0 for "sm")
     gath_off: int
     n_flags: int
     nbytes: int
@@ -94,11 +101,18 @@ def make_plan(
     splits: int | None = None,
     piece_cols: int | None = None,
     num_programs: int | None = None,
+    local_copy: str | None = None,
 ) -> AgPlan:
-    """Layout and launch parameters. ``splits``: bands per chunk for ``ce`` (default 4);
-    ``comm_programs`` (default 32) and ``piece_cols`` (default 1024) for ``push``."""
+    """Layout and launch parameters. ``splits``: bands per chunk for ``ce`` (default 4), pieces
+    of the local shard's copy-engine staging for ``push`` with ``local_copy="ce"`` (default 4);
+    ``comm_programs`` (default 32), ``piece_cols`` (default 1024) and ``local_copy`` (default
+    ``DEFAULT_PUSH_LOCAL_COPY``) for ``push``."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
+    if local_copy is not None and local_copy not in LOCAL_COPIES:
+        raise ValueError(f"local_copy must be one of {LOCAL_COPIES} or None, got {local_copy!r}")
+    if design == "ce" and local_copy == "sm":
+        raise ValueError("the ce design stages the local shard by copy engines: local_copy must be 'ce' or None")
     mc = chunk_rows(m, world)
     sms = num_programs or num_sms(device)
     cfg = config or default_config(m, n, k, sms)
@@ -111,6 +125,7 @@ def make_plan(
             raise ValueError(f"splits must be >= 1, got {sp}")
         band_tiles = cdiv(tm, min(sp, tm))
         pieces, pcols, comm = 1, k, 0
+        local, local_splits = "ce", cdiv(tm, band_tiles)
         # One SM stays free for the barrier kernels of the side stream: a GEMM holding every SM
         # while it waits for rows that only arrive after a barrier would deadlock.
         gemm_programs = sms - 1
@@ -124,12 +139,17 @@ def make_plan(
             raise ValueError(f"piece_cols must be >= 1, got {pcols}")
         pieces = cdiv(k, pcols)
         gemm_programs = sms - comm
+        local = local_copy or DEFAULT_PUSH_LOCAL_COPY
+        sp = 4 if splits is None else splits
+        if sp < 1:
+            raise ValueError(f"splits must be >= 1, got {sp}")
+        local_splits = min(sp, tm) if local == "ce" else 0
     bands = cdiv(tm, band_tiles)
     n_flags = world * bands
     gath_off = -(-(P.FLAGS_OFFSET + 4 * n_flags) // _ALIGN) * _ALIGN
     nbytes = gath_off + m * k * torch.empty((), dtype=dtype).element_size()
     return AgPlan(design, m, n, k, world, rank, dtype, cfg, sched, band_tiles, bands, pieces, pcols, comm,
-                  gemm_programs, gath_off, n_flags, nbytes)
+                  gemm_programs, local, local_splits, gath_off, n_flags, nbytes)
 
 
 def gathered_view(plan: AgPlan, ws: Workspace) -> torch.Tensor:
@@ -153,7 +173,7 @@ def launch_push(plan: AgPlan, ws: Workspace, a_shard: torch.Tensor, timeout: int
         ws.err.data_ptr(), timeout, trace if trace is not None else ws.bases_dev,
         W=plan.world, NUM_PROGRAMS=programs, BR=32, BC=512, BARRIER=barrier, TRACE=trace is not None,
         MAX_EVENTS=trace.shape[1] if trace is not None else 1, USE_TIMER=P.use_timer(a_shard.device.type),
-        num_warps=8,
+        LOCAL=plan.local_copy == "sm", num_warps=8,
     )
 
 
@@ -180,27 +200,34 @@ def _band_rows(plan: AgPlan, band: int) -> tuple[int, int]:
     return lo, min(lo + plan.band_rows, plan.mc)
 
 
-def write_flag(flags: torch.Tensor, index: int) -> None:
-    """Set ``flags[index] = 1`` in stream order after the copies before it (copy-engine design)."""
+def write_flags(flags: torch.Tensor, index: int, count: int = 1, value: int = 1) -> None:
+    """Set ``flags[index : index + count] = value`` in stream order after the copies before it
+    (copy-engine staging)."""
     if flags.device.type != "cuda":
-        flags[index] = 1
+        flags[index : index + count] = value
         return
     from torch._C._distributed_c10d import _SymmetricMemory
 
     u32 = flags.view(torch.uint32)
     if torch.cuda.is_current_stream_capturing():
-        _SymmetricMemory.memset32(u32, offset=index, val=1, count=1)
+        _SymmetricMemory.memset32(u32, offset=index, val=value, count=count)
     else:  # cuStreamWriteValue32 fences the copies before it
-        _SymmetricMemory.stream_write_value32(u32, index, 1)
+        for i in range(index, index + count):
+            _SymmetricMemory.stream_write_value32(u32, i, value)
 
 
 def ce_local_copies(plan: AgPlan, ws: Workspace, a_shard: torch.Tensor) -> None:
+    """Stage the local shard in this rank's gathered buffer by copy engines, in
+    ``plan.local_splits`` pieces, each followed by the flags of the bands it completes (set to
+    the GEMM's target, ``plan.pieces``)."""
     gathered, flags = gathered_view(plan, ws), flags_view(plan, ws)
     base = plan.rank * plan.mc
-    for bnd in range(plan.bands):
-        lo, hi = _band_rows(plan, bnd)
+    per = cdiv(plan.bands, plan.local_splits)
+    for b0 in range(0, plan.bands, per):
+        b1 = min(b0 + per, plan.bands)
+        lo, hi = _band_rows(plan, b0)[0], _band_rows(plan, b1 - 1)[1]
         gathered[base + lo : base + hi].copy_(a_shard[lo:hi])
-        write_flag(flags, plan.rank * plan.bands + bnd)
+        write_flags(flags, plan.rank * plan.bands + b0, b1 - b0, plan.pieces)
 
 
 def ce_peer_copies(plan: AgPlan, ws: Workspace) -> None:
@@ -212,7 +239,7 @@ def ce_peer_copies(plan: AgPlan, ws: Workspace) -> None:
         for bnd in range(plan.bands):
             lo, hi = _band_rows(plan, bnd)
             gathered[base + lo : base + hi].copy_(remote[base + lo : base + hi])
-            write_flag(flags, src * plan.bands + bnd)
+            write_flags(flags, src * plan.bands + bnd)
 
 
 def run_fused(plan: AgPlan, state, ws: Workspace, a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -228,6 +255,12 @@ def run_fused(plan: AgPlan, state, ws: Workspace, a_shard: torch.Tensor, b: torc
         gemm_trace = trace.buffer("gemm", plan.rank, plan.gemm_programs, a_shard.device)
         if plan.design == "push":
             comm_trace = trace.buffer("push", plan.rank, plan.comm_programs, a_shard.device)
+    staged = plan.design == "push" and plan.local_copy == "ce"
+    if staged:  # copy engines stage the local shard beside the push kernel
+        state.copy.wait_event(state.start_event)
+        with torch.cuda.stream(state.copy):
+            ce_local_copies(plan, ws, a_shard)
+        state.copy_event.record(state.copy)
     with torch.cuda.stream(side):
         if plan.design == "push":
             launch_push(plan, ws, a_shard, timeout, trace=comm_trace)
@@ -239,6 +272,8 @@ def run_fused(plan: AgPlan, state, ws: Workspace, a_shard: torch.Tensor, b: torc
     state.end_event.record(side)
     launch_gemm_part(plan, ws, b, out, b_layout, timeout, trace=gemm_trace)
     main.wait_event(state.end_event)
+    if staged:
+        main.wait_event(state.copy_event)
 
 
 _make_plan_cached = functools.lru_cache(maxsize=64)(make_plan)
@@ -257,6 +292,7 @@ def ag_gemm(
     config: GemmConfig | None = None,
     comm_programs: int | None = None,
     splits: int | None = None,
+    local_copy: str | None = None,
     timeout_s: float | None = None,
     trace=None,
 ):
@@ -273,7 +309,10 @@ def ag_gemm(
         path / design: force ``"fused"`` or ``"nccl"`` and the fused design (``"ce"`` copy
             engines, ``"push"`` SM push); by default :mod:`tilefuse.dist.policy` decides.
         config, comm_programs, splits: GEMM tiles, programs of the push kernel, bands per
-            chunk of the copy-engine design (defaults from the policy's measurements).
+            chunk of the copy-engine design or copy-engine pieces of push's local staging
+            (defaults from the policy's measurements).
+        local_copy: push only: the local shard staged by the push programs (``"sm"``) or by
+            copy engines (``"ce"``); None: ``DEFAULT_PUSH_LOCAL_COPY``.
         timeout_s: bound of every cross-GPU wait (default 60 s, env TILEFUSE_DIST_TIMEOUT_S).
         trace: a :class:`tilefuse.dist.Trace` to record per-program activity.
 
@@ -310,7 +349,7 @@ def ag_gemm(
         return (out, gathered) if return_gathered else out
     state = get_state(g, "ag_gemm", a_shard.device)
     plan = _make_plan_cached(dec.design, m, n, k, world, rank, a_shard.dtype, a_shard.device, config=config,
-                             comm_programs=comm_programs, splits=splits)
+                             comm_programs=comm_programs, splits=splits, local_copy=local_copy)
     ws = state.ensure(plan.nbytes)
     state.clear_flags(plan.flags_end)
     timeout = P.timeout_units(timeout_s or DEFAULT_TIMEOUT_S, a_shard.device.type)

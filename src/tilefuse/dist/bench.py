@@ -12,8 +12,9 @@ scatters ``[M/W, N]`` rows) every rank times, in one rotation:
 * ``nccl``: the collective alone (``all_gather_into_tensor`` / ``reduce_scatter_tensor``);
 * ``nccl+cublas``: the sequential baseline;
 * ``symm_mem``: ``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``;
-* ``fused:<design>[/p<programs>][/l<lag>][/g<programs>]``: tilefuse's fused designs
-  (communication programs; gemm_rs push's tile order and program count).
+* ``fused:<design>[/p<programs>][/l<lag>][/g<programs>][/s<splits>][/c<sm|ce>][/t<0|1>]``:
+  tilefuse's fused designs (communication programs; gemm_rs push's tile order, program count and
+  TMA loads of the partials; ag_gemm's copy-engine pieces and who stages push's local shard).
 
 Every output is checked first (poisoned buffer, relative error to the sequential baseline);
 a variant that fails on any rank is dropped on every rank and recorded. The result row of a
@@ -78,14 +79,18 @@ def shapes(op: str, spec: str) -> list[tuple[int, int, int, str]]:
 
 
 def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
-    """``(name, design, options)`` from ``design[/p16+32][/l0+66][/g132]`` items, e.g.
-    ``ce,push/p16+32``: ``p`` sets ``comm_programs``, ``l`` gemm_rs's ``lag``, ``g`` gemm_rs's
-    ``num_programs`` (one variant per combination)."""
+    """``(name, design, options)`` from ``design[/p16+32][/l0+66][/g132][/s4][/csm+ce][/t0+1]``
+    items, e.g. ``ce,push/p16+32``: ``p`` sets ``comm_programs``, ``l`` gemm_rs's ``lag``, ``g``
+    gemm_rs's ``num_programs``, ``s`` ag_gemm's ``splits``, ``c`` ag_gemm push's ``local_copy``,
+    ``t`` gemm_rs's ``recv_tma`` (0 / 1); one variant per combination."""
     import itertools
 
     from tilefuse.dist.policy import FUSED_DESIGNS
 
-    keys = {"p": "comm_programs", "l": "lag", "g": "num_programs"}
+    keys = {"p": "comm_programs", "l": "lag", "g": "num_programs", "s": "splits", "c": "local_copy",
+            "t": "recv_tma"}
+    words = {"c": ("sm", "ce")}
+    flags = {"t"}  # 0 / 1 -> bool
     out = []
     for item in spec.split(","):
         item = item.strip()
@@ -96,12 +101,15 @@ def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
             raise ValueError(f"design {design!r}: {op} has {FUSED_DESIGNS[op]}")
         axes = []
         for opt in opts:
-            if opt[:1] not in keys or not all(v.isdigit() for v in opt[1:].split("+")):
-                raise ValueError(f"variant option {opt!r} in {item!r}: expected p, l or g and <int>[+<int>...]")
-            axes.append([(opt[0], int(v)) for v in opt[1:].split("+")])
+            key, values = opt[:1], opt[1:].split("+")
+            ok = key in keys and all(v in words[key] if key in words else v.isdigit() for v in values)
+            if not ok:
+                raise ValueError(f"variant option {opt!r} in {item!r}: expected p, l, g, s or t and "
+                                 "<int>[+<int>...], or c and sm / ce")
+            axes.append([(key, v if key in words else int(v)) for v in values])
         for combo in itertools.product(*axes):
             name = "fused:" + "/".join([design] + [f"{k}{v}" for k, v in combo])
-            out.append((name, design, {keys[k]: v for k, v in combo}))
+            out.append((name, design, {keys[k]: bool(v) if k in flags else v for k, v in combo}))
     return out
 
 

@@ -53,6 +53,7 @@ GEMM_FLOPS = 650e12  # bf16 dense GEMM rate of the core on an H200
 LINK_BYTES_PER_S = 250e9  # push rate above which the peer phase was link-bound
 INTERLEAVE_MIN_WAVES = 3
 LAG_WAVES = 1.0
+DEFAULT_RECV_TMA = False  # the owner's partial loads: per-thread loads (False) or TMA (True)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class RsPlan:
     recv_off: int
     part_off: int
     nbytes: int
+    recv_tma: bool  # the owner loads peer partials by TMA (tensor descriptor) in its epilogue
 
     @property
     def lag(self) -> int:
@@ -127,6 +129,7 @@ def make_plan(
     num_programs: int | None = None,
     lag: int | None = None,
     gemm_programs: int | None = None,
+    recv_tma: bool | None = None,
 ) -> RsPlan:
     """Layout, the same for both designs (so that calls of either design leave the other's flag
     words zero): recv flags ``[W, tiles per chunk]``, local tile flags of the same shape
@@ -135,7 +138,9 @@ def make_plan(
     (default: the device's). ``lag``: push's tile order (None: the default, ``default_lag``; 0:
     whole peer chunks first); forward splits its GEMM at the end of the peer chunks and takes
     lag 0 only. ``gemm_programs``: push's persistent programs (default: one per SM; measured
-    against 131 at W = 2, where each program alternates pushed and own tiles: slower, NOTES)."""
+    against 131 at W = 2, where each program alternates pushed and own tiles: slower, NOTES).
+    ``recv_tma``: the owner's epilogue loads peer partials through a tensor descriptor (TMA)
+    where chunks are tile-aligned (None: ``DEFAULT_RECV_TMA``)."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if lag is not None and (not isinstance(lag, int) or lag < 0):
@@ -171,8 +176,11 @@ def make_plan(
             raise ValueError("gemm_programs is push's; forward runs its GEMM on the SMs the forwarding kernel leaves")
         programs = sms - comm
         nbytes = part_off + m * n * item
+    if recv_tma is not None and not isinstance(recv_tma, bool):
+        raise ValueError(f"recv_tma must be a bool or None, got {recv_tma!r}")
+    tma = DEFAULT_RECV_TMA if recv_tma is None else recv_tma
     return RsPlan(design, m, n, k, world, rank, dtype, cfg, sched, comm, programs, recv_flags_off,
-                  part_flags_off, recv_off, part_off, nbytes)
+                  part_flags_off, recv_off, part_off, nbytes, tma)
 
 
 def launch_gemm_part(plan: RsPlan, ws: Workspace, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -181,7 +189,8 @@ def launch_gemm_part(plan: RsPlan, ws: Workspace, a: torch.Tensor, b: torch.Tens
     n_flags = plan.world * plan.tiles_per_chunk
     comm = CommArgs(ws.local, ws.bases_dev, ws.err, timeout, flags_off=plan.recv_flags_off,
                     recv_off=plan.recv_off, part_off=plan.part_off, part_flags_off=plan.part_flags_off,
-                    n_reset_flags=n_flags, reset=reset, barrier=barrier and plan.design == "push")
+                    n_reset_flags=n_flags, reset=reset, barrier=barrier and plan.design == "push",
+                    recv=ws.view(plan.recv_off, (plan.m, plan.n), plan.dtype) if plan.recv_tma else None)
     epi = EPI_RS_PUSH if plan.design == "push" else EPI_RS_LOCAL
     launch_gemm(a, b, out, schedule=plan.schedule, rank=plan.rank, config=plan.config, b_layout=b_layout,
                 epilogue=epi.value, comm=comm, num_programs=plan.gemm_programs, tile_begin=tile_begin,
@@ -268,6 +277,7 @@ def gemm_rs(
     comm_programs: int | None = None,
     lag: int | None = None,
     num_programs: int | None = None,
+    recv_tma: bool | None = None,
     timeout_s: float | None = None,
     trace=None,
 ):
@@ -286,6 +296,7 @@ def gemm_rs(
         lag: push's tile order: own tiles this many tiles behind the peer stream (None: the
             measured default; 0: all peer tiles first).
         num_programs: push's persistent programs, at most one per SM (None: one per SM).
+        recv_tma: the owner's epilogue loads peer partials by TMA (None: the measured default).
         timeout_s: bound of every cross-GPU wait (default 60 s).
         trace: a :class:`tilefuse.dist.Trace`.
 
@@ -319,7 +330,7 @@ def gemm_rs(
         return _common.gemm_rs_nccl(a, b, out, g, b_layout, config)
     state = get_state(g, "gemm_rs", a.device)
     plan = _make_plan_cached(dec.design, m, n, k, world, rank, a.dtype, a.device, config=config,
-                             comm_programs=comm_programs, lag=lag, gemm_programs=num_programs)
+                             comm_programs=comm_programs, lag=lag, gemm_programs=num_programs, recv_tma=recv_tma)
     ws = state.ensure(plan.nbytes)
     state.clear_flags(plan.flags_end)
     timeout = P.timeout_units(timeout_s or DEFAULT_TIMEOUT_S, a.device.type)

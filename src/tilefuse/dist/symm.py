@@ -140,7 +140,7 @@ def allocate_workspace(group, nbytes: int, device: torch.device) -> Workspace:
 
 
 class FusedState:
-    """Workspace, side stream and events of one op on one group (reused across calls)."""
+    """Workspace, side streams and events of one op on one group (reused across calls)."""
 
     def __init__(self, group, op: str, device: torch.device):
         self.group = group
@@ -152,9 +152,12 @@ class FusedState:
         # it used, but a later call with more flags would read an earlier call's data as flags.
         self.clean_end = 0
         self.loaded: set = set()  # kernel specializations loaded before a concurrent launch
-        self.side = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
-        self.start_event = torch.cuda.Event() if device.type == "cuda" else None
-        self.end_event = torch.cuda.Event() if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self.side = torch.cuda.Stream(device=device, priority=-1) if cuda else None
+        self.copy = torch.cuda.Stream(device=device) if cuda else None  # copy-engine staging beside side
+        self.start_event = torch.cuda.Event() if cuda else None
+        self.end_event = torch.cuda.Event() if cuda else None
+        self.copy_event = torch.cuda.Event() if cuda else None
 
     def ensure(self, nbytes: int) -> Workspace:
         """The workspace, grown to at least ``nbytes`` if needed (never inside graph capture)."""

@@ -37,6 +37,8 @@ TARGET_MAJOR = {"sm_90a": 9, "sm_100a": 10}
 # the configs the code picks, not an experiment's).
 _CONFIG_ENV = ("TILEFUSE_PREFILL_CONFIG", "TILEFUSE_PAGED_CONFIG")
 _TILE_FIELDS = ("block_q", "block_n", "num_warps", "num_stages")
+# Fields of the Gluon kernel only: its registry (``prefill_gluon_variants``) varies them.
+_GLUON_ONLY_FIELDS = ("gluon_refill",)
 # A ``tl.dtype`` constant is stored as this prefix + its name ("tl.dtype:bf16").
 TL_DTYPE_PREFIX = "tl.dtype:"
 
@@ -259,7 +261,7 @@ def prefill_option_configs(base) -> list:
     """
     out = []
     for f in dataclasses.fields(base):
-        if f.name in _TILE_FIELDS:
+        if f.name in _TILE_FIELDS or f.name in _GLUON_ONLY_FIELDS:
             continue
         value = getattr(base, f.name)
         if isinstance(value, bool):
@@ -553,7 +555,7 @@ def _dist_variants() -> list[Variant]:
                 epi = {0: "local", 1: "rs-push", 2: "rs-local"}[c["EPI"]]
                 name = (f"{label} {c['BM']}x{c['BN']}x{c['BK']} w{o['num_warps']}s{o.get('num_stages', 3)} "
                         f"epi={epi}{' wait_a' if c['WAIT_A'] else ''}{'' if c['ALIGNED'] else ' unaligned'}"
-                        f"{' barrier' if c['BARRIER'] else ''}")
+                        f"{' barrier' if c['BARRIER'] else ''}{' recv_tma' if c.get('RECV_TMA') else ''}")
                 out.append(variant_of(launch, kernel, name))
             else:
                 v = variant_of(launch, kernel, "")
@@ -586,9 +588,12 @@ def _dist_variants() -> list[Variant]:
         # launch passes is 1 (Triton would compile that as a constant).
         world, k = 8, _FUSED_K
         for cfg in cfgs:
-            for design in ag.DESIGNS:
+            for design, local in (("ce", None), ("push", "sm"), ("push", "ce")):
+                if local == "ce" and cfg != cfgs[0]:  # only the push kernel changes
+                    continue
                 m = world * 8 * cfg.block_m
-                plan = ag.make_plan(design, m, 264, k, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS)
+                plan = ag.make_plan(design, m, 264, k, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS,
+                                    local_copy=local)
                 ws = emulated_workspaces(world, plan.nbytes)[0]
                 a_shard, b = tensors(m // world, 264, k, bf16, "kn")
                 out_t = torch.empty(m, 264, dtype=bf16)
@@ -600,14 +605,17 @@ def _dist_variants() -> list[Variant]:
                     ag.launch_gemm_part(plan, ws, b, out_t, "kn", timeout)
                 record(f"ag_gemm[{design}] W{world} bf16 kn", launches)
 
-        # gemm_rs: both designs at 2 and 8 ranks, every tile; unaligned chunks once.
+        # gemm_rs: both designs at 2 and 8 ranks, every tile; unaligned chunks once; the owner's
+        # partials by TMA on the wide tile.
         for cfg in cfgs:
             for design in rs.DESIGNS:
-                for world, rows in ((2, 2 * cfg.block_m), (8, 2 * cfg.block_m), (8, 200)):
+                for world, rows, tma in ((2, 2 * cfg.block_m, False), (8, 2 * cfg.block_m, False), (8, 200, False),
+                                         (2, 2 * cfg.block_m, True)):
                     if (rows == 200 or world == 2) and (design != "push" or cfg != cfgs[0]):
                         continue
                     m = world * rows
-                    plan = rs.make_plan(design, m, 264, 64, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS)
+                    plan = rs.make_plan(design, m, 264, 64, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS,
+                                        recv_tma=tma)
                     ws = emulated_workspaces(world, plan.nbytes)[0]
                     a, b = tensors(m, 264, 64, bf16, "kn")
                     out_t = torch.empty(rows, 264, dtype=bf16)
