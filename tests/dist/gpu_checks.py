@@ -24,12 +24,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import tilefuse.dist as td  # noqa: E402
-from tilefuse.dist.bench import LLM_LAYERS, SEED_SIZES  # noqa: E402
+from tilefuse.dist.bench import LLM_LAYERS, SEED_SIZES, fused_variants  # noqa: E402
 from tilefuse.reference.comm_gemm import ag_gemm_ref, gemm_rs_ref  # noqa: E402
 
 TOL = 1e-2  # ||out - ref|| / ||ref||: bf16 rounding of the output and (gemm_rs) of the partials
 TIMEOUT_S = 5.0
-DESIGNS = {"ag_gemm": ("ce", "push"), "gemm_rs": ("push", "forward")}
+# Fused variants in the bench's syntax: a design and its options (push/cce: ag_gemm push with
+# the local shard staged by copy engines; push/t1: gemm_rs with the partials loaded by TMA).
+DESIGNS = {"ag_gemm": ("ce", "push", "push/cce"), "gemm_rs": ("push", "forward", "push/t1")}
 failures: list[str] = []
 dead: set[tuple[str, str]] = set()  # designs that failed once are not retried at other shapes
 
@@ -77,8 +79,10 @@ def inputs(op, m, n, k, dtype=torch.bfloat16, layout="kn", seed=0):
     return a, b
 
 
-def run_op(op, a, b, design, layout="kn", **kw):
+def run_op(op, a, b, variant, layout="kn", **kw):
     world = dist.get_world_size()
+    [(_, design, opts)] = fused_variants(op, variant)
+    kw = {**opts, **kw}
     kw.setdefault("timeout_s", TIMEOUT_S)  # the stalled-peer check passes a shorter one
     if op == "ag_gemm":
         out = torch.full((a.shape[0] * world, b.shape[1] if layout == "kn" else b.shape[0]), float("nan"),
