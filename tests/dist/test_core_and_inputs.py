@@ -101,7 +101,9 @@ def test_plans_bad_options_and_layouts():
     p = ag.make_plan("push", 4096, 512, 4096, 2, 1, torch.bfloat16, CPU, num_programs=132, comm_programs=32)
     assert (p.gemm_programs, p.pieces, p.bands, p.schedule.order) == (100, 4, 16, (1, 0))
     assert p.gath_off % 1024 == 0 and p.nbytes == p.gath_off + 4096 * 4096 * 2
-    assert (p.local_copy, p.local_splits) == ("sm", 0)
+    assert (p.local_copy, p.local_splits) == ("sm", 0)  # a 16 MiB shard: the push programs stage it
+    p = ag.make_plan("push", 8192, 1024, 8192, 2, 0, torch.bfloat16, CPU, num_programs=132)
+    assert (p.local_copy, p.local_splits) == ("ce", 4)  # 64 MiB: copy engines
     p = ag.make_plan("push", 4096, 512, 4096, 2, 1, torch.bfloat16, CPU, num_programs=132, local_copy="ce",
                      splits=3)
     assert (p.local_copy, p.local_splits, p.bands, p.pieces) == ("ce", 3, 16, 4)

@@ -42,7 +42,16 @@ from tilefuse.dist.symm import Workspace
 
 DESIGNS = ("ce", "push")
 LOCAL_COPIES = ("sm", "ce")
-DEFAULT_PUSH_LOCAL_COPY = "sm"
+# push's local staging by copy engines from this shard size on (2 x H200, graph mode,
+# results/h200x2/ag_gemm-8-local-copy.json): at 32-64 MiB "ce" won (8192x1024x8192 0.316 against
+# 0.357 ms, 4096x7168x8192 0.939 / 0.972, 8192x3584x4096 0.447 / 0.464), at <= 16 MiB the copy
+# engines' launch latency loses (4096x512x4096 0.095 / 0.093, 1024x3584x4096 0.118 / 0.104).
+PUSH_CE_STAGING_MIN_BYTES = 32 << 20
+
+
+def default_local_copy(mc: int, k: int, elem_bytes: int = 2) -> str:
+    """Who stages push's local shard (``mc x k``): copy engines from ``PUSH_CE_STAGING_MIN_BYTES``."""
+    return "ce" if mc * k * elem_bytes >= PUSH_CE_STAGING_MIN_BYTES else "sm"
 DEFAULT_TIMEOUT_S = float(os.environ.get("TILEFUSE_DIST_TIMEOUT_S", "60"))
 _ALIGN = 1024
 
@@ -106,7 +115,7 @@ def make_plan(
     """Layout and launch parameters. ``splits``: bands per chunk for ``ce`` (default 4), pieces
     of the local shard's copy-engine staging for ``push`` with ``local_copy="ce"`` (default 4);
     ``comm_programs`` (default 32), ``piece_cols`` (default 1024) and ``local_copy`` (default
-    ``DEFAULT_PUSH_LOCAL_COPY``) for ``push``."""
+    ``default_local_copy``) for ``push``."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if local_copy is not None and local_copy not in LOCAL_COPIES:
@@ -139,7 +148,7 @@ def make_plan(
             raise ValueError(f"piece_cols must be >= 1, got {pcols}")
         pieces = cdiv(k, pcols)
         gemm_programs = sms - comm
-        local = local_copy or DEFAULT_PUSH_LOCAL_COPY
+        local = local_copy or default_local_copy(mc, k, torch.empty((), dtype=dtype).element_size())
         sp = 4 if splits is None else splits
         if sp < 1:
             raise ValueError(f"splits must be >= 1, got {sp}")
@@ -312,7 +321,7 @@ def ag_gemm(
             chunk of the copy-engine design or copy-engine pieces of push's local staging
             (defaults from the policy's measurements).
         local_copy: push only: the local shard staged by the push programs (``"sm"``) or by
-            copy engines (``"ce"``); None: ``DEFAULT_PUSH_LOCAL_COPY``.
+            copy engines (``"ce"``); None: by shard size (``default_local_copy``).
         timeout_s: bound of every cross-GPU wait (default 60 s, env TILEFUSE_DIST_TIMEOUT_S).
         trace: a :class:`tilefuse.dist.Trace` to record per-program activity.
 
