@@ -117,7 +117,12 @@ def test_plans_bad_options_and_layouts():
     p = rs.make_plan("forward", 8192, 8192, 1024, 2, 0, torch.bfloat16, CPU, num_programs=132)
     assert p.schedule.order == (1, 0) and p.peer_tiles == p.tiles_per_chunk and p.gemm_programs == 116
     assert p.part_off == p.recv_off + 8192 * 8192 * 2 and p.nbytes == p.part_off + 8192 * 8192 * 2
-    assert p.lag == 0
+    assert p.lag == 0 and not p.recv_tma  # forward: per-thread partial loads
+    big = rs.make_plan("push", 32768, 32768, 4096, 2, 0, torch.bfloat16, CPU, num_programs=132)
+    inter = rs.make_plan("push", 16384, 16384, 2048, 2, 0, torch.bfloat16, CPU, num_programs=132)
+    assert (big.lag, big.recv_tma) == (0, True) and (inter.lag, inter.recv_tma) == (66, False)
+    with pytest.raises(ValueError, match="recv_tma"):
+        rs.make_plan("push", 64, 64, 64, 2, 0, torch.bfloat16, CPU, recv_tma=1)
 
 
 def test_gemm_rs_push_lag_defaults_and_checks():

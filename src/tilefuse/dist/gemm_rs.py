@@ -53,7 +53,12 @@ GEMM_FLOPS = 650e12  # bf16 dense GEMM rate of the core on an H200
 LINK_BYTES_PER_S = 250e9  # push rate above which the peer phase was link-bound
 INTERLEAVE_MIN_WAVES = 3
 LAG_WAVES = 1.0
-DEFAULT_RECV_TMA = False  # the owner's partial loads: per-thread loads (False) or TMA (True)
+# The owner's partial loads by TMA (``recv_tma``) by default only where the walk is not
+# interleaved (lag 0). Two runs on 2 x H200 (results/h200x2/gemm_rs-8-recv-tma.json,
+# -9-recv-tma.json):
+# 32768x32768x4096 (lag 0) 14.15 / 14.14 against 14.58 / 14.52 ms per-thread; 16384x16384x2048
+# (lag 66) 1.93 / 1.90 against 1.89 / 1.86; elsewhere within 2%. Why the interleaved walk
+# loses is not known.
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,7 @@ def make_plan(
     lag 0 only. ``gemm_programs``: push's persistent programs (default: one per SM; measured
     against 131 at W = 2, where each program alternates pushed and own tiles: slower, NOTES).
     ``recv_tma``: the owner's epilogue loads peer partials through a tensor descriptor (TMA)
-    where chunks are tile-aligned (None: ``DEFAULT_RECV_TMA``)."""
+    where chunks are tile-aligned (None: push where the walk is not interleaved, lag 0)."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if lag is not None and (not isinstance(lag, int) or lag < 0):
@@ -178,7 +183,7 @@ def make_plan(
         nbytes = part_off + m * n * item
     if recv_tma is not None and not isinstance(recv_tma, bool):
         raise ValueError(f"recv_tma must be a bool or None, got {recv_tma!r}")
-    tma = DEFAULT_RECV_TMA if recv_tma is None else recv_tma
+    tma = (design == "push" and sched.lag_tiles == 0) if recv_tma is None else recv_tma
     return RsPlan(design, m, n, k, world, rank, dtype, cfg, sched, comm, programs, recv_flags_off,
                   part_flags_off, recv_off, part_off, nbytes, tma)
 
