@@ -1,6 +1,6 @@
 """Multi-GPU checks of tilefuse.dist, one process per GPU:
 
-    torchrun --standalone --nproc-per-node 2 tests/dist/gpu_checks.py [--quick]
+    torchrun --standalone --nproc-per-node 2 tests/dist/gpu_checks.py [--quick] [--stalled-first]
 
 Both ops and every fused design against the sequential reference (all_gather_into_tensor +
 matmul; matmul + reduce_scatter_tensor) at the seed and LLM shapes of comm_gemm.md, odd M,
@@ -12,6 +12,7 @@ non-zero if any check failed on any rank. ``tests/dist/test_gpu.py`` runs it und
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import time
@@ -246,6 +247,9 @@ def stalled_peer():
 
 def main():
     quick = "--quick" in sys.argv
+    dump_s = float(os.environ.get("TILEFUSE_CHECKS_DUMP_S", "0"))
+    if dump_s > 0:  # a hang prints every thread's stack (both ranks) instead of dying silently
+        faulthandler.dump_traceback_later(dump_s, exit=True)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
@@ -255,7 +259,9 @@ def main():
             for d in DESIGNS[op]:
                 against_reference(op, d, *((4096, 512, 4096) if op == "ag_gemm" else (4096, 4096, 512)))
 
-    for part in (first, graphs, odd_shapes, bitwise_and_repeat, lambda: seed_and_llm(quick), stalled_peer):
+    parts = [graphs, odd_shapes, bitwise_and_repeat, lambda: seed_and_llm(quick)]
+    parts = [stalled_peer, *parts] if "--stalled-first" in sys.argv else [*parts, stalled_peer]
+    for part in (first, *parts):
         part()
     if dist.get_rank() == 0:
         print(f"{len(failures)} failed checks in {time.time() - t0:.0f}s: {failures}", flush=True)

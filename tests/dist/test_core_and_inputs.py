@@ -195,6 +195,10 @@ def test_bench_arguments():
         ("fused:push/csm/s8", "push", {"local_copy": "sm", "splits": 8}),
         ("fused:push/cce/s8", "push", {"local_copy": "ce", "splits": 8})]
     assert fused_variants("gemm_rs", "push/t1")[0][2] == {"recv_tma": True}
+    [(name, _, opts)] = fused_variants("ag_gemm", "push/b128")
+    assert name == "fused:push/b128" and opts["config"] == GemmConfig(128, 128, 64, 8, 5, 8)
+    with pytest.raises(ValueError, match="b takes"):
+        fused_variants("ag_gemm", "push/b64")
     with pytest.raises(ValueError, match="design"):
         fused_variants("gemm_rs", "ce")
     with pytest.raises(ValueError, match="variant option"):

@@ -12,9 +12,10 @@ scatters ``[M/W, N]`` rows) every rank times, in one rotation:
 * ``nccl``: the collective alone (``all_gather_into_tensor`` / ``reduce_scatter_tensor``);
 * ``nccl+cublas``: the sequential baseline;
 * ``symm_mem``: ``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``;
-* ``fused:<design>[/p<programs>][/l<lag>][/g<programs>][/s<splits>][/c<sm|ce>][/t<0|1>]``:
+* ``fused:<design>[/p<programs>][/l<lag>][/g<programs>][/s<splits>][/c<sm|ce>][/t<0|1>][/b<128|256>]``:
   tilefuse's fused designs (communication programs; gemm_rs push's tile order, program count and
-  TMA loads of the partials; ag_gemm's copy-engine pieces and who stages push's local shard).
+  TMA loads of the partials; ag_gemm's copy-engine pieces and who stages push's local shard; the
+  GEMM tile).
 
 Every output is checked first (poisoned buffer, relative error to the sequential baseline);
 a variant that fails on any rank is dropped on every rank and recorded. The result row of a
@@ -79,16 +80,17 @@ def shapes(op: str, spec: str) -> list[tuple[int, int, int, str]]:
 
 
 def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
-    """``(name, design, options)`` from ``design[/p16+32][/l0+66][/g132][/s4][/csm+ce][/t0+1]``
+    """``(name, design, options)`` from ``design[/p16+32][/l0+66][/g132][/s4][/csm+ce][/t0+1][/b128+256]``
     items, e.g. ``ce,push/p16+32``: ``p`` sets ``comm_programs``, ``l`` gemm_rs's ``lag``, ``g``
     gemm_rs's ``num_programs``, ``s`` ag_gemm's ``splits``, ``c`` ag_gemm push's ``local_copy``,
-    ``t`` gemm_rs's ``recv_tma`` (0 / 1); one variant per combination."""
+    ``t`` gemm_rs's ``recv_tma`` (0 / 1), ``b`` the GEMM tile (128x128 / 5 stages or 128x256 /
+    3 stages, as ``default_config`` builds them); one variant per combination."""
     import itertools
 
     from tilefuse.dist.policy import FUSED_DESIGNS
 
     keys = {"p": "comm_programs", "l": "lag", "g": "num_programs", "s": "splits", "c": "local_copy",
-            "t": "recv_tma"}
+            "t": "recv_tma", "b": "config"}
     words = {"c": ("sm", "ce")}
     flags = {"t"}  # 0 / 1 -> bool
     out = []
@@ -104,13 +106,24 @@ def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
             key, values = opt[:1], opt[1:].split("+")
             ok = key in keys and all(v in words[key] if key in words else v.isdigit() for v in values)
             if not ok:
-                raise ValueError(f"variant option {opt!r} in {item!r}: expected p, l, g, s or t and "
+                raise ValueError(f"variant option {opt!r} in {item!r}: expected p, l, g, s, t or b and "
                                  "<int>[+<int>...], or c and sm / ce")
+            if key == "b" and not all(v in ("128", "256") for v in values):
+                raise ValueError(f"variant option {opt!r} in {item!r}: b takes 128 or 256 (the GEMM tile's N)")
             axes.append([(key, v if key in words else int(v)) for v in values])
         for combo in itertools.product(*axes):
             name = "fused:" + "/".join([design] + [f"{k}{v}" for k, v in combo])
-            out.append((name, design, {keys[k]: bool(v) if k in flags else v for k, v in combo}))
+            out.append((name, design, {keys[k]: _variant_value(k, v, flags) for k, v in combo}))
     return out
+
+
+def _variant_value(key: str, value, flags: set):
+    """A variant option's value: ``b<N>`` is one of the two tiles of ``default_config``."""
+    if key == "b":
+        from tilefuse.dist._gemm_core import GemmConfig
+
+        return GemmConfig(128, 256, 64, 8, 3, 8) if value == 256 else GemmConfig(128, 128, 64, 8, 5, 8)
+    return bool(value) if key in flags else value
 
 
 def build_parser() -> argparse.ArgumentParser:
