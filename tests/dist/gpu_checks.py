@@ -1,6 +1,7 @@
 """Multi-GPU checks of tilefuse.dist, one process per GPU:
 
     torchrun --standalone --nproc-per-node 2 tests/dist/gpu_checks.py [--quick] [--stalled-first]
+        [--stalled-only] [--reverse]
 
 Both ops and every fused design against the sequential reference (all_gather_into_tensor +
 matmul; matmul + reduce_scatter_tensor) at the seed and LLM shapes of comm_gemm.md, odd M,
@@ -259,8 +260,14 @@ def main():
             for d in DESIGNS[op]:
                 against_reference(op, d, *((4096, 512, 4096) if op == "ag_gemm" else (4096, 4096, 512)))
 
+    if "--reverse" in sys.argv:  # each op's variants in the opposite order
+        for op in DESIGNS:
+            DESIGNS[op] = DESIGNS[op][::-1]
     parts = [graphs, odd_shapes, bitwise_and_repeat, lambda: seed_and_llm(quick)]
-    parts = [stalled_peer, *parts] if "--stalled-first" in sys.argv else [*parts, stalled_peer]
+    if "--stalled-only" in sys.argv:
+        parts = [stalled_peer]
+    else:
+        parts = [stalled_peer, *parts] if "--stalled-first" in sys.argv else [*parts, stalled_peer]
     for part in (first, *parts):
         part()
     if dist.get_rank() == 0:
