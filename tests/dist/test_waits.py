@@ -119,3 +119,33 @@ def test_emulation_without_go_words_times_out_in_push():
     # the emulated data path with go words set completes cleanly
     outs, wss2, _ = emulate_ag_gemm(shards, b, design="push", config=CFG, comm_programs=1, num_programs=2)
     assert all(int(w.err[0]) == 0 for w in wss2) and not any(o.isnan().any() for o in outs)
+
+
+def test_no_store_into_a_peer_after_a_failed_start_barrier():
+    """Without the start barrier's go word the senders time out and then leave every peer's
+    workspace as it was: no data, no flags (the peer may have gone, or reused the memory)."""
+    world, mc, k, n = 2, 32, 16, 16
+    g = torch.Generator().manual_seed(5)
+    shards = [torch.randn(mc, k, generator=g).to(torch.bfloat16) for _ in range(world)]
+    b = torch.randn(k, n, generator=g).to(torch.bfloat16)
+    dev = torch.device("cpu")
+    timeout = P.timeout_units(1.0, "cpu", 20)
+    for local in ("sm", "ce"):
+        plan = ag.make_plan("push", mc * world, n, k, world, 0, torch.bfloat16, dev, config=CFG, comm_programs=2,
+                            num_programs=4, local_copy=local)
+        wss = emulated_workspaces(world, plan.nbytes)
+        peer_before = wss[1].local.clone()
+        ag.launch_push(plan, wss[0], shards[0], timeout, barrier=False)
+        assert int(wss[0].err[0]) == 1 and torch.equal(wss[1].local, peer_before), local
+    for design in ("push", "forward"):
+        plan = rs.make_plan(design, mc * world, n, k, world, 0, torch.bfloat16, dev, config=CFG, num_programs=4,
+                            comm_programs=2 if design == "forward" else None)
+        wss = emulated_workspaces(world, plan.nbytes)
+        peer_before = wss[1].local.clone()
+        a = torch.randn(mc * world, k, generator=g).to(torch.bfloat16)
+        out = torch.empty(mc, n, dtype=torch.bfloat16)
+        rs.launch_gemm_part(plan, wss[0], a, b, out, "kn", timeout, tile_end=plan.peer_tiles, reset=False,
+                            barrier=False)
+        if design == "forward":  # the GEMM wrote its peer tiles locally; the forwarding kernel waits for go
+            rs.launch_forward(plan, wss[0], timeout, barrier=False)
+        assert int(wss[0].err[0]) == 1 and torch.equal(wss[1].local, peer_before), design

@@ -66,6 +66,7 @@ def _ag_push_kernel(
             P.barrier_all(bases_ptr, ctl_ptr, err_ptr, timeout, rank, 1, W, USE_TIMER)
             tl.atomic_xchg(ctl_ptr + P.CTL_GO_COMM, 1, sem="release", scope="gpu")
     go_ok = 0
+    dead = 0  # the start barrier failed: no store into a peer's buffers (it may not exist any more)
     first = 0 if LOCAL else 1  # destinations rank + first, ..., rank + W - 1
     per_band = (W - first) * pieces
     n_items = bands * per_band
@@ -82,14 +83,16 @@ def _ag_push_kernel(
                 P.wait_geq(ctl_ptr + P.CTL_GO_COMM, 1, ctl_ptr, err_ptr, timeout, rank, 1, P.ROLE_PUSH, dst_rank,
                            -1, USE_TIMER)
                 go_ok = 1
+                dead = tl.load(ctl_ptr + P.CTL_ABORT, volatile=True)  # the wait may have ended by abort
                 wait_ns = P.now_ns(USE_TIMER) - t_start
-        dst = P.peer_ptr(bases_ptr, dst_rank, gath_off, DTYPE)
-        row0 = b * band_rows
-        rows = tl.minimum(band_rows, Mc - row0)
-        col0 = q * piece_cols
-        cols = tl.minimum(piece_cols, K - col0)
-        _copy_block(a_ptr, row0, dst, rank * Mc + row0, rows, col0, cols, K, BR, BC)
-        P.add_flag(P.peer_ptr(bases_ptr, dst_rank, flags_off, tl.int32) + rank * bands + b, 1)
+        if (s == 0) | (dead == 0):
+            dst = P.peer_ptr(bases_ptr, dst_rank, gath_off, DTYPE)
+            row0 = b * band_rows
+            rows = tl.minimum(band_rows, Mc - row0)
+            col0 = q * piece_cols
+            cols = tl.minimum(piece_cols, K - col0)
+            _copy_block(a_ptr, row0, dst, rank * Mc + row0, rows, col0, cols, K, BR, BC)
+            P.add_flag(P.peer_ptr(bases_ptr, dst_rank, flags_off, tl.int32) + rank * bands + b, 1)
         if TRACE:
             info = (dst_rank.to(tl.int64) << 40) | (b.to(tl.int64) << 20) | q
             P.trace_event(trace_ptr, pid, ev, MAX_EVENTS, t_start, P.now_ns(USE_TIMER), wait_ns, info)
@@ -118,6 +121,7 @@ def _rs_forward_kernel(
     tn = tl.cdiv(N, BN)
     tpc = tl.cdiv(Mc, BM) * tn
     go_ok = 0
+    dead = 0  # the start barrier failed: no store into a peer's buffers
     ev = 0
     for it in range(pid, n_items, NUM_PROGRAMS):
         chunk, j, col = _decode_tile(it, Mc, N, order_ptr, 0, W, BM, BN, GROUP_M)
@@ -129,11 +133,13 @@ def _rs_forward_kernel(
             P.wait_geq(ctl_ptr + P.CTL_GO_COMM, 1, ctl_ptr, err_ptr, timeout, rank, 2, P.ROLE_GO, chunk, -1,
                        USE_TIMER)
             go_ok = 1
+            dead = tl.load(ctl_ptr + P.CTL_ABORT, volatile=True)
         t_waited = P.now_ns(USE_TIMER)
-        dst = P.peer_ptr(bases_ptr, chunk, recv_off, DTYPE)
-        _copy_block(part, chunk * Mc + j * BM, dst, rank * Mc + j * BM, tl.minimum(BM, Mc - j * BM),
-                    col * BN, tl.minimum(BN, N - col * BN), N, BR, BN)
-        P.set_flag(P.peer_ptr(bases_ptr, chunk, flags_off, tl.int32) + rank * tpc + tic, 1)
+        if dead == 0:
+            dst = P.peer_ptr(bases_ptr, chunk, recv_off, DTYPE)
+            _copy_block(part, chunk * Mc + j * BM, dst, rank * Mc + j * BM, tl.minimum(BM, Mc - j * BM),
+                        col * BN, tl.minimum(BN, N - col * BN), N, BR, BN)
+            P.set_flag(P.peer_ptr(bases_ptr, chunk, flags_off, tl.int32) + rank * tpc + tic, 1)
         if TRACE:
             info = (chunk.to(tl.int64) << 40) | (j.to(tl.int64) << 20) | col.to(tl.int64)
             P.trace_event(trace_ptr, pid, ev, MAX_EVENTS, t_start, P.now_ns(USE_TIMER), t_waited - t_start, info)

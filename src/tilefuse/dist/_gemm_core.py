@@ -211,6 +211,7 @@ def _persistent_gemm(
             tl.atomic_xchg(ctl_ptr + P.CTL_GO_GEMM, 1, sem="release", scope="gpu")
 
     go_ok = 0  # set once this program has seen the start barrier's go word
+    dead = 0  # the start barrier failed: no store into a peer's buffers (it may not exist any more)
     pend = tl.full([], 0, tl.int64)  # address of a peer flag whose tile has not been released
     ev = 0
     for t in tl.range(tile_begin + pid, tile_end, NUM_PROGRAMS, flatten=FLATTEN):
@@ -248,10 +249,12 @@ def _persistent_gemm(
                         P.wait_geq(ctl_ptr + P.CTL_GO_GEMM, 1, ctl_ptr, err_ptr, timeout, rank, OP, P.ROLE_GO,
                                    chunk, -1, USE_TIMER)
                         go_ok = 1
+                        dead = tl.load(ctl_ptr + P.CTL_ABORT, volatile=True)  # the wait may have ended by abort
                         wait_ns += P.now_ns(USE_TIMER) - w0
-                    dst = P.peer_ptr(bases_ptr, chunk, recv_off, OUT_DTYPE)
-                    _store_rows(dst, rank * Mc + j * BM, rows_valid, col * BN, N, acc.to(OUT_DTYPE), BM, BN)
-                    pend = tl.load(bases_ptr + chunk) + flags_off + (rank * tpc + tic) * 4
+                    if dead == 0:
+                        dst = P.peer_ptr(bases_ptr, chunk, recv_off, OUT_DTYPE)
+                        _store_rows(dst, rank * Mc + j * BM, rows_valid, col * BN, N, acc.to(OUT_DTYPE), BM, BN)
+                        pend = tl.load(bases_ptr + chunk) + flags_off + (rank * tpc + tic) * 4
                 else:
                     part = P.as_ptr(ws_addr + part_off, OUT_DTYPE)
                     _store_rows(part, chunk * Mc + j * BM, rows_valid, col * BN, N, acc.to(OUT_DTYPE), BM, BN)
