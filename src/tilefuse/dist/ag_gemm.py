@@ -47,13 +47,13 @@ LOCAL_COPIES = ("sm", "ce")
 # 0.357 ms, 4096x7168x8192 0.939 / 0.972, 8192x3584x4096 0.447 / 0.464), at <= 16 MiB the copy
 # engines' launch latency loses (4096x512x4096 0.095 / 0.093, 1024x3584x4096 0.118 / 0.104).
 PUSH_CE_STAGING_MIN_BYTES = 32 << 20
+DEFAULT_TIMEOUT_S = float(os.environ.get("TILEFUSE_DIST_TIMEOUT_S", "60"))
+_ALIGN = 1024
 
 
 def default_local_copy(mc: int, k: int, elem_bytes: int = 2) -> str:
     """Who stages push's local shard (``mc x k``): copy engines from ``PUSH_CE_STAGING_MIN_BYTES``."""
     return "ce" if mc * k * elem_bytes >= PUSH_CE_STAGING_MIN_BYTES else "sm"
-DEFAULT_TIMEOUT_S = float(os.environ.get("TILEFUSE_DIST_TIMEOUT_S", "60"))
-_ALIGN = 1024
 
 
 @dataclass(frozen=True)
@@ -128,10 +128,11 @@ def make_plan(
     sched = TileSchedule(mc, n, world, cfg.block_m, cfg.block_n, cfg.group_m,
                          tuple(chunk_order("arrival", rank, world)))
     tm = sched.tile_rows_per_chunk
+    item = torch.empty((), dtype=dtype).element_size()
+    sp = 4 if splits is None else splits  # ce: bands per chunk; push: copy-engine staging pieces
+    if sp < 1:
+        raise ValueError(f"splits must be >= 1, got {sp}")
     if design == "ce":
-        sp = 4 if splits is None else splits
-        if sp < 1:
-            raise ValueError(f"splits must be >= 1, got {sp}")
         band_tiles = cdiv(tm, min(sp, tm))
         pieces, pcols, comm = 1, k, 0
         local, local_splits = "ce", cdiv(tm, band_tiles)
@@ -148,15 +149,12 @@ def make_plan(
             raise ValueError(f"piece_cols must be >= 1, got {pcols}")
         pieces = cdiv(k, pcols)
         gemm_programs = sms - comm
-        local = local_copy or default_local_copy(mc, k, torch.empty((), dtype=dtype).element_size())
-        sp = 4 if splits is None else splits
-        if sp < 1:
-            raise ValueError(f"splits must be >= 1, got {sp}")
+        local = local_copy or default_local_copy(mc, k, item)
         local_splits = min(sp, tm) if local == "ce" else 0
     bands = cdiv(tm, band_tiles)
     n_flags = world * bands
     gath_off = -(-(P.FLAGS_OFFSET + 4 * n_flags) // _ALIGN) * _ALIGN
-    nbytes = gath_off + m * k * torch.empty((), dtype=dtype).element_size()
+    nbytes = gath_off + m * k * item
     return AgPlan(design, m, n, k, world, rank, dtype, cfg, sched, band_tiles, bands, pieces, pcols, comm,
                   gemm_programs, local, local_splits, gath_off, n_flags, nbytes)
 

@@ -53,12 +53,6 @@ GEMM_FLOPS = 650e12  # bf16 dense GEMM rate of the core on an H200
 LINK_BYTES_PER_S = 250e9  # push rate above which the peer phase was link-bound
 INTERLEAVE_MIN_WAVES = 3
 LAG_WAVES = 1.0
-# The owner's partial loads by TMA (``recv_tma``) by default only where the walk is not
-# interleaved (lag 0). Two runs on 2 x H200 (results/h200x2/gemm_rs-8-recv-tma.json,
-# -9-recv-tma.json):
-# 32768x32768x4096 (lag 0) 14.15 / 14.14 against 14.58 / 14.52 ms per-thread; 16384x16384x2048
-# (lag 66) 1.93 / 1.90 against 1.89 / 1.86; elsewhere within 2%. Why the interleaved walk
-# loses is not known.
 
 
 @dataclass(frozen=True)
@@ -183,6 +177,11 @@ def make_plan(
         nbytes = part_off + m * n * item
     if recv_tma is not None and not isinstance(recv_tma, bool):
         raise ValueError(f"recv_tma must be a bool or None, got {recv_tma!r}")
+    # TMA partial loads by default for push where the walk is not interleaved. Two runs on
+    # 2 x H200 (results/h200x2/gemm_rs-8-recv-tma.json, -9-recv-tma.json): 32768x32768x4096
+    # (lag 0) 14.15 / 14.14 against 14.58 / 14.52 ms with per-thread loads; 16384x16384x2048
+    # (lag 66) 1.93 / 1.90 against 1.89 / 1.86; elsewhere within 2%. Why the interleaved walk
+    # loses is not known.
     tma = (design == "push" and sched.lag_tiles == 0) if recv_tma is None else recv_tma
     return RsPlan(design, m, n, k, world, rank, dtype, cfg, sched, comm, programs, recv_flags_off,
                   part_flags_off, recv_off, part_off, nbytes, tma)
