@@ -6,6 +6,9 @@ rank, op, role and chunk; the abort word then makes every later wait return at o
 """
 
 import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -149,3 +152,21 @@ def test_no_store_into_a_peer_after_a_failed_start_barrier():
         if design == "forward":  # the GEMM wrote its peer tiles locally; the forwarding kernel waits for go
             rs.launch_forward(plan, wss[0], timeout, barrier=False)
         assert int(wss[0].err[0]) == 1 and torch.equal(wss[1].local, peer_before), design
+
+
+def test_waits_branch_uniformly_on_a_gpu():
+    """A scalar atomic's result reaches the program's threads through shared memory behind a CTA
+    barrier, so a branch that some threads take and others not (a timer read per thread, a
+    volatile load of a word another program is writing) makes them meet different barriers:
+    the program hangs. Compiled for sm_90a, the waits must read changing words once (no
+    volatile load) and agree on the clock through a CTA-wide OR (one per wait loop)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    probe = os.path.join(os.path.dirname(__file__), "_uniform_probe.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), env.get("PYTHONPATH", "")])
+    ptx = subprocess.run([sys.executable, probe], env=env, capture_output=True, text=True, check=True,
+                         timeout=300).stdout
+    assert ".entry wait_probe" in ptx
+    assert "ld.volatile" not in ptx
+    assert ptx.count("%globaltimer") >= 2  # the clock is read: a GPU build, not the spin count
+    assert ptx.count("bar.red.or.pred") == 2  # the wait_geq loop and the cas_bounded loop

@@ -83,7 +83,7 @@ def _ag_push_kernel(
                 P.wait_geq(ctl_ptr + P.CTL_GO_COMM, 1, ctl_ptr, err_ptr, timeout, rank, 1, P.ROLE_PUSH, dst_rank,
                            -1, USE_TIMER)
                 go_ok = 1
-                dead = tl.load(ctl_ptr + P.CTL_ABORT, volatile=True)  # the wait may have ended by abort
+                dead = P.read_word(ctl_ptr + P.CTL_ABORT)  # the wait may have ended by abort
                 wait_ns = P.now_ns(USE_TIMER) - t_start
         if (s == 0) | (dead == 0):
             dst = P.peer_ptr(bases_ptr, dst_rank, gath_off, DTYPE)
@@ -133,7 +133,7 @@ def _rs_forward_kernel(
             P.wait_geq(ctl_ptr + P.CTL_GO_COMM, 1, ctl_ptr, err_ptr, timeout, rank, 2, P.ROLE_GO, chunk, -1,
                        USE_TIMER)
             go_ok = 1
-            dead = tl.load(ctl_ptr + P.CTL_ABORT, volatile=True)
+            dead = P.read_word(ctl_ptr + P.CTL_ABORT)
         t_waited = P.now_ns(USE_TIMER)
         if dead == 0:
             dst = P.peer_ptr(bases_ptr, chunk, recv_off, DTYPE)

@@ -249,7 +249,7 @@ def _persistent_gemm(
                         P.wait_geq(ctl_ptr + P.CTL_GO_GEMM, 1, ctl_ptr, err_ptr, timeout, rank, OP, P.ROLE_GO,
                                    chunk, -1, USE_TIMER)
                         go_ok = 1
-                        dead = tl.load(ctl_ptr + P.CTL_ABORT, volatile=True)  # the wait may have ended by abort
+                        dead = P.read_word(ctl_ptr + P.CTL_ABORT)  # the wait may have ended by abort
                         wait_ns += P.now_ns(USE_TIMER) - w0
                     if dead == 0:
                         dst = P.peer_ptr(bases_ptr, chunk, recv_off, OUT_DTYPE)

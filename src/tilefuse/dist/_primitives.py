@@ -6,6 +6,13 @@ workspace's abort word so every other wait of every kernel returns at once, and 
 without the data; the host turns the record into ``CommTimeoutError``. Nothing traps, so the
 CUDA context survives a stalled peer.
 
+Every branch a wait takes is the same for all threads of a program: Triton broadcasts a scalar
+atomic's result through shared memory behind a CTA barrier, so a program whose threads took
+different sides of a branch (one thread's timer past the limit, another's not; one thread's
+load of the abort word before a peer program's store, another's after) would meet different
+barriers and hang. Words that change under a program are read with ``read_word`` (one load,
+broadcast), and the timer's verdict goes through ``cta_any`` (a CTA-wide OR).
+
 Layout of the control words at the start of each workspace (int32 indices); ``symm.py``
 builds the workspaces, the kernels only see these offsets.
 """
@@ -36,6 +43,9 @@ ROLE_GO = tl.constexpr(3)  # a kernel waiting for the start barrier of its call
 ROLE_PUSH = tl.constexpr(4)  # the ag_gemm push kernel waiting for the start barrier
 ROLE_FORWARD = tl.constexpr(5)  # the gemm_rs forwarding kernel waiting for a local tile
 ROLE_NAMES = {1: "barrier", 2: "gemm", 3: "go", 4: "push", 5: "forward"}
+# Spins between two looks at the clock and the abort word: each look costs two CTA barriers
+# and an L2 round trip that would otherwise delay noticing the flag.
+EXPIRY_EVERY = tl.constexpr(4)
 TRACE_FIELDS = 4  # per event: start ns, end ns, wait ns, info
 
 
@@ -61,6 +71,27 @@ def fence_proxy_async(USE_TIMER: tl.constexpr):
 
 
 @triton.jit
+def read_word(ptr):
+    """``*ptr`` (relaxed, gpu scope), one value for every thread of the program (see the module
+    note: a volatile load is made by each thread and may differ between them)."""
+    return tl.atomic_add(ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def cta_any(pred, USE_TIMER: tl.constexpr):
+    """1 if ``pred`` holds in any thread of the program, else 0 (``bar.red.or``; every thread
+    must reach it). In the interpreter a program is one thread: ``pred`` itself."""
+    if USE_TIMER:
+        r = tl.inline_asm_elementwise(
+            "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; bar.red.or.pred q, 0, p; selp.s32 $0, 1, 0, q; }",
+            "=r,r", [pred.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+        )
+    else:
+        r = pred.to(tl.int32)
+    return r
+
+
+@triton.jit
 def _record_timeout(ctl_ptr, err_ptr, rank, op, role, chunk, index, observed, expected):
     claimed = tl.atomic_cas(ctl_ptr + CTL_CLAIM, 0, 1, sem="acq_rel", scope="gpu")
     if claimed == 0:
@@ -77,12 +108,13 @@ def _record_timeout(ctl_ptr, err_ptr, rank, op, role, chunk, index, observed, ex
 
 @triton.jit
 def _expired(t0, spins, timeout, ctl_ptr, USE_TIMER: tl.constexpr):
+    """(the wait is over, the abort word), both uniform over the program's threads."""
     if USE_TIMER:
-        elapsed = now_ns(USE_TIMER) - t0
+        late = cta_any(now_ns(USE_TIMER) - t0 > timeout, USE_TIMER)
     else:
-        elapsed = spins
-    aborted = tl.load(ctl_ptr + CTL_ABORT, volatile=True)
-    return (elapsed > timeout) | (aborted != 0), aborted
+        late = (spins > timeout).to(tl.int32)
+    aborted = read_word(ctl_ptr + CTL_ABORT)
+    return (late != 0) | (aborted != 0), aborted
 
 
 @triton.jit
@@ -96,7 +128,7 @@ def wait_geq(ptr, target, ctl_ptr, err_ptr, timeout, rank, op, role, chunk, inde
         while v < target:
             v = tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
             spins += 1
-            if v < target:
+            if (v < target) & (spins % EXPIRY_EVERY == 0):
                 expired, aborted = _expired(t0, spins, timeout, ctl_ptr, USE_TIMER)
                 if expired:
                     if aborted == 0:
@@ -114,7 +146,7 @@ def cas_bounded(ptr, cmp, val, ctl_ptr, err_ptr, timeout, rank, op, role, chunk,
         while old != cmp:
             old = tl.atomic_cas(ptr, cmp, val, sem="acq_rel", scope="sys")
             spins += 1
-            if old != cmp:
+            if (old != cmp) & (spins % EXPIRY_EVERY == 0):
                 expired, aborted = _expired(t0, spins, timeout, ctl_ptr, USE_TIMER)
                 if expired:
                     if aborted == 0:
