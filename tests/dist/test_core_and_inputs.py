@@ -113,11 +113,6 @@ def test_plans_bad_options_and_layouts():
         ag.make_plan("ce", 64, 64, 64, 2, 0, torch.bfloat16, CPU, local_copy="sm")
     p = ag.make_plan("ce", 4096, 512, 4096, 2, 0, torch.bfloat16, CPU, num_programs=132, splits=4)
     assert (p.gemm_programs, p.band_tiles, p.bands, p.pieces) == (131, 4, 4, 1)
-    assert p.copy_streams == 1
-    assert ag.make_plan("ce", 64, 64, 64, 2, 0, torch.bfloat16, CPU, copy_streams=2).copy_streams == 2
-    for design, streams in (("ce", 3), ("ce", 0), ("push", 2)):
-        with pytest.raises(ValueError, match="copy_streams"):
-            ag.make_plan(design, 64, 64, 64, 2, 0, torch.bfloat16, CPU, copy_streams=streams)
     assert (p.local_copy, p.local_splits) == ("ce", 4)
     p = rs.make_plan("forward", 8192, 8192, 1024, 2, 0, torch.bfloat16, CPU, num_programs=132)
     assert p.schedule.order == (1, 0) and p.peer_tiles == p.tiles_per_chunk and p.gemm_programs == 116
@@ -200,8 +195,6 @@ def test_bench_arguments():
         ("fused:push/csm/s8", "push", {"local_copy": "sm", "splits": 8}),
         ("fused:push/cce/s8", "push", {"local_copy": "ce", "splits": 8})]
     assert fused_variants("gemm_rs", "push/t1")[0][2] == {"recv_tma": True}
-    assert fused_variants("ag_gemm", "ce/e2")[0][:2] == ("fused:ce/e2", "ce")
-    assert fused_variants("ag_gemm", "ce/e2")[0][2] == {"copy_streams": 2}
     [(name, _, opts)] = fused_variants("ag_gemm", "push/b128")
     assert name == "fused:push/b128" and opts["config"] == GemmConfig(128, 128, 64, 8, 5, 8)
     with pytest.raises(ValueError, match="b takes"):

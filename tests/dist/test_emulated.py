@@ -54,7 +54,6 @@ def make_ag(world, mc, k, n, layout, dtype=torch.bfloat16, seed=0):
         (8, "ce", 20, "kn", {"splits": 2}),
         (8, "push", 16, "nk", {}),
         (4, "push", 24, "nk", {"local_copy": "ce"}),
-        (2, "ce", 40, "nk", {"splits": 3, "copy_streams": 2}),  # odd bands by a second stream
     ],
 )
 def test_ag_gemm_data_path(world, design, mc, layout, extra):

@@ -33,7 +33,7 @@ def _set_go(wss: list[Workspace], word) -> None:
 def emulate_ag_gemm(shards: list[torch.Tensor], b: torch.Tensor, *, design: str, b_layout: str = "kn",
                     config=None, comm_programs: int | None = None, splits: int | None = None,
                     piece_cols: int | None = None, num_programs: int = 4, spins: int = 200, trace=None,
-                    local_copy: str | None = None, copy_streams: int | None = None):
+                    local_copy: str | None = None):
     """Every rank's ``ag_gemm`` output (poisoned before the launch), workspaces and plans."""
     world = len(shards)
     mc, k = shards[0].shape
@@ -41,8 +41,7 @@ def emulate_ag_gemm(shards: list[torch.Tensor], b: torch.Tensor, *, design: str,
     dev = shards[0].device
     plans = [ag.make_plan(design, mc * world, n, k, world, r, shards[0].dtype, dev, config=config,
                           comm_programs=comm_programs, splits=splits, piece_cols=piece_cols,
-                          num_programs=num_programs, local_copy=local_copy, copy_streams=copy_streams)
-             for r in range(world)]
+                          num_programs=num_programs, local_copy=local_copy) for r in range(world)]
     wss = emulated_workspaces(world, max(p.nbytes for p in plans), dev)
     timeout = P.timeout_units(1.0, dev.type, spins)
     if design == "push":
@@ -56,9 +55,8 @@ def emulate_ag_gemm(shards: list[torch.Tensor], b: torch.Tensor, *, design: str,
     else:
         for r in range(world):
             ag.ce_local_copies(plans[r], wss[r], shards[r])
-        for r in range(world):  # the lanes of copy_streams in turn: one stream here
-            for lane in range(plans[r].copy_streams):
-                ag.ce_peer_copies(plans[r], wss[r], lane, plans[r].copy_streams)
+        for r in range(world):
+            ag.ce_peer_copies(plans[r], wss[r])
     outs = [_poisoned((mc * world, n), shards[0]) for _ in range(world)]
     for r in range(world):
         buf = trace.buffer("gemm", r, plans[r].gemm_programs, dev) if trace is not None else None

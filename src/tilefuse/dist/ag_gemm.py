@@ -6,8 +6,6 @@ Designs (``design=``; the policy picks one per shape from measurements):
   buffer (symmetric memory) in ``splits`` bands, meets the peers (barrier kernel), then pulls
   each peer's shard from the peer's buffer, band by band, in arrival order (rank+1, rank+2,
   ...), writing a flag after each band; a final barrier tells peers their shard was read.
-  With ``copy_streams=2`` a second stream pulls every other band at the same time (one
-  stream's copy engine does not fill the link).
   The persistent GEMM uses every SM and waits, per tile, on the flag of the band it reads.
 * ``"push"`` — SM-driven. ``comm_programs`` programs of a push kernel copy the local shard,
   band by band (one band = one tile row) and piece by piece, into every peer's gathered buffer
@@ -79,7 +77,6 @@ class AgPlan:
     gemm_programs: int
     local_copy: str  # who stages the local shard: "sm" (push programs) or "ce" (copy engines)
     local_splits: int  # copy-engine pieces of the local shard (0 for "sm")
-    copy_streams: int  # ce: streams pulling the peers' bands at the same time (1 for push)
     gath_off: int
     n_flags: int
     nbytes: int
@@ -114,20 +111,17 @@ def make_plan(
     piece_cols: int | None = None,
     num_programs: int | None = None,
     local_copy: str | None = None,
-    copy_streams: int | None = None,
 ) -> AgPlan:
     """Layout and launch parameters. ``splits``: bands per chunk for ``ce`` (default 4), pieces
     of the local shard's copy-engine staging for ``push`` with ``local_copy="ce"`` (default 4);
     ``comm_programs`` (default 32), ``piece_cols`` (default 1024) and ``local_copy`` (default
-    ``default_local_copy``) for ``push``; ``copy_streams`` (1 or 2, default 1) for ``ce``."""
+    ``default_local_copy``) for ``push``."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if local_copy is not None and local_copy not in LOCAL_COPIES:
         raise ValueError(f"local_copy must be one of {LOCAL_COPIES} or None, got {local_copy!r}")
     if design == "ce" and local_copy == "sm":
         raise ValueError("the ce design stages the local shard by copy engines: local_copy must be 'ce' or None")
-    if copy_streams is not None and (design != "ce" or copy_streams not in (1, 2)):
-        raise ValueError(f"copy_streams is 1 or 2 and only for the ce design, got {copy_streams!r} for {design!r}")
     mc = chunk_rows(m, world)
     sms = num_programs or num_sms(device)
     cfg = config or default_config(m, n, k, sms)
@@ -162,7 +156,7 @@ def make_plan(
     gath_off = -(-(P.FLAGS_OFFSET + 4 * n_flags) // _ALIGN) * _ALIGN
     nbytes = gath_off + m * k * item
     return AgPlan(design, m, n, k, world, rank, dtype, cfg, sched, band_tiles, bands, pieces, pcols, comm,
-                  gemm_programs, local, local_splits, copy_streams or 1, gath_off, n_flags, nbytes)
+                  gemm_programs, local, local_splits, gath_off, n_flags, nbytes)
 
 
 def gathered_view(plan: AgPlan, ws: Workspace) -> torch.Tensor:
@@ -243,15 +237,13 @@ def ce_local_copies(plan: AgPlan, ws: Workspace, a_shard: torch.Tensor) -> None:
         write_flags(flags, plan.rank * plan.bands + b0, b1 - b0, plan.pieces)
 
 
-def ce_peer_copies(plan: AgPlan, ws: Workspace, lane: int = 0, lanes: int = 1) -> None:
-    """Pull the peers' shards band by band in arrival order, each band followed by its flag;
-    this stream takes the bands ``lane, lane + lanes, ...`` of every peer."""
+def ce_peer_copies(plan: AgPlan, ws: Workspace) -> None:
     gathered, flags = gathered_view(plan, ws), flags_view(plan, ws)
     for s in range(1, plan.world):
         src = (plan.rank + s) % plan.world
         remote = ws.peer_view(src, plan.gath_off, (plan.m, plan.k), plan.dtype)
         base = src * plan.mc
-        for bnd in range(lane, plan.bands, lanes):
+        for bnd in range(plan.bands):
             lo, hi = _band_rows(plan, bnd)
             gathered[base + lo : base + hi].copy_(remote[base + lo : base + hi])
             write_flags(flags, src * plan.bands + bnd)
@@ -282,16 +274,7 @@ def run_fused(plan: AgPlan, state, ws: Workspace, a_shard: torch.Tensor, b: torc
         else:
             ce_local_copies(plan, ws, a_shard)
             launch_barrier(ws, timeout, "ag_gemm")
-            lanes = plan.copy_streams
-            if lanes == 2:  # the second stream pulls the odd bands once the barrier has passed
-                state.copy_event.record(side)
-                state.copy.wait_event(state.copy_event)
-                with torch.cuda.stream(state.copy):
-                    ce_peer_copies(plan, ws, 1, 2)
-                state.copy_done_event.record(state.copy)
-            ce_peer_copies(plan, ws, 0, lanes)
-            if lanes == 2:
-                side.wait_event(state.copy_done_event)
+            ce_peer_copies(plan, ws)
             launch_barrier(ws, timeout, "ag_gemm")
     state.end_event.record(side)
     launch_gemm_part(plan, ws, b, out, b_layout, timeout, trace=gemm_trace)
@@ -317,7 +300,6 @@ def ag_gemm(
     comm_programs: int | None = None,
     splits: int | None = None,
     local_copy: str | None = None,
-    copy_streams: int | None = None,
     timeout_s: float | None = None,
     trace=None,
 ):
@@ -338,7 +320,6 @@ def ag_gemm(
             (defaults from the policy's measurements).
         local_copy: push only: the local shard staged by the push programs (``"sm"``) or by
             copy engines (``"ce"``); None: by shard size (``default_local_copy``).
-        copy_streams: ce only: 1 or 2 streams pulling the peers' bands (default 1).
         timeout_s: bound of every cross-GPU wait (default 60 s, env TILEFUSE_DIST_TIMEOUT_S).
         trace: a :class:`tilefuse.dist.Trace` to record per-program activity.
 
@@ -375,8 +356,7 @@ def ag_gemm(
         return (out, gathered) if return_gathered else out
     state = get_state(g, "ag_gemm", a_shard.device)
     plan = _make_plan_cached(dec.design, m, n, k, world, rank, a_shard.dtype, a_shard.device, config=config,
-                             comm_programs=comm_programs, splits=splits, local_copy=local_copy,
-                             copy_streams=copy_streams)
+                             comm_programs=comm_programs, splits=splits, local_copy=local_copy)
     ws = state.ensure(plan.nbytes)
     state.clear_flags(plan.flags_end)
     timeout = P.timeout_units(timeout_s or DEFAULT_TIMEOUT_S, a_shard.device.type)

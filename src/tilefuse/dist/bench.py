@@ -12,7 +12,7 @@ scatters ``[M/W, N]`` rows) every rank times, in one rotation:
 * ``nccl``: the collective alone (``all_gather_into_tensor`` / ``reduce_scatter_tensor``);
 * ``nccl+cublas``: the sequential baseline;
 * ``symm_mem``: ``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``;
-* ``fused:<design>[/p<programs>][/l<lag>][/g<programs>][/s<splits>][/c<sm|ce>][/t<0|1>][/b<128|256>][/e<1|2>]``:
+* ``fused:<design>[/p<programs>][/l<lag>][/g<programs>][/s<splits>][/c<sm|ce>][/t<0|1>][/b<128|256>]``:
   tilefuse's fused designs (communication programs; gemm_rs push's tile order, program count and
   TMA loads of the partials; ag_gemm's copy-engine pieces and who stages push's local shard; the
   GEMM tile).
@@ -84,14 +84,13 @@ def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
     items, e.g. ``ce,push/p16+32``: ``p`` sets ``comm_programs``, ``l`` gemm_rs's ``lag``, ``g``
     gemm_rs's ``num_programs``, ``s`` ag_gemm's ``splits``, ``c`` ag_gemm push's ``local_copy``,
     ``t`` gemm_rs's ``recv_tma`` (0 / 1), ``b`` the GEMM tile (128x128 / 5 stages or 128x256 /
-    3 stages, as ``default_config`` builds them), ``e`` ag_gemm ce's ``copy_streams``; one variant
-    per combination."""
+    3 stages, as ``default_config`` builds them); one variant per combination."""
     import itertools
 
     from tilefuse.dist.policy import FUSED_DESIGNS
 
     keys = {"p": "comm_programs", "l": "lag", "g": "num_programs", "s": "splits", "c": "local_copy",
-            "t": "recv_tma", "b": "config", "e": "copy_streams"}
+            "t": "recv_tma", "b": "config"}
     words = {"c": ("sm", "ce")}
     flags = {"t"}  # 0 / 1 -> bool
     out = []
@@ -107,7 +106,7 @@ def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
             key, values = opt[:1], opt[1:].split("+")
             ok = key in keys and all(v in words[key] if key in words else v.isdigit() for v in values)
             if not ok:
-                raise ValueError(f"variant option {opt!r} in {item!r}: expected p, l, g, s, t, b or e and "
+                raise ValueError(f"variant option {opt!r} in {item!r}: expected p, l, g, s, t or b and "
                                  "<int>[+<int>...], or c and sm / ce")
             if key == "b" and not all(v in ("128", "256") for v in values):
                 raise ValueError(f"variant option {opt!r} in {item!r}: b takes 128 or 256 (the GEMM tile's N)")

@@ -158,7 +158,6 @@ class FusedState:
         self.start_event = torch.cuda.Event() if cuda else None
         self.end_event = torch.cuda.Event() if cuda else None
         self.copy_event = torch.cuda.Event() if cuda else None
-        self.copy_done_event = torch.cuda.Event() if cuda else None
 
     def ensure(self, nbytes: int) -> Workspace:
         """The workspace, grown to at least ``nbytes`` if needed (never inside graph capture)."""
