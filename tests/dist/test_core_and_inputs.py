@@ -195,14 +195,22 @@ def test_bench_arguments():
         ("fused:push/csm/s8", "push", {"local_copy": "sm", "splits": 8}),
         ("fused:push/cce/s8", "push", {"local_copy": "ce", "splits": 8})]
     assert fused_variants("gemm_rs", "push/t1")[0][2] == {"recv_tma": True}
+    assert fused_variants("gemm_rs", "push/x0+1")[1][:2] == ("fused:push/x1", "push")
+    assert fused_variants("gemm_rs", "push/x0+1")[1][2] == {"send_tma": True}
+    assert not rs.make_plan("push", 64, 64, 64, 2, 0, torch.bfloat16, CPU).send_tma
+    for design, world in (("forward", 2), ("push", 4)):
+        with pytest.raises(ValueError, match="send_tma"):
+            rs.make_plan(design, 64, 64, 64, world, 0, torch.bfloat16, CPU, send_tma=True)
     [(name, _, opts)] = fused_variants("ag_gemm", "push/b128")
     assert name == "fused:push/b128" and opts["config"] == GemmConfig(128, 128, 64, 8, 5, 8)
+    with pytest.raises(ValueError, match="x takes 0 or 1"):
+        fused_variants("gemm_rs", "push/x3")
     with pytest.raises(ValueError, match="b takes"):
         fused_variants("ag_gemm", "push/b64")
     with pytest.raises(ValueError, match="design"):
         fused_variants("gemm_rs", "ce")
     with pytest.raises(ValueError, match="variant option"):
-        fused_variants("gemm_rs", "push/x3")
+        fused_variants("gemm_rs", "push/q3")
 
 
 def test_bench_entry_without_gpus(tmp_path, capsys):

@@ -158,3 +158,22 @@ def test_gemm_rs_partials_by_tma(world, design, mc, lag):
         assert not outs[r].isnan().any(), f"rank {r}: unwritten output"
         assert torch.equal(outs[r], base[r]), f"rank {r}: TMA loads changed the bits"
     assert_clean(wss, 2 * world * plans[0].tiles_per_chunk)
+
+
+@pytest.mark.parametrize("mc,lag,recv_tma", [(48, 0, True), (48, 3, False), (40, 0, False)])
+def test_gemm_rs_pushed_tiles_by_tma(mc, lag, recv_tma):
+    """Peer-owned tiles stored into the peer's receive buffer through a tensor descriptor: the
+    same bits as per-thread stores (mc = 40 is not a multiple of the 16-row tile: per-thread
+    stores there, since a TMA store would run into the next sender's rows)."""
+    world, k, n = 2, 32, 48
+    g = torch.Generator().manual_seed(400 + mc + lag)
+    a_list = [torch.randn(mc * world, k, generator=g).to(torch.bfloat16) for _ in range(world)]
+    b_list = [(torch.randn(k, n, generator=g) / k**0.5).to(torch.bfloat16) for _ in range(world)]
+    kw = dict(design="push", config=CFG, lag=lag, recv_tma=recv_tma)
+    outs, wss, plans = emulate_gemm_rs(a_list, b_list, send_tma=True, **kw)
+    base, _, _ = emulate_gemm_rs(a_list, b_list, send_tma=False, **kw)
+    assert plans[0].send_tma
+    for r in range(world):
+        assert not outs[r].isnan().any(), f"rank {r}: unwritten output"
+        assert torch.equal(outs[r], base[r]), f"rank {r}: TMA stores changed the bits"
+    assert_clean(wss, 2 * world * plans[0].tiles_per_chunk)

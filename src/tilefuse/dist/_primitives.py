@@ -184,6 +184,18 @@ def barrier_all(bases_ptr, ctl_ptr, err_ptr, timeout, rank, op, W: tl.constexpr,
 
 
 @triton.jit
+def bulk_stores_done(USE_TIMER: tl.constexpr):
+    """Wait until this program's TMA stores have been written (not only read out of shared
+    memory, which is all a descriptor store waits for) and order them before the generic-proxy
+    flag that follows. The thread that issued them waits; the others pass."""
+    if USE_TIMER:  # a real GPU; the interpreter's stores are done when they return
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )
+
+
+@triton.jit
 def set_flag(ptr, value):
     """Publish the calling program's earlier writes, then set a flag (release, system scope).
     The CTA barrier makes every thread's stores part of what thread 0's release covers."""

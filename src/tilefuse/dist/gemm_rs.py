@@ -74,6 +74,7 @@ class RsPlan:
     part_off: int
     nbytes: int
     recv_tma: bool  # the owner loads peer partials by TMA (tensor descriptor) in its epilogue
+    send_tma: bool  # push at W = 2: peer-owned tiles stored into the peer's buffer by TMA
 
     @property
     def lag(self) -> int:
@@ -129,6 +130,7 @@ def make_plan(
     lag: int | None = None,
     gemm_programs: int | None = None,
     recv_tma: bool | None = None,
+    send_tma: bool | None = None,
 ) -> RsPlan:
     """Layout, the same for both designs (so that calls of either design leave the other's flag
     words zero): recv flags ``[W, tiles per chunk]``, local tile flags of the same shape
@@ -139,11 +141,18 @@ def make_plan(
     lag 0 only. ``gemm_programs``: push's persistent programs (default: one per SM; measured
     against 131 at W = 2, where each program alternates pushed and own tiles: slower, NOTES).
     ``recv_tma``: the owner's epilogue loads peer partials through a tensor descriptor (TMA)
-    where chunks are tile-aligned (None: push where the walk is not interleaved, lag 0)."""
+    where chunks are tile-aligned (None: push where the walk is not interleaved, lag 0).
+    ``send_tma``: push at W = 2 stores peer-owned tiles into the peer's receive buffer by TMA
+    (asynchronous: the program goes on to its next tile while the tile crosses the link) where
+    chunks are tile-aligned; per-thread stores otherwise (None: False)."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if lag is not None and (not isinstance(lag, int) or lag < 0):
         raise ValueError(f"lag must be a non-negative int or None, got {lag!r}")
+    if send_tma is not None and not isinstance(send_tma, bool):
+        raise ValueError(f"send_tma must be a bool or None, got {send_tma!r}")
+    if send_tma and (design != "push" or world != 2):
+        raise ValueError(f"send_tma is for the push design at world size 2 (one peer), got {design!r} at W = {world}")
     if design == "forward" and lag:
         raise ValueError(f"the forward design walks whole peer chunks first: lag must be 0 or None, got {lag}")
     mc = chunk_rows(m, world)
@@ -184,7 +193,7 @@ def make_plan(
     # loses is not known.
     tma = (design == "push" and sched.lag_tiles == 0) if recv_tma is None else recv_tma
     return RsPlan(design, m, n, k, world, rank, dtype, cfg, sched, comm, programs, recv_flags_off,
-                  part_flags_off, recv_off, part_off, nbytes, tma)
+                  part_flags_off, recv_off, part_off, nbytes, tma, bool(send_tma))
 
 
 def launch_gemm_part(plan: RsPlan, ws: Workspace, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -194,7 +203,9 @@ def launch_gemm_part(plan: RsPlan, ws: Workspace, a: torch.Tensor, b: torch.Tens
     comm = CommArgs(ws.local, ws.bases_dev, ws.err, timeout, flags_off=plan.recv_flags_off,
                     recv_off=plan.recv_off, part_off=plan.part_off, part_flags_off=plan.part_flags_off,
                     n_reset_flags=n_flags, reset=reset, barrier=barrier and plan.design == "push",
-                    recv=ws.view(plan.recv_off, (plan.m, plan.n), plan.dtype) if plan.recv_tma else None)
+                    recv=ws.view(plan.recv_off, (plan.m, plan.n), plan.dtype) if plan.recv_tma else None,
+                    peer_recv=ws.peer_view(1 - plan.rank, plan.recv_off, (plan.m, plan.n), plan.dtype)
+                    if plan.send_tma else None)
     epi = EPI_RS_PUSH if plan.design == "push" else EPI_RS_LOCAL
     launch_gemm(a, b, out, schedule=plan.schedule, rank=plan.rank, config=plan.config, b_layout=b_layout,
                 epilogue=epi.value, comm=comm, num_programs=plan.gemm_programs, tile_begin=tile_begin,
@@ -282,6 +293,7 @@ def gemm_rs(
     lag: int | None = None,
     num_programs: int | None = None,
     recv_tma: bool | None = None,
+    send_tma: bool | None = None,
     timeout_s: float | None = None,
     trace=None,
 ):
@@ -301,6 +313,7 @@ def gemm_rs(
             measured default; 0: all peer tiles first).
         num_programs: push's persistent programs, at most one per SM (None: one per SM).
         recv_tma: the owner's epilogue loads peer partials by TMA (None: the measured default).
+        send_tma: push at W = 2: peer-owned tiles leave by TMA stores (None: the default).
         timeout_s: bound of every cross-GPU wait (default 60 s).
         trace: a :class:`tilefuse.dist.Trace`.
 
@@ -334,7 +347,8 @@ def gemm_rs(
         return _common.gemm_rs_nccl(a, b, out, g, b_layout, config)
     state = get_state(g, "gemm_rs", a.device)
     plan = _make_plan_cached(dec.design, m, n, k, world, rank, a.dtype, a.device, config=config,
-                             comm_programs=comm_programs, lag=lag, gemm_programs=num_programs, recv_tma=recv_tma)
+                             comm_programs=comm_programs, lag=lag, gemm_programs=num_programs, recv_tma=recv_tma,
+                             send_tma=send_tma)
     ws = state.ensure(plan.nbytes)
     state.clear_flags(plan.flags_end)
     timeout = P.timeout_units(timeout_s or DEFAULT_TIMEOUT_S, a.device.type)

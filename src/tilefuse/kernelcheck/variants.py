@@ -555,7 +555,8 @@ def _dist_variants() -> list[Variant]:
                 epi = {0: "local", 1: "rs-push", 2: "rs-local"}[c["EPI"]]
                 name = (f"{label} {c['BM']}x{c['BN']}x{c['BK']} w{o['num_warps']}s{o.get('num_stages', 3)} "
                         f"epi={epi}{' wait_a' if c['WAIT_A'] else ''}{'' if c['ALIGNED'] else ' unaligned'}"
-                        f"{' barrier' if c['BARRIER'] else ''}{' recv_tma' if c.get('RECV_TMA') else ''}")
+                        f"{' barrier' if c['BARRIER'] else ''}{' recv_tma' if c.get('RECV_TMA') else ''}"
+                        f"{' send_tma' if c.get('SEND_TMA') else ''}")
                 out.append(variant_of(launch, kernel, name))
             else:
                 v = variant_of(launch, kernel, "")
@@ -606,16 +607,17 @@ def _dist_variants() -> list[Variant]:
                 record(f"ag_gemm[{design}] W{world} bf16 kn", launches)
 
         # gemm_rs: both designs at 2 and 8 ranks, every tile; unaligned chunks once; the owner's
-        # partials by TMA on the wide tile.
+        # partials by TMA on the wide tile, with and without the pushed tiles by TMA.
         for cfg in cfgs:
             for design in rs.DESIGNS:
-                for world, rows, tma in ((2, 2 * cfg.block_m, False), (8, 2 * cfg.block_m, False), (8, 200, False),
-                                         (2, 2 * cfg.block_m, True)):
+                for world, rows, tma, send in ((2, 2 * cfg.block_m, False, False), (8, 2 * cfg.block_m, False, False),
+                                               (8, 200, False, False), (2, 2 * cfg.block_m, True, False),
+                                               (2, 2 * cfg.block_m, True, True)):
                     if (rows == 200 or world == 2) and (design != "push" or cfg != cfgs[0]):
                         continue
                     m = world * rows
                     plan = rs.make_plan(design, m, 264, 64, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS,
-                                        recv_tma=tma)
+                                        recv_tma=tma, send_tma=send)
                     ws = emulated_workspaces(world, plan.nbytes)[0]
                     a, b = tensors(m, 264, 64, bf16, "kn")
                     out_t = torch.empty(rows, 264, dtype=bf16)
