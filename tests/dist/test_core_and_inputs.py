@@ -101,9 +101,15 @@ def test_plans_bad_options_and_layouts():
     p = ag.make_plan("push", 4096, 512, 4096, 2, 1, torch.bfloat16, CPU, num_programs=132, comm_programs=32)
     assert (p.gemm_programs, p.pieces, p.bands, p.schedule.order) == (100, 4, 16, (1, 0))
     assert p.gath_off % 1024 == 0 and p.nbytes == p.gath_off + 4096 * 4096 * 2
+    assert (p.local_copy, p.local_splits, p.read_local) == ("none", 0, True)  # the GEMM reads a_shard
+    p = ag.make_plan("push", 4096, 512, 4096, 2, 1, torch.bfloat16, CPU, num_programs=132, read_local=False)
     assert (p.local_copy, p.local_splits) == ("sm", 0)  # a 16 MiB shard: the push programs stage it
-    p = ag.make_plan("push", 8192, 1024, 8192, 2, 0, torch.bfloat16, CPU, num_programs=132)
+    p = ag.make_plan("push", 8192, 1024, 8192, 2, 0, torch.bfloat16, CPU, num_programs=132, read_local=False)
     assert (p.local_copy, p.local_splits) == ("ce", 4)  # 64 MiB: copy engines
+    with pytest.raises(ValueError, match="read_local"):
+        ag.make_plan("push", 64, 64, 64, 2, 0, torch.bfloat16, CPU, local_copy="sm", read_local=True)
+    with pytest.raises(ValueError, match="read_local"):
+        ag.make_plan("push", 64, 64, 64, 2, 0, torch.bfloat16, CPU, read_local=1)
     p = ag.make_plan("push", 4096, 512, 4096, 2, 1, torch.bfloat16, CPU, num_programs=132, local_copy="ce",
                      splits=3)
     assert (p.local_copy, p.local_splits, p.bands, p.pieces) == ("ce", 3, 16, 4)
@@ -113,7 +119,7 @@ def test_plans_bad_options_and_layouts():
         ag.make_plan("ce", 64, 64, 64, 2, 0, torch.bfloat16, CPU, local_copy="sm")
     p = ag.make_plan("ce", 4096, 512, 4096, 2, 0, torch.bfloat16, CPU, num_programs=132, splits=4)
     assert (p.gemm_programs, p.band_tiles, p.bands, p.pieces) == (131, 4, 4, 1)
-    assert (p.local_copy, p.local_splits) == ("ce", 4)
+    assert (p.local_copy, p.local_splits, p.read_local) == ("ce", 4, True)  # staged for the peers to pull
     p = rs.make_plan("forward", 8192, 8192, 1024, 2, 0, torch.bfloat16, CPU, num_programs=132)
     assert p.schedule.order == (1, 0) and p.peer_tiles == p.tiles_per_chunk and p.gemm_programs == 116
     assert p.part_off == p.recv_off + 8192 * 8192 * 2 and p.nbytes == p.part_off + 8192 * 8192 * 2

@@ -63,14 +63,14 @@ def test_missing_chunk_times_out_in_the_gemm_naming_the_chunk():
     wss = emulated_workspaces(world, plans[0].nbytes)
     ag.ce_local_copies(plans[0], wss[0], shards[0])  # rank 0's own rows only
     out = torch.full((mc * world, n), float("nan")).to(torch.bfloat16)
-    ag.launch_gemm_part(plans[0], wss[0], b, out, "kn", P.timeout_units(1.0, "cpu", 20))
+    ag.launch_gemm_part(plans[0], wss[0], shards[0], b, out, "kn", P.timeout_units(1.0, "cpu", 20))
     rec = wss[0].err.tolist()
     assert rec[0] == 1 and rec[1] == 0 and rec[3] == P.ROLE_GEMM.value and rec[4] == 1
     msg = describe(rec)
     assert "rank 0" in msg and "ag_gemm" in msg and "chunk 1" in msg
     assert not out[:mc].isnan().any()  # own rows were computed
     # the abort word is sticky: a later call returns at once and reports the same record
-    ag.launch_gemm_part(plans[0], wss[0], b, out, "kn", P.timeout_units(1.0, "cpu", 10**9))
+    ag.launch_gemm_part(plans[0], wss[0], shards[0], b, out, "kn", P.timeout_units(1.0, "cpu", 10**9))
     assert wss[0].err.tolist() == rec
 
 

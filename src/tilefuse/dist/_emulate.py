@@ -33,7 +33,7 @@ def _set_go(wss: list[Workspace], word) -> None:
 def emulate_ag_gemm(shards: list[torch.Tensor], b: torch.Tensor, *, design: str, b_layout: str = "kn",
                     config=None, comm_programs: int | None = None, splits: int | None = None,
                     piece_cols: int | None = None, num_programs: int = 4, spins: int = 200, trace=None,
-                    local_copy: str | None = None):
+                    local_copy: str | None = None, read_local: bool | None = None):
     """Every rank's ``ag_gemm`` output (poisoned before the launch), workspaces and plans."""
     world = len(shards)
     mc, k = shards[0].shape
@@ -41,7 +41,8 @@ def emulate_ag_gemm(shards: list[torch.Tensor], b: torch.Tensor, *, design: str,
     dev = shards[0].device
     plans = [ag.make_plan(design, mc * world, n, k, world, r, shards[0].dtype, dev, config=config,
                           comm_programs=comm_programs, splits=splits, piece_cols=piece_cols,
-                          num_programs=num_programs, local_copy=local_copy) for r in range(world)]
+                          num_programs=num_programs, local_copy=local_copy, read_local=read_local)
+             for r in range(world)]
     wss = emulated_workspaces(world, max(p.nbytes for p in plans), dev)
     timeout = P.timeout_units(1.0, dev.type, spins)
     if design == "push":
@@ -59,8 +60,9 @@ def emulate_ag_gemm(shards: list[torch.Tensor], b: torch.Tensor, *, design: str,
             ag.ce_peer_copies(plans[r], wss[r])
     outs = [_poisoned((mc * world, n), shards[0]) for _ in range(world)]
     for r in range(world):
+        own = trace.buffer("gemm", r, plans[r].gemm_programs, dev) if trace is not None and plans[r].read_local else None
         buf = trace.buffer("gemm", r, plans[r].gemm_programs, dev) if trace is not None else None
-        ag.launch_gemm_part(plans[r], wss[r], b, outs[r], b_layout, timeout, trace=buf)
+        ag.launch_gemm_part(plans[r], wss[r], shards[r], b, outs[r], b_layout, timeout, trace=buf, own_trace=own)
     return outs, wss, plans
 
 

@@ -186,7 +186,7 @@ def _reduce_own(acc, r_desc, ws_addr, j, col0, tic, tpc, Mc, N, rank, recv_off, 
 
 @triton.jit
 def _persistent_gemm(
-    a_desc, b_desc, c_desc, r_desc, p_desc, out_ptr,
+    a_desc, l_desc, b_desc, c_desc, r_desc, p_desc, out_ptr,
     M, N, K, Mc, rank,
     order_ptr, lag, tile_begin, tile_end,
     ws_addr, bases_ptr, flags_off, band_tiles, bands_per_chunk, flag_target,
@@ -197,7 +197,7 @@ def _persistent_gemm(
     B_KN: tl.constexpr, EPI: tl.constexpr, WAIT_A: tl.constexpr,
     ALIGNED: tl.constexpr, RESET: tl.constexpr, BARRIER: tl.constexpr, TRACE: tl.constexpr,
     MAX_EVENTS: tl.constexpr, USE_TIMER: tl.constexpr, OP: tl.constexpr, FLATTEN: tl.constexpr = False,
-    RECV_TMA: tl.constexpr = False, SEND_TMA: tl.constexpr = False,
+    RECV_TMA: tl.constexpr = False, SEND_TMA: tl.constexpr = False, LOCAL_A: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     OUT_DTYPE = out_ptr.dtype.element_ty
@@ -222,14 +222,21 @@ def _persistent_gemm(
             t_start = tl.full([], 0, tl.int64)
         wait_ns = t_start - t_start
         remote = chunk != rank
-        if WAIT_A:  # every chunk, own included: the local shard lands in the buffer band by band too
+        # ag_gemm: a launch of the own chunk's tiles alone may read its rows straight from the
+        # caller's shard (LOCAL_A: l_desc, chunk-relative rows, no wait); else the rows come from
+        # the gathered buffer band by band. (A per-tile choice between the two descriptors would
+        # compile two pipelined main loops: twice the shared memory.)
+        if WAIT_A and not LOCAL_A:
             band = chunk * bands_per_chunk + j // band_tiles
             flag = P.as_ptr(ws_addr + flags_off, tl.int32) + band
             P.wait_geq(flag, flag_target, ctl_ptr, err_ptr, timeout, rank, OP, P.ROLE_GEMM, chunk, band,
                        USE_TIMER)
             P.fence_proxy_async(USE_TIMER)
             wait_ns += P.now_ns(USE_TIMER) - t_start
-        acc = _mainloop(a_desc, chunk * Mc + j * BM, b_desc, col * BN, K, BM, BN, BK, B_KN)
+        if LOCAL_A:
+            acc = _mainloop(l_desc, j * BM, b_desc, col * BN, K, BM, BN, BK, B_KN)
+        else:
+            acc = _mainloop(a_desc, chunk * Mc + j * BM, b_desc, col * BN, K, BM, BN, BK, B_KN)
 
         rows_valid = Mc - j * BM
         if EPI == EPI_LOCAL:
@@ -338,10 +345,13 @@ def launch_gemm(
     tile_end: int | None = None,
     trace: torch.Tensor | None = None,
     op: str = "gemm",
+    a_local: torch.Tensor | None = None,
 ) -> None:
     """Launch the persistent GEMM on the current stream. Shapes are checked by the callers;
     ``a`` is ``[W * Mc, K]`` (or the gathered buffer), ``out`` ``[W * Mc, N]`` (local epilogue)
-    or ``[Mc, N]`` (gemm_rs epilogues)."""
+    or ``[Mc, N]`` (gemm_rs epilogues). ``a_local``: ``[Mc, K]``, the rows of chunk ``rank``,
+    read from there instead of from ``a`` (ag_gemm: the caller's shard, not yet staged); the
+    launch's tiles must all be of chunk ``rank``."""
     if b_layout not in _B_LAYOUTS:
         raise ValueError(f"b_layout must be one of {_B_LAYOUTS}, got {b_layout!r}")
     cfg = config
@@ -350,6 +360,7 @@ def launch_gemm(
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     device = a.device
     a_desc = _desc(a, [bm, bk])
+    l_desc = _desc(a_local, [bm, bk]) if a_local is not None else a_desc
     b_desc = _desc(b, [bk, bn] if b_layout == "kn" else [bn, bk])
     c_desc = _desc(out, [bm, bn])
     recv_tma = comm is not None and comm.recv is not None and schedule.aligned
@@ -379,7 +390,7 @@ def launch_gemm(
         raise ValueError(f"trace buffer has {trace.shape[0]} rows, needs {programs}")
     c = comm_vals
     args = (
-        a_desc, b_desc, c_desc, r_desc, p_desc, out,
+        a_desc, l_desc, b_desc, c_desc, r_desc, p_desc, out,
         a.shape[0], n, k, schedule.mc, rank,
         order, schedule.lag_tiles, tile_begin, tile_end,
         c["ws_addr"], c["bases"], c["flags_off"], c["band_tiles"], c["bands_per_chunk"], c["flag_target"],
@@ -394,7 +405,7 @@ def launch_gemm(
         TRACE=trace is not None, MAX_EVENTS=max_events,
         USE_TIMER=P.use_timer(device.type), OP=P.OP_CODES[op],
         FLATTEN=cfg.flatten and epilogue == EPI_LOCAL.value and not wait_a and comm is None and trace is None,
-        RECV_TMA=recv_tma, SEND_TMA=send_tma,
+        RECV_TMA=recv_tma, SEND_TMA=send_tma, LOCAL_A=a_local is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _persistent_gemm[(programs,)](*args, **kwargs)

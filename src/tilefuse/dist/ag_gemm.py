@@ -12,7 +12,11 @@ Designs (``design=``; the policy picks one per shape from measurements):
   and count pieces on the destination's band flag; the GEMM runs on the remaining SMs. The
   local shard lands in this rank's own buffer by the same programs (``local_copy="sm"``) or by
   copy engines on a second side stream in ``splits`` pieces (``"ce"``), leaving the push
-  programs the remote stores alone.
+  programs the remote stores alone; or nowhere (``read_local``, below).
+
+Both: the GEMM reads this rank's own rows straight from ``a_shard`` (``read_local``, the
+default): its first tiles wait for nothing. (push then stages nothing locally; ``ce`` still
+copies the shard into the gathered buffer, for the peers to pull.)
 
 Both: the GEMM visits chunks in arrival order (own rows first, ``_schedule.chunk_order``), so
 a tile never waits behind data that arrives later. Every wait is bounded (``timeout_s``).
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -75,11 +79,12 @@ class AgPlan:
     piece_cols: int
     comm_programs: int  # push kernel programs (0 for ce)
     gemm_programs: int
-    local_copy: str  # who stages the local shard: "sm" (push programs) or "ce" (copy engines)
+    local_copy: str  # who stages the local shard: "sm" (push programs), "ce" (copy engines), "none"
     local_splits: int  # copy-engine pieces of the local shard (0 for "sm")
     gath_off: int
     n_flags: int
     nbytes: int
+    read_local: bool  # the GEMM reads the own rows from a_shard, not from the gathered buffer
 
     @property
     def mc(self) -> int:
@@ -111,17 +116,26 @@ def make_plan(
     piece_cols: int | None = None,
     num_programs: int | None = None,
     local_copy: str | None = None,
+    read_local: bool | None = None,
 ) -> AgPlan:
     """Layout and launch parameters. ``splits``: bands per chunk for ``ce`` (default 4), pieces
     of the local shard's copy-engine staging for ``push`` with ``local_copy="ce"`` (default 4);
     ``comm_programs`` (default 32), ``piece_cols`` (default 1024) and ``local_copy`` (default
-    ``default_local_copy``) for ``push``."""
+    ``default_local_copy``) for ``push``. ``read_local``: the GEMM reads the own rows from the
+    caller's shard (default: True, except for push with an explicit ``local_copy``); push then
+    stages no local copy."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if local_copy is not None and local_copy not in LOCAL_COPIES:
         raise ValueError(f"local_copy must be one of {LOCAL_COPIES} or None, got {local_copy!r}")
     if design == "ce" and local_copy == "sm":
         raise ValueError("the ce design stages the local shard by copy engines: local_copy must be 'ce' or None")
+    if read_local is not None and not isinstance(read_local, bool):
+        raise ValueError(f"read_local must be a bool or None, got {read_local!r}")
+    if design == "push" and read_local and local_copy is not None:
+        raise ValueError("push with read_local stages no local copy: pass local_copy only with read_local=False")
+    if read_local is None:
+        read_local = design == "ce" or local_copy is None
     mc = chunk_rows(m, world)
     sms = num_programs or num_sms(device)
     cfg = config or default_config(m, n, k, sms)
@@ -149,14 +163,14 @@ def make_plan(
             raise ValueError(f"piece_cols must be >= 1, got {pcols}")
         pieces = cdiv(k, pcols)
         gemm_programs = sms - comm
-        local = local_copy or default_local_copy(mc, k, item)
+        local = "none" if read_local else local_copy or default_local_copy(mc, k, item)
         local_splits = min(sp, tm) if local == "ce" else 0
     bands = cdiv(tm, band_tiles)
     n_flags = world * bands
     gath_off = -(-(P.FLAGS_OFFSET + 4 * n_flags) // _ALIGN) * _ALIGN
     nbytes = gath_off + m * k * item
     return AgPlan(design, m, n, k, world, rank, dtype, cfg, sched, band_tiles, bands, pieces, pcols, comm,
-                  gemm_programs, local, local_splits, gath_off, n_flags, nbytes)
+                  gemm_programs, local, local_splits, gath_off, n_flags, nbytes, read_local)
 
 
 def gathered_view(plan: AgPlan, ws: Workspace) -> torch.Tensor:
@@ -193,13 +207,23 @@ def launch_barrier(ws: Workspace, timeout: int, op: str, *, set_go_gemm: bool = 
     )
 
 
-def launch_gemm_part(plan: AgPlan, ws: Workspace, b: torch.Tensor, out: torch.Tensor, b_layout: str,
-                     timeout: int, *, trace: torch.Tensor | None = None) -> None:
+def launch_gemm_part(plan: AgPlan, ws: Workspace, a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                     b_layout: str, timeout: int, *, trace: torch.Tensor | None = None,
+                     own_trace: torch.Tensor | None = None) -> None:
+    """The GEMM of one rank's call. With ``read_local`` two launches on the stream: the own
+    chunk's tiles (first in the order) from ``a_shard``, waiting for nothing (``own_trace``),
+    then the peers' tiles from the gathered buffer (``trace``)."""
     comm = CommArgs(ws.local, ws.bases_dev, ws.err, timeout, band_tiles=plan.band_tiles,
                     bands_per_chunk=plan.bands, flag_target=plan.pieces, n_reset_flags=plan.n_flags)
-    launch_gemm(gathered_view(plan, ws), b, out, schedule=plan.schedule, rank=plan.rank, config=plan.config,
-                b_layout=b_layout, epilogue=EPI_LOCAL.value, wait_a=True, comm=comm,
-                num_programs=plan.gemm_programs, trace=trace, op="ag_gemm")
+    kw = dict(schedule=plan.schedule, rank=plan.rank, config=plan.config, b_layout=b_layout,
+              epilogue=EPI_LOCAL.value, wait_a=True, num_programs=plan.gemm_programs, op="ag_gemm")
+    gathered = gathered_view(plan, ws)
+    begin = 0
+    if plan.read_local:
+        begin = plan.schedule.tiles_per_chunk
+        launch_gemm(gathered, b, out, comm=replace(comm, reset=False), tile_end=begin, trace=own_trace,
+                    a_local=a_shard, **kw)
+    launch_gemm(gathered, b, out, comm=comm, tile_begin=begin, trace=trace, **kw)
 
 
 def _band_rows(plan: AgPlan, band: int) -> tuple[int, int]:
@@ -257,8 +281,10 @@ def run_fused(plan: AgPlan, state, ws: Workspace, a_shard: torch.Tensor, b: torc
     side = state.side
     state.start_event.record(main)
     side.wait_event(state.start_event)
-    comm_trace = gemm_trace = None
+    comm_trace = gemm_trace = own_trace = None
     if trace is not None:
+        if plan.read_local:
+            own_trace = trace.buffer("gemm", plan.rank, plan.gemm_programs, a_shard.device)
         gemm_trace = trace.buffer("gemm", plan.rank, plan.gemm_programs, a_shard.device)
         if plan.design == "push":
             comm_trace = trace.buffer("push", plan.rank, plan.comm_programs, a_shard.device)
@@ -277,7 +303,7 @@ def run_fused(plan: AgPlan, state, ws: Workspace, a_shard: torch.Tensor, b: torc
             ce_peer_copies(plan, ws)
             launch_barrier(ws, timeout, "ag_gemm")
     state.end_event.record(side)
-    launch_gemm_part(plan, ws, b, out, b_layout, timeout, trace=gemm_trace)
+    launch_gemm_part(plan, ws, a_shard, b, out, b_layout, timeout, trace=gemm_trace, own_trace=own_trace)
     main.wait_event(state.end_event)
     if staged:
         main.wait_event(state.copy_event)
@@ -300,6 +326,7 @@ def ag_gemm(
     comm_programs: int | None = None,
     splits: int | None = None,
     local_copy: str | None = None,
+    read_local: bool | None = None,
     timeout_s: float | None = None,
     trace=None,
 ):
@@ -319,7 +346,10 @@ def ag_gemm(
             chunk of the copy-engine design or copy-engine pieces of push's local staging
             (defaults from the policy's measurements).
         local_copy: push only: the local shard staged by the push programs (``"sm"``) or by
-            copy engines (``"ce"``); None: by shard size (``default_local_copy``).
+            copy engines (``"ce"``); None: by shard size (``default_local_copy``), or nothing
+            where the GEMM reads the own rows from ``a_shard``.
+        read_local: the GEMM reads the own rows from ``a_shard`` (None: yes, except for push
+            with an explicit ``local_copy``).
         timeout_s: bound of every cross-GPU wait (default 60 s, env TILEFUSE_DIST_TIMEOUT_S).
         trace: a :class:`tilefuse.dist.Trace` to record per-program activity.
 
@@ -356,11 +386,15 @@ def ag_gemm(
         return (out, gathered) if return_gathered else out
     state = get_state(g, "ag_gemm", a_shard.device)
     plan = _make_plan_cached(dec.design, m, n, k, world, rank, a_shard.dtype, a_shard.device, config=config,
-                             comm_programs=comm_programs, splits=splits, local_copy=local_copy)
+                             comm_programs=comm_programs, splits=splits, local_copy=local_copy,
+                             read_local=read_local)
     ws = state.ensure(plan.nbytes)
     state.clear_flags(plan.flags_end)
     timeout = P.timeout_units(timeout_s or DEFAULT_TIMEOUT_S, a_shard.device.type)
     run_fused(plan, state, ws, a_shard, b, out, b_layout, timeout, trace)
     if return_gathered:
-        return out, gathered_view(plan, ws).clone()
+        gathered = gathered_view(plan, ws).clone()
+        if plan.local_copy == "none":  # nothing staged the own rows
+            gathered[rank * plan.mc : (rank + 1) * plan.mc].copy_(a_shard)
+        return out, gathered
     return out

@@ -12,9 +12,10 @@ scatters ``[M/W, N]`` rows) every rank times, in one rotation:
 * ``nccl``: the collective alone (``all_gather_into_tensor`` / ``reduce_scatter_tensor``);
 * ``nccl+cublas``: the sequential baseline;
 * ``symm_mem``: ``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``;
-* ``fused:<design>[/p<programs>][/l<lag>][/g<programs>][/s<splits>][/c<sm|ce>][/t<0|1>][/x<0|1>][/b<128|256>]``:
+* ``fused:<design>[/p<programs>][/l<lag>][/g<programs>][/s<splits>][/c<sm|ce>][/r<0|1>][/t<0|1>][/x<0|1>][/b<128|256>]``:
   tilefuse's fused designs (communication programs; gemm_rs push's tile order, program count,
-  TMA loads of the partials and TMA stores of the pushed tiles; ag_gemm's copy-engine pieces and who stages push's local shard; the
+  TMA loads of the partials and TMA stores of the pushed tiles; ag_gemm's copy-engine pieces,
+  who stages push's local shard and whether the GEMM reads the own rows from the shard; the
   GEMM tile).
 
 Every output is checked first (poisoned buffer, relative error to the sequential baseline);
@@ -80,19 +81,20 @@ def shapes(op: str, spec: str) -> list[tuple[int, int, int, str]]:
 
 
 def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
-    """``(name, design, options)`` from ``design[/p16+32][/l0+66][/g132][/s4][/csm+ce][/t0+1][/x0+1][/b128+256]``
+    """``(name, design, options)`` from ``design[/p16+32][/l0+66][/g132][/s4][/csm+ce][/r0+1][/t0+1][/x0+1][/b128+256]``
     items, e.g. ``ce,push/p16+32``: ``p`` sets ``comm_programs``, ``l`` gemm_rs's ``lag``, ``g``
     gemm_rs's ``num_programs``, ``s`` ag_gemm's ``splits``, ``c`` ag_gemm push's ``local_copy``,
-    ``t`` gemm_rs's ``recv_tma`` (0 / 1), ``x`` gemm_rs's ``send_tma`` (0 / 1), ``b`` the GEMM tile (128x128 / 5 stages or 128x256 /
+    ``t`` gemm_rs's ``recv_tma`` (0 / 1), ``x`` gemm_rs's ``send_tma`` (0 / 1), ``r`` ag_gemm's
+    ``read_local`` (0 / 1), ``b`` the GEMM tile (128x128 / 5 stages or 128x256 /
     3 stages, as ``default_config`` builds them); one variant per combination."""
     import itertools
 
     from tilefuse.dist.policy import FUSED_DESIGNS
 
     keys = {"p": "comm_programs", "l": "lag", "g": "num_programs", "s": "splits", "c": "local_copy",
-            "t": "recv_tma", "x": "send_tma", "b": "config"}
+            "t": "recv_tma", "x": "send_tma", "r": "read_local", "b": "config"}
     words = {"c": ("sm", "ce")}
-    flags = {"t", "x"}  # 0 / 1 -> bool
+    flags = {"t", "x", "r"}  # 0 / 1 -> bool
     out = []
     for item in spec.split(","):
         item = item.strip()
@@ -106,7 +108,7 @@ def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
             key, values = opt[:1], opt[1:].split("+")
             ok = key in keys and all(v in words[key] if key in words else v.isdigit() for v in values)
             if not ok:
-                raise ValueError(f"variant option {opt!r} in {item!r}: expected p, l, g, s, t, x or b and "
+                raise ValueError(f"variant option {opt!r} in {item!r}: expected p, l, g, s, t, x, r or b and "
                                  "<int>[+<int>...], or c and sm / ce")
             if key in flags and not all(v in ("0", "1") for v in values):
                 raise ValueError(f"variant option {opt!r} in {item!r}: {key} takes 0 or 1")

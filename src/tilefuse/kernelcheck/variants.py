@@ -556,7 +556,7 @@ def _dist_variants() -> list[Variant]:
                 name = (f"{label} {c['BM']}x{c['BN']}x{c['BK']} w{o['num_warps']}s{o.get('num_stages', 3)} "
                         f"epi={epi}{' wait_a' if c['WAIT_A'] else ''}{'' if c['ALIGNED'] else ' unaligned'}"
                         f"{' barrier' if c['BARRIER'] else ''}{' recv_tma' if c.get('RECV_TMA') else ''}"
-                        f"{' send_tma' if c.get('SEND_TMA') else ''}")
+                        f"{' send_tma' if c.get('SEND_TMA') else ''}{' local_a' if c.get('LOCAL_A') else ''}")
                 out.append(variant_of(launch, kernel, name))
             else:
                 v = variant_of(launch, kernel, "")
@@ -589,7 +589,7 @@ def _dist_variants() -> list[Variant]:
         # launch passes is 1 (Triton would compile that as a constant).
         world, k = 8, _FUSED_K
         for cfg in cfgs:
-            for design, local in (("ce", None), ("push", "sm"), ("push", "ce")):
+            for design, local in (("ce", None), ("push", None), ("push", "sm"), ("push", "ce")):
                 if local == "ce" and cfg != cfgs[0]:  # only the push kernel changes
                     continue
                 m = world * 8 * cfg.block_m
@@ -603,8 +603,8 @@ def _dist_variants() -> list[Variant]:
                         ag.launch_push(plan, ws, a_shard, timeout)
                     else:
                         ag.launch_barrier(ws, timeout, "ag_gemm")
-                    ag.launch_gemm_part(plan, ws, b, out_t, "kn", timeout)
-                record(f"ag_gemm[{design}] W{world} bf16 kn", launches)
+                    ag.launch_gemm_part(plan, ws, a_shard, b, out_t, "kn", timeout)
+                record(f"ag_gemm[{design}{'' if local is None else '/' + local}] W{world} bf16 kn", launches)
 
         # gemm_rs: both designs at 2 and 8 ranks, every tile; unaligned chunks once; the owner's
         # partials by TMA on the wide tile, with and without the pushed tiles by TMA.
