@@ -31,10 +31,11 @@ from tilefuse.reference.comm_gemm import ag_gemm_ref, gemm_rs_ref  # noqa: E402
 
 TOL = 1e-2  # ||out - ref|| / ||ref||: bf16 rounding of the output and (gemm_rs) of the partials
 TIMEOUT_S = 5.0
-# Fused variants in the bench's syntax: a design and its options (push/cce: ag_gemm push with
+# Fused variants in the bench's syntax: a design and its options (ce/r0: ag_gemm ce with the own
+# rows read from the staged buffer, not from the shard; push/cce: ag_gemm push with
 # the local shard staged by copy engines; push/t1: gemm_rs with the partials loaded by TMA;
 # push/x1: gemm_rs storing its pushed tiles by TMA).
-DESIGNS = {"ag_gemm": ("ce", "push", "push/cce"), "gemm_rs": ("push", "forward", "push/t1", "push/x1")}
+DESIGNS = {"ag_gemm": ("ce", "ce/r0", "push", "push/cce"), "gemm_rs": ("push", "forward", "push/t1", "push/x1")}
 failures: list[str] = []
 dead: set[tuple[str, str]] = set()  # designs that failed once are not retried at other shapes
 
