@@ -101,7 +101,9 @@ def test_plans_bad_options_and_layouts():
     p = ag.make_plan("push", 4096, 512, 4096, 2, 1, torch.bfloat16, CPU, num_programs=132, comm_programs=32)
     assert (p.gemm_programs, p.pieces, p.bands, p.schedule.order) == (100, 4, 16, (1, 0))
     assert p.gath_off % 1024 == 0 and p.nbytes == p.gath_off + 4096 * 4096 * 2
-    assert (p.local_copy, p.local_splits, p.read_local) == ("none", 0, True)  # the GEMM reads a_shard
+    assert (p.local_copy, p.local_splits, p.read_local) == ("none", 0, True)  # under a wave: reads a_shard
+    assert [ag.default_read_local(t, 100) for t in (64, 100, 128, 448, 896, 2048)] == [
+        True, True, False, False, True, True]  # 1.28 / 4.48 waves leave 36% / 10.4% idle
     p = ag.make_plan("push", 4096, 512, 4096, 2, 1, torch.bfloat16, CPU, num_programs=132, read_local=False)
     assert (p.local_copy, p.local_splits) == ("sm", 0)  # a 16 MiB shard: the push programs stage it
     p = ag.make_plan("push", 8192, 1024, 8192, 2, 0, torch.bfloat16, CPU, num_programs=132, read_local=False)
@@ -119,7 +121,7 @@ def test_plans_bad_options_and_layouts():
         ag.make_plan("ce", 64, 64, 64, 2, 0, torch.bfloat16, CPU, local_copy="sm")
     p = ag.make_plan("ce", 4096, 512, 4096, 2, 0, torch.bfloat16, CPU, num_programs=132, splits=4)
     assert (p.gemm_programs, p.band_tiles, p.bands, p.pieces) == (131, 4, 4, 1)
-    assert (p.local_copy, p.local_splits, p.read_local) == ("ce", 4, True)  # staged for the peers to pull
+    assert (p.local_copy, p.local_splits, p.read_local) == ("ce", 4, True)  # 32 tiles on 131: under a wave
     p = rs.make_plan("forward", 8192, 8192, 1024, 2, 0, torch.bfloat16, CPU, num_programs=132)
     assert p.schedule.order == (1, 0) and p.peer_tiles == p.tiles_per_chunk and p.gemm_programs == 116
     assert p.part_off == p.recv_off + 8192 * 8192 * 2 and p.nbytes == p.part_off + 8192 * 8192 * 2

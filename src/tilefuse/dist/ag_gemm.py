@@ -14,9 +14,10 @@ Designs (``design=``; the policy picks one per shape from measurements):
   copy engines on a second side stream in ``splits`` pieces (``"ce"``), leaving the push
   programs the remote stores alone; or nowhere (``read_local``, below).
 
-Both: the GEMM reads this rank's own rows straight from ``a_shard`` (``read_local``, the
-default): its first tiles wait for nothing. (push then stages nothing locally; ``ce`` still
-copies the shard into the gathered buffer, for the peers to pull.)
+Both: the GEMM may read this rank's own rows straight from ``a_shard`` in a launch of their own
+(``read_local``, by default where that launch fills its waves, ``default_read_local``): its
+tiles wait for nothing. (push then stages nothing locally; ``ce`` still copies the shard into
+the gathered buffer, for the peers to pull.)
 
 Both: the GEMM visits chunks in arrival order (own rows first, ``_schedule.chunk_order``), so
 a tile never waits behind data that arrives later. Every wait is bounded (``timeout_s``).
@@ -51,8 +52,25 @@ LOCAL_COPIES = ("sm", "ce")
 # 0.357 ms, 4096x7168x8192 0.939 / 0.972, 8192x3584x4096 0.447 / 0.464), at <= 16 MiB the copy
 # engines' launch latency loses (4096x512x4096 0.095 / 0.093, 1024x3584x4096 0.118 / 0.104).
 PUSH_CE_STAGING_MIN_BYTES = 32 << 20
+# read_local splits the GEMM in two launches (own chunk, then peers); the own launch's last wave
+# leaves programs idle that one launch would have moved on to peer tiles. So read the own rows
+# directly where that idle share is small, or the own chunk is under one wave (2 x H200, graph
+# mode, results/h200x2/ag_gemm-13-read-local.json, one run: with read_local 32768x4096x32768 ce
+# 13.85 against 14.87 ms (16 waves), push 4096x512x4096 0.097 / 0.105 and 1024x3584x4096 0.089 /
+# 0.105 (under a wave); without, 4096x7168x8192 ce 0.677 against 0.775 and 8192x3584x4096 ce
+# 0.351 / 0.398 (3.4 waves, 15% idle), push 8192x1024x8192 0.325 / 0.345 (1.3 waves)).
+READ_LOCAL_MAX_IDLE = 0.10
 DEFAULT_TIMEOUT_S = float(os.environ.get("TILEFUSE_DIST_TIMEOUT_S", "60"))
 _ALIGN = 1024
+
+
+def default_read_local(own_tiles: int, programs: int) -> bool:
+    """Whether the GEMM reads the own rows from the shard (``READ_LOCAL_MAX_IDLE``)."""
+    waves = own_tiles / programs
+    if waves <= 1:
+        return True
+    full = -(-own_tiles // programs)
+    return (full - waves) / full <= READ_LOCAL_MAX_IDLE
 
 
 def default_local_copy(mc: int, k: int, elem_bytes: int = 2) -> str:
@@ -122,8 +140,8 @@ def make_plan(
     of the local shard's copy-engine staging for ``push`` with ``local_copy="ce"`` (default 4);
     ``comm_programs`` (default 32), ``piece_cols`` (default 1024) and ``local_copy`` (default
     ``default_local_copy``) for ``push``. ``read_local``: the GEMM reads the own rows from the
-    caller's shard (default: True, except for push with an explicit ``local_copy``); push then
-    stages no local copy."""
+    caller's shard in a launch of its own (default: ``default_read_local``; never for push with
+    an explicit ``local_copy``); push then stages no local copy."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if local_copy is not None and local_copy not in LOCAL_COPIES:
@@ -134,14 +152,16 @@ def make_plan(
         raise ValueError(f"read_local must be a bool or None, got {read_local!r}")
     if design == "push" and read_local and local_copy is not None:
         raise ValueError("push with read_local stages no local copy: pass local_copy only with read_local=False")
-    if read_local is None:
-        read_local = design == "ce" or local_copy is None
     mc = chunk_rows(m, world)
     sms = num_programs or num_sms(device)
     cfg = config or default_config(m, n, k, sms)
     sched = TileSchedule(mc, n, world, cfg.block_m, cfg.block_n, cfg.group_m,
                          tuple(chunk_order("arrival", rank, world)))
     tm = sched.tile_rows_per_chunk
+    gemm_sms = sms - 1 if design == "ce" else sms - (32 if comm_programs is None else comm_programs)
+    if read_local is None:
+        read_local = (design == "ce" or local_copy is None) and default_read_local(
+            sched.tiles_per_chunk, max(1, gemm_sms))
     item = torch.empty((), dtype=dtype).element_size()
     sp = 4 if splits is None else splits  # ce: bands per chunk; push: copy-engine staging pieces
     if sp < 1:
@@ -348,8 +368,8 @@ def ag_gemm(
         local_copy: push only: the local shard staged by the push programs (``"sm"``) or by
             copy engines (``"ce"``); None: by shard size (``default_local_copy``), or nothing
             where the GEMM reads the own rows from ``a_shard``.
-        read_local: the GEMM reads the own rows from ``a_shard`` (None: yes, except for push
-            with an explicit ``local_copy``).
+        read_local: the GEMM reads the own rows from ``a_shard`` in a launch of their own
+            (None: ``default_read_local``; never for push with an explicit ``local_copy``).
         timeout_s: bound of every cross-GPU wait (default 60 s, env TILEFUSE_DIST_TIMEOUT_S).
         trace: a :class:`tilefuse.dist.Trace` to record per-program activity.
 

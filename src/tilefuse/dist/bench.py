@@ -385,6 +385,8 @@ def _trace(case: _Case, fused, path: Path) -> str | None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             call(tr)
+        torch.distributed.barrier()  # capture takes each rank a different time: start together
+        torch.cuda.synchronize()
         graph.replay()
     else:
         call(tr)
