@@ -203,6 +203,9 @@ def test_bench_arguments():
         ("fused:push/csm/s8", "push", {"local_copy": "sm", "splits": 8}),
         ("fused:push/cce/s8", "push", {"local_copy": "ce", "splits": 8})]
     assert fused_variants("gemm_rs", "push/t1")[0][2] == {"recv_tma": True}
+    assert fused_variants("ag_gemm", "auto,push") == [("fused:auto", None, {}), ("fused:push", "push", {})]
+    with pytest.raises(ValueError, match="auto takes no options"):
+        fused_variants("ag_gemm", "auto/p24")
     assert fused_variants("gemm_rs", "push/x0+1")[1][:2] == ("fused:push/x1", "push")
     assert fused_variants("gemm_rs", "push/x0+1")[1][2] == {"send_tma": True}
     assert not rs.make_plan("push", 64, 64, 64, 2, 0, torch.bfloat16, CPU).send_tma

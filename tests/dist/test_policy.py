@@ -149,3 +149,33 @@ def test_graph_capture_picks_the_graph_timed_rows():
         policy.load_table(saved)
     # The shipped table has both modes for 2 x H200.
     assert {r.get("timing") for r in policy.table()} == {"batch", "graph"}
+
+
+def test_measured_variant_options_apply_at_their_exact_shape():
+    """A row's fastest variant (bare design unless beaten by more than the tie margin) gives
+    its options to calls of exactly that shape, never to neighbours; a caller's own value wins."""
+    from tilefuse.dist._common import with_measured_options
+    from tilefuse.dist._gemm_core import GemmConfig
+
+    result = {"settings": {"mode": "graph"}, "summary": [
+        {"op": "ag_gemm", "m": 8192, "n": 1024, "k": 8192, "world": 2, "dtype": "bf16", "nccl+cublas_us": 480.0,
+         "fused_us": {"fused:ce": 390.0, "fused:push": 330.0, "fused:push/p24/b128": 301.0}},
+        {"op": "ag_gemm", "m": 4096, "n": 512, "k": 4096, "world": 2, "dtype": "bf16", "nccl+cublas_us": 120.0,
+         "fused_us": {"fused:push": 90.0, "fused:push/p24": 89.0}},  # within the tie: the defaults
+    ]}
+    rows = policy_rows(result)
+    assert [r["variant"] for r in rows] == ["push/p24/b128", "push"]
+    saved = policy.table()
+    try:
+        policy.load_table(rows)
+        dec = policy.decide("ag_gemm", 8192, 1024, 8192, 2, torch.bfloat16, capturing=True)
+        assert dec.design == "push" and "push/p24/b128" in dec.reason
+        assert dec.options == {"comm_programs": 24, "config": GemmConfig(128, 128, 64, 8, 5, 8)}
+        assert policy.decide("ag_gemm", 8192, 1024, 4096, 2, torch.bfloat16, capturing=True).options == {}
+        assert policy.decide("ag_gemm", 4096, 512, 4096, 2, torch.bfloat16, capturing=True).options == {}
+        assert policy.decide("ag_gemm", 8192, 1024, 8192, 2, design="push").options == {}  # forced
+        given = {"comm_programs": 16, "config": None, "splits": None}
+        assert with_measured_options(given, dec.options) == {
+            "comm_programs": 16, "config": GemmConfig(128, 128, 64, 8, 5, 8), "splits": None}
+    finally:
+        policy.load_table(saved)

@@ -66,3 +66,14 @@ def gemm_rs_nccl(a, b, out, group, b_layout, config=None):
     matmul(a, b, full, b_layout, config)
     dist.reduce_scatter_tensor(out, full, group=group)
     return out
+
+
+def with_measured_options(given: dict, measured: dict) -> dict:
+    """The call's options: what the caller passed, else what the policy measured fastest for
+    this exact shape (``Decision.options``), else None (the plan's defaults). Options the op
+    does not take are ignored (a row measured with another design's options)."""
+    out = dict(given)
+    for key, value in measured.items():
+        if key in out and out[key] is None:
+            out[key] = value
+    return out

@@ -405,9 +405,10 @@ def ag_gemm(
         out, gathered = _common.ag_gemm_nccl(a_shard, b, out, g, world, b_layout, config)
         return (out, gathered) if return_gathered else out
     state = get_state(g, "ag_gemm", a_shard.device)
-    plan = _make_plan_cached(dec.design, m, n, k, world, rank, a_shard.dtype, a_shard.device, config=config,
-                             comm_programs=comm_programs, splits=splits, local_copy=local_copy,
-                             read_local=read_local)
+    given = dict(config=config, comm_programs=comm_programs, splits=splits, local_copy=local_copy,
+                 read_local=read_local)
+    opts = _common.with_measured_options(given, dec.options)
+    plan = _make_plan_cached(dec.design, m, n, k, world, rank, a_shard.dtype, a_shard.device, **opts)
     ws = state.ensure(plan.nbytes)
     state.clear_flags(plan.flags_end)
     timeout = P.timeout_units(timeout_s or DEFAULT_TIMEOUT_S, a_shard.device.type)

@@ -12,6 +12,7 @@ scatters ``[M/W, N]`` rows) every rank times, in one rotation:
 * ``nccl``: the collective alone (``all_gather_into_tensor`` / ``reduce_scatter_tensor``);
 * ``nccl+cublas``: the sequential baseline;
 * ``symm_mem``: ``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``;
+* ``fused:auto``: the call with every choice left to the policy (path, design, measured options);
 * ``fused:<design>[/p<programs>][/l<lag>][/g<programs>][/s<splits>][/c<sm|ce>][/r<0|1>][/t<0|1>][/x<0|1>][/b<128|256>]``:
   tilefuse's fused designs (communication programs; gemm_rs push's tile order, program count,
   TMA loads of the partials and TMA stores of the pushed tiles; ag_gemm's copy-engine pieces,
@@ -101,6 +102,11 @@ def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
         if not item:
             continue
         design, *opts = item.split("/")
+        if design == "auto":  # the call as users make it: the policy picks path, design, options
+            if opts:
+                raise ValueError(f"variant {item!r}: auto takes no options (the policy sets them)")
+            out.append(("fused:auto", None, {}))
+            continue
         if design not in FUSED_DESIGNS[op]:
             raise ValueError(f"design {design!r}: {op} has {FUSED_DESIGNS[op]}")
         axes = []
@@ -264,7 +270,8 @@ class _Case:
                     a, [b], 0, self.group_name)[1][0]
             for name, design, opts in fused:
                 fns[name] = (lambda d=design, o=opts, nm=name: td.ag_gemm(
-                    a, b, out=self.out(nm), path="fused", design=d, timeout_s=self.args.timeout, **o))
+                    a, b, out=self.out(nm), path=None if d is None else "fused", design=d,
+                    timeout_s=self.args.timeout, **o))
         else:
             fns["nccl"] = lambda: dist.reduce_scatter_tensor(self.coll, self.prod)
 
@@ -280,7 +287,8 @@ class _Case:
                     a, b, "sum", 0, self.group_name)
             for name, design, opts in fused:
                 fns[name] = (lambda d=design, o=opts, nm=name: td.gemm_rs(
-                    a, b, out=self.out(nm), path="fused", design=d, timeout_s=self.args.timeout, **o))
+                    a, b, out=self.out(nm), path=None if d is None else "fused", design=d,
+                    timeout_s=self.args.timeout, **o))
         return fns
 
     def reference(self) -> torch.Tensor:
@@ -615,9 +623,9 @@ def summary_table(summaries: list[dict]) -> str:
 
 def policy_rows(result: dict, tie: float = 0.03) -> list[dict]:
     """Policy-table rows from a result file: per shape the winner among NCCL + cuBLAS and the
-    fused designs (each design's best program count). Another design displaces the op's
-    default design only when it is more than ``tie`` (a fraction) faster: closer than that is
-    within the run-to-run spread of the measurements."""
+    fused designs (each design's best variant). Another design displaces the op's default
+    design, and a variant with options its design's defaults, only when it is more than ``tie``
+    (a fraction) faster: closer than that is within the run-to-run spread of the measurements."""
     from tilefuse.dist.policy import DEFAULT_DESIGN
 
     if not 0 <= tie < 1:
@@ -626,7 +634,18 @@ def policy_rows(result: dict, tie: float = 0.03) -> list[dict]:
     timing = result.get("settings", {}).get("mode", "batch")
     for s in result.get("summary", []):
         fused = s.get("fused_us") or {}
-        cands = {name.replace("fused:", "").split("/")[0]: t for name, t in sorted(fused.items(), key=lambda x: -x[1])}
+        by_design: dict[str, dict[str, float]] = {}
+        for name, t in fused.items():
+            variant = name.replace("fused:", "")
+            if variant == "auto":  # the policy's own choice, not a design
+                continue
+            by_design.setdefault(variant.split("/")[0], {})[variant] = t
+        cands = {d: min(v.values()) for d, v in by_design.items()}
+        # each design's fastest variant; the bare design (the defaults) unless beaten by more than tie
+        variants = {}
+        for d, v in by_design.items():
+            best = min(v, key=v.get)
+            variants[d] = d if d in v and v[best] > (1 - tie) * v[d] else best
         if not cands and s.get("nccl+cublas_us") is None:
             continue
         best_design = min(cands, key=cands.get) if cands else None
@@ -639,6 +658,7 @@ def policy_rows(result: dict, tie: float = 0.03) -> list[dict]:
                      "dtype": {"bf16": "bfloat16", "fp16": "float16"}.get(s.get("dtype"), s.get("dtype")),
                      "timing": timing,
                      "winner": winner, "best_fused": best_design, "nccl+cublas_us": seq,
+                     "variant": variants.get(best_design),
                      "fused_us": {d: round(t, 2) for d, t in cands.items()}})
     return rows
 

@@ -346,9 +346,11 @@ def gemm_rs(
     if dec.path == "nccl":
         return _common.gemm_rs_nccl(a, b, out, g, b_layout, config)
     state = get_state(g, "gemm_rs", a.device)
-    plan = _make_plan_cached(dec.design, m, n, k, world, rank, a.dtype, a.device, config=config,
-                             comm_programs=comm_programs, lag=lag, gemm_programs=num_programs, recv_tma=recv_tma,
-                             send_tma=send_tma)
+    given = dict(config=config, comm_programs=comm_programs, lag=lag, num_programs=num_programs, recv_tma=recv_tma,
+                 send_tma=send_tma)
+    opts = _common.with_measured_options(given, dec.options)
+    opts["gemm_programs"] = opts.pop("num_programs")
+    plan = _make_plan_cached(dec.design, m, n, k, world, rank, a.dtype, a.device, **opts)
     ws = state.ensure(plan.nbytes)
     state.clear_flags(plan.flags_end)
     timeout = P.timeout_units(timeout_s or DEFAULT_TIMEOUT_S, a.device.type)

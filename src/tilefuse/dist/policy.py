@@ -8,7 +8,9 @@ is nearest in log2(M), log2(N), log2(K), and uses its winner. Rows carry the tim
 were measured in: ``graph`` (CUDA-graph replay, no host work per call) answers calls made
 while a CUDA graph is being captured, ``batch`` (back-to-back eager calls, host launch cost
 included) answers eager calls; the two differ at small M, where an eager fused call is bound
-by its launch path. Rules before the table:
+by its launch path. A row may also name the options of its winner's fastest variant (in the
+benchmark's syntax, e.g. ``push/p24/b128``); they apply to calls of exactly that shape, where
+the caller left them unset (``Decision.options``). Rules before the table:
 
 1. an explicit ``path=`` / ``design=`` argument, then :func:`override` / :func:`set_override`,
    then the environment (``TILEFUSE_DIST_PATH=fused|nccl``, ``TILEFUSE_DIST_DESIGN``);
@@ -23,6 +25,7 @@ by its launch path. Rules before the table:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -47,6 +50,7 @@ class Decision:
     design: str | None
     reason: str
     row: dict | None = field(default=None, compare=False)
+    options: dict = field(default_factory=dict, compare=False)  # measured options of this exact shape
 
 
 _override: dict[str, dict] = {}
@@ -194,7 +198,26 @@ def decide(
              f"({row.get('timing', 'batch')} timing)")
     if row["winner"] == "nccl":
         return Decision("nccl", None, f"{where}: NCCL + GEMM was faster", row)
+    variant = row.get("variant") or row["winner"]
+    exact = (row["m"], row["n"], row["k"], row["world"]) == (m, n, k, world)
+    if exact and variant != row["winner"]:
+        return Decision("fused", row["winner"], f"{where}: fused '{variant}' was fastest", row,
+                        variant_options(op, variant))
     return Decision("fused", row["winner"], f"{where}: fused '{row['winner']}' was fastest", row)
+
+
+@functools.lru_cache(maxsize=256)
+def _variant_options(op: str, variant: str) -> tuple:
+    from tilefuse.dist.bench import fused_variants
+
+    [(_, _, opts)] = fused_variants(op, variant)
+    return tuple(opts.items())
+
+
+def variant_options(op: str, variant: str) -> dict:
+    """The keyword options of a variant in the benchmark's syntax (``push/p24/b128`` ->
+    ``{"comm_programs": 24, "config": GemmConfig(128, 128, ...)}``)."""
+    return dict(_variant_options(op, variant))
 
 
 def _table_design(op, m, n, k, world, dtype, timing=None) -> str | None:
