@@ -146,23 +146,29 @@ def test_gemm_rs_reduces_in_rank_order():
         torch.testing.assert_close(outs[r].float(), acc.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
 
 
+def _assert_option_keeps_bits(option: str, world: int, mc: int, seed: int, what: str, **kw):
+    """gemm_rs with ``option=True`` gives the bits of ``option=False`` on every rank (and the
+    option is on in the plan), with the flags left clean."""
+    k, n = 32, 48
+    g = torch.Generator().manual_seed(seed)
+    a_list = [torch.randn(mc * world, k, generator=g).to(torch.bfloat16) for _ in range(world)]
+    b_list = [(torch.randn(k, n, generator=g) / k**0.5).to(torch.bfloat16) for _ in range(world)]
+    outs, wss, plans = emulate_gemm_rs(a_list, b_list, config=CFG, **{option: True}, **kw)
+    base, _, _ = emulate_gemm_rs(a_list, b_list, config=CFG, **{option: False}, **kw)
+    assert getattr(plans[0], option)
+    for r in range(world):
+        assert not outs[r].isnan().any(), f"rank {r}: unwritten output"
+        assert torch.equal(outs[r], base[r]), f"rank {r}: {what} changed the bits"
+    assert_clean(wss, 2 * world * plans[0].tiles_per_chunk)
+
+
 @pytest.mark.parametrize("world,design,mc,lag", [(2, "push", 48, 3), (3, "forward", 32, 0), (2, "push", 40, 0)])
 def test_gemm_rs_partials_by_tma(world, design, mc, lag):
     """The owner's partials loaded through the receive buffer's tensor descriptor: the same bits
     as per-thread loads (aligned chunks; mc = 40 is not a multiple of the 16-row tile, so the
     option falls back to per-thread loads there)."""
-    k, n = 32, 48
-    g = torch.Generator().manual_seed(300 + world)
-    a_list = [torch.randn(mc * world, k, generator=g).to(torch.bfloat16) for _ in range(world)]
-    b_list = [(torch.randn(k, n, generator=g) / k**0.5).to(torch.bfloat16) for _ in range(world)]
-    kw = dict(design=design, config=CFG, comm_programs=2, lag=lag)
-    outs, wss, plans = emulate_gemm_rs(a_list, b_list, recv_tma=True, **kw)
-    base, _, _ = emulate_gemm_rs(a_list, b_list, recv_tma=False, **kw)
-    assert plans[0].recv_tma
-    for r in range(world):
-        assert not outs[r].isnan().any(), f"rank {r}: unwritten output"
-        assert torch.equal(outs[r], base[r]), f"rank {r}: TMA loads changed the bits"
-    assert_clean(wss, 2 * world * plans[0].tiles_per_chunk)
+    _assert_option_keeps_bits("recv_tma", world, mc, 300 + world, "TMA loads", design=design, comm_programs=2,
+                              lag=lag)
 
 
 @pytest.mark.parametrize("mc,lag,recv_tma", [(48, 0, True), (48, 3, False), (40, 0, False)])
@@ -170,15 +176,5 @@ def test_gemm_rs_pushed_tiles_by_tma(mc, lag, recv_tma):
     """Peer-owned tiles stored into the peer's receive buffer through a tensor descriptor: the
     same bits as per-thread stores (mc = 40 is not a multiple of the 16-row tile: per-thread
     stores there, since a TMA store would run into the next sender's rows)."""
-    world, k, n = 2, 32, 48
-    g = torch.Generator().manual_seed(400 + mc + lag)
-    a_list = [torch.randn(mc * world, k, generator=g).to(torch.bfloat16) for _ in range(world)]
-    b_list = [(torch.randn(k, n, generator=g) / k**0.5).to(torch.bfloat16) for _ in range(world)]
-    kw = dict(design="push", config=CFG, lag=lag, recv_tma=recv_tma)
-    outs, wss, plans = emulate_gemm_rs(a_list, b_list, send_tma=True, **kw)
-    base, _, _ = emulate_gemm_rs(a_list, b_list, send_tma=False, **kw)
-    assert plans[0].send_tma
-    for r in range(world):
-        assert not outs[r].isnan().any(), f"rank {r}: unwritten output"
-        assert torch.equal(outs[r], base[r]), f"rank {r}: TMA stores changed the bits"
-    assert_clean(wss, 2 * world * plans[0].tiles_per_chunk)
+    _assert_option_keeps_bits("send_tma", 2, mc, 400 + mc + lag, "TMA stores", design="push", lag=lag,
+                              recv_tma=recv_tma)
