@@ -177,6 +177,8 @@ def test_trace_export(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text()) == doc
     slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert len(slices) == 8 and all(e["pid"] == 1 and e["cat"] == "gemm" for e in slices)
+    assert all({"head_us", "tail_us", "wait_us"} <= set(e["args"]) for e in slices)  # split of each tile
+    assert all(e["start_ns"] == e["split_ns"] == e["end_ns"] == 0 for e in evs)  # no clock here
     assert {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"} == {
         "gemm program 0", "gemm program 1", "gemm program 2"}
     assert tr.summary()["gemm"]["items"] == 8

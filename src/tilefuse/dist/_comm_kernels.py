@@ -95,7 +95,8 @@ def _ag_push_kernel(
             P.add_flag(P.peer_ptr(bases_ptr, dst_rank, flags_off, tl.int32) + rank * bands + b, 1)
         if TRACE:
             info = (dst_rank.to(tl.int64) << 40) | (b.to(tl.int64) << 20) | q
-            P.trace_event(trace_ptr, pid, ev, MAX_EVENTS, t_start, P.now_ns(USE_TIMER), wait_ns, info)
+            P.trace_event(trace_ptr, pid, ev, MAX_EVENTS, t_start, t_start + wait_ns, P.now_ns(USE_TIMER), wait_ns,
+                          info)
         ev += 1
     P.finish_program(ctl_ptr, P.CTL_DONE_COMM, P.CTL_GO_COMM, NUM_PROGRAMS,
                      P.as_ptr(ws_addr + flags_off, tl.int32), 0, 16)
@@ -142,6 +143,7 @@ def _rs_forward_kernel(
             P.set_flag(P.peer_ptr(bases_ptr, chunk, flags_off, tl.int32) + rank * tpc + tic, 1)
         if TRACE:
             info = (chunk.to(tl.int64) << 40) | (j.to(tl.int64) << 20) | col.to(tl.int64)
-            P.trace_event(trace_ptr, pid, ev, MAX_EVENTS, t_start, P.now_ns(USE_TIMER), t_waited - t_start, info)
+            P.trace_event(trace_ptr, pid, ev, MAX_EVENTS, t_start, t_waited, P.now_ns(USE_TIMER), t_waited - t_start,
+                          info)
         ev += 1
     P.finish_program(ctl_ptr, P.CTL_DONE_COMM, P.CTL_GO_COMM, NUM_PROGRAMS, part_flags, W * tpc, 1024)

@@ -237,6 +237,8 @@ def _persistent_gemm(
             acc = _mainloop(l_desc, j * BM, b_desc, col * BN, K, BM, BN, BK, B_KN)
         else:
             acc = _mainloop(a_desc, chunk * Mc + j * BM, b_desc, col * BN, K, BM, BN, BK, B_KN)
+        if TRACE:
+            t_main = P.now_ns(USE_TIMER)
 
         rows_valid = Mc - j * BM
         if EPI == EPI_LOCAL:
@@ -284,7 +286,7 @@ def _persistent_gemm(
                     _store_rows(out_ptr, j * BM, rows_valid, col * BN, N, acc.to(OUT_DTYPE), BM, BN)
         if TRACE:
             info = (chunk.to(tl.int64) << 40) | (j.to(tl.int64) << 20) | col.to(tl.int64)
-            P.trace_event(trace_ptr, pid, ev, MAX_EVENTS, t_start, P.now_ns(USE_TIMER), wait_ns, info)
+            P.trace_event(trace_ptr, pid, ev, MAX_EVENTS, t_start, t_main, P.now_ns(USE_TIMER), wait_ns, info)
         ev += 1
     if pend != 0:
         if SEND_TMA:

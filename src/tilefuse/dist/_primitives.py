@@ -46,7 +46,7 @@ ROLE_NAMES = {1: "barrier", 2: "gemm", 3: "go", 4: "push", 5: "forward"}
 # Spins between two looks at the clock and the abort word: each look costs two CTA barriers
 # and an L2 round trip that would otherwise delay noticing the flag.
 EXPIRY_EVERY = tl.constexpr(4)
-TRACE_FIELDS = 4  # per event: start ns, end ns, wait ns, info
+TRACE_FIELDS = 5  # per event: start ns, split ns, end ns, wait ns, info
 
 
 @triton.jit
@@ -225,15 +225,17 @@ def finish_program(ctl_ptr, done_idx, go_idx, num_programs, flags_ptr, n_flags, 
 
 
 @triton.jit
-def trace_event(trace_ptr, pid, idx, MAX_EVENTS: tl.constexpr, t_start, t_end, wait_ns, info):
-    """Record one event (start ns, end ns, ns spent waiting, info) of program ``pid``; events past
-    ``MAX_EVENTS`` in a program are dropped."""
+def trace_event(trace_ptr, pid, idx, MAX_EVENTS: tl.constexpr, t_start, t_split, t_end, wait_ns, info):
+    """Record one event of program ``pid``: start, split (a GEMM tile: its main loop done, the
+    epilogue next; a copied item: its waits done, the copy next) and end ns, ns spent waiting,
+    info. Events past ``MAX_EVENTS`` in a program are dropped."""
     if idx < MAX_EVENTS:
-        base = trace_ptr + (pid * MAX_EVENTS + idx) * 4
+        base = trace_ptr + (pid * MAX_EVENTS + idx) * TRACE_FIELDS
         tl.store(base + 0, t_start)
-        tl.store(base + 1, t_end)
-        tl.store(base + 2, wait_ns.to(tl.int64))
-        tl.store(base + 3, info.to(tl.int64))
+        tl.store(base + 1, t_split)
+        tl.store(base + 2, t_end)
+        tl.store(base + 3, wait_ns.to(tl.int64))
+        tl.store(base + 4, info.to(tl.int64))
 
 
 def use_timer(device_type: str) -> bool:

@@ -1,8 +1,10 @@
 """Activity traces of the fused TP kernels, exported as Chrome / Perfetto trace JSON.
 
 Pass ``trace=Trace()`` to ``ag_gemm`` / ``gemm_rs``: every program of every kernel of the call
-records, per work item (a GEMM tile, a pushed band piece, a forwarded tile), its start and end
-``%globaltimer`` (ns) and the time it spent in bounded waits. After the call, ``events()``
+records, per work item (a GEMM tile, a pushed band piece, a forwarded tile), its start, split
+and end ``%globaltimer`` (ns) and the time it spent in bounded waits. The split parts a GEMM
+tile into its head (waits for rows, main loop) and its tail (epilogue: stores, pushes, the
+owner's reduction), and a copied item into its waits and the copy. After the call, ``events()``
 decodes them and ``to_chrome()`` writes a file that ui.perfetto.dev or chrome://tracing opens:
 one process per rank, one thread per (role, program). Under the interpreter the clock reads 0:
 the structure (which program did which item, in which order) is still exact.
@@ -24,7 +26,7 @@ _ROLE_ITEM = {"gemm": "tile", "push": "band", "forward": "tile"}
 class _Launch:
     role: str
     rank: int
-    buf: torch.Tensor  # int64 [programs, max_events, 4]
+    buf: torch.Tensor  # int64 [programs, max_events, TRACE_FIELDS]
 
 
 @dataclass
@@ -48,13 +50,14 @@ class Trace:
 
     def events(self) -> list[dict]:
         """Decoded events (synchronizes with the device): role, rank, program, index in the
-        program's sequence, start/end ns, wait ns, and the item (chunk/row/col or peer/band/piece)."""
+        program's sequence, start/split/end ns, wait ns, and the item (chunk/row/col or
+        peer/band/piece)."""
         out = []
         for launch_id, la in enumerate(self.launches):
             data = la.buf.cpu()
             for prog in range(data.shape[0]):
                 for idx in range(data.shape[1]):
-                    start, end, wait, info = (int(x) for x in data[prog, idx])
+                    start, split, end, wait, info = (int(x) for x in data[prog, idx])
                     if info < 0:
                         continue
                     a, b_, c = info >> 40, (info >> 20) & 0xFFFFF, info & 0xFFFFF
@@ -64,7 +67,8 @@ class Trace:
                         else {"peer": a, "band": b_, "piece": c}
                     )
                     out.append({"role": la.role, "rank": la.rank, "launch": launch_id, "program": prog,
-                                "seq": idx, "start_ns": start, "end_ns": end, "wait_ns": wait, **item})
+                                "seq": idx, "start_ns": start, "split_ns": split, "end_ns": end, "wait_ns": wait,
+                                **item})
         return out
 
     def to_chrome(self, path: str | None = None) -> dict:
@@ -102,8 +106,10 @@ def chrome_trace(events: list[dict], path: str | None = None) -> dict:
             name = f"{kind} {e['band']}.{e['piece']} -> rank {e['peer']}"
         else:
             name = f"{kind} c{e['chunk']} m{e['tile_row']} n{e['tile_col']}"
-        args = {k: v for k, v in e.items() if k not in ("start_ns", "end_ns")}
+        args = {k: v for k, v in e.items() if k not in ("start_ns", "split_ns", "end_ns")}
         args["wait_us"] = e["wait_ns"] / 1000.0
+        args["head_us"] = (e["split_ns"] - e["start_ns"]) / 1000.0  # waits + main loop / waits
+        args["tail_us"] = (e["end_ns"] - e["split_ns"]) / 1000.0  # epilogue / the copy
         trace_events.append({"ph": "X", "name": name, "cat": e["role"], "pid": e["rank"], "tid": tid,
                              "ts": (e["start_ns"] - t0) / 1000.0,
                              "dur": max(0.0, (e["end_ns"] - e["start_ns"]) / 1000.0), "args": args})
