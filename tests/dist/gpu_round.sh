@@ -29,10 +29,10 @@ for step in $STEPS; do
     checks) run checks "${CHECKS_S:-150}" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
             tests/dist/gpu_checks.py ${CHECKS_ARGS:-} ;;
     bench-ag) run bench-ag "${BENCH_S:-110}" python3 -m tilefuse.dist.bench ag-gemm --shapes "${AG_SHAPES:-seed,llm}" \
-            --designs "${AG_DESIGNS:-ce,push/p16+32}" --json "$OUT/ag_gemm.json" --trace "$OUT" \
+            --designs "${AG_DESIGNS:-auto,ce,push}" --json "$OUT/ag_gemm.json" --trace "$OUT" \
             --trace-shapes "${AG_TRACE:-8192x1024x8192}" "${BENCH[@]}" ;;
     bench-rs) run bench-rs "${BENCH_S:-110}" python3 -m tilefuse.dist.bench gemm-rs --shapes "${RS_SHAPES:-seed,llm}" \
-            --designs "${RS_DESIGNS:-push,forward/p16+32}" --json "$OUT/gemm_rs.json" --trace "$OUT" \
+            --designs "${RS_DESIGNS:-auto,push,forward}" --json "$OUT/gemm_rs.json" --trace "$OUT" \
             --trace-shapes "${RS_TRACE:-8192x8192x1024}" "${BENCH[@]}" ;;
     *) echo "unknown step $step" | tee -a "$LOG" ;;
     esac

@@ -384,8 +384,8 @@ def _trace(case: _Case, fused, path: Path) -> str | None:
     fn = tdist.ag_gemm if case.op == "ag_gemm" else tdist.gemm_rs
 
     def call(trace):
-        fn(case.a, case.b, out=case.out(name), path="fused", design=design, trace=trace,
-           timeout_s=case.args.timeout, **opts)
+        fn(case.a, case.b, out=case.out(name), path=None if design is None else "fused", design=design,
+           trace=trace, timeout_s=case.args.timeout, **opts)
 
     tr = Trace()
     if case.args.mode == "graph":
