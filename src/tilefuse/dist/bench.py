@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from tilefuse.dist.policy import fused_variants
+
 OPS = {"ag-gemm": "ag_gemm", "gemm-rs": "gemm_rs"}
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SEED_SIZES = (4096, 8192, 16384, 32768)
@@ -79,61 +81,6 @@ def shapes(op: str, spec: str) -> list[tuple[int, int, int, str]]:
     for m, n, k, fam in out:  # a shape listed twice is timed once (row keys must be unique)
         unique.setdefault((m, n, k), fam)
     return [(m, n, k, fam) for (m, n, k), fam in unique.items()]
-
-
-def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
-    """``(name, design, options)`` from ``design[/p16+32][/l0+66][/g132][/s4][/csm+ce][/r0+1][/t0+1][/x0+1][/b128+256]``
-    items, e.g. ``ce,push/p16+32``: ``p`` sets ``comm_programs``, ``l`` gemm_rs's ``lag``, ``g``
-    gemm_rs's ``num_programs``, ``s`` ag_gemm's ``splits``, ``c`` ag_gemm push's ``local_copy``,
-    ``t`` gemm_rs's ``recv_tma`` (0 / 1), ``x`` gemm_rs's ``send_tma`` (0 / 1), ``r`` ag_gemm's
-    ``read_local`` (0 / 1), ``b`` the GEMM tile (128x128 / 5 stages or 128x256 /
-    3 stages, as ``default_config`` builds them); one variant per combination."""
-    import itertools
-
-    from tilefuse.dist.policy import FUSED_DESIGNS
-
-    keys = {"p": "comm_programs", "l": "lag", "g": "num_programs", "s": "splits", "c": "local_copy",
-            "t": "recv_tma", "x": "send_tma", "r": "read_local", "b": "config"}
-    words = {"c": ("sm", "ce")}
-    flags = {"t", "x", "r"}  # 0 / 1 -> bool
-    out = []
-    for item in spec.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        design, *opts = item.split("/")
-        if design == "auto":  # the call as users make it: the policy picks path, design, options
-            if opts:
-                raise ValueError(f"variant {item!r}: auto takes no options (the policy sets them)")
-            out.append(("fused:auto", None, {}))
-            continue
-        if design not in FUSED_DESIGNS[op]:
-            raise ValueError(f"design {design!r}: {op} has {FUSED_DESIGNS[op]}")
-        axes = []
-        for opt in opts:
-            key, values = opt[:1], opt[1:].split("+")
-            ok = key in keys and all(v in words[key] if key in words else v.isdigit() for v in values)
-            if not ok:
-                raise ValueError(f"variant option {opt!r} in {item!r}: expected p, l, g, s, t, x, r or b and "
-                                 "<int>[+<int>...], or c and sm / ce")
-            if key in flags and not all(v in ("0", "1") for v in values):
-                raise ValueError(f"variant option {opt!r} in {item!r}: {key} takes 0 or 1")
-            if key == "b" and not all(v in ("128", "256") for v in values):
-                raise ValueError(f"variant option {opt!r} in {item!r}: b takes 128 or 256 (the GEMM tile's N)")
-            axes.append([(key, v if key in words else int(v)) for v in values])
-        for combo in itertools.product(*axes):
-            name = "fused:" + "/".join([design] + [f"{k}{v}" for k, v in combo])
-            out.append((name, design, {keys[k]: _variant_value(k, v, flags) for k, v in combo}))
-    return out
-
-
-def _variant_value(key: str, value, flags: set):
-    """A variant option's value: ``b<N>`` is one of the two tiles of ``default_config``."""
-    if key == "b":
-        from tilefuse.dist._gemm_core import GemmConfig
-
-        return GemmConfig(128, 256, 64, 8, 3, 8) if value == 256 else GemmConfig(128, 128, 64, 8, 5, 8)
-    return bool(value) if key in flags else value
 
 
 def build_parser() -> argparse.ArgumentParser:
