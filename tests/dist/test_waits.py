@@ -133,7 +133,7 @@ def test_no_store_into_a_peer_after_a_failed_start_barrier():
     b = torch.randn(k, n, generator=g).to(torch.bfloat16)
     dev = torch.device("cpu")
     timeout = P.timeout_units(1.0, "cpu", 20)
-    for local in ("sm", "ce"):
+    for local in (None, "sm", "ce"):  # None: nothing stages the own rows (read_local)
         plan = ag.make_plan("push", mc * world, n, k, world, 0, torch.bfloat16, dev, config=CFG, comm_programs=2,
                             num_programs=4, local_copy=local)
         wss = emulated_workspaces(world, plan.nbytes)

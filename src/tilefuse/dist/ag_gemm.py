@@ -158,10 +158,6 @@ def make_plan(
     sched = TileSchedule(mc, n, world, cfg.block_m, cfg.block_n, cfg.group_m,
                          tuple(chunk_order("arrival", rank, world)))
     tm = sched.tile_rows_per_chunk
-    gemm_sms = sms - 1 if design == "ce" else sms - (32 if comm_programs is None else comm_programs)
-    if read_local is None:
-        read_local = (design == "ce" or local_copy is None) and default_read_local(
-            sched.tiles_per_chunk, max(1, gemm_sms))
     item = torch.empty((), dtype=dtype).element_size()
     sp = 4 if splits is None else splits  # ce: bands per chunk; push: copy-engine staging pieces
     if sp < 1:
@@ -169,7 +165,6 @@ def make_plan(
     if design == "ce":
         band_tiles = cdiv(tm, min(sp, tm))
         pieces, pcols, comm = 1, k, 0
-        local, local_splits = "ce", cdiv(tm, band_tiles)
         # One SM stays free for the barrier kernels of the side stream: a GEMM holding every SM
         # while it waits for rows that only arrive after a barrier would deadlock.
         gemm_programs = sms - 1
@@ -183,6 +178,12 @@ def make_plan(
             raise ValueError(f"piece_cols must be >= 1, got {pcols}")
         pieces = cdiv(k, pcols)
         gemm_programs = sms - comm
+    if read_local is None:
+        read_local = (design == "ce" or local_copy is None) and default_read_local(
+            sched.tiles_per_chunk, max(1, gemm_programs))
+    if design == "ce":
+        local, local_splits = "ce", cdiv(tm, band_tiles)
+    else:
         local = "none" if read_local else local_copy or default_local_copy(mc, k, item)
         local_splits = min(sp, tm) if local == "ce" else 0
     bands = cdiv(tm, band_tiles)

@@ -217,8 +217,7 @@ class _Case:
                     a, [b], 0, self.group_name)[1][0]
             for name, design, opts in fused:
                 fns[name] = (lambda d=design, o=opts, nm=name: td.ag_gemm(
-                    a, b, out=self.out(nm), path=None if d is None else "fused", design=d,
-                    timeout_s=self.args.timeout, **o))
+                    a, b, out=self.out(nm), **_fused_call(d, o, self.args.timeout)))
         else:
             fns["nccl"] = lambda: dist.reduce_scatter_tensor(self.coll, self.prod)
 
@@ -234,8 +233,7 @@ class _Case:
                     a, b, "sum", 0, self.group_name)
             for name, design, opts in fused:
                 fns[name] = (lambda d=design, o=opts, nm=name: td.gemm_rs(
-                    a, b, out=self.out(nm), path=None if d is None else "fused", design=d,
-                    timeout_s=self.args.timeout, **o))
+                    a, b, out=self.out(nm), **_fused_call(d, o, self.args.timeout)))
         return fns
 
     def reference(self) -> torch.Tensor:
@@ -244,6 +242,12 @@ class _Case:
         if self.op == "ag_gemm":
             return ag_gemm_ref(self.a, self.b, self.group)
         return gemm_rs_ref(self.a, self.b, self.group)
+
+
+def _fused_call(design: str | None, opts: dict, timeout_s: float) -> dict:
+    """Keyword arguments of a fused variant's call; ``auto`` (design None) leaves the path, the
+    design and the options to the policy."""
+    return dict(path=None if design is None else "fused", design=design, timeout_s=timeout_s, **opts)
 
 
 def _agree(ok: bool) -> bool:
@@ -331,8 +335,7 @@ def _trace(case: _Case, fused, path: Path) -> str | None:
     fn = tdist.ag_gemm if case.op == "ag_gemm" else tdist.gemm_rs
 
     def call(trace):
-        fn(case.a, case.b, out=case.out(name), path=None if design is None else "fused", design=design,
-           trace=trace, timeout_s=case.args.timeout, **opts)
+        fn(case.a, case.b, out=case.out(name), trace=trace, **_fused_call(design, opts, case.args.timeout))
 
     tr = Trace()
     if case.args.mode == "graph":

@@ -274,9 +274,9 @@ def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
 def _variant_value(key: str, value, flags: set):
     """A variant option's value: ``b<N>`` is one of the two tiles of ``default_config``."""
     if key == "b":
-        from tilefuse.dist._gemm_core import GemmConfig
+        from tilefuse.dist._gemm_core import NARROW_TILE, WIDE_TILE
 
-        return GemmConfig(128, 256, 64, 8, 3, 8) if value == 256 else GemmConfig(128, 128, 64, 8, 5, 8)
+        return WIDE_TILE if value == 256 else NARROW_TILE
     return bool(value) if key in flags else value
 
 
