@@ -11,6 +11,7 @@ dequantised reference. This is the measurement behind ``default_config`` in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -59,7 +60,8 @@ def config_name(cfg: PrefillConfig) -> str:
     flags = [f for f, on in (("split", cfg.mx_split), ("km", cfg.keys_major), ("u2", cfg.head_unroll == 2),
                              ("via-fp8", cfg.fp4_via_fp8), ("clean-pass", cfg.clean_pass),
                              ("via-f16", cfg.mxfp8_via_f16), ("heads-on-n", cfg.heads_on_n),
-                             ("gluon", cfg.gluon)) if on]
+                             ("gluon", cfg.gluon), (f"refill{cfg.gluon_refill}", cfg.gluon_refill != 1),
+                             (f"abs{cfg.relu_via_abs}", cfg.relu_via_abs)) if on]
     return "/".join([f"{cfg.block_q}x{cfg.block_n}", f"w{cfg.num_warps}s{cfg.num_stages}", *flags])
 
 
@@ -100,10 +102,28 @@ def gluon_rows():
     yield {**base, "fmt": "mxfp8"}, MXF16_CONFIGS[:1] + [C(64, 128, 4, 4, mxfp8_via_f16=True, gluon=True)]
 
 
+def abs_rows():
+    """The head sum through |s| (``relu_via_abs``: one FMA per score, the linear half as 2 or 3
+    extra MMAs per tile) against the H200 defaults, on the target rows."""
+    base = dict(s_q=2048, s_k=32768, h=64, d=128, fmt="fp8", clean=True, logits=torch.float32)
+    gluon = C(64, 128, 4, 4, gluon=True, gluon_refill=2)
+    loops = [gluon] + [dataclasses.replace(gluon, relu_via_abs=p) for p in (2, 3)]
+    yield base, loops
+    yield {**base, "h": 32}, loops
+    yield {**base, "s_q": 128}, loops
+    yield {**base, "s_q": 8192, "s_k": 65536}, loops
+    yield {**base, "clean": False}, loops[:2]
+    fp4 = FP4_CONFIGS[0]
+    yield {**base, "fmt": "mxfp4"}, [fp4, dataclasses.replace(fp4, relu_via_abs=2)]
+
+
 def rows(quick: bool, row_set: str):
     base = dict(s_q=2048, s_k=32768, h=64, d=128, clean=True, logits=torch.float32)
     if row_set == "gluon":
         yield from gluon_rows()
+        return
+    if row_set == "abs":
+        yield from abs_rows()
         return
     if row_set == "small":
         for s_q, s_k in [(128, 32768), (16, 65536)]:
@@ -137,10 +157,10 @@ def main(argv=None):
     ap.add_argument("--output", default="prefill-sweep.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--samples", type=int, default=20)
-    ap.add_argument("--set", default="all", choices=("all", "schedules", "small", "h32", "gluon"),
+    ap.add_argument("--set", default="all", choices=("all", "schedules", "small", "h32", "gluon", "abs"),
                     help="rows: all; schedules (clean-logits schedule per format, clean on and off); small "
                          "(128/32768 and 16/65536 with the few-row tiles); h32 (H = 32 tiles); gluon (the "
-                         "Gluon head loop against the Triton loop)")
+                         "Gluon head loop against the Triton loop); abs (relu_via_abs against the defaults)")
     ap.add_argument("--formats", default="fp8,mxfp8,mxfp4", help="comma-separated formats to sweep")
     args = ap.parse_args(argv)
     record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": []}

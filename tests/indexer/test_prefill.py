@@ -39,6 +39,9 @@ VARIANTS = {  # name -> (format, config fields beyond the tile)
     "mxfp4-via-fp8-clean-pass": ("mxfp4", dict(fp4_via_fp8=True, clean_pass=True)),
     "mxfp8-via-f16": ("mxfp8", dict(mxfp8_via_f16=True)),
     "mxfp4-split": ("mxfp4", dict(mx_split=True)),
+    "fp8-abs2": ("fp8", dict(relu_via_abs=2)),
+    "fp8-abs3-unroll2": ("fp8", dict(relu_via_abs=3, head_unroll=2)),
+    "mxfp4-via-fp8-abs2": ("mxfp4", dict(fp4_via_fp8=True, relu_via_abs=2)),
 }
 BF16_THRESHOLD = {"fp8": 1e-3, "mxfp8": 0.02, "mxfp4": 0.02}
 
@@ -142,16 +145,17 @@ def test_formats_and_windows(variant, windows, poisoned):
 
 @pytest.mark.parametrize("h", [4, 8, 32, 64])
 @pytest.mark.parametrize("d", [32, 64, 128])
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4", "fp8-abs2"])
 def test_heads_and_head_dims(h, d, fmt):
+    fmt, fields = VARIANTS[fmt]
     if fmt == "mxfp4" and d == 32:
         pytest.skip("FP4 supports D in {64, 128}")
-    if fmt != "fp8" and h in (4, 32) and not ON_GPU:
-        pytest.skip("interpreter time: MX covered at H in {8, 64}")
+    if (fmt != "fp8" or fields) and h in (4, 32) and not ON_GPU:
+        pytest.skip("interpreter time: MX and relu_via_abs covered at H in {8, 64}")
     s_q, s_k = shapes((16, 96), (256, 4096))
     q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=h * 1000 + d)
     ks, ke = W.causal_tail(s_q, s_k, device=DEVICE)
-    check_logits(run(qq, kk, w, ks, ke), qq, kk, q, k, w, ks, ke, fmt)
+    check_logits(run(qq, kk, w, ks, ke, config=dataclasses.replace(SMALL, **fields)), qq, kk, q, k, w, ks, ke, fmt)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
@@ -273,9 +277,11 @@ def test_one_query_row_and_all_empty_rows(fmt, poisoned):
     assert torch.isneginf(out).all()
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4", "fp8-abs2"])
 def test_all_zero_inputs_with_unit_scales(fmt, poisoned):
-    """Zeros everywhere: logits are exactly 0 inside the windows and -inf outside."""
+    """Zeros everywhere: logits are exactly 0 inside the windows and -inf outside (with
+    relu_via_abs too: the all-zero row takes the scale 1, not an infinite one)."""
+    fmt, fields = VARIANTS[fmt]
     s_q, s_k, h, d = 16, 100, 8, 64
     if fmt == "fp8":
         qq = (torch.zeros(s_q, h, d, device=DEVICE).to(F.FP8_DTYPE), None)
@@ -291,13 +297,35 @@ def test_all_zero_inputs_with_unit_scales(fmt, poisoned):
         kk = (kv, torch.full((s_k,), one, dtype=torch.int32, device=DEVICE))
     w = torch.randn(s_q, h, device=DEVICE)
     ks, ke = W.causal_tail(s_q, s_k, device=DEVICE)
-    out = run(qq, kk, w, ks, ke)
+    out = run(qq, kk, w, ks, ke, config=dataclasses.replace(SMALL, **fields))
     mask = R.window_mask(ks, ke, s_k)
     assert torch.equal(torch.isneginf(out), ~mask)
     assert (out[mask] == 0).all()
 
 
-@pytest.mark.parametrize("variant", ["fp8", "fp8-keys-major", "mxfp8-split", "mxfp4"])
+def test_linear_term_parts_sum_to_the_weighted_query_row():
+    """relu_via_abs's linear half: per row, c is a power of two putting max |sum_h w q| in
+    [128, 256), the E4M3 parts sum to (sum_h w q) / c within 2^-4 per part of the row's
+    largest value, w / c and c / 2 are exact; an all-zero row takes c = 1."""
+    s_q, h, d = 37, 8, 64
+    _, _, w, qq, _ = make_inputs(s_q, 8, h, d, "fp8", seed=12)
+    q = qq[0].clone()
+    q[3] = 0
+    w = w * torch.logspace(-6, 6, s_q, device=DEVICE)[:, None]  # rows over twelve decades
+    qc = (q.float() * w[:, :, None]).sum(1)
+    for n in (1, 2, 3):
+        lin, w_scaled, half = prefill.linear_term_parts(q, w, n)
+        c = 2 * half
+        assert torch.equal(torch.frexp(c).mantissa, torch.full_like(c, 0.5)), "c is not a power of two"
+        assert c[3] == 1 and torch.equal(w_scaled, w / c[:, None])
+        biggest = (qc.abs().amax(1) / c)[torch.arange(s_q) != 3]
+        assert ((biggest >= 128) & (biggest < 256)).all()
+        parts = lin.view(s_q, n, d).float().sum(1)
+        err = (parts - qc / c[:, None]).abs().amax(1)
+        assert (err <= 256 * 2.0 ** (-4 * n)).all(), (n, err.max())
+
+
+@pytest.mark.parametrize("variant", ["fp8", "fp8-keys-major", "mxfp8-split", "mxfp4", "fp8-abs2"])
 def test_bitwise_reruns_and_schedule_meta(variant):
     fmt, fields = VARIANTS[variant]
     s_q, s_k = shapes((16, 64), (2048, 32768))
@@ -572,6 +600,49 @@ def test_gluon_head_loop_at_few_heads(h, num_buf, poisoned):
     ref = run(qq, kk, w, ks, ke, config=base)
     out = run(qq, kk, w, ks, ke, config=dataclasses.replace(base, gluon=True))
     assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon head loop runs on Hopper only")
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("layout", ["clean", "raw", "compressed", "bf16"])
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("windows", ["random", "zigzag"])
+def test_gluon_relu_via_abs_is_bitwise_the_triton_kernel(fmt, layout, parts, windows, poisoned):
+    """relu_via_abs in both head loops (the linear term's MMAs first, then |s| * w / c per head):
+    the same bits, with the checks of the dequantised reference on top."""
+    s_q, s_k, h = 1000, 9000, 64
+    q, k, w, qq, kk = make_inputs(s_q, s_k, h, 128, fmt, seed=53)
+    if windows == "random":
+        ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(5), empty_fraction=0.1,
+                                  overhang=9, device=DEVICE)
+    else:
+        ks, ke = W.zigzag(s_q, s_k, device=DEVICE)
+    max_seqlen_k = 4096 if layout == "compressed" else 0
+    logits_dtype = torch.bfloat16 if layout == "bf16" else torch.float32
+    kwargs = dict(clean_logits=layout != "raw", max_seqlen_k=max_seqlen_k, logits_dtype=logits_dtype)
+    if layout == "compressed":
+        ke = torch.minimum(ke, ks + 4096)
+    base = prefill.PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon_refill=2,
+                                 fp4_via_fp8=fmt == "mxfp4", relu_via_abs=parts)
+    ref = run(qq, kk, w, ks, ke, config=base, **kwargs)
+    out = run(qq, kk, w, ks, ke, config=dataclasses.replace(base, gluon=True), **kwargs)
+    assert torch.equal(out.view(torch.int16 if layout == "bf16" else torch.int32),
+                       ref.view(torch.int16 if layout == "bf16" else torch.int32))
+    check_logits(out, qq, kk, q, k, w, ks, ke, fmt, clean=layout != "raw", max_seqlen_k=max_seqlen_k,
+                 logits_dtype=logits_dtype)
+
+
+def test_relu_via_abs_rejects_what_it_cannot_run():
+    _, _, w, qq, kk = make_inputs(16, 64, 8, 64, "fp8", seed=1)
+    ks, ke = W.causal_tail(16, 64, device=DEVICE)
+    for cfg in (dataclasses.replace(SMALL, relu_via_abs=4), dataclasses.replace(SMALL, relu_via_abs=2, keys_major=True),
+                dataclasses.replace(SMALL, relu_via_abs=2, heads_on_n=True)):
+        with pytest.raises(ValueError, match="relu_via_abs"):
+            run(qq, kk, w, ks, ke, config=cfg)
+    for fmt, fields in (("mxfp8", {}), ("mxfp4", {}), ("mxfp4", dict(fp4_via_fp8=True, mx_split=True))):
+        _, _, w, qq, kk = make_inputs(16, 64, 8, 64, fmt, seed=1)
+        with pytest.raises(ValueError, match="relu_via_abs"):
+            run(qq, kk, w, ks, ke, config=dataclasses.replace(SMALL, relu_via_abs=2, **fields))
 
 
 def test_gluon_rejects_tiles_it_cannot_run():

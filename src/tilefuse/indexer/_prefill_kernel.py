@@ -106,11 +106,17 @@ def _score(q, k, KEYS_MAJOR: tl.constexpr):
 
 
 @triton.jit
-def _add_relu_weighted(acc, s, w, KEYS_MAJOR: tl.constexpr):
-    if KEYS_MAJOR:
-        acc += tl.maximum(s, 0.0) * w[None, :]
+def _add_relu_weighted(acc, s, w, KEYS_MAJOR: tl.constexpr, ABS: tl.constexpr = False):
+    """acc += relu(s) * w, or acc += |s| * w (one FMA with an operand modifier) when the
+    linear half of relu(s) = (s + |s|) / 2 is in acc already (``relu_via_abs``)."""
+    if ABS:
+        r = tl.abs(s)
     else:
-        acc += tl.maximum(s, 0.0) * w[:, None]
+        r = tl.maximum(s, 0.0)
+    if KEYS_MAJOR:
+        acc += r * w[None, :]
+    else:
+        acc += r * w[:, None]
     return acc
 
 
@@ -142,6 +148,7 @@ def prefill_logits_kernel(
     CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_MAJOR: tl.constexpr, HEAD_UNROLL: tl.constexpr,
     fix_q_ptr=None, fix_k_ptr=None, FIXUP: tl.constexpr = False,
+    lin_desc=None, half_scale_ptr=None, LIN_PARTS: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_q = tl.program_id(1)
@@ -182,6 +189,10 @@ def prefill_logits_kernel(
             k = k_desc.load([n0, 0])
         else:
             k = _dequant_tile(k_desc.load([n0, 0]), k_sf, BLOCK_N, D, FMT)
+        # relu_via_abs (FP8, query rows on the MMA's M side): acc starts as the linear term
+        # parts . k (the launcher checks the layout), the heads add |s| * w / c.
+        for p in tl.static_range(LIN_PARTS):
+            acc = tl.dot(lin_desc.load([q0, p * D]), tl.trans(k), acc)
         # Two heads per step let the second head's MMA run while the first one's ReLU*w runs.
         for h in range(0, H, HEAD_UNROLL):
             s0 = _score(_q_operand(q_desc, q0, h, qsf_rows, row_ok, D, FMT, BLOCK_Q), k, KEYS_MAJOR)
@@ -189,14 +200,16 @@ def prefill_logits_kernel(
             if HEAD_UNROLL == 2:
                 s1 = _score(_q_operand(q_desc, q0, h + 1, qsf_rows, row_ok, D, FMT, BLOCK_Q), k, KEYS_MAJOR)
                 w1 = tl.load(w_rows + h + 1, mask=row_ok, other=0.0).to(tl.float32)
-                acc = _add_relu_weighted(acc, s0, w0, KEYS_MAJOR)
-                acc = _add_relu_weighted(acc, s1, w1, KEYS_MAJOR)
+                acc = _add_relu_weighted(acc, s0, w0, KEYS_MAJOR, LIN_PARTS > 0)
+                acc = _add_relu_weighted(acc, s1, w1, KEYS_MAJOR, LIN_PARTS > 0)
             else:
-                acc = _add_relu_weighted(acc, s0, w0, KEYS_MAJOR)
+                acc = _add_relu_weighted(acc, s0, w0, KEYS_MAJOR, LIN_PARTS > 0)
         if KEYS_MAJOR:
             acc = tl.trans(acc)
         if FMT == 0:
             acc = acc * k_sf[None, :]
+        if LIN_PARTS > 0:
+            acc = acc * tl.load(half_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
     else:
         NB: tl.constexpr = D // 32
         CQ: tl.constexpr = 16 if FMT == 2 else 32
@@ -331,3 +344,36 @@ def mx_rows_renormalise_kernel(src_ptr, sf_ptr, dst_ptr, row_exp_ptr, row_spread
              vals.to(dst_ptr.dtype.element_ty), mask=ok[:, None])
     tl.store(row_exp_ptr + rows, e_max, mask=ok)
     tl.store(row_spread_ptr + rows, e_max - e_min, mask=ok)
+
+
+@triton.jit
+def linear_term_parts_kernel(q_ptr, stride_q, w_ptr, stride_w, parts_ptr, w_out_ptr, half_scale_ptr,
+                             H: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr):
+    """The linear term of ``relu(s) = (s + |s|) / 2`` for one FP8 query row (``relu_via_abs``).
+
+    ``qc = sum_h w[h] * q[h]`` in fp32 (so ``sum_h w_h s_h = qc . k``), a power of two ``c`` that
+    brings ``max |qc|`` into [128, 256), and ``PARTS`` E4M3 vectors whose sum approximates
+    ``qc / c`` (each part rounds what the earlier ones left: ~4 more bits each). Writes the parts
+    ``[PARTS * D]``, ``w / c`` (fp32) and ``c / 2``: the logits kernel then sums
+    ``parts . k + sum_h (w_h / c) |s_h|`` and scales by ``c / 2``. ``c`` stays within 2^+-100
+    (an all-zero row takes c = 1), so ``w / c`` stays finite for |w| < 2^27. One program per
+    row: the row's [H, D] queries are one load, not a chain of H dependent ones.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HEADS_P)
+    d = tl.arange(0, D)
+    w = tl.load(w_ptr + row * stride_w + h, mask=h < H, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + row * stride_q + h[:, None] * D + d[None, :], mask=(h < H)[:, None], other=0.0)
+    qc = tl.sum(q.to(tl.float32) * w[:, None], axis=0)
+    biggest = tl.max(tl.abs(qc), axis=0)
+    e = (biggest.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e_c = tl.where(biggest > 0, tl.minimum(tl.maximum(e - 7, 27), 227), 127)
+    c = (e_c << 23).to(tl.float32, bitcast=True)
+    inv_c = ((254 - e_c) << 23).to(tl.float32, bitcast=True)
+    rest = qc * inv_c
+    for p in tl.static_range(PARTS):
+        part = tl.minimum(tl.maximum(rest, -448.0), 448.0).to(tl.float8e4nv)
+        tl.store(parts_ptr + row * (PARTS * D) + p * D + d, part)
+        rest = rest - part.to(tl.float32)
+    tl.store(w_out_ptr + row * H + h, w * inv_c, mask=h < H)
+    tl.store(half_scale_ptr + row, c * 0.5)

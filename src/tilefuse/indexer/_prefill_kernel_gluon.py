@@ -51,10 +51,13 @@ def _issue(q_desc, q_smem, q_bars, k_t, s, head, NUM_BUF: gl.constexpr, ABLATE: 
 
 
 @gluon.jit
-def _apply(acc, s, w, ABLATE: gl.constexpr):
-    """acc += relu(s) * w per row."""
+def _apply(acc, s, w, ABLATE: gl.constexpr, ABS: gl.constexpr):
+    """acc += relu(s) * w per row; with ``ABS`` (``relu_via_abs``: the linear half of
+    relu(s) = (s + |s|) / 2 is in acc already) acc += |s| * w, one FMA per score."""
     if ABLATE == 1:
         acc += s
+    elif ABS:
+        acc += gl.abs(s) * w[:, None]
     else:
         acc += gl.maximum(s, 0.0) * w[:, None]
     return acc
@@ -75,7 +78,7 @@ def _refill(q_desc, q_smem, q_bars, head, q0, H: gl.constexpr, D: gl.constexpr, 
 @gluon.jit
 def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr, D: gl.constexpr,
                NUM_BUF: gl.constexpr, ABLATE: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
-               mma: gl.constexpr, REFILL_EVERY: gl.constexpr = 1):
+               mma: gl.constexpr, REFILL_EVERY: gl.constexpr = 1, lin_smem=None, LIN_PARTS: gl.constexpr = 0):
     """sum_h relu(q_h . k) * w_h for one tile, heads in order (the ring already holds requests
     for heads 0 .. NUM_BUF - 1).
 
@@ -85,19 +88,27 @@ def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr,
     whose scores were just consumed (use_acc=False), and the loop is unrolled by two, so no
     accumulator is copied or redefined while an MMA runs (either makes ptxas serialise every
     wgmma: NOTES, round 6). ``REFILL_EVERY`` 2 refills the ring two buffers at a time, after
-    every second head (one set of CTA barriers around the TMA issue per two heads)."""
+    every second head (one set of CTA barriers around the TMA issue per two heads).
+    ``LIN_PARTS`` > 0: acc starts as the linear term, ``LIN_PARTS`` accumulating MMAs of the
+    parts in ``lin_smem`` issued with head 0's, and each head adds |s| * w."""
+    ABS: gl.constexpr = LIN_PARTS > 0
     acc = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
+    for p in gl.static_range(LIN_PARTS):
+        acc = warpgroup_mma(lin_smem.index(p), k_t, acc, use_acc=p > 0, is_async=True)
     s0 = _issue(q_desc, q_smem, q_bars, k_t, gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma), 0, NUM_BUF,
                 ABLATE)
     s1 = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
     w0 = gl.load(w_rows, mask=row_ok, other=0.0).to(gl.float32)
     w1 = gl.load(w_rows + 1, mask=row_ok, other=0.0).to(gl.float32)
-    s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
+    if LIN_PARTS > 0:
+        s0, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s0, acc))
+    else:
+        s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
     if REFILL_EVERY == 1:
         _refill(q_desc, q_smem, q_bars, 0, q0, H, D, NUM_BUF, ABLATE)
     for h in range(0, H - 2, 2):
         s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, h + 1, NUM_BUF, ABLATE)
-        acc = _apply(acc, s0, w0, ABLATE)
+        acc = _apply(acc, s0, w0, ABLATE, ABS)
         w0 = gl.load(w_rows + h + 2, mask=row_ok, other=0.0).to(gl.float32)
         s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
         if REFILL_EVERY == 1:
@@ -106,17 +117,17 @@ def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr,
             _refill(q_desc, q_smem, q_bars, h, q0, H, D, NUM_BUF, ABLATE)
             _refill(q_desc, q_smem, q_bars, h + 1, q0, H, D, NUM_BUF, ABLATE)
         s0 = _issue(q_desc, q_smem, q_bars, k_t, s0, h + 2, NUM_BUF, ABLATE)
-        acc = _apply(acc, s1, w1, ABLATE)
+        acc = _apply(acc, s1, w1, ABLATE, ABS)
         w1 = gl.load(w_rows + h + 3, mask=row_ok, other=0.0).to(gl.float32)
         s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
         if REFILL_EVERY == 1:
             _refill(q_desc, q_smem, q_bars, h + 2, q0, H, D, NUM_BUF, ABLATE)
     s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, H - 1, NUM_BUF, ABLATE)
-    acc = _apply(acc, s0, w0, ABLATE)
+    acc = _apply(acc, s0, w0, ABLATE, ABS)
     s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
     if REFILL_EVERY == 1:
         _refill(q_desc, q_smem, q_bars, H - 1, q0, H, D, NUM_BUF, ABLATE)
-    return _apply(acc, s1, w1, ABLATE)
+    return _apply(acc, s1, w1, ABLATE, ABS)
 
 
 @gluon.jit
@@ -179,6 +190,7 @@ def prefill_logits_gluon_kernel(
     S_q, S_k,
     H: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr, NUM_BUF: gl.constexpr,
     num_warps: gl.constexpr, ABLATE: gl.constexpr = 0, REFILL_EVERY: gl.constexpr = 1,
+    lin_desc=None, half_scale_ptr=None, LIN_PARTS: gl.constexpr = 0,
 ):
     BLOCK_Q: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
@@ -209,7 +221,14 @@ def prefill_logits_gluon_kernel(
         mbarrier.init(k_bar, count=1)
         for i in gl.static_range(NUM_BUF):
             mbarrier.init(q_bars.index(i), count=1)
-        mbarrier.expect(k_bar, k_desc.block_type.nbytes)
+        if LIN_PARTS > 0:  # the linear term's parts arrive with the key tile
+            lin_smem = gl.allocate_shared_memory(lin_desc.dtype, [LIN_PARTS, BLOCK_Q, D], lin_desc.layout)
+            mbarrier.expect(k_bar, k_desc.block_type.nbytes + LIN_PARTS * lin_desc.block_type.nbytes)
+            for p in gl.static_range(LIN_PARTS):
+                tma.async_copy_global_to_shared(lin_desc, [q0, p * D], k_bar, lin_smem.index(p))
+        else:
+            lin_smem = q_smem  # unused
+            mbarrier.expect(k_bar, k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [n0, 0], k_bar, k_smem)
         _load_first_queries(q_desc, q_smem, q_bars, q0, D, NUM_BUF)
 
@@ -217,7 +236,7 @@ def prefill_logits_gluon_kernel(
         k_t = k_smem.permute((1, 0))
         mbarrier.wait(k_bar, phase=0)
         acc = _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H, D, NUM_BUF, ABLATE, BLOCK_Q, BLOCK_N,
-                         mma, REFILL_EVERY)
+                         mma, REFILL_EVERY, lin_smem, LIN_PARTS)
         mbarrier.invalidate(k_bar)
         for i in gl.static_range(NUM_BUF):
             mbarrier.invalidate(q_bars.index(i))
@@ -226,14 +245,19 @@ def prefill_logits_gluon_kernel(
         # loop keeps its registers for the three [64, 128] tiles.
         cols = n0 + gl.arange(0, BLOCK_N, layout=col_l)
         acc = acc * gl.load(k_scale_ptr + cols, mask=cols < S_k, other=0.0)[None, :]
+        if LIN_PARTS > 0:
+            acc = acc * gl.load(half_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
         _store_tile(acc, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, mma)
 
 
 def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, block_q: int, block_n: int,
-           num_warps: int, num_buf: int, ablate: int = 0, refill_every: int = 1):
+           num_warps: int, num_buf: int, ablate: int = 0, refill_every: int = 1, lin_parts=None,
+           half_scale=None):
     """q [S_q, H, D] and k [S_k, D] in E4M3 or f16, the rest as the Triton kernel takes them.
     ``refill_every``: query buffers refilled after every head (1) or two at a time (2, needs
-    num_buf >= 3). Returns the compiled kernel (registers, spills)."""
+    num_buf >= 3). ``lin_parts`` (E4M3 ``[S_q, P * D]``) and ``half_scale`` (fp32 ``[S_q]``):
+    the linear term of ``relu_via_abs`` from ``linear_term_parts_kernel``, whose ``w / c`` is
+    then ``weights``. Returns the compiled kernel (registers, spills)."""
     s_q, h, d = q.shape
     s_k = k.shape[0]
     if num_buf < 2 or num_buf > h:
@@ -251,8 +275,17 @@ def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, b
                               gl.NVMMASharedLayout.get_default_for(q_block, dt))
     k_desc = TensorDescriptor(k, [s_k, d], [k.stride(0), 1], k_block,
                               gl.NVMMASharedLayout.get_default_for(k_block, dt))
+    n_parts = 0 if lin_parts is None else lin_parts.shape[1] // d
+    if n_parts and (q.dtype != torch.float8_e4m3fn or lin_parts.dtype != q.dtype):
+        raise ValueError(f"gluon prefill: the linear-term parts run E4M3 queries only, got q {q.dtype}, "
+                         f"parts {lin_parts.dtype}")
+    lin_desc = q_desc
+    if n_parts:
+        lin_desc = TensorDescriptor(lin_parts, [s_q, n_parts * d], [lin_parts.stride(0), 1], q_block,
+                                    gl.NVMMASharedLayout.get_default_for(q_block, dt))
     grid = (triton.cdiv(s_k, block_n), triton.cdiv(s_q, block_q))
     return prefill_logits_gluon_kernel[grid](
         q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k,
         H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps, ABLATE=ablate,
-        REFILL_EVERY=refill_every)
+        REFILL_EVERY=refill_every, lin_desc=lin_desc, half_scale_ptr=half_scale if n_parts else k_scale,
+        LIN_PARTS=n_parts)

@@ -55,6 +55,12 @@ class PrefillConfig:
     warps beyond one per 16 rows split the keys. GPU-only (Gluon has no interpreter).
     ``gluon_refill``: the Gluon kernel refills its query ring after every head (1) or two
     buffers at a time (2, needs ``num_stages >= 3``: half the CTA barriers around the refills).
+    ``relu_via_abs`` (E4M3 operands on the 64-row tile: FP8, and MXFP4 on FP8 tensor cores;
+    0 = off) sums ``w * relu(s)`` as ``(sum_h w_h s_h + sum_h w_h |s_h|) / 2``: one FMA per score
+    (|s| is an operand modifier) instead of a max and an FMA. The linear half is one MMA per
+    part: ``sum_h w_h q_h`` per row in fp32, split into ``relu_via_abs`` E4M3 parts of ~4 bits
+    each (2 parts: calc_diff ~1e-7 against the dequantised reference, whose bound is 5e-6;
+    3 parts: ~1e-10). Weights must stay below 2^27 in magnitude.
     """
 
     block_q: int = 64
@@ -70,6 +76,7 @@ class PrefillConfig:
     heads_on_n: bool = False
     gluon: bool = False
     gluon_refill: int = 1
+    relu_via_abs: int = 0
 
 
 def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
@@ -144,6 +151,12 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
                          f"128, num_warps a multiple of block_q / 16 and num_stages >= 2, got {cfg}")
     if cfg.gluon_refill not in (1, 2) or (cfg.gluon_refill == 2 and cfg.num_stages < 3):
         raise ValueError(f"gluon_refill must be 1, or 2 with num_stages >= 3, got {cfg}")
+    if cfg.relu_via_abs not in (0, 1, 2, 3) or (cfg.relu_via_abs and (
+            cfg.keys_major or cfg.heads_on_n or cfg.mx_split or fmt == "mxfp8"
+            or (fmt == "mxfp4" and not cfg.fp4_via_fp8))):
+        raise ValueError("relu_via_abs (0-3 parts) runs E4M3 operands on the 2-D tile with query rows on the MMA's "
+                         f"M side (FP8, or MXFP4 with fp4_via_fp8; not keys_major, heads_on_n or mx_split), got "
+                         f"{cfg} for {fmt}")
     return cfg
 
 
@@ -297,6 +310,7 @@ def _mqa_logits(
     heads_on_n: bool,
     gluon: bool,
     gluon_refill: int,
+    relu_via_abs: int,
 ) -> torch.Tensor:
     fmt = format_of(q, q_sf)
     s_q, h, dq = q.shape
@@ -323,7 +337,7 @@ def _mqa_logits(
         _prefill_kernel_sm100.launch(q, q_sf, k, k_scale, weights, ks, ke, out, clean, compressed)
     else:
         cfg = PrefillConfig(block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll,
-                            fp4_via_fp8, clean_pass, mxfp8_via_f16, heads_on_n, gluon, gluon_refill)
+                            fp4_via_fp8, clean_pass, mxfp8_via_f16, heads_on_n, gluon, gluon_refill, relu_via_abs)
         if ((fmt == "mxfp4" and fp4_via_fp8) or (fmt == "mxfp8" and mxfp8_via_f16)) and not mx_split:
             _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, clean, compressed, d, cfg)
         else:
@@ -349,13 +363,17 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
             BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return
+    lin_parts = half_scale = None
+    if cfg.relu_via_abs and fmt == "fp8" and q.dtype == FP8_DTYPE and fix_q is None:
+        lin_parts, weights, half_scale = linear_term_parts(q, weights, cfg.relu_via_abs)
     if cfg.gluon and fmt == "fp8" and fix_q is None:
         if _dispatch.capability_major(q.device) != 9:
             raise ValueError("gluon: the Gluon prefill kernel runs on Hopper (sm_90) GPUs only")
         from tilefuse.indexer import _prefill_kernel_gluon
 
         _prefill_kernel_gluon.launch(q, k, k_scale, weights, ks, ke, out, clean, compressed, cfg.block_q,
-                                     cfg.block_n, cfg.num_warps, cfg.num_stages, refill_every=cfg.gluon_refill)
+                                     cfg.block_n, cfg.num_warps, cfg.num_stages, refill_every=cfg.gluon_refill,
+                                     lin_parts=lin_parts, half_scale=half_scale)
         return
     # With MX split, each load is one 32-element block (16 bytes of packed FP4).
     split = fmt != "fp8" and cfg.mx_split
@@ -376,8 +394,24 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
         BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, KEYS_MAJOR=cfg.keys_major and not split,
         HEAD_UNROLL=cfg.head_unroll,
         fix_q_ptr=fix_q, fix_k_ptr=fix_k, FIXUP=fix_q is not None,
+        lin_desc=None if lin_parts is None else TensorDescriptor(
+            lin_parts, list(lin_parts.shape), [lin_parts.stride(0), 1], [cfg.block_q, dq]),
+        half_scale_ptr=half_scale, LIN_PARTS=0 if lin_parts is None else cfg.relu_via_abs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def linear_term_parts(q: torch.Tensor, weights: torch.Tensor, parts: int):
+    """For ``relu_via_abs``: (E4M3 parts ``[S_q, parts * D]`` of ``sum_h w_h q_h / c``, fp32
+    ``w / c`` ``[S_q, H]``, fp32 ``c / 2`` ``[S_q]``) with ``c`` a power of two per row."""
+    s_q, h, d = q.shape
+    lin = torch.empty((s_q, parts * d), dtype=FP8_DTYPE, device=q.device)
+    w_scaled = torch.empty((s_q, h), dtype=torch.float32, device=q.device)
+    half_scale = torch.empty(s_q, dtype=torch.float32, device=q.device)
+    if s_q:
+        kern.linear_term_parts_kernel[(s_q,)](q, q.stride(0), weights, weights.stride(0), lin, w_scaled, half_scale,
+                                              H=h, HEADS_P=triton.next_power_of_2(h), D=d, PARTS=parts)
+    return lin, w_scaled, half_scale
 
 
 # How many binades a row's block exponents may span and still convert exactly (MXFP4 into
@@ -417,7 +451,8 @@ def _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, cl
     k_rows, k_row_scale, k_exact = _renormalise_rows(k, k_scale, fmt, d)
     # relu(c * x) = c * relu(x) for c > 0: the query row scale moves into the weights.
     w_rows = weights.float() * q_row_scale.view(s_q, h)
-    fp8_cfg = cfg if cfg.gluon else default_config("fp8", h, d, s_q)  # the Triton loop, as the FP8 default off Hopper
+    # The Triton loop, as the FP8 default off Hopper, with this config's head sum.
+    fp8_cfg = cfg if cfg.gluon else dataclasses.replace(default_config("fp8", h, d, s_q), relu_via_abs=cfg.relu_via_abs)
     _launch(q_rows.view(s_q, h, d), None, k_rows, k_row_scale, w_rows, ks, ke, out, "fp8", d, clean, compressed,
             fp8_cfg)
     fix_q = _block_flags(~q_exact.view(s_q, h).all(dim=1), cfg.block_q)
@@ -428,7 +463,7 @@ def _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, cl
 @_mqa_logits.register_fake
 def _mqa_logits_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype,
                      block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll, fp4_via_fp8,
-                     clean_pass, mxfp8_via_f16, heads_on_n, gluon, gluon_refill):
+                     clean_pass, mxfp8_via_f16, heads_on_n, gluon, gluon_refill, relu_via_abs):
     shape, stride = _out_shape(q.shape[0], k.shape[0], max_seqlen_k)
     return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
 

@@ -210,7 +210,7 @@ _Q_ROWS = (1, 16, 64, 256, 1024, 4096, 16384, 65536)
 # (clean_logits, compressed): clean full layout, raw full layout, compressed, compressed + -inf tail.
 _LAYOUTS = ((True, False), (False, False), (False, True), (True, True))
 # Integer PrefillConfig fields other than the tile, and the values callers may set.
-_PREFILL_INT_OPTIONS = {"head_unroll": (1, 2)}
+_PREFILL_INT_OPTIONS = {"head_unroll": (1, 2), "relu_via_abs": (0, 2, 3)}
 _S_Q, _S_K, _MAX_SEQLEN_K = 37, 300, 45
 
 
@@ -303,8 +303,9 @@ def _prefill_points():
                 yield fmt, d, h, bf16_cfg, True, True, bf16, bf16, "default"
         base = prefill.default_config(fmt, 64, d, 4096)
         for opt in prefill_option_configs(base):
-            if (opt.heads_on_n and fmt != "fp8") or opt.gluon:
-                continue  # heads_on_n: FP8 only; the Gluon kernel has its own builder (GPU-only launch)
+            if (opt.heads_on_n and fmt != "fp8") or opt.gluon or (opt.relu_via_abs and fmt == "mxfp8"):
+                continue  # heads_on_n: FP8 only; the Gluon kernel has its own builder (GPU-only launch);
+                # relu_via_abs runs E4M3 operands (MXFP8 goes through f16)
             # Options at D = 128; the MX split path (which changes the loads) at every D.
             if d == 128 or (opt.mx_split and fmt != "fp8"):
                 yield fmt, d, 64, opt, True, False, f32, f32, "option"
@@ -318,11 +319,12 @@ def _trace_prefill() -> tuple[Variant, ...]:
     heads_on_n = f"{prefill.kern.__name__}:prefill_heads_on_n_kernel"
     tail = f"{prefill.kern.__name__}:fill_outside_windows_kernel"
     renormalise = f"{prefill.kern.__name__}:mx_rows_renormalise_kernel"
+    linear = f"{prefill.kern.__name__}:linear_term_parts_kernel"
     out = []
     for fmt, d, h, cfg, clean, compressed, w_dtype, out_dtype, origin in _prefill_points():
         q, k, ks, ke = _prefill_inputs(fmt, d, h)
         base = prefill.default_config(fmt, h, d, 4096)
-        with tracing(main, heads_on_n, tail, renormalise) as launches:
+        with tracing(main, heads_on_n, tail, renormalise, linear) as launches:
             prefill.fp8_fp4_mqa_logits(q, k, _weights(_S_Q, h, w_dtype), ks, ke, clean,
                                        _MAX_SEQLEN_K if compressed else 0, out_dtype, config=cfg)
         extras = "".join(f" {n}={_short(t)}" for n, t in (("w", w_dtype), ("out", out_dtype)) if _short(t) != "fp32")
@@ -346,6 +348,9 @@ def _trace_prefill() -> tuple[Variant, ...]:
                 name = " ".join(f"{k}={v}" for k, v in launch.arguments.items() if k.isupper())
                 name += f" rows%16={rows % 16}"
                 out.append(variant_of(launch, "indexer.mx_renormalise", name, "default"))
+            elif launch.function == linear:
+                name = " ".join(f"{k}={v}" for k, v in launch.arguments.items() if k.isupper())
+                out.append(variant_of(launch, "indexer.linear_parts", name, origin))
             else:
                 name = f"out={_short(out_dtype)} " + " ".join(
                     f"{k}={v}" for k, v in launch.arguments.items() if k.isupper())
@@ -378,7 +383,8 @@ def prefill_gluon_variants() -> list[Variant]:
     operands (FP8; MXFP8 renormalised into f16) at D = 128, H = 64, in the four output layouts
     with fp32 logits and the clean layout with bf16 logits. Default: the tile ``default_config``
     picks on Hopper (64x128, 4 warps, 4 buffers refilled two at a time); options: the same tile
-    refilled after every head, 8 warps splitting the key tile (3 and 4 buffers). The launcher is
+    refilled after every head, 8 warps splitting the key tile (3 and 4 buffers), and (E4M3 only)
+    the head sum through |s| with a 2- and 3-part linear term (``relu_via_abs``). The launcher is
     called directly: the op only dispatches to it on an sm_90 GPU."""
     import torch
 
@@ -388,9 +394,11 @@ def prefill_gluon_variants() -> list[Variant]:
     path = f"{gk.__name__}:prefill_logits_gluon_kernel"
     h, d = 64, 128
     default = prefill.default_config("fp8", h, d, 4096, arch=9)
-    # (warps, buffers, refill, origin)
-    tiles = [(default.num_warps, default.num_stages, default.gluon_refill, "default"),
-             (default.num_warps, default.num_stages, 1, "option"), (8, 3, 1, "option"), (8, 4, 1, "option")]
+    # (warps, buffers, refill, linear-term parts, origin)
+    tiles = [(default.num_warps, default.num_stages, default.gluon_refill, default.relu_via_abs, "default"),
+             (default.num_warps, default.num_stages, 1, 0, "option"), (8, 3, 1, 0, "option"), (8, 4, 1, 0, "option")]
+    tiles += [(default.num_warps, default.num_stages, default.gluon_refill, parts, "option")
+              for parts in (2, 3) if parts != default.relu_via_abs]
     ks = torch.zeros(_S_Q, dtype=torch.int32)
     ke = torch.full((_S_Q,), _MAX_SEQLEN_K, dtype=torch.int32)
     out = []
@@ -398,19 +406,28 @@ def prefill_gluon_variants() -> list[Variant]:
         q = torch.zeros(_S_Q, h, d, dtype=dtype)
         k = torch.zeros(_S_K, d, dtype=dtype)
         cases = [(clean, comp, torch.float32) for clean, comp in _LAYOUTS] + [(True, False, torch.bfloat16)]
-        for num_warps, num_buf, refill, origin in tiles:
+        for num_warps, num_buf, refill, parts, origin in tiles:
+            if parts and dtype != torch.float8_e4m3fn:
+                continue
+            lin = torch.zeros(_S_Q, parts * d, dtype=dtype) if parts else None
             for clean, compressed, out_dtype in cases:
                 cols = _MAX_SEQLEN_K if compressed else _S_K
                 logits = torch.zeros(_S_Q, cols + (-cols) % 16, dtype=out_dtype)
                 with tracing(path) as launches:
                     gk.launch(q, k, torch.ones(_S_K), _weights(_S_Q, h, torch.float32), ks, ke, logits, clean,
-                              compressed, default.block_q, default.block_n, num_warps, num_buf, refill_every=refill)
+                              compressed, default.block_q, default.block_n, num_warps, num_buf, refill_every=refill,
+                              lin_parts=lin, half_scale=torch.ones(_S_Q) if parts else None)
                 name = (f"{_dtype_name(dtype)} D{d} H{h} {_layout_name(clean, compressed)} "
                         f"{default.block_q}x{default.block_n} w{num_warps} buf{num_buf}"
-                        + (f" refill{refill}" if refill != 1 else "")
+                        + (f" refill{refill}" if refill != 1 else "") + (f" abs{parts}" if parts else "")
                         + ("" if out_dtype == torch.float32 else f" out={_short(out_dtype)}"))
                 out += [variant_of(launch, "indexer.prefill_gluon", name, origin, ("sm_90a",)) for launch in launches]
     return _unique(out)
+
+
+def linear_parts_variants() -> list[Variant]:
+    """``linear_term_parts_kernel`` (no dot), as ``relu_via_abs`` launches it."""
+    return _unique(v for v in _trace_prefill() if v.kernel == "indexer.linear_parts")
 
 
 def mx_renormalise_variants() -> list[Variant]:
@@ -673,6 +690,7 @@ KERNELS: dict[str, tuple[Callable[[], list[Variant]], str]] = {
     "indexer.prefill": (prefill_variants, "tilefuse.indexer._prefill_kernel"),
     "indexer.prefill_fill": (prefill_fill_variants, "tilefuse.indexer._prefill_kernel"),
     "indexer.mx_renormalise": (mx_renormalise_variants, "tilefuse.indexer._prefill_kernel"),
+    "indexer.linear_parts": (linear_parts_variants, "tilefuse.indexer._prefill_kernel"),
     "indexer.prefill_sm100": (prefill_sm100_variants, "tilefuse.indexer._prefill_kernel_sm100"),
     "indexer.prefill_gluon": (prefill_gluon_variants, "tilefuse.indexer._prefill_kernel_gluon"),
     "indexer.paged": (paged_variants, "tilefuse.indexer._paged_kernel"),
