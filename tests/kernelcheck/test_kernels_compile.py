@@ -74,3 +74,16 @@ def test_compiles_on_the_fast_path(group):
     assert not unexpected, f"{kernel} on {target}:\n  " + "\n  ".join(unexpected)
     assert not stale, (f"{kernel} on {target}: known issues that no longer occur here, tighten or delete them in "
                        f"known_issues.py: {[e[2] for e in stale]}")
+
+
+def test_gluon_prefill_keeps_every_wgmma_in_the_sass():
+    """ptxas once deleted the last head's wgmma of the relu_via_abs loop (LLVM had turned that
+    head's abs into an integer AND on the wait's registers); the head then added nothing.
+    With the SASS disassembled, the GMMA count must match the PTX's wgmma count."""
+    picked = [v for v in ALL if v.kernel == "indexer.prefill_gluon" and v.name.startswith("fp8e4nv D128 H64 full+clean")
+              and "out=" not in v.name]
+    assert any(" abs" in v.name for v in picked)
+    reports = compile_many([(v, "sm_90a") for v in picked], jobs=2, sass=True)
+    assert all(r.sass_opcodes for r in reports)
+    dropped = [f"{r.variant}: {f}" for r in reports for f in checks.failures(r) if "dropped" in f]
+    assert not dropped, dropped

@@ -57,7 +57,12 @@ def _apply(acc, s, w, ABLATE: gl.constexpr, ABS: gl.constexpr):
     if ABLATE == 1:
         acc += s
     elif ABS:
-        acc += gl.abs(s) * w[:, None]
+        # abs.f32 in the asm: written as gl.abs, LLVM turns the abs of the last head's scores
+        # (bitcast from the wgmma wait's integer registers) into an integer AND, and ptxas then
+        # dropped that head's wgmma (its contribution read as 0 on an H200).
+        acc = gl.inline_asm_elementwise("{ .reg .f32 a; abs.f32 a, $1; fma.rn.f32 $0, a, $2, $3; }", "=f,f,f,f",
+                                        [s, gl.broadcast(w[:, None], s)[1], acc], dtype=gl.float32,
+                                        is_pure=True, pack=1)
     else:
         acc += gl.maximum(s, 0.0) * w[:, None]
     return acc

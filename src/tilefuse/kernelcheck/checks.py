@@ -11,7 +11,10 @@ For each :class:`~tilefuse.kernelcheck.compile.KernelReport`:
    on sm_90a a ``warp_group_dot`` (PTX ``wgmma.mma_async``), on sm_100a a ``tc_gen5_mma``
    (PTX ``tcgen05.mma``) — with no ``tt.dot`` left for the ``mma.sync`` or FMA lowering, and
    no ``mma.sync`` in the PTX; a ``tl.dot_scaled`` on sm_100a must use the block-scaled
-   ``tc_gen5_mma_scaled`` (not a dequantise-and-multiply fallback).
+   ``tc_gen5_mma_scaled`` (not a dequantise-and-multiply fallback);
+5. on sm_90a, when the SASS is disassembled: every PTX ``wgmma.mma_async`` is still there as a
+   ``*GMMA`` instruction (ptxas deletes a wgmma whose result it believes unread, and the kernel
+   then computes with whatever the registers held).
 """
 
 from __future__ import annotations
@@ -61,4 +64,7 @@ def failures(r: KernelReport) -> list[str]:
             out.append(f"{r.ptx['mma.sync']} mma.sync instruction(s): a dot fell off the {ptx_name} path")
         if r.target == "sm_100a" and r.dots.get("tt.dot_scaled", 0) and not r.lowered.get("ttng.tc_gen5_mma_scaled"):
             out.append("tl.dot_scaled did not become the block-scaled tcgen05 MMA (dequantised instead)")
+        gmma = sum(n for op, n in r.sass_opcodes.items() if op.endswith("GMMA"))
+        if r.target == "sm_90a" and r.sass_opcodes and gmma < r.ptx.get("wgmma", 0):
+            out.append(f"ptxas dropped wgmma: {gmma} GMMA in the SASS for {r.ptx['wgmma']} wgmma in the PTX")
     return out
