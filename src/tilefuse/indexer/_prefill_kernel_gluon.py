@@ -61,7 +61,7 @@ def _apply(acc, s, w, ABLATE: gl.constexpr, ABS: gl.constexpr):
         # (bitcast from the wgmma wait's integer registers) into an integer AND, and ptxas then
         # dropped that head's wgmma (its contribution read as 0 on an H200).
         acc = gl.inline_asm_elementwise("{ .reg .f32 a; abs.f32 a, $1; fma.rn.f32 $0, a, $2, $3; }", "=f,f,f,f",
-                                        [s, gl.broadcast(w[:, None], s)[1], acc], dtype=gl.float32,
+                                        [s, gl.broadcast(w[:, None], s)[0], acc], dtype=gl.float32,
                                         is_pure=True, pack=1)
     else:
         acc += gl.maximum(s, 0.0) * w[:, None]
