@@ -109,7 +109,13 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
     128/32768; MXFP8 (f16 rows) 710-744 TFLOP/s against 465-488, 0.98-1.09 of the BF16 ceiling.
     4 warps, 4 query buffers (3: 1002 / 970, 710 for MXFP8), refilled two at a time (1027.7
     against 1049.8 us at H64 2048/32768, equal at H32: ``indexer-prefill-bound-2-refill.json``);
-    8 warps splitting the keys (one block per SM at 164 registers) ran 815-829. bf16 logits stay
+    8 warps splitting the keys (one block per SM at 164 registers) ran 815-829. The head sum
+    through |s| with a 2-part linear term (``relu_via_abs=2``) in the same run as the plain
+    loop (``indexer-prefill-sweep-13-abs.json``): 2048/32768 954 against 1147 us, H32 542 against
+    612, 128/32768 64.2 against 71.1, 8192/65536 8219 against 9310; calc_diff 1.6e-7 against the
+    dequantised reference (bound 5e-6); 3 parts 1-5% slower for no accuracy that shows (the FP8
+    MMA's own rounding dominates). MXFP4 on the Triton loop ran 5% slower with it (1201
+    against 1146 us): not used there. bf16 logits stay
     on the Triton loop with the separate -inf pass (1017 against 929-931 for Gluon, either clean
     schedule). MXFP4 stays on the Triton loop (Gluon 957-973 against 942-960: within run-to-run
     spread, and its wide 64x256 tile also serves the bf16 recompute pass). Elsewhere the Triton
@@ -121,7 +127,8 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
         if num_q_rows is not None and num_q_rows <= 32:
             return PrefillConfig(block_q=16, block_n=128, num_warps=4, num_stages=3, heads_on_n=True)
         if hopper and logits_dtype == torch.float32:
-            return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon=True, gluon_refill=2)
+            return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon=True, gluon_refill=2,
+                                 relu_via_abs=2)
         return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3, head_unroll=2,
                              clean_pass=logits_dtype == torch.bfloat16)
     if fmt == "mxfp8":

@@ -382,9 +382,10 @@ def prefill_gluon_variants() -> list[Variant]:
     """``prefill_logits_gluon_kernel`` (Hopper only) as its launcher builds it: E4M3 and f16
     operands (FP8; MXFP8 renormalised into f16) at D = 128, H = 64, in the four output layouts
     with fp32 logits and the clean layout with bf16 logits. Default: the tile ``default_config``
-    picks on Hopper (64x128, 4 warps, 4 buffers refilled two at a time); options: the same tile
-    refilled after every head, 8 warps splitting the key tile (3 and 4 buffers), and (E4M3 only)
-    the head sum through |s| with a 2- and 3-part linear term (``relu_via_abs``). The launcher is
+    picks on Hopper (64x128, 4 warps, 4 buffers refilled two at a time, E4M3 with the head sum
+    through |s| and a 2-part linear term, ``relu_via_abs``); options: the same tile with the plain
+    head sum or 3 parts, refilled after every head, 8 warps splitting the key tile (3 and 4
+    buffers). The launcher is
     called directly: the op only dispatches to it on an sm_90 GPU."""
     import torch
 
@@ -398,7 +399,7 @@ def prefill_gluon_variants() -> list[Variant]:
     tiles = [(default.num_warps, default.num_stages, default.gluon_refill, default.relu_via_abs, "default"),
              (default.num_warps, default.num_stages, 1, 0, "option"), (8, 3, 1, 0, "option"), (8, 4, 1, 0, "option")]
     tiles += [(default.num_warps, default.num_stages, default.gluon_refill, parts, "option")
-              for parts in (2, 3) if parts != default.relu_via_abs]
+              for parts in (0, 2, 3) if parts != default.relu_via_abs]
     ks = torch.zeros(_S_Q, dtype=torch.int32)
     ke = torch.full((_S_Q,), _MAX_SEQLEN_K, dtype=torch.int32)
     out = []
@@ -407,8 +408,10 @@ def prefill_gluon_variants() -> list[Variant]:
         k = torch.zeros(_S_K, d, dtype=dtype)
         cases = [(clean, comp, torch.float32) for clean, comp in _LAYOUTS] + [(True, False, torch.bfloat16)]
         for num_warps, num_buf, refill, parts, origin in tiles:
-            if parts and dtype != torch.float8_e4m3fn:
-                continue
+            if parts and dtype != torch.float8_e4m3fn:  # f16 rows (MXFP8) keep the plain head sum
+                if origin != "default":
+                    continue
+                parts = 0
             lin = torch.zeros(_S_Q, parts * d, dtype=dtype) if parts else None
             for clean, compressed, out_dtype in cases:
                 cols = _MAX_SEQLEN_K if compressed else _S_K
