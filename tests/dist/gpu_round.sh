@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One round on a 2-GPU machine: environment, the multi-GPU checks, and the ag-gemm / gemm-rs
+# One round on a multi-GPU machine (NPROC ranks, default every visible GPU): environment, the multi-GPU checks, and the ag-gemm / gemm-rs
 # benchmarks with their same-run baselines. Each step runs in its own process under a time
 # limit, so one failing step does not stop the others; everything goes to $OUT/log, results
 # to $OUT/*.json (Perfetto traces: $OUT/*.trace.json). From the repository root:
@@ -11,6 +11,7 @@ OUT=${OUT:-/tmp/tilefuse-dist}
 mkdir -p "$OUT"
 LOG="$OUT/log"
 STEPS=${STEPS:-"env checks bench-ag bench-rs"}
+NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
 BENCH=(--samples "${SAMPLES:-8}" --sample-ms "${SAMPLE_MS:-15}" --timeout 3 ${BENCH_ARGS:-})
 
 run() {
@@ -26,12 +27,12 @@ for step in $STEPS; do
     case $step in
     env) run env 60 bash -c 'nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv;
             nvidia-smi topo -m; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())"' ;;
-    checks) run checks "${CHECKS_S:-150}" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+    checks) run checks "${CHECKS_S:-150}" python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
             tests/dist/gpu_checks.py ${CHECKS_ARGS:-} ;;
-    bench-ag) run bench-ag "${BENCH_S:-110}" python3 -m tilefuse.dist.bench ag-gemm --shapes "${AG_SHAPES:-seed,llm}" \
+    bench-ag) run bench-ag "${BENCH_S:-110}" python3 -m tilefuse.dist.bench ag-gemm --world "$NPROC" --shapes "${AG_SHAPES:-seed,llm}" \
             --designs "${AG_DESIGNS:-auto,ce,push}" --json "$OUT/ag_gemm.json" --trace "$OUT" \
             --trace-shapes "${AG_TRACE:-8192x1024x8192}" "${BENCH[@]}" ;;
-    bench-rs) run bench-rs "${BENCH_S:-110}" python3 -m tilefuse.dist.bench gemm-rs --shapes "${RS_SHAPES:-seed,llm}" \
+    bench-rs) run bench-rs "${BENCH_S:-110}" python3 -m tilefuse.dist.bench gemm-rs --world "$NPROC" --shapes "${RS_SHAPES:-seed,llm}" \
             --designs "${RS_DESIGNS:-auto,push,forward}" --json "$OUT/gemm_rs.json" --trace "$OUT" \
             --trace-shapes "${RS_TRACE:-8192x8192x1024}" "${BENCH[@]}" ;;
     *) echo "unknown step $step" | tee -a "$LOG" ;;
