@@ -46,7 +46,7 @@ ROLE_NAMES = {1: "barrier", 2: "gemm", 3: "go", 4: "push", 5: "forward"}
 # Spins between two looks at the clock and the abort word: each look costs two CTA barriers
 # and an L2 round trip that would otherwise delay noticing the flag.
 EXPIRY_EVERY = tl.constexpr(4)
-TRACE_FIELDS = 5  # per event: start ns, split ns, end ns, wait ns, info
+TRACE_FIELDS = tl.constexpr(5)  # per event: start ns, split ns, end ns, wait ns, info
 
 
 @triton.jit

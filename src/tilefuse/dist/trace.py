@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tilefuse.dist._primitives import TRACE_FIELDS
+from tilefuse.dist._primitives import TRACE_FIELDS as _TRACE_FIELDS
+
+TRACE_FIELDS = _TRACE_FIELDS.value  # a constexpr for the kernels, an int here
 
 _ROLE_ITEM = {"gemm": "tile", "push": "band", "forward": "tile"}
 

@@ -576,13 +576,15 @@ def _dist_variants() -> list[Variant]:
                 name = (f"{label} {c['BM']}x{c['BN']}x{c['BK']} w{o['num_warps']}s{o.get('num_stages', 3)} "
                         f"epi={epi}{' wait_a' if c['WAIT_A'] else ''}{'' if c['ALIGNED'] else ' unaligned'}"
                         f"{' barrier' if c['BARRIER'] else ''}{' recv_tma' if c.get('RECV_TMA') else ''}"
-                        f"{' send_tma' if c.get('SEND_TMA') else ''}{' local_a' if c.get('LOCAL_A') else ''}")
+                        f"{' send_tma' if c.get('SEND_TMA') else ''}{' local_a' if c.get('LOCAL_A') else ''}"
+                        f"{' trace' if c.get('TRACE') else ''}")
                 out.append(variant_of(launch, kernel, name))
             else:
                 v = variant_of(launch, kernel, "")
                 consts = " ".join(f"{k}={str(x).removeprefix(TL_DTYPE_PREFIX)}" for k, x in v.constexprs.items()
                                   if k.isupper() and k not in ("NUM_PROGRAMS", "MAX_EVENTS", "USE_TIMER", "TRACE"))
-                out.append(dataclasses.replace(v, name=f"{launch.function.partition(':')[2]} {consts}"))
+                traced = " trace" if v.constexprs.get("TRACE") else ""
+                out.append(dataclasses.replace(v, name=f"{launch.function.partition(':')[2]} {consts}{traced}"))
 
     def tensors(m, n, k, dtype, b_layout):
         a = torch.zeros(m, k, dtype=dtype)
@@ -646,6 +648,37 @@ def _dist_variants() -> list[Variant]:
                         if design == "forward":
                             rs.launch_forward(plan, ws, timeout)
                     record(f"gemm_rs[{design}] W{world} bf16 kn", launches)
+
+        # The activity trace (bench --trace): each design once, first tile, with trace buffers.
+        from tilefuse.dist.trace import TRACE_FIELDS
+
+        cfg, world = cfgs[0], 8
+
+        def buf(programs):
+            return torch.full((programs, 4, TRACE_FIELDS), -1, dtype=torch.int64)
+
+        for design in ("ce", "push"):
+            m = world * 8 * cfg.block_m
+            plan = ag.make_plan(design, m, 264, _FUSED_K, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS)
+            ws = emulated_workspaces(world, plan.nbytes)[0]
+            a_shard, b = tensors(m // world, 264, _FUSED_K, bf16, "kn")
+            with tracing(*paths) as launches:
+                if design == "push":
+                    ag.launch_push(plan, ws, a_shard, timeout, trace=buf(plan.comm_programs))
+                ag.launch_gemm_part(plan, ws, a_shard, b, torch.empty(m, 264, dtype=bf16), "kn", timeout,
+                                    trace=buf(_SMS))
+            record(f"ag_gemm[{design}] W{world} bf16 kn", launches)
+        for design in rs.DESIGNS:
+            m = world * 2 * cfg.block_m
+            plan = rs.make_plan(design, m, 264, 64, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS)
+            ws = emulated_workspaces(world, plan.nbytes)[0]
+            a, b = tensors(m, 264, 64, bf16, "kn")
+            with tracing(*paths) as launches:
+                rs.launch_gemm_part(plan, ws, a, b, torch.empty(m // world, 264, dtype=bf16), "kn", timeout,
+                                    trace=buf(_SMS))
+                if design == "forward":
+                    rs.launch_forward(plan, ws, timeout, trace=buf(_SMS))
+            record(f"gemm_rs[{design}] W{world} bf16 kn", launches)
     return out
 
 
