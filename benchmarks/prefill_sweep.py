@@ -117,6 +117,17 @@ def abs_rows():
     yield {**base, "fmt": "mxfp4"}, [fp4, dataclasses.replace(fp4, relu_via_abs=2)]
 
 
+def abs_tile_rows():
+    """Tiles and rings around the relu_via_abs default, on the rows still short of their targets
+    (128/32768: about 2 waves of 64x128 tiles; H32)."""
+    base = dict(s_q=2048, s_k=32768, h=64, d=128, fmt="fp8", clean=True, logits=torch.float32)
+    best = C(64, 128, 4, 4, gluon=True, gluon_refill=2, relu_via_abs=2)
+    tiles = [best, dataclasses.replace(best, block_n=64), dataclasses.replace(best, num_stages=3),
+             dataclasses.replace(best, gluon_refill=1), dataclasses.replace(best, num_stages=6)]
+    yield {**base, "s_q": 128}, tiles
+    yield {**base, "h": 32}, tiles[:1] + tiles[2:]
+
+
 def rows(quick: bool, row_set: str):
     base = dict(s_q=2048, s_k=32768, h=64, d=128, clean=True, logits=torch.float32)
     if row_set == "gluon":
@@ -124,6 +135,9 @@ def rows(quick: bool, row_set: str):
         return
     if row_set == "abs":
         yield from abs_rows()
+        return
+    if row_set == "abs-tiles":
+        yield from abs_tile_rows()
         return
     if row_set == "small":
         for s_q, s_k in [(128, 32768), (16, 65536)]:
@@ -157,10 +171,11 @@ def main(argv=None):
     ap.add_argument("--output", default="prefill-sweep.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--samples", type=int, default=20)
-    ap.add_argument("--set", default="all", choices=("all", "schedules", "small", "h32", "gluon", "abs"),
+    ap.add_argument("--set", default="all", choices=("all", "schedules", "small", "h32", "gluon", "abs", "abs-tiles"),
                     help="rows: all; schedules (clean-logits schedule per format, clean on and off); small "
                          "(128/32768 and 16/65536 with the few-row tiles); h32 (H = 32 tiles); gluon (the "
-                         "Gluon head loop against the Triton loop); abs (relu_via_abs against the defaults)")
+                         "Gluon head loop against the Triton loop); abs (relu_via_abs against the defaults); abs-tiles "
+                         "(tiles and rings around it)")
     ap.add_argument("--formats", default="fp8,mxfp8,mxfp4", help="comma-separated formats to sweep")
     args = ap.parse_args(argv)
     record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": []}
