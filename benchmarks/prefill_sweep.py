@@ -126,6 +126,8 @@ def abs_tile_rows():
              dataclasses.replace(best, gluon_refill=1), dataclasses.replace(best, num_stages=6)]
     yield {**base, "s_q": 128}, tiles
     yield {**base, "h": 32}, tiles[:1] + tiles[2:]
+    yield base, tiles[:1] + tiles[3:4]
+    yield {**base, "s_q": 8192, "s_k": 65536}, tiles[:1] + tiles[3:4]
 
 
 def rows(quick: bool, row_set: str):
