@@ -605,9 +605,9 @@ def test_gluon_head_loop_at_few_heads(h, num_buf, poisoned):
 @pytest.mark.skipif(not HOPPER, reason="the Gluon head loop runs on Hopper only")
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("layout", ["clean", "raw", "compressed", "bf16"])
-@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("parts,refill", [(2, 1), (2, 2), (3, 2)])
 @pytest.mark.parametrize("windows", ["random", "zigzag"])
-def test_gluon_relu_via_abs_is_bitwise_the_triton_kernel(fmt, layout, parts, windows, poisoned):
+def test_gluon_relu_via_abs_is_bitwise_the_triton_kernel(fmt, layout, parts, refill, windows, poisoned):
     """relu_via_abs in both head loops (the linear term's MMAs first, then |s| * w / c per head):
     the same bits, with the checks of the dequantised reference on top."""
     s_q, s_k, h = 1000, 9000, 64
@@ -622,7 +622,7 @@ def test_gluon_relu_via_abs_is_bitwise_the_triton_kernel(fmt, layout, parts, win
     kwargs = dict(clean_logits=layout != "raw", max_seqlen_k=max_seqlen_k, logits_dtype=logits_dtype)
     if layout == "compressed":
         ke = torch.minimum(ke, ks + 4096)
-    base = prefill.PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon_refill=2,
+    base = prefill.PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon_refill=refill,
                                  fp4_via_fp8=fmt == "mxfp4", relu_via_abs=parts)
     ref = run(qq, kk, w, ks, ke, config=base, **kwargs)
     out = run(qq, kk, w, ks, ke, config=dataclasses.replace(base, gluon=True), **kwargs)

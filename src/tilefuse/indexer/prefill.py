@@ -115,7 +115,10 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
     612, 128/32768 64.2 against 71.1, 8192/65536 8219 against 9310; calc_diff 1.6e-7 against the
     dequantised reference (bound 5e-6); 3 parts 1-5% slower for no accuracy that shows (the FP8
     MMA's own rounding dominates). MXFP4 on the Triton loop ran 5% slower with it (1201
-    against 1146 us): not used there. bf16 logits stay
+    against 1146 us): not used there. With the |s| head sum (fewer registers live) the ring
+    refilled after every head wins again (``indexer-prefill-sweep-14-abs-tiles.json``, two runs):
+    2048/32768 913 against 947 us, 8192/65536 7368 against 7453, H32 517 against 534, 128/32768
+    60.0 against 61.5; 3 or 6 buffers and 64-key tiles were slower. bf16 logits stay
     on the Triton loop with the separate -inf pass (1017 against 929-931 for Gluon, either clean
     schedule). MXFP4 stays on the Triton loop (Gluon 957-973 against 942-960: within run-to-run
     spread, and its wide 64x256 tile also serves the bf16 recompute pass). Elsewhere the Triton
@@ -127,7 +130,7 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
         if num_q_rows is not None and num_q_rows <= 32:
             return PrefillConfig(block_q=16, block_n=128, num_warps=4, num_stages=3, heads_on_n=True)
         if hopper and logits_dtype == torch.float32:
-            return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon=True, gluon_refill=2,
+            return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon=True, gluon_refill=1,
                                  relu_via_abs=2)
         return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3, head_unroll=2,
                              clean_pass=logits_dtype == torch.bfloat16)

@@ -382,10 +382,10 @@ def prefill_gluon_variants() -> list[Variant]:
     """``prefill_logits_gluon_kernel`` (Hopper only) as its launcher builds it: E4M3 and f16
     operands (FP8; MXFP8 renormalised into f16) at D = 128, H = 64, in the four output layouts
     with fp32 logits and the clean layout with bf16 logits. Default: the tile ``default_config``
-    picks on Hopper (64x128, 4 warps, 4 buffers refilled two at a time, E4M3 with the head sum
-    through |s| and a 2-part linear term, ``relu_via_abs``); options: the same tile with the plain
-    head sum or 3 parts, refilled after every head, 8 warps splitting the key tile (3 and 4
-    buffers). The launcher is
+    picks on Hopper (64x128, 4 warps, 4 buffers; E4M3 with the head sum through |s| and a 2-part
+    linear term, ``relu_via_abs``, refilled after every head; f16 with the plain head sum, refilled
+    two at a time); options: the other refills, the plain head sum or 3 parts (E4M3), 8 warps
+    splitting the key tile (3 and 4 buffers). The launcher is
     called directly: the op only dispatches to it on an sm_90 GPU."""
     import torch
 
@@ -395,23 +395,23 @@ def prefill_gluon_variants() -> list[Variant]:
     path = f"{gk.__name__}:prefill_logits_gluon_kernel"
     h, d = 64, 128
     default = prefill.default_config("fp8", h, d, 4096, arch=9)
-    # (warps, buffers, refill, linear-term parts, origin)
-    tiles = [(default.num_warps, default.num_stages, default.gluon_refill, default.relu_via_abs, "default"),
-             (default.num_warps, default.num_stages, 1, 0, "option"), (8, 3, 1, 0, "option"), (8, 4, 1, 0, "option")]
-    tiles += [(default.num_warps, default.num_stages, default.gluon_refill, parts, "option")
-              for parts in (0, 2, 3) if parts != default.relu_via_abs]
+    mx_default = prefill.default_config("mxfp8", h, d, 4096, arch=9)
+    w, nb = default.num_warps, default.num_stages
+    # (warps, buffers, refill, linear-term parts, origin) per operand dtype
+    fp8_tiles = [(w, nb, default.gluon_refill, default.relu_via_abs, "default")]
+    fp8_tiles += [t for t in [(w, nb, r, p, "option") for r in (1, 2) for p in (0, 2, 3)] + [
+        (8, 3, 1, 0, "option"), (8, 4, 1, 0, "option")] if t[:4] != fp8_tiles[0][:4]]
+    f16_tiles = [(mx_default.num_warps, mx_default.num_stages, mx_default.gluon_refill, 0, "default")]
+    f16_tiles += [t for t in [(w, nb, 1, 0, "option"), (w, nb, 2, 0, "option"), (8, 3, 1, 0, "option"),
+                              (8, 4, 1, 0, "option")] if t[:4] != f16_tiles[0][:4]]
     ks = torch.zeros(_S_Q, dtype=torch.int32)
     ke = torch.full((_S_Q,), _MAX_SEQLEN_K, dtype=torch.int32)
     out = []
-    for dtype in (torch.float8_e4m3fn, torch.float16):
+    for dtype, tiles in ((torch.float8_e4m3fn, fp8_tiles), (torch.float16, f16_tiles)):
         q = torch.zeros(_S_Q, h, d, dtype=dtype)
         k = torch.zeros(_S_K, d, dtype=dtype)
         cases = [(clean, comp, torch.float32) for clean, comp in _LAYOUTS] + [(True, False, torch.bfloat16)]
         for num_warps, num_buf, refill, parts, origin in tiles:
-            if parts and dtype != torch.float8_e4m3fn:  # f16 rows (MXFP8) keep the plain head sum
-                if origin != "default":
-                    continue
-                parts = 0
             lin = torch.zeros(_S_Q, parts * d, dtype=dtype) if parts else None
             for clean, compressed, out_dtype in cases:
                 cols = _MAX_SEQLEN_K if compressed else _S_K
