@@ -590,13 +590,14 @@ def test_gluon_head_loop_is_bitwise_the_triton_kernel(fmt, layout, tile, windows
 @pytest.mark.skipif(not HOPPER, reason="the Gluon head loop runs on Hopper only")
 @pytest.mark.parametrize("h", [4, 8, 12])
 @pytest.mark.parametrize("num_buf", [2, 3, 4])
-def test_gluon_head_loop_at_few_heads(h, num_buf, poisoned):
+@pytest.mark.parametrize("parts", [0, 2])
+def test_gluon_head_loop_at_few_heads(h, num_buf, parts, poisoned):
     """The ends of the head loop, bitwise the Triton loop: H down to 4 (where the unrolled body
-    runs once) and a ring as deep as H (no refills)."""
+    runs once) and a ring as deep as H (no refills), with the plain and the |s| head sum."""
     _, _, w, qq, kk = make_inputs(300, 2000, h, 128, "fp8", seed=52)
     ks, ke = W.random_windows(300, 2000, generator=torch.Generator().manual_seed(6), empty_fraction=0.1,
                               overhang=9, device=DEVICE)
-    base = prefill.PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=num_buf)
+    base = prefill.PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=num_buf, relu_via_abs=parts)
     ref = run(qq, kk, w, ks, ke, config=base)
     out = run(qq, kk, w, ks, ke, config=dataclasses.replace(base, gluon=True))
     assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
@@ -643,6 +644,21 @@ def test_relu_via_abs_rejects_what_it_cannot_run():
         _, _, w, qq, kk = make_inputs(16, 64, 8, 64, fmt, seed=1)
         with pytest.raises(ValueError, match="relu_via_abs"):
             run(qq, kk, w, ks, ke, config=dataclasses.replace(SMALL, relu_via_abs=2, **fields))
+
+
+@pytest.mark.parametrize("h", [4, 12, 32, 128])
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_default_config_at_head_counts_and_dims(h, d, poisoned):
+    """FP8 with the configuration the op picks by itself (on Hopper: the Gluon loop with the |s|
+    head sum; on CPU: the interpreter's Triton loop) against both references."""
+    if not ON_GPU and (h == 128 or d == 32):
+        pytest.skip("interpreter time: covered at the other H and D")
+    s_q, s_k = shapes((40, 150), (700, 5000))
+    q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, "fp8", seed=h * 100 + d)
+    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(h + d), empty_fraction=0.1,
+                              overhang=7, device=DEVICE)
+    out = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke)
+    check_logits(out, qq, kk, q, k, w, ks, ke, "fp8")
 
 
 def test_gluon_rejects_tiles_it_cannot_run():
