@@ -558,17 +558,11 @@ def test_custom_op_takes_the_config_fields_in_their_order():
 HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 
 
-@pytest.mark.skipif(not HOPPER, reason="the Gluon head loop runs on Hopper only")
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
-@pytest.mark.parametrize("layout", ["clean", "raw", "compressed", "bf16"])
-@pytest.mark.parametrize("tile", [(4, 2), (8, 3), (4, 4), (4, 3)])
-@pytest.mark.parametrize("windows", ["random", "zigzag"])
-def test_gluon_head_loop_is_bitwise_the_triton_kernel(fmt, layout, tile, windows, poisoned):
-    """Same tile, same head order, same MMA: the Gluon kernel (async wgmma) writes the Triton
-    kernel's bits, with uneven windows, empty rows, partial tiles, whole tiles no row sees
-    (zig-zag), and each output layout."""
-    s_q, s_k, h = 1000, 9000, 64
-    _, _, w, qq, kk = make_inputs(s_q, s_k, h, 128, fmt, seed=51)
+def _gluon_case(fmt, layout, windows, seed):
+    """A 1000 x 9000, H = 64 case with uneven windows, empty rows, partial tiles and (zig-zag)
+    whole tiles no row sees, in one output layout: inputs, windows and the op's layout kwargs."""
+    s_q, s_k = 1000, 9000
+    q, k, w, qq, kk = make_inputs(s_q, s_k, 64, 128, fmt, seed=seed)
     if windows == "random":
         ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(5), empty_fraction=0.1,
                                   overhang=9, device=DEVICE)
@@ -578,13 +572,29 @@ def test_gluon_head_loop_is_bitwise_the_triton_kernel(fmt, layout, tile, windows
                   logits_dtype=torch.bfloat16 if layout == "bf16" else torch.float32)
     if layout == "compressed":
         ke = torch.minimum(ke, ks + 4096)
+    return (q, k, w, qq, kk, ks, ke), kwargs
+
+
+def _same_bits(a, b) -> bool:
+    bits = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+    return a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits))
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon head loop runs on Hopper only")
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+@pytest.mark.parametrize("layout", ["clean", "raw", "compressed", "bf16"])
+@pytest.mark.parametrize("tile", [(4, 2), (8, 3), (4, 4), (4, 3)])
+@pytest.mark.parametrize("windows", ["random", "zigzag"])
+def test_gluon_head_loop_is_bitwise_the_triton_kernel(fmt, layout, tile, windows, poisoned):
+    """Same tile, same head order, same MMA: the Gluon kernel (async wgmma) writes the Triton
+    kernel's bits in every case of ``_gluon_case``."""
+    (_, _, w, qq, kk, ks, ke), kwargs = _gluon_case(fmt, layout, windows, seed=51)
     num_warps, num_buf = tile
     base = prefill.PrefillConfig(block_q=64, block_n=128, num_warps=num_warps, num_stages=num_buf,
                                  fp4_via_fp8=fmt == "mxfp4", mxfp8_via_f16=fmt == "mxfp8")
     ref = run(qq, kk, w, ks, ke, config=base, **kwargs)
     out = run(qq, kk, w, ks, ke, config=dataclasses.replace(base, gluon=True), **kwargs)
-    assert torch.equal(out.view(torch.int16 if layout == "bf16" else torch.int32),
-                       ref.view(torch.int16 if layout == "bf16" else torch.int32))
+    assert _same_bits(out, ref)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon head loop runs on Hopper only")
@@ -600,7 +610,7 @@ def test_gluon_head_loop_at_few_heads(h, num_buf, parts, poisoned):
     base = prefill.PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=num_buf, relu_via_abs=parts)
     ref = run(qq, kk, w, ks, ke, config=base)
     out = run(qq, kk, w, ks, ke, config=dataclasses.replace(base, gluon=True))
-    assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
+    assert _same_bits(out, ref)
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon head loop runs on Hopper only")
@@ -611,26 +621,14 @@ def test_gluon_head_loop_at_few_heads(h, num_buf, parts, poisoned):
 def test_gluon_relu_via_abs_is_bitwise_the_triton_kernel(fmt, layout, parts, refill, windows, poisoned):
     """relu_via_abs in both head loops (the linear term's MMAs first, then |s| * w / c per head):
     the same bits, with the checks of the dequantised reference on top."""
-    s_q, s_k, h = 1000, 9000, 64
-    q, k, w, qq, kk = make_inputs(s_q, s_k, h, 128, fmt, seed=53)
-    if windows == "random":
-        ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(5), empty_fraction=0.1,
-                                  overhang=9, device=DEVICE)
-    else:
-        ks, ke = W.zigzag(s_q, s_k, device=DEVICE)
-    max_seqlen_k = 4096 if layout == "compressed" else 0
-    logits_dtype = torch.bfloat16 if layout == "bf16" else torch.float32
-    kwargs = dict(clean_logits=layout != "raw", max_seqlen_k=max_seqlen_k, logits_dtype=logits_dtype)
-    if layout == "compressed":
-        ke = torch.minimum(ke, ks + 4096)
+    (q, k, w, qq, kk, ks, ke), kwargs = _gluon_case(fmt, layout, windows, seed=53)
     base = prefill.PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon_refill=refill,
                                  fp4_via_fp8=fmt == "mxfp4", relu_via_abs=parts)
     ref = run(qq, kk, w, ks, ke, config=base, **kwargs)
     out = run(qq, kk, w, ks, ke, config=dataclasses.replace(base, gluon=True), **kwargs)
-    assert torch.equal(out.view(torch.int16 if layout == "bf16" else torch.int32),
-                       ref.view(torch.int16 if layout == "bf16" else torch.int32))
-    check_logits(out, qq, kk, q, k, w, ks, ke, fmt, clean=layout != "raw", max_seqlen_k=max_seqlen_k,
-                 logits_dtype=logits_dtype)
+    assert _same_bits(out, ref)
+    check_logits(out, qq, kk, q, k, w, ks, ke, fmt, clean=kwargs["clean_logits"], max_seqlen_k=kwargs["max_seqlen_k"],
+                 logits_dtype=kwargs["logits_dtype"])
 
 
 def test_relu_via_abs_rejects_what_it_cannot_run():
