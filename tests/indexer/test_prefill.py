@@ -303,6 +303,17 @@ def test_all_zero_inputs_with_unit_scales(fmt, poisoned):
     assert (out[mask] == 0).all()
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1e36])
+def test_relu_via_abs_at_extreme_weights(scale, poisoned):
+    """The row scale c follows the combined row over fp32's range: weights of 1e-30 and 1e36
+    (logits near 1e40 are out of fp32 range, so 1e36 with small inputs) stay within the bound."""
+    q, k, w, qq, kk = make_inputs(24, 100, 8, 64, "fp8", seed=3, scale=0.05)
+    ks, ke = W.causal_tail(24, 100, device=DEVICE)
+    w = w * scale
+    out = run(qq, kk, w, ks, ke, config=dataclasses.replace(SMALL, relu_via_abs=2))
+    check_logits(out, qq, kk, q, k, w, ks, ke, "fp8", against_unquantised=False)
+
+
 def test_linear_term_parts_sum_to_the_weighted_query_row():
     """relu_via_abs's linear half: per row, c is a power of two putting max |sum_h w q| in
     [128, 256), the E4M3 parts sum to (sum_h w q) / c within 2^-4 per part of the row's
