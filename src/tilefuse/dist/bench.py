@@ -325,7 +325,9 @@ def _time(fns: dict, args, est_us: float) -> dict:
 def _trace(case: _Case, fused, path: Path) -> str | None:
     """One traced call of the first fused variant, every rank's events merged into one file. In
     graph mode the call is captured and replayed once, as it was timed (an eager call's streams
-    start as fast as the host enqueues their work, which moves the kernels apart)."""
+    start as fast as the host enqueues their work, which moves the kernels apart). The ranks
+    meet on the device right before the call (an all-reduce enqueued just ahead of it): a host
+    barrier alone left them ~100 µs apart, which the trace showed as start-barrier waits."""
     import tilefuse.dist as tdist
     from tilefuse.dist.trace import Trace, chrome_trace
 
@@ -343,10 +345,14 @@ def _trace(case: _Case, fused, path: Path) -> str | None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             call(tr)
-        torch.distributed.barrier()  # capture takes each rank a different time: start together
+        torch.distributed.barrier()  # capture takes each rank a different time
         torch.cuda.synchronize()
+        torch.distributed.all_reduce(torch.ones(1, device=case.a.device))  # both streams leave this together
         graph.replay()
     else:
+        torch.distributed.barrier()
+        torch.cuda.synchronize()
+        torch.distributed.all_reduce(torch.ones(1, device=case.a.device))
         call(tr)
     torch.cuda.synchronize()
     events = tr.events()
