@@ -340,19 +340,18 @@ def _trace(case: _Case, fused, path: Path) -> str | None:
         fn(case.a, case.b, out=case.out(name), trace=trace, **_fused_call(design, opts, case.args.timeout))
 
     tr = Trace()
+    graph = None
     if case.args.mode == "graph":
         call(Trace())  # compiles and loads the traced kernels outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             call(tr)
-        torch.distributed.barrier()  # capture takes each rank a different time
-        torch.cuda.synchronize()
-        torch.distributed.all_reduce(torch.ones(1, device=case.a.device))  # both streams leave this together
+    torch.distributed.barrier()  # capture takes each rank a different time
+    torch.cuda.synchronize()
+    torch.distributed.all_reduce(torch.ones(1, device=case.a.device))  # both streams leave this together
+    if graph is not None:
         graph.replay()
     else:
-        torch.distributed.barrier()
-        torch.cuda.synchronize()
-        torch.distributed.all_reduce(torch.ones(1, device=case.a.device))
         call(tr)
     torch.cuda.synchronize()
     events = tr.events()
