@@ -645,7 +645,8 @@ def test_gluon_relu_via_abs_is_bitwise_the_triton_kernel(fmt, layout, parts, ref
 def test_relu_via_abs_rejects_what_it_cannot_run():
     _, _, w, qq, kk = make_inputs(16, 64, 8, 64, "fp8", seed=1)
     ks, ke = W.causal_tail(16, 64, device=DEVICE)
-    for cfg in (dataclasses.replace(SMALL, relu_via_abs=4), dataclasses.replace(SMALL, relu_via_abs=2, keys_major=True),
+    for cfg in (dataclasses.replace(SMALL, relu_via_abs=4), dataclasses.replace(SMALL, relu_via_abs=1),
+                dataclasses.replace(SMALL, relu_via_abs=2, keys_major=True),
                 dataclasses.replace(SMALL, relu_via_abs=2, heads_on_n=True)):
         with pytest.raises(ValueError, match="relu_via_abs"):
             run(qq, kk, w, ks, ke, config=cfg)
