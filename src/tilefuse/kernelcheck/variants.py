@@ -606,13 +606,20 @@ def _dist_variants() -> list[Variant]:
             core.gemm(a, b, config=cfgs[0], num_programs=_SMS)
         record("gemm fp16 kn", launches)
 
+        # The activity trace (bench --trace) is compiled once per design, on the first tile.
+        from tilefuse.dist.trace import TRACE_FIELDS
+
+        def trace_buf(programs, traced):
+            return torch.full((programs, 4, TRACE_FIELDS), -1, dtype=torch.int64) if traced else None
+
         # ag_gemm (8 ranks): both designs, every tile; the GEMM waits on the gathered rows.
         # Shapes with several tile rows per chunk and several K pieces, so that no count the
         # launch passes is 1 (Triton would compile that as a constant).
         world, k = 8, _FUSED_K
         for cfg in cfgs:
-            for design, local in (("ce", None), ("push", None), ("push", "sm"), ("push", "ce")):
-                if local == "ce" and cfg != cfgs[0]:  # only the push kernel changes
+            for design, local, traced in (("ce", None, False), ("push", None, False), ("push", "sm", False),
+                                          ("push", "ce", False), ("ce", None, True), ("push", None, True)):
+                if (local == "ce" or traced) and cfg != cfgs[0]:  # only the push kernel changes / the trace
                     continue
                 m = world * 8 * cfg.block_m
                 plan = ag.make_plan(design, m, 264, k, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS,
@@ -622,20 +629,24 @@ def _dist_variants() -> list[Variant]:
                 out_t = torch.empty(m, 264, dtype=bf16)
                 with tracing(*paths) as launches:
                     if design == "push":
-                        ag.launch_push(plan, ws, a_shard, timeout)
+                        ag.launch_push(plan, ws, a_shard, timeout, trace=trace_buf(plan.comm_programs, traced))
                     else:
                         ag.launch_barrier(ws, timeout, "ag_gemm")
-                    ag.launch_gemm_part(plan, ws, a_shard, b, out_t, "kn", timeout)
+                    ag.launch_gemm_part(plan, ws, a_shard, b, out_t, "kn", timeout, trace=trace_buf(_SMS, traced))
                 record(f"ag_gemm[{design}{'' if local is None else '/' + local}] W{world} bf16 kn", launches)
 
         # gemm_rs: both designs at 2 and 8 ranks, every tile; unaligned chunks once; the owner's
-        # partials by TMA on the wide tile, with and without the pushed tiles by TMA.
+        # partials by TMA on the wide tile, with and without the pushed tiles by TMA; traced at 8
+        # with the plan's own choices (None).
         for cfg in cfgs:
             for design in rs.DESIGNS:
-                for world, rows, tma, send in ((2, 2 * cfg.block_m, False, False), (8, 2 * cfg.block_m, False, False),
-                                               (8, 200, False, False), (2, 2 * cfg.block_m, True, False),
-                                               (2, 2 * cfg.block_m, True, True)):
+                for world, rows, tma, send, traced in (
+                        (2, 2 * cfg.block_m, False, False, False), (8, 2 * cfg.block_m, False, False, False),
+                        (8, 200, False, False, False), (2, 2 * cfg.block_m, True, False, False),
+                        (2, 2 * cfg.block_m, True, True, False), (8, 2 * cfg.block_m, None, None, True)):
                     if (rows == 200 or world == 2) and (design != "push" or cfg != cfgs[0]):
+                        continue
+                    if traced and cfg != cfgs[0]:
                         continue
                     m = world * rows
                     plan = rs.make_plan(design, m, 264, 64, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS,
@@ -644,41 +655,10 @@ def _dist_variants() -> list[Variant]:
                     a, b = tensors(m, 264, 64, bf16, "kn")
                     out_t = torch.empty(rows, 264, dtype=bf16)
                     with tracing(*paths) as launches:
-                        rs.launch_gemm_part(plan, ws, a, b, out_t, "kn", timeout)
+                        rs.launch_gemm_part(plan, ws, a, b, out_t, "kn", timeout, trace=trace_buf(_SMS, traced))
                         if design == "forward":
-                            rs.launch_forward(plan, ws, timeout)
+                            rs.launch_forward(plan, ws, timeout, trace=trace_buf(_SMS, traced))
                     record(f"gemm_rs[{design}] W{world} bf16 kn", launches)
-
-        # The activity trace (bench --trace): each design once, first tile, with trace buffers.
-        from tilefuse.dist.trace import TRACE_FIELDS
-
-        cfg, world = cfgs[0], 8
-
-        def buf(programs):
-            return torch.full((programs, 4, TRACE_FIELDS), -1, dtype=torch.int64)
-
-        for design in ("ce", "push"):
-            m = world * 8 * cfg.block_m
-            plan = ag.make_plan(design, m, 264, _FUSED_K, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS)
-            ws = emulated_workspaces(world, plan.nbytes)[0]
-            a_shard, b = tensors(m // world, 264, _FUSED_K, bf16, "kn")
-            with tracing(*paths) as launches:
-                if design == "push":
-                    ag.launch_push(plan, ws, a_shard, timeout, trace=buf(plan.comm_programs))
-                ag.launch_gemm_part(plan, ws, a_shard, b, torch.empty(m, 264, dtype=bf16), "kn", timeout,
-                                    trace=buf(_SMS))
-            record(f"ag_gemm[{design}] W{world} bf16 kn", launches)
-        for design in rs.DESIGNS:
-            m = world * 2 * cfg.block_m
-            plan = rs.make_plan(design, m, 264, 64, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS)
-            ws = emulated_workspaces(world, plan.nbytes)[0]
-            a, b = tensors(m, 264, 64, bf16, "kn")
-            with tracing(*paths) as launches:
-                rs.launch_gemm_part(plan, ws, a, b, torch.empty(m // world, 264, dtype=bf16), "kn", timeout,
-                                    trace=buf(_SMS))
-                if design == "forward":
-                    rs.launch_forward(plan, ws, timeout, trace=buf(_SMS))
-            record(f"gemm_rs[{design}] W{world} bf16 kn", launches)
     return out
 
 
