@@ -211,6 +211,9 @@ def test_bench_arguments():
     assert fused_variants("gemm_rs", "push/x0+1")[1][:2] == ("fused:push/x1", "push")
     assert fused_variants("gemm_rs", "push/x0+1")[1][2] == {"send_tma": True}
     assert not rs.make_plan("push", 64, 64, 64, 2, 0, torch.bfloat16, CPU).send_tma
+    # send_tma is the Gluon kernel (sm_90 GPUs): elsewhere the plan keeps the Triton kernel.
+    cpu_plan = rs.make_plan("push", 256, 64, 64, 2, 0, torch.bfloat16, CPU, send_tma=True)
+    assert cpu_plan.schedule.aligned and not cpu_plan.send_tma
     for design, world in (("forward", 2), ("push", 4)):
         with pytest.raises(ValueError, match="send_tma"):
             rs.make_plan(design, 64, 64, 64, world, 0, torch.bfloat16, CPU, send_tma=True)

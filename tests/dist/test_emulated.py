@@ -169,12 +169,3 @@ def test_gemm_rs_partials_by_tma(world, design, mc, lag):
     option falls back to per-thread loads there)."""
     _assert_option_keeps_bits("recv_tma", world, mc, 300 + world, "TMA loads", design=design, comm_programs=2,
                               lag=lag)
-
-
-@pytest.mark.parametrize("mc,lag,recv_tma", [(48, 0, True), (48, 3, False), (40, 0, False)])
-def test_gemm_rs_pushed_tiles_by_tma(mc, lag, recv_tma):
-    """Peer-owned tiles stored into the peer's receive buffer through a tensor descriptor: the
-    same bits as per-thread stores (mc = 40 is not a multiple of the 16-row tile: per-thread
-    stores there, since a TMA store would run into the next sender's rows)."""
-    _assert_option_keeps_bits("send_tma", 2, mc, 400 + mc + lag, "TMA stores", design="push", lag=lag,
-                              recv_tma=recv_tma)

@@ -68,8 +68,7 @@ def emulate_ag_gemm(shards: list[torch.Tensor], b: torch.Tensor, *, design: str,
 
 def emulate_gemm_rs(a_list: list[torch.Tensor], b_list: list[torch.Tensor], *, design: str, b_layout: str = "kn",
                     config=None, comm_programs: int | None = None, num_programs: int = 4, spins: int = 200,
-                    lag: int | None = None, trace=None, recv_tma: bool | None = None,
-                    send_tma: bool | None = None):
+                    lag: int | None = None, trace=None, recv_tma: bool | None = None):
     """Every rank's ``gemm_rs`` output: peer-owned tiles of all ranks first, then (forward) the
     forwarding kernels, then the owners' own tiles with the fused reduction. An interleaved
     order (push, lag > 0) runs in lock-step segments of ``lag`` tile positions, every rank's
@@ -81,8 +80,7 @@ def emulate_gemm_rs(a_list: list[torch.Tensor], b_list: list[torch.Tensor], *, d
     n = b0.shape[1] if b_layout == "kn" else b0.shape[0]
     dev = a_list[0].device
     plans = [rs.make_plan(design, m, n, k, world, r, a_list[0].dtype, dev, config=config,
-                          comm_programs=comm_programs, num_programs=num_programs, lag=lag, recv_tma=recv_tma,
-                          send_tma=send_tma)
+                          comm_programs=comm_programs, num_programs=num_programs, lag=lag, recv_tma=recv_tma)
              for r in range(world)]
     wss = emulated_workspaces(world, max(p.nbytes for p in plans), dev)
     timeout = P.timeout_units(1.0, dev.type, spins)

@@ -191,7 +191,7 @@ def _reduce_own(acc, r_desc, ws_addr, j, col0, tic, tpc, Mc, N, rank, recv_off, 
 
 @triton.jit
 def _persistent_gemm(
-    a_desc, l_desc, b_desc, c_desc, r_desc, p_desc, out_ptr,
+    a_desc, l_desc, b_desc, c_desc, r_desc, out_ptr,
     M, N, K, Mc, rank,
     order_ptr, lag, tile_begin, tile_end,
     ws_addr, bases_ptr, flags_off, band_tiles, bands_per_chunk, flag_target,
@@ -202,7 +202,7 @@ def _persistent_gemm(
     B_KN: tl.constexpr, EPI: tl.constexpr, WAIT_A: tl.constexpr,
     ALIGNED: tl.constexpr, RESET: tl.constexpr, BARRIER: tl.constexpr, TRACE: tl.constexpr,
     MAX_EVENTS: tl.constexpr, USE_TIMER: tl.constexpr, OP: tl.constexpr, FLATTEN: tl.constexpr = False,
-    RECV_TMA: tl.constexpr = False, SEND_TMA: tl.constexpr = False, LOCAL_A: tl.constexpr = False,
+    RECV_TMA: tl.constexpr = False, LOCAL_A: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     OUT_DTYPE = out_ptr.dtype.element_ty
@@ -254,8 +254,6 @@ def _persistent_gemm(
         else:
             tic = j * tn + col
             if pend != 0:  # the previous peer tile's stores have drained under this mainloop
-                if SEND_TMA:
-                    P.bulk_stores_done(USE_TIMER)
                 P.set_flag(pend.to(tl.pointer_type(tl.int32)), 1)
                 pend = pend * 0
             if remote:
@@ -268,12 +266,8 @@ def _persistent_gemm(
                         dead = P.read_word(ctl_ptr + P.CTL_ABORT)  # the wait may have ended by abort
                         wait_ns += P.now_ns(USE_TIMER) - w0
                     if dead == 0:
-                        if SEND_TMA:  # W = 2: the one peer's receive buffer; the SM does not wait for the link
-                            p_desc.store([rank * Mc + j * BM, col * BN], acc.to(OUT_DTYPE))
-                        else:
-                            dst = P.peer_ptr(bases_ptr, chunk, recv_off, OUT_DTYPE)
-                            _store_rows(dst, rank * Mc + j * BM, rows_valid, col * BN, N, acc.to(OUT_DTYPE),
-                                        BM, BN)
+                        dst = P.peer_ptr(bases_ptr, chunk, recv_off, OUT_DTYPE)
+                        _store_rows(dst, rank * Mc + j * BM, rows_valid, col * BN, N, acc.to(OUT_DTYPE), BM, BN)
                         pend = tl.load(bases_ptr + chunk) + flags_off + (rank * tpc + tic) * 4
                 else:
                     part = P.as_ptr(ws_addr + part_off, OUT_DTYPE)
@@ -294,8 +288,6 @@ def _persistent_gemm(
             P.trace_event(trace_ptr, pid, ev, MAX_EVENTS, t_start, t_main, P.now_ns(USE_TIMER), wait_ns, info)
         ev += 1
     if pend != 0:
-        if SEND_TMA:
-            P.bulk_stores_done(USE_TIMER)
         P.set_flag(pend.to(tl.pointer_type(tl.int32)), 1)
     if RESET:
         P.finish_program(ctl_ptr, P.CTL_DONE_GEMM, P.CTL_GO_GEMM, NUM_PROGRAMS,
@@ -323,7 +315,6 @@ class CommArgs:
     part_flags_off: int = 0
     n_reset_flags: int = 0
     recv: torch.Tensor | None = None  # the receive buffer [W * Mc, N]: partials loaded by TMA
-    peer_recv: torch.Tensor | None = None  # W = 2: the peer's receive buffer, partials stored by TMA
     reset: bool = True
     barrier: bool = False  # program 0 runs the start barrier (gemm_rs push)
 
@@ -373,8 +364,6 @@ def launch_gemm(
     recv_tma = comm is not None and comm.recv is not None and schedule.aligned
     # Without it the kernel never reads r_desc; c_desc stands in (same type: no new specialization).
     r_desc = _desc(comm.recv, [bm, bn]) if recv_tma else c_desc
-    send_tma = comm is not None and comm.peer_recv is not None and schedule.aligned and schedule.world == 2
-    p_desc = _desc(comm.peer_recv, [bm, bn]) if send_tma else c_desc
     tile_end = schedule.num_tiles if tile_end is None else tile_end
     programs = num_programs or num_sms(device)
     programs = max(1, min(programs, tile_end - tile_begin))
@@ -397,7 +386,7 @@ def launch_gemm(
         raise ValueError(f"trace buffer has {trace.shape[0]} rows, needs {programs}")
     c = comm_vals
     args = (
-        a_desc, l_desc, b_desc, c_desc, r_desc, p_desc, out,
+        a_desc, l_desc, b_desc, c_desc, r_desc, out,
         a.shape[0], n, k, schedule.mc, rank,
         order, schedule.lag_tiles, tile_begin, tile_end,
         c["ws_addr"], c["bases"], c["flags_off"], c["band_tiles"], c["bands_per_chunk"], c["flag_target"],
@@ -412,7 +401,7 @@ def launch_gemm(
         TRACE=trace is not None, MAX_EVENTS=max_events,
         USE_TIMER=P.use_timer(device.type), OP=P.OP_CODES[op],
         FLATTEN=cfg.flatten and epilogue == EPI_LOCAL.value and not wait_a and comm is None and trace is None,
-        RECV_TMA=recv_tma, SEND_TMA=send_tma, LOCAL_A=a_local is not None,
+        RECV_TMA=recv_tma, LOCAL_A=a_local is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _persistent_gemm[(programs,)](*args, **kwargs)

@@ -74,7 +74,7 @@ class RsPlan:
     part_off: int
     nbytes: int
     recv_tma: bool  # the owner loads peer partials by TMA (tensor descriptor) in its epilogue
-    send_tma: bool  # push at W = 2: peer-owned tiles stored into the peer's buffer by TMA
+    send_tma: bool  # push at W = 2 by the Gluon kernel: pushed tiles' TMA stores left in flight
 
     @property
     def lag(self) -> int:
@@ -142,9 +142,9 @@ def make_plan(
     against 131 at W = 2, where each program alternates pushed and own tiles: slower, NOTES).
     ``recv_tma``: the owner's epilogue loads peer partials through a tensor descriptor (TMA)
     where chunks are tile-aligned (None: push where the walk is not interleaved, lag 0).
-    ``send_tma``: push at W = 2 stores peer-owned tiles into the peer's receive buffer by TMA
-    (asynchronous: the program goes on to its next tile while the tile crosses the link) where
-    chunks are tile-aligned; per-thread stores otherwise (None: False)."""
+    ``send_tma``: push at W = 2 runs the Gluon kernel (``_gemm_rs_gluon``): a peer-owned tile
+    leaves by one TMA store that stays in flight under the next tile's main loop, where chunks
+    are whole tiles on an sm_90 GPU; the Triton kernel's per-thread stores elsewhere (None: False)."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if lag is not None and (not isinstance(lag, int) or lag < 0):
@@ -192,8 +192,15 @@ def make_plan(
     # (lag 66) 1.93 / 1.90 against 1.89 / 1.86; elsewhere within 2%. Why the interleaved walk
     # loses is not known.
     tma = (design == "push" and sched.lag_tiles == 0) if recv_tma is None else recv_tma
+    send = bool(send_tma) and sched.aligned and _gluon_device(device)
     return RsPlan(design, m, n, k, world, rank, dtype, cfg, sched, comm, programs, recv_flags_off,
-                  part_flags_off, recv_off, part_off, nbytes, tma, bool(send_tma))
+                  part_flags_off, recv_off, part_off, nbytes, tma or send, send)
+
+
+def _gluon_device(device) -> bool:
+    """The Gluon push kernel's wgmma and TMA code is written for sm_90 (Hopper)."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def launch_gemm_part(plan: RsPlan, ws: Workspace, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -203,9 +210,17 @@ def launch_gemm_part(plan: RsPlan, ws: Workspace, a: torch.Tensor, b: torch.Tens
     comm = CommArgs(ws.local, ws.bases_dev, ws.err, timeout, flags_off=plan.recv_flags_off,
                     recv_off=plan.recv_off, part_off=plan.part_off, part_flags_off=plan.part_flags_off,
                     n_reset_flags=n_flags, reset=reset, barrier=barrier and plan.design == "push",
-                    recv=ws.view(plan.recv_off, (plan.m, plan.n), plan.dtype) if plan.recv_tma else None,
-                    peer_recv=ws.peer_view(1 - plan.rank, plan.recv_off, (plan.m, plan.n), plan.dtype)
-                    if plan.send_tma else None)
+                    recv=ws.view(plan.recv_off, (plan.m, plan.n), plan.dtype) if plan.recv_tma else None)
+    if plan.send_tma:  # the whole walk in one launch (push)
+        from tilefuse.dist import _gemm_rs_gluon
+
+        if tile_begin != 0 or tile_end not in (None, plan.schedule.num_tiles):
+            raise ValueError("the Gluon push kernel runs the whole tile walk in one launch")
+        peer_recv = ws.peer_view(1 - plan.rank, plan.recv_off, (plan.m, plan.n), plan.dtype)
+        _gemm_rs_gluon.launch(a, b, out, comm.recv, peer_recv, schedule=plan.schedule, rank=plan.rank,
+                              config=plan.config, b_layout=b_layout, comm=comm, num_programs=plan.gemm_programs,
+                              trace=trace, op_code=P.OP_CODES["gemm_rs"], use_timer=P.use_timer(a.device.type))
+        return
     epi = EPI_RS_PUSH if plan.design == "push" else EPI_RS_LOCAL
     launch_gemm(a, b, out, schedule=plan.schedule, rank=plan.rank, config=plan.config, b_layout=b_layout,
                 epilogue=epi.value, comm=comm, num_programs=plan.gemm_programs, tile_begin=tile_begin,
@@ -313,7 +328,8 @@ def gemm_rs(
             measured default; 0: all peer tiles first).
         num_programs: push's persistent programs, at most one per SM (None: one per SM).
         recv_tma: the owner's epilogue loads peer partials by TMA (None: the measured default).
-        send_tma: push at W = 2: peer-owned tiles leave by TMA stores (None: the default).
+        send_tma: push at W = 2 on Hopper: the Gluon kernel, whose pushed tiles' TMA stores drain
+            under the next tile's main loop (None: the measured default).
         timeout_s: bound of every cross-GPU wait (default 60 s).
         trace: a :class:`tilefuse.dist.Trace`.
 

@@ -51,6 +51,8 @@ PTX_CLASSES = {
     "ld.shared": ("ld.shared",),
     "st.shared": ("st.shared",),
     "cp.async.bulk.tensor": ("cp.async.bulk.tensor",),
+    # waits for TMA stores to be read out of shared memory (where a kernel blocks on its stores)
+    "bulk.wait.read": ("cp.async.bulk.wait_group.read",),
     "cp.async": ("cp.async.ca", "cp.async.cg"),
     "ldmatrix": ("ldmatrix",),
     "tcgen05.ld": ("tcgen05.ld",),

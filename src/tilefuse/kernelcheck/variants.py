@@ -576,7 +576,7 @@ def _dist_variants() -> list[Variant]:
                 name = (f"{label} {c['BM']}x{c['BN']}x{c['BK']} w{o['num_warps']}s{o.get('num_stages', 3)} "
                         f"epi={epi}{' wait_a' if c['WAIT_A'] else ''}{'' if c['ALIGNED'] else ' unaligned'}"
                         f"{' barrier' if c['BARRIER'] else ''}{' recv_tma' if c.get('RECV_TMA') else ''}"
-                        f"{' send_tma' if c.get('SEND_TMA') else ''}{' local_a' if c.get('LOCAL_A') else ''}"
+                        f"{' local_a' if c.get('LOCAL_A') else ''}"
                         f"{' trace' if c.get('TRACE') else ''}")
                 out.append(variant_of(launch, kernel, name))
             else:
@@ -636,21 +636,19 @@ def _dist_variants() -> list[Variant]:
                 record(f"ag_gemm[{design}{'' if local is None else '/' + local}] W{world} bf16 kn", launches)
 
         # gemm_rs: both designs at 2 and 8 ranks, every tile; unaligned chunks once; the owner's
-        # partials by TMA on the wide tile, with and without the pushed tiles by TMA; traced at 8
-        # with the plan's own choices (None).
+        # partials by TMA on the wide tile; traced at 8 with the plan's own choices (None).
         for cfg in cfgs:
             for design in rs.DESIGNS:
-                for world, rows, tma, send, traced in (
-                        (2, 2 * cfg.block_m, False, False, False), (8, 2 * cfg.block_m, False, False, False),
-                        (8, 200, False, False, False), (2, 2 * cfg.block_m, True, False, False),
-                        (2, 2 * cfg.block_m, True, True, False), (8, 2 * cfg.block_m, None, None, True)):
+                for world, rows, tma, traced in (
+                        (2, 2 * cfg.block_m, False, False), (8, 2 * cfg.block_m, False, False),
+                        (8, 200, False, False), (2, 2 * cfg.block_m, True, False), (8, 2 * cfg.block_m, None, True)):
                     if (rows == 200 or world == 2) and (design != "push" or cfg != cfgs[0]):
                         continue
                     if traced and cfg != cfgs[0]:
                         continue
                     m = world * rows
                     plan = rs.make_plan(design, m, 264, 64, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS,
-                                        recv_tma=tma, send_tma=send)
+                                        recv_tma=tma)
                     ws = emulated_workspaces(world, plan.nbytes)[0]
                     a, b = tensors(m, 264, 64, bf16, "kn")
                     out_t = torch.empty(rows, 264, dtype=bf16)
@@ -660,6 +658,47 @@ def _dist_variants() -> list[Variant]:
                             rs.launch_forward(plan, ws, timeout, trace=trace_buf(_SMS, traced))
                     record(f"gemm_rs[{design}] W{world} bf16 kn", launches)
     return out
+
+
+def dist_rs_gluon_variants() -> list[Variant]:
+    """gemm_rs push's Gluon kernel (``send_tma``, W = 2, Hopper only) as its launcher builds it:
+    every tile ``default_config`` picks with B as [K, N] and [N, K]; traced on the first tile.
+    The launcher is called directly: the op only takes it on an sm_90 GPU."""
+    import torch
+
+    from tilefuse.dist import _gemm_core as core
+    from tilefuse.dist import _gemm_rs_gluon as gk
+    from tilefuse.dist import _primitives as P
+    from tilefuse.dist.symm import emulated_workspaces
+    from tilefuse.dist.trace import TRACE_FIELDS
+
+    rs = importlib.import_module("tilefuse.dist.gemm_rs")
+    path = f"{gk.__name__}:rs_push_gluon_kernel"
+    timeout = int(60 * 1e9)
+    bf16 = torch.bfloat16
+    cfgs = _gemm_configs(core)
+    out = []
+    for cfg in cfgs:
+        for b_layout, traced in (("kn", False), ("nk", False), ("kn", True)):
+            if traced and cfg != cfgs[0]:
+                continue
+            rows, n, k = 2 * cfg.block_m, 264, 4 * cfg.block_k
+            plan = rs.make_plan("push", 2 * rows, n, k, 2, 0, bf16, "cpu", config=cfg, num_programs=_SMS)
+            wss = emulated_workspaces(2, plan.nbytes)
+            comm = core.CommArgs(wss[0].local, wss[0].bases_dev, wss[0].err, timeout, flags_off=plan.recv_flags_off,
+                                 recv_off=plan.recv_off, n_reset_flags=2 * plan.tiles_per_chunk, barrier=True)
+            a = torch.zeros(2 * rows, k, dtype=bf16)
+            b = torch.zeros((k, n) if b_layout == "kn" else (n, k), dtype=bf16)
+            recv = torch.zeros(2 * rows, n, dtype=bf16)
+            trace = torch.full((_SMS, 4, TRACE_FIELDS), -1, dtype=torch.int64) if traced else None
+            with tracing(path) as launches:
+                gk.launch(a, b, torch.zeros(rows, n, dtype=bf16), recv, recv.clone(), schedule=plan.schedule, rank=0,
+                          config=cfg, b_layout=b_layout, comm=comm, num_programs=_SMS, trace=trace,
+                          op_code=P.OP_CODES["gemm_rs"], use_timer=True)
+            name = (f"gemm_rs[push/x1] W2 bf16 {b_layout} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} "
+                    f"w{cfg.num_warps}s{cfg.num_stages}" + (" trace" if traced else ""))
+            out += [variant_of(launch, "dist.rs_gluon", name, "default", ("sm_90a",)) for launch in launches]
+    return _unique(out)
 
 
 @functools.cache
@@ -712,6 +751,7 @@ KERNELS: dict[str, tuple[Callable[[], list[Variant]], str]] = {
     "indexer.paged": (paged_variants, "tilefuse.indexer._paged_kernel"),
     "dist.gemm": (dist_gemm_variants, "tilefuse.dist._gemm_core"),
     "dist.comm": (dist_comm_variants, "tilefuse.dist._comm_kernels"),
+    "dist.rs_gluon": (dist_rs_gluon_variants, "tilefuse.dist._gemm_rs_gluon"),
 }
 
 
