@@ -189,9 +189,9 @@ def rs_push_gluon_kernel(
                                      BK, STAGES, B_KN)
 
         tic = j * tn + col
-        # The last tile's store (pushed or own) was in flight through this tile's main loop.
-        tma.store_wait(0)
-        pend = _publish(pend, USE_TIMER)
+        # The last tile's store (pushed or own) was in flight through this tile's main loop: wait
+        # until it has left the buffer; its owner's flag (if pushed) goes up once it has landed,
+        # which is waited for behind other work of this epilogue.
         if chunk != rank:
             if go_ok == 0:
                 w0 = P.now_ns(USE_TIMER)
@@ -200,8 +200,11 @@ def rs_push_gluon_kernel(
                 go_ok = 1
                 dead = P.read_word(ctl_ptr + P.CTL_ABORT)  # the wait may have ended by abort
                 wait_ns += P.now_ns(USE_TIMER) - w0
+            tma.store_wait(0)
             if dead == 0:
                 epi_smem.store(acc.to(OUT_DTYPE))
+            pend = _publish(pend, USE_TIMER)  # before this tile's store: the wait covers every store
+            if dead == 0:
                 fence_async_shared()
                 tma.async_copy_shared_to_global(p_desc, [rank * Mc + j * BM, col * BN], epi_smem)
                 pend = gl.load(bases_ptr + chunk) + flags_off + (rank * tpc + tic) * 4
@@ -212,8 +215,12 @@ def rs_push_gluon_kernel(
                 P.wait_geq(flags + src * tpc + tic, 1, ctl_ptr, err_ptr, timeout, rank, OP, P.ROLE_GEMM, chunk,
                            src * tpc + tic, USE_TIMER)
                 P.fence_proxy_async(USE_TIMER)  # the peer's stores were acquired by the generic proxy
+                if s == 1:
+                    tma.store_wait(0)
                 mbarrier.expect(r_bar, r_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(r_desc, [src * Mc + j * BM, col * BN], r_bar, epi_smem)
+                if s == 1:
+                    pend = _publish(pend, USE_TIMER)  # while the partial loads
                 mbarrier.wait(r_bar, phase=r_phase)
                 r_phase ^= 1
                 acc += epi_smem.load(mma).to(gl.float32)

@@ -322,12 +322,16 @@ def _time(fns: dict, args, est_us: float) -> dict:
     return timing.time_batch(fns, iters=_iters(args.sample_ms, est_us), warmup=2, samples=samples, reset=_sync)
 
 
+TRACE_ALIGN_CYCLES = 10_000_000  # ~5 ms at the H200's 1.98 GHz: far more than the hosts' skew
+
+
 def _trace(case: _Case, fused, path: Path) -> str | None:
     """One traced call of the first fused variant, every rank's events merged into one file. In
     graph mode the call is captured and replayed once, as it was timed (an eager call's streams
     start as fast as the host enqueues their work, which moves the kernels apart). The ranks
-    meet on the device right before the call (an all-reduce enqueued just ahead of it): a host
-    barrier alone left them ~100 µs apart, which the trace showed as start-barrier waits."""
+    meet on the device right before the call (an all-reduce, then a device-side sleep of the same
+    length on every rank, enqueued just ahead of it): a host barrier alone left them ~100 µs
+    apart, which the trace showed as start-barrier waits."""
     import tilefuse.dist as tdist
     from tilefuse.dist.trace import Trace, chrome_trace
 
@@ -349,6 +353,10 @@ def _trace(case: _Case, fused, path: Path) -> str | None:
     torch.distributed.barrier()  # capture takes each rank a different time
     torch.cuda.synchronize()
     torch.distributed.all_reduce(torch.ones(1, device=case.a.device))  # both streams leave this together
+    # ... and then sleep the same time on the device, long enough for the slower host to enqueue
+    # the call behind it (without it the ranks started 0.1-0.7 ms apart, as fast as each host).
+    if case.a.is_cuda:
+        torch.cuda._sleep(TRACE_ALIGN_CYCLES)
     if graph is not None:
         graph.replay()
     else:
