@@ -190,8 +190,7 @@ def rs_push_gluon_kernel(
 
         tic = j * tn + col
         # The last tile's store (pushed or own) was in flight through this tile's main loop: wait
-        # until it has left the buffer; its owner's flag (if pushed) goes up once it has landed,
-        # which is waited for behind other work of this epilogue.
+        # until it has left the buffer; its owner's flag (if pushed) goes up once it has landed.
         if chunk != rank:
             if go_ok == 0:
                 w0 = P.now_ns(USE_TIMER)
@@ -200,27 +199,32 @@ def rs_push_gluon_kernel(
                 go_ok = 1
                 dead = P.read_word(ctl_ptr + P.CTL_ABORT)  # the wait may have ended by abort
                 wait_ns += P.now_ns(USE_TIMER) - w0
+            w0 = P.now_ns(USE_TIMER)
             tma.store_wait(0)
+            w1 = P.now_ns(USE_TIMER)
             if dead == 0:
                 epi_smem.store(acc.to(OUT_DTYPE))
-            pend = _publish(pend, USE_TIMER)  # before this tile's store: the wait covers every store
+            w2 = P.now_ns(USE_TIMER)
+            pend = _publish(pend, USE_TIMER)  # after the buffer write, before this tile's store (the
+            # wait covers every store of the program)
+            wait_ns += (w1 - w0) + (P.now_ns(USE_TIMER) - w2)  # traced: the waits for the last store
             if dead == 0:
                 fence_async_shared()
                 tma.async_copy_shared_to_global(p_desc, [rank * Mc + j * BM, col * BN], epi_smem)
                 pend = gl.load(bases_ptr + chunk) + flags_off + (rank * tpc + tic) * 4
         else:
+            # Publish before waiting for a peer: the peer may be waiting for this very flag
+            # before it publishes the one this tile needs.
             w0 = P.now_ns(USE_TIMER)
+            tma.store_wait(0)
+            pend = _publish(pend, USE_TIMER)
             for s in gl.static_range(1, W):
                 src = (rank + s) % W
                 P.wait_geq(flags + src * tpc + tic, 1, ctl_ptr, err_ptr, timeout, rank, OP, P.ROLE_GEMM, chunk,
                            src * tpc + tic, USE_TIMER)
                 P.fence_proxy_async(USE_TIMER)  # the peer's stores were acquired by the generic proxy
-                if s == 1:
-                    tma.store_wait(0)
                 mbarrier.expect(r_bar, r_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(r_desc, [src * Mc + j * BM, col * BN], r_bar, epi_smem)
-                if s == 1:
-                    pend = _publish(pend, USE_TIMER)  # while the partial loads
                 mbarrier.wait(r_bar, phase=r_phase)
                 r_phase ^= 1
                 acc += epi_smem.load(mma).to(gl.float32)
