@@ -143,6 +143,7 @@ def rs_push_gluon_kernel(
         mbarrier.init(bars.index(i), count=1)
     mbarrier.init(r_bar, count=1)
 
+    peer_flags = gl.load(bases_ptr + (rank + 1) % W) + flags_off  # W = 2: the one peer's flag words
     go_ok = 0  # set once this program has seen the start barrier's go word
     dead = 0  # the start barrier failed: no store into the peer's buffer (it may not exist any more)
     pend = gl.full([], 0, gl.int64)  # owner flag address of a pushed tile whose stores may be in flight
@@ -161,6 +162,9 @@ def rs_push_gluon_kernel(
         else:
             t_start = gl.full([], 0, gl.int64)
         wait_ns = t_start - t_start
+        # Decoded now: the order table's load completes under the main loop, not in the epilogue.
+        t_next = t + NUM_PROGRAMS
+        n_chunk, n_j, n_col, n_row = _tile_rows(t_next, Mc, N, order_ptr, lag, W, BM, BN, GROUP_M)
         acc = gl.zeros((BM, BN), gl.float32, layout=mma)
         for kt in range(k_steps):
             slot = use_step % STAGES
@@ -182,8 +186,6 @@ def rs_push_gluon_kernel(
         else:
             t_main = t_start
         # The ring is empty: the next tile's first loads run under this epilogue.
-        t_next = t + NUM_PROGRAMS
-        n_chunk, n_j, n_col, n_row = _tile_rows(t_next, Mc, N, order_ptr, lag, W, BM, BN, GROUP_M)
         if t_next < tile_end:
             load_step = _first_loads(a_desc, b_desc, a_smem, b_smem, bars, load_step, n_row, n_col * BN, k_steps,
                                      BK, STAGES, B_KN)
@@ -211,7 +213,7 @@ def rs_push_gluon_kernel(
             if dead == 0:
                 fence_async_shared()
                 tma.async_copy_shared_to_global(p_desc, [rank * Mc + j * BM, col * BN], epi_smem)
-                pend = gl.load(bases_ptr + chunk) + flags_off + (rank * tpc + tic) * 4
+                pend = peer_flags + (rank * tpc + tic) * 4
         else:
             # Publish before waiting for a peer: the peer may be waiting for this very flag
             # before it publishes the one this tile needs.
