@@ -33,9 +33,10 @@ TOL = 1e-2  # ||out - ref|| / ||ref||: bf16 rounding of the output and (gemm_rs)
 TIMEOUT_S = 5.0
 # Fused variants in the bench's syntax: a design and its options (ce/r0: ag_gemm ce with the own
 # rows read from the staged buffer, not from the shard; push/cce: ag_gemm push with
-# the local shard staged by copy engines; push/t1: gemm_rs with the partials loaded by TMA;
-# push/x1: gemm_rs storing its pushed tiles by TMA, W = 2 only).
-DESIGNS = {"ag_gemm": ("ce", "ce/r0", "push", "push/cce"), "gemm_rs": ("push", "forward", "push/t1", "push/x1")}
+# the local shard staged by copy engines; gemm_rs push at W = 2 is the Gluon kernel where chunks
+# are whole tiles, push/x0 the Triton kernel, push/x0/t1 that with the partials loaded by TMA;
+# at other world sizes push is the Triton kernel, push/t1 with TMA partials).
+DESIGNS = {"ag_gemm": ("ce", "ce/r0", "push", "push/cce"), "gemm_rs": ("push", "forward", "push/x0/t1", "push/x0")}
 failures: list[str] = []
 dead: set[tuple[str, str]] = set()  # designs that failed once are not retried at other shapes
 
@@ -262,8 +263,8 @@ def main():
             for d in DESIGNS[op]:
                 against_reference(op, d, *((4096, 512, 4096) if op == "ag_gemm" else (4096, 4096, 512)))
 
-    if dist.get_world_size() != 2:  # TMA stores of pushed tiles need one peer (the op rejects it)
-        DESIGNS["gemm_rs"] = tuple(d for d in DESIGNS["gemm_rs"] if "/x1" not in d)
+    if dist.get_world_size() != 2:  # the Gluon kernel (x1) needs one peer: x0 would repeat push
+        DESIGNS["gemm_rs"] = ("push", "forward", "push/t1")
     if "--reverse" in sys.argv:  # each op's variants in the opposite order
         for op in DESIGNS:
             DESIGNS[op] = DESIGNS[op][::-1]

@@ -144,6 +144,7 @@ def rs_push_gluon_kernel(
     mbarrier.init(r_bar, count=1)
 
     peer_flags = gl.load(bases_ptr + (rank + 1) % W) + flags_off  # W = 2: the one peer's flag words
+    n_pushed = 0
     go_ok = 0  # set once this program has seen the start barrier's go word
     dead = 0  # the start barrier failed: no store into the peer's buffer (it may not exist any more)
     pend = gl.full([], 0, gl.int64)  # owner flag address of a pushed tile whose stores may be in flight
@@ -214,6 +215,10 @@ def rs_push_gluon_kernel(
                 fence_async_shared()
                 tma.async_copy_shared_to_global(p_desc, [rank * Mc + j * BM, col * BN], epi_smem)
                 pend = peer_flags + (rank * tpc + tic) * 4
+                if n_pushed == 0:  # the owner computes this tile in the first wave: publish it now,
+                    tma.store_wait(0)  # not a whole tile later
+                    pend = _publish(pend, USE_TIMER)
+                n_pushed += 1
         else:
             # Publish before waiting for a peer: the peer may be waiting for this very flag
             # before it publishes the one this tile needs.

@@ -322,7 +322,7 @@ def _time(fns: dict, args, est_us: float) -> dict:
     return timing.time_batch(fns, iters=_iters(args.sample_ms, est_us), warmup=2, samples=samples, reset=_sync)
 
 
-TRACE_ALIGN_CYCLES = 10_000_000  # ~5 ms at the H200's 1.98 GHz: far more than the hosts' skew
+TRACE_ALIGN_CYCLES = 20_000_000  # ~10 ms at the H200's 1.98 GHz: far more than the hosts' skew
 
 
 def _trace(case: _Case, fused, path: Path) -> str | None:
@@ -350,11 +350,13 @@ def _trace(case: _Case, fused, path: Path) -> str | None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             call(tr)
+        graph.replay()  # the first replay uploads the graph (ms of host work on one rank or the other)
     torch.distributed.barrier()  # capture takes each rank a different time
     torch.cuda.synchronize()
     torch.distributed.all_reduce(torch.ones(1, device=case.a.device))  # both streams leave this together
     # ... and then sleep the same time on the device, long enough for the slower host to enqueue
-    # the call behind it (without it the ranks started 0.1-0.7 ms apart, as fast as each host).
+    # the call behind it (without it the ranks started 0.1-0.7 ms apart, as fast as each host;
+    # with it but without the warm replay, 0.2-0.3 ms).
     if case.a.is_cuda:
         torch.cuda._sleep(TRACE_ALIGN_CYCLES)
     if graph is not None:

@@ -144,7 +144,8 @@ def make_plan(
     where chunks are tile-aligned (None: push where the walk is not interleaved, lag 0).
     ``send_tma``: push at W = 2 runs the Gluon kernel (``_gemm_rs_gluon``): a peer-owned tile
     leaves by one TMA store that stays in flight under the next tile's main loop, where chunks
-    are whole tiles on an sm_90 GPU; the Triton kernel's per-thread stores elsewhere (None: False)."""
+    are whole tiles on an sm_90 GPU; the Triton kernel's per-thread stores elsewhere (None: True
+    for push at W = 2)."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if lag is not None and (not isinstance(lag, int) or lag < 0):
@@ -192,7 +193,11 @@ def make_plan(
     # (lag 66) 1.93 / 1.90 against 1.89 / 1.86; elsewhere within 2%. Why the interleaved walk
     # loses is not known.
     tma = (design == "push" and sched.lag_tiles == 0) if recv_tma is None else recv_tma
-    send = bool(send_tma) and sched.aligned and _gluon_device(device)
+    # The Gluon kernel by default where it runs: faster than the Triton kernel at all 12 bench
+    # shapes in three runs on 2 x H200 (1-7%; benchmarks/NOTES.md, fused TP round 14).
+    if send_tma is None:
+        send_tma = design == "push" and world == 2
+    send = send_tma and sched.aligned and _gluon_device(device)
     return RsPlan(design, m, n, k, world, rank, dtype, cfg, sched, comm, programs, recv_flags_off,
                   part_flags_off, recv_off, part_off, nbytes, tma or send, send)
 
