@@ -197,7 +197,7 @@ def make_plan(
     # shapes in three runs on 2 x H200 (1-7%; benchmarks/NOTES.md, fused TP round 14).
     if send_tma is None:
         send_tma = design == "push" and world == 2
-    send = send_tma and sched.aligned and _gluon_device(device)
+    send = send_tma and sched.aligned and k > 0 and _gluon_device(device)
     return RsPlan(design, m, n, k, world, rank, dtype, cfg, sched, comm, programs, recv_flags_off,
                   part_flags_off, recv_off, part_off, nbytes, tma or send, send)
 
