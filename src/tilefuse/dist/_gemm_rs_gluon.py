@@ -181,22 +181,6 @@ def rs_push_gluon_kernel(
                 _load_step(a_desc, b_desc, a_smem, b_smem, bars, load_step, a_row, col * BN,
                            (kt + STAGES - 1) * BK, STAGES, B_KN)
                 load_step += 1
-            if kt == k_steps - 1:
-                # Under the last MMA: the last tile's store (in flight through this main loop)
-                # has left the buffer, its owner's flag goes up once it has landed, and an own
-                # tile's partial starts loading. Publish before waiting for the peer's flag: the
-                # peer may be waiting for this one before it publishes the one this tile needs.
-                w0 = P.now_ns(USE_TIMER)
-                tma.store_wait(0)
-                pend = _publish(pend, USE_TIMER)
-                if chunk == rank:
-                    src = (rank + 1) % W
-                    P.wait_geq(flags + src * tpc + j * tn + col, 1, ctl_ptr, err_ptr, timeout, rank, OP, P.ROLE_GEMM,
-                               chunk, src * tpc + j * tn + col, USE_TIMER)
-                    P.fence_proxy_async(USE_TIMER)  # the peer's stores were acquired by the generic proxy
-                    mbarrier.expect(r_bar, r_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(r_desc, [src * Mc + j * BM, col * BN], r_bar, epi_smem)
-                wait_ns += P.now_ns(USE_TIMER) - w0
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if TRACE:
             t_main = P.now_ns(USE_TIMER)
@@ -208,6 +192,8 @@ def rs_push_gluon_kernel(
                                      BK, STAGES, B_KN)
 
         tic = j * tn + col
+        # The last tile's store (pushed or own) was in flight through this tile's main loop: wait
+        # until it has left the buffer; its owner's flag (if pushed) goes up once it has landed.
         if chunk != rank:
             if go_ok == 0:
                 w0 = P.now_ns(USE_TIMER)
@@ -216,21 +202,40 @@ def rs_push_gluon_kernel(
                 go_ok = 1
                 dead = P.read_word(ctl_ptr + P.CTL_ABORT)  # the wait may have ended by abort
                 wait_ns += P.now_ns(USE_TIMER) - w0
+            w0 = P.now_ns(USE_TIMER)
+            tma.store_wait(0)
+            w1 = P.now_ns(USE_TIMER)
             if dead == 0:
                 epi_smem.store(acc.to(OUT_DTYPE))
+            w2 = P.now_ns(USE_TIMER)
+            pend = _publish(pend, USE_TIMER)  # after the buffer write, before this tile's store (the
+            # wait covers every store of the program)
+            wait_ns += (w1 - w0) + (P.now_ns(USE_TIMER) - w2)  # traced: the waits for the last store
+            if dead == 0:
                 fence_async_shared()
                 tma.async_copy_shared_to_global(p_desc, [rank * Mc + j * BM, col * BN], epi_smem)
                 pend = peer_flags + (rank * tpc + tic) * 4
-                if n_pushed == 0:  # the owner reduces this tile in the first wave: publish it now,
+                if n_pushed == 0:  # the owner computes this tile in the first wave: publish it now,
                     tma.store_wait(0)  # not a whole tile later
                     pend = _publish(pend, USE_TIMER)
                 n_pushed += 1
         else:
+            # Publish before waiting for a peer: the peer may be waiting for this very flag
+            # before it publishes the one this tile needs.
             w0 = P.now_ns(USE_TIMER)
-            mbarrier.wait(r_bar, phase=r_phase)
-            r_phase ^= 1
-            acc += epi_smem.load(mma).to(gl.float32)
-            _cta_sync()  # every warp has read the partial before the sum overwrites it
+            tma.store_wait(0)
+            pend = _publish(pend, USE_TIMER)
+            for s in gl.static_range(1, W):
+                src = (rank + s) % W
+                P.wait_geq(flags + src * tpc + tic, 1, ctl_ptr, err_ptr, timeout, rank, OP, P.ROLE_GEMM, chunk,
+                           src * tpc + tic, USE_TIMER)
+                P.fence_proxy_async(USE_TIMER)  # the peer's stores were acquired by the generic proxy
+                mbarrier.expect(r_bar, r_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(r_desc, [src * Mc + j * BM, col * BN], r_bar, epi_smem)
+                mbarrier.wait(r_bar, phase=r_phase)
+                r_phase ^= 1
+                acc += epi_smem.load(mma).to(gl.float32)
+                _cta_sync()  # every warp has read the partial before the sum overwrites it
             wait_ns += P.now_ns(USE_TIMER) - w0
             epi_smem.store(acc.to(OUT_DTYPE))
             fence_async_shared()
