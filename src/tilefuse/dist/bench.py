@@ -350,13 +350,14 @@ def _trace(case: _Case, fused, path: Path) -> str | None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             call(tr)
-        graph.replay()  # the first replay uploads the graph (ms of host work on one rank or the other)
+        graph.replay()  # keeps the first replay's graph upload (host work) out of the traced call
     torch.distributed.barrier()  # capture takes each rank a different time
     torch.cuda.synchronize()
     torch.distributed.all_reduce(torch.ones(1, device=case.a.device))  # both streams leave this together
     # ... and then sleep the same time on the device, long enough for the slower host to enqueue
-    # the call behind it (without it the ranks started 0.1-0.7 ms apart, as fast as each host;
-    # with it but without the warm replay, 0.2-0.3 ms).
+    # the call behind it. (Even so one rank sometimes starts 0.1-0.3 ms late: benchmarks/NOTES.md,
+    # fused TP round 14. Each GPU's %globaltimer has its own offset, so the merged file's time
+    # axes of two ranks are not comparable; the first tiles' waits show the real skew.)
     if case.a.is_cuda:
         torch.cuda._sleep(TRACE_ALIGN_CYCLES)
     if graph is not None:

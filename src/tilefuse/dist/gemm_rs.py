@@ -193,8 +193,9 @@ def make_plan(
     # (lag 66) 1.93 / 1.90 against 1.89 / 1.86; elsewhere within 2%. Why the interleaved walk
     # loses is not known.
     tma = (design == "push" and sched.lag_tiles == 0) if recv_tma is None else recv_tma
-    # The Gluon kernel by default where it runs: faster than the Triton kernel at all 12 bench
-    # shapes in three runs on 2 x H200 (1-7%; benchmarks/NOTES.md, fused TP round 14).
+    # The Gluon kernel by default where it runs: against the Triton kernel in six runs on 2 x H200
+    # it was faster at 64 of 72 (shape, run) pairs, by up to 8%, and at most 3% slower
+    # (benchmarks/NOTES.md, fused TP round 14).
     if send_tma is None:
         send_tma = design == "push" and world == 2
     send = send_tma and sched.aligned and k > 0 and _gluon_device(device)
