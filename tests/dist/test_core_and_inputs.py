@@ -8,6 +8,7 @@ import torch
 
 from tilefuse.dist import GemmConfig, Trace, default_config, gemm
 from tilefuse.dist.bench import fused_variants, shapes
+from tilefuse.dist.trace import chrome_trace
 
 ag = importlib.import_module("tilefuse.dist.ag_gemm")
 rs = importlib.import_module("tilefuse.dist.gemm_rs")
@@ -184,6 +185,23 @@ def test_trace_export(tmp_path):
     assert tr.summary()["gemm"]["items"] == 8
     with pytest.raises(ValueError, match="role"):
         tr.buffer("reduce", 0, 1, a.device)
+
+
+def test_trace_puts_ranks_on_one_time_axis():
+    """Each rank's timer offset is subtracted: two tiles that started together on two GPUs
+    whose timers differ by 0.5 ms start at the same ts in the merged file."""
+    def tile(rank, start):
+        return {"role": "gemm", "rank": rank, "launch": 0, "program": 0, "seq": 0, "start_ns": start,
+                "split_ns": start + 2000, "end_ns": start + 3000, "wait_ns": 0, "chunk": 0, "tile_row": 0,
+                "tile_col": 0}
+
+    events = [tile(0, 10_000), tile(1, 510_000)]
+    raw = [e for e in chrome_trace(events)["traceEvents"] if e["ph"] == "X"]
+    assert [e["ts"] for e in raw] == [0.0, 500.0]
+    doc = chrome_trace(events, offsets=[0, 500_000])
+    aligned = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert [e["ts"] for e in aligned] == [0.0, 0.0] and all(e["dur"] == 3.0 for e in aligned)
+    assert all(e["args"]["head_us"] == 2.0 for e in aligned) and doc["metadata"]["clock_offsets_ns"] == [0, 500_000]
     with pytest.raises(ValueError, match="max_events"):
         Trace(max_events=0)
 

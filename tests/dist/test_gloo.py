@@ -65,6 +65,9 @@ def _worker(rank: int, world: int, port: int) -> None:
             raise AssertionError("fused path on CPU accepted")
         except ValueError as e:
             assert "forced but is unavailable" in str(e)
+        from tilefuse.dist.trace import clock_offsets
+
+        assert clock_offsets() == [0] * world  # no GPU timers to line up
         dist.barrier()
     finally:
         dist.destroy_process_group()

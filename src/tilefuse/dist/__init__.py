@@ -6,7 +6,8 @@
 * policy: :func:`decide` (what a call would run, and why), :func:`set_override` /
   :func:`override`, :func:`policy_table`, :func:`load_policy_table`;
 * errors: :class:`CommTimeoutError`, :func:`check_errors`, :func:`reset_group`;
-* :class:`Trace` — per-program activity, exported to Chrome/Perfetto JSON.
+* :class:`Trace` — per-program activity, exported to Chrome/Perfetto JSON; :func:`chrome_trace`
+  merges several ranks' events on one time axis with :func:`clock_offsets`.
 
 Run under ``torchrun`` with one process per GPU and an NCCL process group; symmetric memory
 comes from ``torch.distributed._symmetric_memory``; NVLink multicast is never used.
@@ -20,7 +21,7 @@ from tilefuse.dist.policy import Decision, decide, override, set_override
 from tilefuse.dist.policy import load_table as load_policy_table
 from tilefuse.dist.policy import table as policy_table
 from tilefuse.dist.symm import CommTimeoutError, check_errors, reset_group
-from tilefuse.dist.trace import Trace
+from tilefuse.dist.trace import Trace, chrome_trace, clock_offsets
 
 __all__ = [
     "CommTimeoutError",
@@ -29,6 +30,8 @@ __all__ = [
     "Trace",
     "ag_gemm",
     "check_errors",
+    "chrome_trace",
+    "clock_offsets",
     "decide",
     "default_config",
     "gemm",

@@ -333,7 +333,7 @@ def _trace(case: _Case, fused, path: Path) -> str | None:
     length on every rank, enqueued just ahead of it): a host barrier alone left them ~100 µs
     apart, which the trace showed as start-barrier waits."""
     import tilefuse.dist as tdist
-    from tilefuse.dist.trace import Trace, chrome_trace
+    from tilefuse.dist.trace import Trace, chrome_trace, clock_offsets
 
     if not fused:
         return None
@@ -356,8 +356,7 @@ def _trace(case: _Case, fused, path: Path) -> str | None:
     torch.distributed.all_reduce(torch.ones(1, device=case.a.device))  # both streams leave this together
     # ... and then sleep the same time on the device, long enough for the slower host to enqueue
     # the call behind it. (Even so one rank sometimes starts 0.1-0.3 ms late: benchmarks/NOTES.md,
-    # fused TP round 14. Each GPU's %globaltimer has its own offset, so the merged file's time
-    # axes of two ranks are not comparable; the first tiles' waits show the real skew.)
+    # fused TP round 14. The merged file subtracts each GPU's timer offset, ``clock_offsets``.)
     if case.a.is_cuda:
         torch.cuda._sleep(TRACE_ALIGN_CYCLES)
     if graph is not None:
@@ -366,13 +365,14 @@ def _trace(case: _Case, fused, path: Path) -> str | None:
         call(tr)
     torch.cuda.synchronize()
     events = tr.events()
+    offsets = clock_offsets()
     everyone = [None] * case.world
     torch.distributed.all_gather_object(everyone, events)
     if case.rank != 0:
         return None
     merged = [e for evs in everyone for e in evs]
     path.parent.mkdir(parents=True, exist_ok=True)
-    chrome_trace(merged, str(path))
+    chrome_trace(merged, str(path), offsets)
     return str(path)
 
 

@@ -13,10 +13,14 @@ the structure (which program did which item, in which order) is still exact.
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass, field
 
 import torch
+import triton
+import triton.language as tl
 
+from tilefuse.dist import _primitives as P
 from tilefuse.dist._primitives import TRACE_FIELDS as _TRACE_FIELDS
 
 TRACE_FIELDS = _TRACE_FIELDS.value  # a constexpr for the kernels, an int here
@@ -88,10 +92,50 @@ class Trace:
         return out
 
 
-def chrome_trace(events: list[dict], path: str | None = None) -> dict:
+@triton.jit
+def _read_clock_kernel(out_ptr, USE_TIMER: tl.constexpr):
+    tl.store(out_ptr, P.now_ns(USE_TIMER))
+
+
+# A device sleep ahead of each meeting, so that the clock read is already enqueued when the
+# meeting ends on the device (else it would read the time the host enqueued it).
+_CLOCK_SLEEP_CYCLES = 2_000_000
+
+
+def clock_offsets(group=None, rounds: int = 5) -> list[int]:
+    """Each rank's ``%globaltimer`` minus rank 0's, ns (collective over ``group``; zeros off a GPU).
+
+    Every GPU has its own timer offset, so events of two ranks are comparable only after
+    subtracting these. Each round the ranks meet in an all-reduce and read their timers right
+    after it (the read is enqueued behind a device sleep, so it does not wait for its host);
+    the median over the rounds is returned. Two ranks leave an all-reduce within a few µs of
+    each other, which bounds the error."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    if device is None or dist.get_backend(group) != "nccl":
+        return [0] * world
+    stamps = torch.zeros(rounds, dtype=torch.int64, device=device)
+    token = torch.ones(1, device=device)
+    for r in range(rounds):
+        torch.cuda._sleep(_CLOCK_SLEEP_CYCLES)
+        dist.all_reduce(token, group=group)
+        _read_clock_kernel[(1,)](stamps[r:], USE_TIMER=True)
+    everyone = [torch.empty_like(stamps) for _ in range(world)]
+    dist.all_gather(everyone, stamps, group=group)
+    ref = everyone[0].cpu().tolist()
+    return [int(statistics.median(t - t0 for t, t0 in zip(x.cpu().tolist(), ref))) for x in everyone]
+
+
+def chrome_trace(events: list[dict], path: str | None = None, offsets: list[int] | None = None) -> dict:
     """Chrome trace-event JSON (``ph: X`` slices, µs from the earliest start) of decoded events,
     possibly of several ranks; written to ``path`` when given. Ranks are processes; each
-    (role, program) is a thread."""
+    (role, program) is a thread. ``offsets``: per rank, ns to subtract from its times (its
+    timer's offset, :func:`clock_offsets`) so that the ranks share one time axis."""
+    if offsets is not None:
+        shift = ("start_ns", "split_ns", "end_ns")
+        events = [{**e, **{k: e[k] - offsets[e["rank"]] for k in shift}} for e in events]
     t0 = min((e["start_ns"] for e in events), default=0)
     roles = sorted({e["role"] for e in events})
     trace_events = []
@@ -117,7 +161,8 @@ def chrome_trace(events: list[dict], path: str | None = None) -> dict:
                              "dur": max(0.0, (e["end_ns"] - e["start_ns"]) / 1000.0), "args": args})
     for rank in sorted({e["rank"] for e in events}):
         trace_events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
-    doc = {"traceEvents": trace_events, "displayTimeUnit": "ns"}
+    doc = {"traceEvents": trace_events, "displayTimeUnit": "ns",
+           "metadata": {"clock_offsets_ns": list(offsets) if offsets is not None else None}}
     if path is not None:
         with open(path, "w") as f:
             json.dump(doc, f)
