@@ -138,6 +138,10 @@ def odd_shapes():
             against_reference(op, d, 2000, 768, 512)
             against_reference(op, d, 2000, 768, 512, layout="nk")
             against_reference(op, d, 2 * 136, 264, 72, dtype=torch.float16)
+            # chunks of whole tiles (gemm_rs push at W = 2: the Gluon kernel) in the nn.Linear
+            # layout and in fp16, N and K not multiples of the tile
+            against_reference(op, d, 1024, 768, 512, layout="nk")
+            against_reference(op, d, 1024, 264, 72, dtype=torch.float16)
 
 
 def bitwise_and_repeat():
