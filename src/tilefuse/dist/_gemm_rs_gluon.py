@@ -12,10 +12,13 @@ stores have landed, one tile later, as in the Triton kernel.
 
 Everything else is the Triton kernel's: the tile order (``_decode_tile``), the start barrier
 and go word, the bounded waits, the owner's reduction in rank order (the partials by TMA), the
-flag reset by the last program, the trace events. The next tile's first loads are issued before
-this tile's epilogue, so they too run under it. W = 2 (the one peer's receive buffer is a
-host tensor descriptor), chunks of whole tiles, Hopper. Gluon has no interpreter: CPU tests
-compile this kernel for sm_90a; the GPU checks compare it with the sequential reference.
+flag reset by the last program, the trace events. Besides: the next tile's first loads are
+issued before this tile's epilogue and the next tile is decoded before this tile's main loop,
+so neither waits in an epilogue; a program's first push is published at once, since its owner
+reduces that tile in the first wave. W = 2 (the one peer's receive buffer is a host tensor
+descriptor), chunks of whole tiles, K > 0, Hopper. Gluon has no interpreter: CPU tests compile
+this kernel for sm_90a; the GPU checks compare it with the sequential reference.
+Measurements: benchmarks/NOTES.md, fused TP round 14.
 """
 
 from __future__ import annotations

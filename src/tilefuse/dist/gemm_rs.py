@@ -12,6 +12,9 @@ order from rank+1), then writes the result once. Designs (``design=``):
   others wait on before their first remote store. One kernel, all SMs, no side stream. The
   tile order interleaves peer and own tiles (``lag``, ``_schedule``): with whole peer chunks
   first, the link has to carry every partial during the first half of the GEMM (at W = 2).
+  At W = 2 on Hopper, with chunks of whole tiles, the same walk runs as a Gluon kernel
+  (``_gemm_rs_gluon``, ``send_tma``) whose pushed tiles' stores stay in flight under the
+  next tile's main loop.
 * ``"forward"`` — communication programs: the GEMM writes peer-owned tiles to a local buffer
   with a local flag; ``comm_programs`` programs of a forwarding kernel copy each finished tile
   to its owner and raise the owner's flag; the GEMM runs on the remaining SMs. The two kernels
