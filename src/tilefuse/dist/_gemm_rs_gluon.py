@@ -16,7 +16,7 @@ flag reset by the last program, the trace events. Besides: the next tile's first
 issued before this tile's epilogue and the next tile is decoded before this tile's main loop,
 so neither waits in an epilogue; a program's first push is published at once, since its owner
 reduces that tile in the first wave. W = 2 (the one peer's receive buffer is a host tensor
-descriptor), chunks of whole tiles, K > 0, Hopper. Gluon has no interpreter: CPU tests compile
+descriptor), chunks of whole tiles, Hopper. Gluon has no interpreter: CPU tests compile
 this kernel for sm_90a; the GPU checks compare it with the sequential reference.
 Measurements: benchmarks/NOTES.md, fused TP round 14.
 """
@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tilefuse.dist import _primitives as P
-from tilefuse.dist._gemm_core import _decode_tile
+from tilefuse.dist._gemm_core import _decode_tile, _dummy, _order_tensor
 
 _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -129,8 +129,8 @@ def rs_push_gluon_kernel(
     ctl_ptr = ws_addr.to(gl.pointer_type(gl.int32))
     err_ptr = err_addr.to(gl.pointer_type(gl.int32))
     flags = P.as_ptr(ws_addr + flags_off, gl.int32)
-    tpc = gl.cdiv(Mc, BM) * gl.cdiv(N, BN)
     tn = gl.cdiv(N, BN)
+    tpc = gl.cdiv(Mc, BM) * tn
     k_steps = gl.cdiv(K, BK)
     if BARRIER:  # program 0 meets the peers (it is resident: grid <= SMs)
         if pid == 0:
@@ -273,13 +273,11 @@ def launch(a, b, out, recv, peer_recv, *, schedule, rank, config, b_layout, comm
     ``[Mc, N]``, this rank's receive buffer ``[W * Mc, N]`` and the peer's."""
     cfg = config
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    if schedule.world != 2 or not schedule.aligned or a.shape[1] == 0:
-        raise ValueError(f"the Gluon push kernel takes W = 2, chunks of whole tiles and K > 0, got W = "
-                         f"{schedule.world}, aligned {schedule.aligned}, K = {a.shape[1]}")
+    if schedule.world != 2 or not schedule.aligned:
+        raise ValueError(f"the Gluon push kernel takes W = 2 and chunks of whole tiles, got W = {schedule.world}, "
+                         f"aligned {schedule.aligned}")
     tile_end = schedule.num_tiles
     programs = max(1, min(num_programs, tile_end))
-    from tilefuse.dist._gemm_core import _dummy, _order_tensor
-
     args = (
         _desc(a, [bm, bk]), _desc(b, [bk, bn] if b_layout == "kn" else [bn, bk]), _desc(out, [bm, bn]),
         _desc(recv, [bm, bn]), _desc(peer_recv, [bm, bn]),

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from tilefuse._device import capability_major
 from tilefuse.dist import _primitives as P
 from tilefuse.dist._comm_kernels import _rs_forward_kernel
 from tilefuse.dist._gemm_core import (
@@ -201,15 +202,10 @@ def make_plan(
     # (benchmarks/NOTES.md, fused TP round 14).
     if send_tma is None:
         send_tma = design == "push" and world == 2
-    send = send_tma and sched.aligned and k > 0 and _gluon_device(device)
+    send = send_tma and sched.aligned and capability_major(device) == 9  # Gluon's wgmma/TMA: sm_90
     return RsPlan(design, m, n, k, world, rank, dtype, cfg, sched, comm, programs, recv_flags_off,
                   part_flags_off, recv_off, part_off, nbytes, tma or send, send)
 
-
-def _gluon_device(device) -> bool:
-    """The Gluon push kernel's wgmma and TMA code is written for sm_90 (Hopper)."""
-    device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def launch_gemm_part(plan: RsPlan, ws: Workspace, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,

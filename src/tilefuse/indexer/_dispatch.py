@@ -23,7 +23,7 @@ kernel for the targets this table sends it to.
 
 from __future__ import annotations
 
-import torch
+from tilefuse._device import capability_major  # noqa: F401  (the ops call it from here)
 
 HOPPER_FP8 = "hopper-fp8"
 HOPPER_MX_BF16 = "hopper-mx-bf16"
@@ -47,14 +47,6 @@ KERNEL_OF_PATH = {
     HOPPER_MX_SPLIT: "tilefuse.indexer._prefill_kernel:prefill_logits_kernel",
     SM100_MX_DOT_SCALED: "tilefuse.indexer._prefill_kernel_sm100:prefill_logits_mx_kernel",
 }
-
-
-def capability_major(device: torch.device | str | None) -> int | None:
-    """Compute-capability major of a CUDA device; None for CPU tensors (the interpreter)."""
-    device = torch.device(device) if device is not None else None
-    if device is None or device.type != "cuda":
-        return None
-    return torch.cuda.get_device_capability(device)[0]
 
 
 def prefill_kernel_path(major: int | None, fmt: str, mx_split: bool = False) -> str:

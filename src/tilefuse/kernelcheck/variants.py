@@ -661,9 +661,9 @@ def _dist_variants() -> list[Variant]:
 
 
 def dist_rs_gluon_variants() -> list[Variant]:
-    """gemm_rs push's Gluon kernel (``send_tma``, W = 2, Hopper only) as its launcher builds it:
-    every tile ``default_config`` picks with B as [K, N] and [N, K]; traced on the first tile.
-    The launcher is called directly: the op only takes it on an sm_90 GPU."""
+    """gemm_rs push's Gluon kernel (``send_tma``, W = 2, Hopper only) as the op launches it
+    (``launch_gemm_part`` on emulated workspaces, the plan made as on an sm_90 GPU): every tile
+    ``default_config`` picks with B as [K, N] and [N, K]; traced on the first tile."""
     import torch
 
     from tilefuse.dist import _gemm_core as core
@@ -672,32 +672,32 @@ def dist_rs_gluon_variants() -> list[Variant]:
     from tilefuse.dist.symm import emulated_workspaces
     from tilefuse.dist.trace import TRACE_FIELDS
 
+    ag = importlib.import_module("tilefuse.dist.ag_gemm")
     rs = importlib.import_module("tilefuse.dist.gemm_rs")
     path = f"{gk.__name__}:rs_push_gluon_kernel"
-    timeout = int(60 * 1e9)
+    timeout = int(ag.DEFAULT_TIMEOUT_S * 1e9)  # ns, as on a GPU
     bf16 = torch.bfloat16
     cfgs = _gemm_configs(core)
     out = []
-    for cfg in cfgs:
-        for b_layout, traced in (("kn", False), ("nk", False), ("kn", True)):
-            if traced and cfg != cfgs[0]:
-                continue
-            rows, n, k = 2 * cfg.block_m, 264, 4 * cfg.block_k
-            plan = rs.make_plan("push", 2 * rows, n, k, 2, 0, bf16, "cpu", config=cfg, num_programs=_SMS)
-            wss = emulated_workspaces(2, plan.nbytes)
-            comm = core.CommArgs(wss[0].local, wss[0].bases_dev, wss[0].err, timeout, flags_off=plan.recv_flags_off,
-                                 recv_off=plan.recv_off, n_reset_flags=2 * plan.tiles_per_chunk, barrier=True)
-            a = torch.zeros(2 * rows, k, dtype=bf16)
-            b = torch.zeros((k, n) if b_layout == "kn" else (n, k), dtype=bf16)
-            recv = torch.zeros(2 * rows, n, dtype=bf16)
-            trace = torch.full((_SMS, 4, TRACE_FIELDS), -1, dtype=torch.int64) if traced else None
-            with tracing(path) as launches:
-                gk.launch(a, b, torch.zeros(rows, n, dtype=bf16), recv, recv.clone(), schedule=plan.schedule, rank=0,
-                          config=cfg, b_layout=b_layout, comm=comm, num_programs=_SMS, trace=trace,
-                          op_code=P.OP_CODES["gemm_rs"], use_timer=True)
-            name = (f"gemm_rs[push/x1] W2 bf16 {b_layout} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} "
-                    f"w{cfg.num_warps}s{cfg.num_stages}" + (" trace" if traced else ""))
-            out += [variant_of(launch, "dist.rs_gluon", name, "default", ("sm_90a",)) for launch in launches]
+    with mock.patch.object(P, "use_timer", lambda device_type: True), \
+            mock.patch.object(rs, "capability_major", lambda device: 9):
+        for cfg in cfgs:
+            for b_layout, traced in (("kn", False), ("nk", False), ("kn", True)):
+                if traced and cfg != cfgs[0]:
+                    continue
+                rows, n, k = 2 * cfg.block_m, 264, 4 * cfg.block_k
+                plan = rs.make_plan("push", 2 * rows, n, k, 2, 0, bf16, "cpu", config=cfg, num_programs=_SMS)
+                assert plan.send_tma
+                ws = emulated_workspaces(2, plan.nbytes)[0]
+                a = torch.zeros(2 * rows, k, dtype=bf16)
+                b = torch.zeros((k, n) if b_layout == "kn" else (n, k), dtype=bf16)
+                trace = torch.full((_SMS, 4, TRACE_FIELDS), -1, dtype=torch.int64) if traced else None
+                with tracing(path) as launches:
+                    rs.launch_gemm_part(plan, ws, a, b, torch.zeros(rows, n, dtype=bf16), b_layout, timeout,
+                                        trace=trace)
+                name = (f"gemm_rs[push/x1] W2 bf16 {b_layout} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} "
+                        f"w{cfg.num_warps}s{cfg.num_stages}" + (" trace" if traced else ""))
+                out += [variant_of(launch, "dist.rs_gluon", name, "default", ("sm_90a",)) for launch in launches]
     return _unique(out)
 
 
