@@ -45,6 +45,10 @@ def test_gemm_bad_inputs():
         gemm(a, b, b_layout="tn")
     with pytest.raises(ValueError, match="multiples of 8"):
         gemm(a[:, :12], b[:12])
+    with pytest.raises(ValueError, match="must be positive"):
+        gemm(a[:, :0], b[:0])
+    with pytest.raises(ValueError, match="must be positive"):
+        gemm(a, b[:, :0])
     with pytest.raises(ValueError, match="contiguous"):
         gemm(torch.randn(16, 32).to(torch.bfloat16).T, b)
     with pytest.raises(ValueError, match="2-D"):
@@ -268,3 +272,20 @@ def test_bench_entry_without_gpus(tmp_path, capsys):
         policy.load_table(saved)
     with pytest.raises(SystemExit):
         main(["all-reduce"])
+
+
+def test_gemm_rs_takes_the_gluon_kernel_where_it_applies(monkeypatch):
+    """On an sm_90 GPU, push at W = 2 runs the Gluon kernel by default where chunks are whole
+    tiles (and then loads the partials by TMA); the Triton kernel otherwise, or when asked for
+    with send_tma=False."""
+    def plan(m=256, world=2, design="push", **kw):
+        return rs.make_plan(design, m, 64, 64, world, 0, torch.bfloat16, CPU, config=GemmConfig(128, 64, 64, 8, 3, 8),
+                            num_programs=132, **kw)
+
+    monkeypatch.setattr(rs, "capability_major", lambda device: 9)
+    assert plan().send_tma and plan().recv_tma
+    assert not plan(m=2 * 200).send_tma  # 200-row chunks: not whole 128-row tiles
+    assert not plan(world=4).send_tma and not plan(design="forward").send_tma
+    assert not plan(send_tma=False).send_tma
+    monkeypatch.setattr(rs, "capability_major", lambda device: 10)
+    assert not plan(send_tma=True).send_tma

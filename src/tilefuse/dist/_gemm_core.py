@@ -447,6 +447,8 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, b_layout: str, name_a: str 
     kb, n = (b.shape[0], b.shape[1]) if b_layout == "kn" else (b.shape[1], b.shape[0])
     if kb != k:
         raise ValueError(f"inner dimensions differ: {name_a} has K = {k}, b ({b_layout}) has K = {kb}")
+    if k == 0 or n == 0:  # (an empty dim would otherwise fail the stride check below, misleadingly)
+        raise ValueError(f"K = {k} and N = {n} must be positive")
     if k % 8 or n % 8:
         raise ValueError(f"K = {k} and N = {n} must be multiples of 8 (16-byte rows for TMA)")
     for name, t in ((name_a, a), ("b", b)):
