@@ -1,11 +1,11 @@
-"""Tile sweep of the persistent GEMM core of ``tilefuse.dist`` on one GPU, against cuBLAS
+"""Tile sweep of the persistent GEMM core of ``tilefuse.tp`` on one GPU, against cuBLAS
 (``torch.matmul``) timed in the same run.
 
 The fused ag_gemm / gemm_rs live on this kernel; #6 asks >= 0.95 of cuBLAS alone at every
 shape they run. Shapes: the per-GPU GEMMs of both ops at W = 2 (seed and LLM families of
-``tilefuse.dist.bench``), bf16, B in [K, N]. Every config's output is checked against cuBLAS
+``tilefuse.tp.bench``), bf16, B in [K, N]. Every config's output is checked against cuBLAS
 (relative error) before it is timed. The outcome goes to ``benchmarks/NOTES.md`` and the
-winners into ``tilefuse.dist._gemm_core.default_config``.
+winners into ``tilefuse.tp._gemm_core.default_config``.
 
     python benchmarks/gemm_sweep.py --output gemm-sweep.json
 """
@@ -21,8 +21,8 @@ import sys
 import torch
 
 from tilefuse.bench import env, timing
-from tilefuse.dist import bench as dist_bench
-from tilefuse.dist._gemm_core import GemmConfig, default_config, gemm, num_sms
+from tilefuse.tp import bench as dist_bench
+from tilefuse.tp._gemm_core import GemmConfig, default_config, gemm, num_sms
 
 CONFIGS = [
     GemmConfig(128, 256, 64, 8, 3, 8), GemmConfig(128, 128, 64, 8, 4, 4), GemmConfig(128, 128, 64, 8, 5, 8),

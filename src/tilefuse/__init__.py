@@ -5,7 +5,7 @@ Public names resolve lazily, so ``import tilefuse`` stays cheap and works withou
 * indexer (DeepGEMM-compatible): ``fp8_mqa_logits``, ``fp8_fp4_mqa_logits``,
   ``get_mqa_logits_metadata``, ``fp8_paged_mqa_logits``, ``fp8_fp4_paged_mqa_logits``,
   ``get_paged_mqa_logits_metadata``;
-* tensor-parallel fused GEMMs: ``tilefuse.dist.ag_gemm``, ``tilefuse.dist.gemm_rs``;
+* tensor-parallel fused GEMMs: ``tilefuse.tp.ag_gemm``, ``tilefuse.tp.gemm_rs``;
 * formats and references: ``tilefuse.formats``, ``tilefuse.reference``.
 """
 

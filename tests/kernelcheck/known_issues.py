@@ -29,7 +29,7 @@ KNOWN_SPILLS = [
     # Persistent GEMM: the masked (unaligned) epilogue builds a pointer per element (on sm_90a
     # it no longer spills since the per-tile clock read went under TRACE); the reduce-scatter
     # epilogues hold the accumulator while loading every peer's partial.
-    ("dist.gemm", "sm_100a", "gemm * unaligned*", 100, "masked epilogue of an unaligned chunk"),
-    ("dist.gemm", "*", "gemm_rs*", 2600, "reduce-scatter epilogue: accumulator plus peer partials"),
-    ("dist.comm", "*", "_rs_forward_kernel * BN=128 *", 16, "forwarding copy of 128-column tiles"),
+    ("tp.gemm", "sm_100a", "gemm * unaligned*", 100, "masked epilogue of an unaligned chunk"),
+    ("tp.gemm", "*", "gemm_rs*", 2600, "reduce-scatter epilogue: accumulator plus peer partials"),
+    ("tp.comm", "*", "_rs_forward_kernel * BN=128 *", 16, "forwarding copy of 128-column tiles"),
 ]

@@ -41,7 +41,7 @@ def _known(kernel: str, target: str, name: str):
 
 def test_registry_covers_every_kernel():
     assert {v.kernel for v in ALL} == set(variants.kernel_names())
-    assert {"indexer.prefill", "indexer.prefill_sm100", "indexer.paged", "dist.gemm"} <= set(variants.kernel_names())
+    assert {"indexer.prefill", "indexer.prefill_sm100", "indexer.paged", "tp.gemm"} <= set(variants.kernel_names())
 
 
 def test_known_issues_name_registered_configurations():
@@ -95,7 +95,7 @@ def test_gluon_gemm_rs_keeps_every_wgmma_and_defers_the_store_wait():
     one wait for the previous store in each of the two epilogues (pushed tile, own tile),
     before the buffer is rewritten, the one behind a program's first push (its owner needs it
     in the first wave) and the final one after the tile loop."""
-    picked = [v for v in ALL if v.kernel == "dist.rs_gluon" and " kn 128x256" in v.name and "trace" not in v.name]
+    picked = [v for v in ALL if v.kernel == "tp.rs_gluon" and " kn 128x256" in v.name and "trace" not in v.name]
     assert len(picked) == 1
     reports = compile_many([(picked[0], "sm_90a")], jobs=1, sass=True)
     assert reports[0].ok and reports[0].sass_opcodes

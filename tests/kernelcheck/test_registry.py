@@ -64,15 +64,15 @@ def test_targets_follow_the_dispatch_table(registry):
             assert v.targets == (("sm_90a",) if mx else ("sm_90a", "sm_100a")), v.name
         elif v.kernel == "indexer.prefill_sm100":
             assert v.targets == ("sm_100a",)
-        elif v.kernel in ("indexer.prefill_gluon", "dist.rs_gluon"):
+        elif v.kernel in ("indexer.prefill_gluon", "tp.rs_gluon"):
             assert v.targets == ("sm_90a",)
         else:
             assert v.targets == V.TARGETS_ALL
 
 
-def test_dist_variants_use_the_gpu_timer(registry):
+def test_tp_variants_use_the_gpu_timer(registry):
     for v in registry:
-        if v.kernel.startswith("dist.") and "USE_TIMER" in v.constexprs:
+        if v.kernel.startswith("tp.") and "USE_TIMER" in v.constexprs:
             assert v.constexprs["USE_TIMER"] is True
 
 

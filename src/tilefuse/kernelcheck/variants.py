@@ -551,17 +551,17 @@ def _gemm_configs(core) -> list:
     return picks
 
 
-def _dist_variants() -> list[Variant]:
+def _tp_variants() -> list[Variant]:
     import torch
 
-    from tilefuse.dist import _gemm_core as core
-    from tilefuse.dist import _primitives as P
-    from tilefuse.dist.symm import emulated_workspaces
+    from tilefuse.tp import _gemm_core as core
+    from tilefuse.tp import _primitives as P
+    from tilefuse.tp.symm import emulated_workspaces
 
-    ag = importlib.import_module("tilefuse.dist.ag_gemm")  # the package rebinds the names to functions
-    rs = importlib.import_module("tilefuse.dist.gemm_rs")
-    paths = {f"{core.__name__}:_persistent_gemm": "dist.gemm", f"{ag.__name__}:_ag_push_kernel": "dist.comm",
-             f"{ag.__name__}:_barrier_kernel": "dist.comm", f"{rs.__name__}:_rs_forward_kernel": "dist.comm"}
+    ag = importlib.import_module("tilefuse.tp.ag_gemm")  # the package rebinds the names to functions
+    rs = importlib.import_module("tilefuse.tp.gemm_rs")
+    paths = {f"{core.__name__}:_persistent_gemm": "tp.gemm", f"{ag.__name__}:_ag_push_kernel": "tp.comm",
+             f"{ag.__name__}:_barrier_kernel": "tp.comm", f"{rs.__name__}:_rs_forward_kernel": "tp.comm"}
     timeout = int(ag.DEFAULT_TIMEOUT_S * 1e9)  # ns, as on a GPU
     bf16, fp16 = torch.bfloat16, torch.float16
     cfgs = _gemm_configs(core)
@@ -571,7 +571,7 @@ def _dist_variants() -> list[Variant]:
         for launch in launches:
             kernel = paths[launch.function]
             c, o = launch.arguments, launch.options
-            if kernel == "dist.gemm":
+            if kernel == "tp.gemm":
                 epi = {0: "local", 1: "rs-push", 2: "rs-local"}[c["EPI"]]
                 name = (f"{label} {c['BM']}x{c['BN']}x{c['BK']} w{o['num_warps']}s{o.get('num_stages', 3)} "
                         f"epi={epi}{' wait_a' if c['WAIT_A'] else ''}{'' if c['ALIGNED'] else ' unaligned'}"
@@ -607,7 +607,7 @@ def _dist_variants() -> list[Variant]:
         record("gemm fp16 kn", launches)
 
         # The activity trace (bench --trace) is compiled once per design, on the first tile.
-        from tilefuse.dist.trace import TRACE_FIELDS
+        from tilefuse.tp.trace import TRACE_FIELDS
 
         def trace_buf(programs, traced):
             return torch.full((programs, 4, TRACE_FIELDS), -1, dtype=torch.int64) if traced else None
@@ -660,20 +660,20 @@ def _dist_variants() -> list[Variant]:
     return out
 
 
-def dist_rs_gluon_variants() -> list[Variant]:
+def tp_rs_gluon_variants() -> list[Variant]:
     """gemm_rs push's Gluon kernel (``send_tma``, W = 2, Hopper only) as the op launches it
     (``launch_gemm_part`` on emulated workspaces, the plan made as on an sm_90 GPU): every tile
     ``default_config`` picks with B as [K, N] and [N, K]; traced on the first tile."""
     import torch
 
-    from tilefuse.dist import _gemm_core as core
-    from tilefuse.dist import _gemm_rs_gluon as gk
-    from tilefuse.dist import _primitives as P
-    from tilefuse.dist.symm import emulated_workspaces
-    from tilefuse.dist.trace import TRACE_FIELDS
+    from tilefuse.tp import _gemm_core as core
+    from tilefuse.tp import _gemm_rs_gluon as gk
+    from tilefuse.tp import _primitives as P
+    from tilefuse.tp.symm import emulated_workspaces
+    from tilefuse.tp.trace import TRACE_FIELDS
 
-    ag = importlib.import_module("tilefuse.dist.ag_gemm")
-    rs = importlib.import_module("tilefuse.dist.gemm_rs")
+    ag = importlib.import_module("tilefuse.tp.ag_gemm")
+    rs = importlib.import_module("tilefuse.tp.gemm_rs")
     path = f"{gk.__name__}:rs_push_gluon_kernel"
     timeout = int(ag.DEFAULT_TIMEOUT_S * 1e9)  # ns, as on a GPU
     bf16 = torch.bfloat16
@@ -697,29 +697,29 @@ def dist_rs_gluon_variants() -> list[Variant]:
                                         trace=trace)
                 name = (f"gemm_rs[push/x1] W2 bf16 {b_layout} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} "
                         f"w{cfg.num_warps}s{cfg.num_stages}" + (" trace" if traced else ""))
-                out += [variant_of(launch, "dist.rs_gluon", name, "default", ("sm_90a",)) for launch in launches]
+                out += [variant_of(launch, "tp.rs_gluon", name, "default", ("sm_90a",)) for launch in launches]
     return _unique(out)
 
 
 @functools.cache
-def _dist_all() -> tuple[Variant, ...]:
-    return tuple(_dist_variants())
+def _tp_all() -> tuple[Variant, ...]:
+    return tuple(_tp_variants())
 
 
-def dist_gemm_variants() -> list[Variant]:
+def tp_gemm_variants() -> list[Variant]:
     """``_persistent_gemm`` as ``gemm``, ``ag_gemm`` and ``gemm_rs`` launch it (their launch
     functions, on emulated workspaces, with the GPU's timer and timeout): every tile
     ``default_config`` picks; the GEMM alone in bf16 with B as [K, N] (chunks aligned to the
     tile or not) and [N, K], and in fp16; ag_gemm's two designs at 8 ranks; gemm_rs's two
     epilogues at 8 ranks, and the push epilogue also at 2 ranks (the reduction is unrolled
     over the ranks) and with unaligned chunks."""
-    return _unique(v for v in _dist_all() if v.kernel == "dist.gemm")
+    return _unique(v for v in _tp_all() if v.kernel == "tp.gemm")
 
 
-def dist_comm_variants() -> list[Variant]:
+def tp_comm_variants() -> list[Variant]:
     """The communication kernels (no dot) launched beside those GEMMs: ag_gemm's push and
     barrier kernels, gemm_rs's forwarding kernel."""
-    return _unique(v for v in _dist_all() if v.kernel == "dist.comm")
+    return _unique(v for v in _tp_all() if v.kernel == "tp.comm")
 
 
 # --------------------------------------------------------------------------------------
@@ -749,9 +749,9 @@ KERNELS: dict[str, tuple[Callable[[], list[Variant]], str]] = {
     "indexer.prefill_sm100": (prefill_sm100_variants, "tilefuse.indexer._prefill_kernel_sm100"),
     "indexer.prefill_gluon": (prefill_gluon_variants, "tilefuse.indexer._prefill_kernel_gluon"),
     "indexer.paged": (paged_variants, "tilefuse.indexer._paged_kernel"),
-    "dist.gemm": (dist_gemm_variants, "tilefuse.dist._gemm_core"),
-    "dist.comm": (dist_comm_variants, "tilefuse.dist._comm_kernels"),
-    "dist.rs_gluon": (dist_rs_gluon_variants, "tilefuse.dist._gemm_rs_gluon"),
+    "tp.gemm": (tp_gemm_variants, "tilefuse.tp._gemm_core"),
+    "tp.comm": (tp_comm_variants, "tilefuse.tp._comm_kernels"),
+    "tp.rs_gluon": (tp_rs_gluon_variants, "tilefuse.tp._gemm_rs_gluon"),
 }
 
 

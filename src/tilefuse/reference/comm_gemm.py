@@ -1,4 +1,4 @@
-"""Torch oracles for the fused tensor-parallel GEMMs (``tilefuse.dist``).
+"""Torch oracles for the fused tensor-parallel GEMMs (``tilefuse.tp``).
 
 * ``ag_gemm_ref`` / ``gemm_rs_ref``: the sequential baselines inside a process group:
   ``all_gather_into_tensor`` then ``matmul``; ``matmul`` then ``reduce_scatter_tensor``.

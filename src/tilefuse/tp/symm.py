@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tilefuse.dist import _primitives as P
+from tilefuse.tp import _primitives as P
 
 _MIN_BYTES = 1 << 20
 
@@ -167,7 +167,7 @@ class FusedState:
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             have = 0 if self.ws is None else self.ws.nbytes
             raise RuntimeError(
-                f"tilefuse.dist.{self.op}: the symmetric workspace holds {have} bytes, this call needs "
+                f"tilefuse.tp.{self.op}: the symmetric workspace holds {have} bytes, this call needs "
                 f"{nbytes}; it cannot grow inside CUDA-graph capture: run the op once with this shape "
                 "(or a larger one) before capturing"
             )
@@ -215,8 +215,8 @@ def describe(record: list[int], op_hint: str | None = None) -> str:
     else:
         what = f"{role_name} waiting on chunk {chunk} (flag {index}: saw {observed}, expected >= {expected})"
     return (
-        f"tilefuse.dist.{op_name}: rank {rank} timed out {what}; a peer did not arrive or did not "
-        "deliver. The group's fused state is now broken: call tilefuse.dist.reset_group(group) on "
+        f"tilefuse.tp.{op_name}: rank {rank} timed out {what}; a peer did not arrive or did not "
+        "deliver. The group's fused state is now broken: call tilefuse.tp.reset_group(group) on "
         "every rank, or use path='nccl'."
     )
 

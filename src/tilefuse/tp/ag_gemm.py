@@ -31,9 +31,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from tilefuse.dist import _primitives as P
-from tilefuse.dist._comm_kernels import _ag_push_kernel, _barrier_kernel
-from tilefuse.dist._gemm_core import (
+from tilefuse.tp import _primitives as P
+from tilefuse.tp._comm_kernels import _ag_push_kernel, _barrier_kernel
+from tilefuse.tp._gemm_core import (
     EPI_LOCAL,
     CommArgs,
     GemmConfig,
@@ -42,8 +42,8 @@ from tilefuse.dist._gemm_core import (
     launch_gemm,
     num_sms,
 )
-from tilefuse.dist._schedule import TileSchedule, cdiv, chunk_order, chunk_rows
-from tilefuse.dist.symm import Workspace
+from tilefuse.tp._schedule import TileSchedule, cdiv, chunk_order, chunk_rows
+from tilefuse.tp.symm import Workspace
 
 DESIGNS = ("ce", "push")
 LOCAL_COPIES = ("sm", "ce")
@@ -362,7 +362,7 @@ def ag_gemm(
         out: optional ``[M, N]`` output (contiguous, a_shard's dtype and device).
         return_gathered: also return the gathered ``[M, K]`` activations (a fresh tensor).
         path / design: force ``"fused"`` or ``"nccl"`` and the fused design (``"ce"`` copy
-            engines, ``"push"`` SM push); by default :mod:`tilefuse.dist.policy` decides.
+            engines, ``"push"`` SM push); by default :mod:`tilefuse.tp.policy` decides.
         config, comm_programs, splits: GEMM tiles, programs of the push kernel, bands per
             chunk of the copy-engine design or copy-engine pieces of push's local staging
             (defaults from the policy's measurements).
@@ -372,20 +372,20 @@ def ag_gemm(
         read_local: the GEMM reads the own rows from ``a_shard`` in a launch of their own
             (None: ``default_read_local``; never for push with an explicit ``local_copy``).
         timeout_s: bound of every cross-GPU wait (default 60 s, env TILEFUSE_DIST_TIMEOUT_S).
-        trace: a :class:`tilefuse.dist.Trace` to record per-program activity.
+        trace: a :class:`tilefuse.tp.Trace` to record per-program activity.
 
     Returns:
         ``C`` ``[M, N]``, or ``(C, gathered)`` with ``return_gathered``. The fused path is bitwise
-        equal to ``tilefuse.dist.gemm(gathered, b)`` with the same config.
+        equal to ``tilefuse.tp.gemm(gathered, b)`` with the same config.
 
     Raises:
         TypeError / ValueError: bad dtypes, shapes, layouts, alignment, options.
         RuntimeError: no initialised process group; workspace growth inside graph capture.
         CommTimeoutError: a wait timed out in this or an earlier call (rank, op, chunk named).
     """
-    from tilefuse.dist import _common, policy
-    from tilefuse.dist._gemm_core import gemm
-    from tilefuse.dist.symm import get_state
+    from tilefuse.tp import _common, policy
+    from tilefuse.tp._gemm_core import gemm
+    from tilefuse.tp.symm import get_state
 
     k, n = check_operands(a_shard, b, b_layout, "a_shard")
     if not isinstance(return_gathered, bool):

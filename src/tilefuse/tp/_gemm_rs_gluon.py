@@ -37,8 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tilefuse.dist import _primitives as P
-from tilefuse.dist._gemm_core import _decode_tile, _dummy, _order_tensor
+from tilefuse.tp import _primitives as P
+from tilefuse.tp._gemm_core import _decode_tile, _dummy, _order_tensor
 
 _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 

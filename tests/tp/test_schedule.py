@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from tilefuse.dist import Trace, gemm
-from tilefuse.dist._gemm_core import GemmConfig
-from tilefuse.dist._schedule import (
+from tilefuse.tp import Trace, gemm
+from tilefuse.tp._gemm_core import GemmConfig
+from tilefuse.tp._schedule import (
     CHUNK_ORDERS,
     TileSchedule,
     band_of_tile,
@@ -73,7 +73,7 @@ def test_interleaved_order_leads_every_own_tile(world, mc, block_m, group_m, lag
     tpc, eff = scheds[0].tiles_per_chunk, scheds[0].lag_tiles
     assert eff == min(lag, tpc)
     where = []  # per rank: (chunk, in-chunk index) -> position
-    for r, s in enumerate(scheds):
+    for s in scheds:
         pos = {}
         for t in range(s.num_tiles):
             ci, i = s.position(t)

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tilefuse.dist import _primitives as P
-from tilefuse.dist._primitives import TRACE_FIELDS as _TRACE_FIELDS
+from tilefuse.tp import _primitives as P
+from tilefuse.tp._primitives import TRACE_FIELDS as _TRACE_FIELDS
 
 TRACE_FIELDS = _TRACE_FIELDS.value  # a constexpr for the kernels, an int here
 

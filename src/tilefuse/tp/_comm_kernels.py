@@ -20,8 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tilefuse.dist import _primitives as P
-from tilefuse.dist._gemm_core import _decode_tile
+from tilefuse.tp import _primitives as P
+from tilefuse.tp._gemm_core import _decode_tile
 
 
 @triton.jit

@@ -13,13 +13,13 @@ import sys
 import pytest
 import torch
 
-from tilefuse.dist import _primitives as P
-from tilefuse.dist._emulate import emulate_ag_gemm
-from tilefuse.dist._gemm_core import GemmConfig
-from tilefuse.dist.symm import CommTimeoutError, FusedState, describe, emulated_workspaces, raise_recorded
+from tilefuse.tp import _primitives as P
+from tilefuse.tp._emulate import emulate_ag_gemm
+from tilefuse.tp._gemm_core import GemmConfig
+from tilefuse.tp.symm import CommTimeoutError, FusedState, describe, emulated_workspaces, raise_recorded
 
-ag = importlib.import_module("tilefuse.dist.ag_gemm")
-rs = importlib.import_module("tilefuse.dist.gemm_rs")
+ag = importlib.import_module("tilefuse.tp.ag_gemm")
+rs = importlib.import_module("tilefuse.tp.gemm_rs")
 CFG = GemmConfig(16, 16, 16, 2, 1, 4)
 
 
@@ -50,7 +50,7 @@ def test_barrier_with_a_missing_peer_records_and_raises():
     assert int(me.ctl()[P.CTL_ABORT.value]) == 1
     with pytest.raises(CommTimeoutError, match="rank 2 timed out waiting in the start/end barrier for rank 3") as ei:
         raise_recorded(me, "ag_gemm")
-    assert "tilefuse.dist.ag_gemm" in str(ei.value) and ei.value.record["chunk"] == 3
+    assert "tilefuse.tp.ag_gemm" in str(ei.value) and ei.value.record["chunk"] == 3
 
 
 def test_missing_chunk_times_out_in_the_gemm_naming_the_chunk():

@@ -13,12 +13,12 @@ import importlib
 
 import torch
 
-from tilefuse.dist import _primitives as P
-from tilefuse.dist.symm import Workspace, emulated_workspaces
+from tilefuse.tp import _primitives as P
+from tilefuse.tp.symm import Workspace, emulated_workspaces
 
-# The package rebinds ``tilefuse.dist.ag_gemm`` / ``gemm_rs`` to the functions: fetch the modules.
-ag = importlib.import_module("tilefuse.dist.ag_gemm")
-rs = importlib.import_module("tilefuse.dist.gemm_rs")
+# The package rebinds ``tilefuse.tp.ag_gemm`` / ``gemm_rs`` to the functions: fetch the modules.
+ag = importlib.import_module("tilefuse.tp.ag_gemm")
+rs = importlib.import_module("tilefuse.tp.gemm_rs")
 
 
 def _poisoned(shape, like: torch.Tensor) -> torch.Tensor:
@@ -60,7 +60,8 @@ def emulate_ag_gemm(shards: list[torch.Tensor], b: torch.Tensor, *, design: str,
             ag.ce_peer_copies(plans[r], wss[r])
     outs = [_poisoned((mc * world, n), shards[0]) for _ in range(world)]
     for r in range(world):
-        own = trace.buffer("gemm", r, plans[r].gemm_programs, dev) if trace is not None and plans[r].read_local else None
+        traced_own = trace is not None and plans[r].read_local
+        own = trace.buffer("gemm", r, plans[r].gemm_programs, dev) if traced_own else None
         buf = trace.buffer("gemm", r, plans[r].gemm_programs, dev) if trace is not None else None
         ag.launch_gemm_part(plans[r], wss[r], shards[r], b, outs[r], b_layout, timeout, trace=buf, own_trace=own)
     return outs, wss, plans

@@ -13,7 +13,8 @@ scatters ``[M/W, N]`` rows) every rank times, in one rotation:
 * ``nccl+cublas``: the sequential baseline;
 * ``symm_mem``: ``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``;
 * ``fused:auto``: the call with every choice left to the policy (path, design, measured options);
-* ``fused:<design>[/p<programs>][/l<lag>][/g<programs>][/s<splits>][/c<sm|ce>][/r<0|1>][/t<0|1>][/x<0|1>][/b<128|256>]``:
+* ``fused:<design>[/p<programs>][/l<lag>][/g<programs>][/s<splits>][/c<sm|ce>][/r<0|1>][/t<0|1>][/x<0|1>]
+  [/b<128|256>]``:
   tilefuse's fused designs (communication programs; gemm_rs push's tile order, program count,
   TMA loads of the partials and TMA stores of the pushed tiles; ag_gemm's copy-engine pieces,
   who stages push's local shard and whether the GEMM reads the own rows from the shard; the
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from tilefuse.dist.policy import fused_variants
+from tilefuse.tp.policy import fused_variants
 
 OPS = {"ag-gemm": "ag_gemm", "gemm-rs": "gemm_rs"}
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -118,7 +119,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     op = OPS[args.op]
     if args.write_policy:
-        from tilefuse.dist.policy import TABLE_PATH
+        from tilefuse.tp.policy import TABLE_PATH
 
         target = args.policy_table or str(TABLE_PATH)
         rows = write_policy(args.write_policy, target, args.policy_tie)
@@ -135,7 +136,7 @@ def main(argv: list[str]) -> int:
         return 2
     env = dict(os.environ, **MULTICAST_OFF)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "tilefuse.dist.bench", *argv, "--worker"]
+           "-m", "tilefuse.tp.bench", *argv, "--worker"]
     return subprocess.call(cmd, env=env)
 
 
@@ -159,7 +160,7 @@ class _Case:
     def __init__(self, op, m, n, k, world, rank, dtype, group, args):
         from torch.distributed import distributed_c10d as c10d
 
-        import tilefuse.dist as tdist
+        import tilefuse.tp as tdist
 
         self.op, self.m, self.n, self.k, self.world, self.rank = op, m, n, k, world, rank
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -259,7 +260,7 @@ def _agree(ok: bool) -> bool:
 
 def _check_variants(case: _Case, fns: dict, notes: dict) -> dict:
     """Run every variant once on a poisoned output; keep those correct on every rank."""
-    import tilefuse.dist as tdist
+    import tilefuse.tp as tdist
 
     ref = case.reference()
     ref_gemm = case.full_a.float() @ case.b.float()
@@ -332,8 +333,8 @@ def _trace(case: _Case, fused, path: Path) -> str | None:
     meet on the device right before the call (an all-reduce, then a device-side sleep of the same
     length on every rank, enqueued just ahead of it): a host barrier alone left them ~100 µs
     apart, which the trace showed as start-barrier waits."""
-    import tilefuse.dist as tdist
-    from tilefuse.dist.trace import Trace, chrome_trace, clock_offsets
+    import tilefuse.tp as tdist
+    from tilefuse.tp.trace import Trace, chrome_trace, clock_offsets
 
     if not fused:
         return None
@@ -449,7 +450,7 @@ def _worker(args) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     op = OPS[args.op]
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    from tilefuse.dist.policy import FUSED_DESIGNS
+    from tilefuse.tp.policy import FUSED_DESIGNS
 
     fused = fused_variants(op, args.designs or ",".join(FUSED_DESIGNS[op]))
     ceilings = {}
@@ -592,7 +593,7 @@ def policy_rows(result: dict, tie: float = 0.03) -> list[dict]:
     fused designs (each design's best variant). Another design displaces the op's default
     design, and a variant with options its design's defaults, only when it is more than ``tie``
     (a fraction) faster: closer than that is within the run-to-run spread of the measurements."""
-    from tilefuse.dist.policy import DEFAULT_DESIGN
+    from tilefuse.tp.policy import DEFAULT_DESIGN
 
     if not 0 <= tie < 1:
         raise ValueError(f"tie must be a fraction in [0, 1), got {tie!r}")
@@ -641,7 +642,7 @@ def write_policy(results: list[str], path: str, tie: float = 0.03) -> list[dict]
     with open(path, "w") as f:
         json.dump({"source": [os.path.basename(p) for p in results], "rows": out}, f, indent=1)
         f.write("\n")
-    importlib.import_module("tilefuse.dist.policy").load_table(out)
+    importlib.import_module("tilefuse.tp.policy").load_table(out)
     return out
 
 

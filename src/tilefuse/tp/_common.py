@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tilefuse.dist._gemm_core import GemmConfig, gemm
+from tilefuse.tp._gemm_core import GemmConfig, gemm
 
 
 def resolve_group(group):
@@ -12,7 +12,7 @@ def resolve_group(group):
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("tilefuse.dist ops need an initialised torch.distributed process group "
+        raise RuntimeError("tilefuse.tp ops need an initialised torch.distributed process group "
                            "(torchrun + dist.init_process_group)")
     g = group if group is not None else dist.group.WORLD
     if not isinstance(g, dist.ProcessGroup):
@@ -36,7 +36,7 @@ def check_out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tens
 
 def check_options(config, comm_programs, timeout_s) -> None:
     if config is not None and not isinstance(config, GemmConfig):
-        raise TypeError(f"config must be a tilefuse.dist.GemmConfig or None, got {type(config).__name__}")
+        raise TypeError(f"config must be a tilefuse.tp.GemmConfig or None, got {type(config).__name__}")
     if comm_programs is not None and (not isinstance(comm_programs, int) or comm_programs < 1):
         raise ValueError(f"comm_programs must be a positive int or None, got {comm_programs!r}")
     if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):

@@ -1,7 +1,7 @@
 """Which path runs a TP GEMM: a fused design or NCCL + GEMM, per (op, M, N, K, W, dtype).
 
 The choice comes from a table of measured rows (``policy_table.json`` beside this file, written
-from ``benchmarks/results/<gpu>/`` by ``tilefuse.dist.bench --write-policy``): each row is a
+from ``benchmarks/results/<gpu>/`` by ``tilefuse.tp.bench --write-policy``): each row is a
 shape the benchmark timed, the winner (``"nccl"`` or a fused design) and the times behind it.
 A query takes the row of the same op and world size (else the nearest world size) whose shape
 is nearest in log2(M), log2(N), log2(K), and uses its winner. Rows carry the timing mode they
@@ -274,7 +274,7 @@ def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
 def _variant_value(key: str, value, flags: set):
     """A variant option's value: ``b<N>`` is one of the two tiles of ``default_config``."""
     if key == "b":
-        from tilefuse.dist._gemm_core import NARROW_TILE, WIDE_TILE
+        from tilefuse.tp._gemm_core import NARROW_TILE, WIDE_TILE
 
         return WIDE_TILE if value == 256 else NARROW_TILE
     return bool(value) if key in flags else value

@@ -1,6 +1,6 @@
-"""Multi-GPU checks of tilefuse.dist, one process per GPU:
+"""Multi-GPU checks of tilefuse.tp, one process per GPU:
 
-    torchrun --standalone --nproc-per-node 2 tests/dist/gpu_checks.py [--quick] [--stalled-first]
+    torchrun --standalone --nproc-per-node 2 tests/tp/gpu_checks.py [--quick] [--stalled-first]
         [--stalled-only] [--reverse]
 
 Both ops and every fused design against the sequential reference (all_gather_into_tensor +
@@ -8,7 +8,7 @@ matmul; matmul + reduce_scatter_tensor) at the seed and LLM shapes of comm_gemm.
 nn.Linear layout, fp16, bitwise ag_gemm == tilefuse GEMM of the gathered rows, repeated calls,
 determinism, CUDA-graph capture, and last a stalled peer that must raise, not hang. Every
 output buffer is poisoned (NaN) first. Prints one PASS/FAIL line per check (rank 0) and exits
-non-zero if any check failed on any rank. ``tests/dist/test_gpu.py`` runs it under pytest.
+non-zero if any check failed on any rank. ``tests/tp/test_gpu.py`` runs it under pytest.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import tilefuse.dist as td  # noqa: E402
-from tilefuse.dist.bench import LLM_LAYERS, SEED_SIZES, fused_variants  # noqa: E402
+import tilefuse.tp as td  # noqa: E402
 from tilefuse.reference.comm_gemm import ag_gemm_ref, gemm_rs_ref  # noqa: E402
+from tilefuse.tp.bench import LLM_LAYERS, SEED_SIZES, fused_variants  # noqa: E402
 
 TOL = 1e-2  # ||out - ref|| / ||ref||: bf16 rounding of the output and (gemm_rs) of the partials
 TIMEOUT_S = 5.0
@@ -145,7 +145,7 @@ def odd_shapes():
 
 
 def bitwise_and_repeat():
-    from tilefuse.dist._gemm_core import default_config, num_sms
+    from tilefuse.tp._gemm_core import default_config, num_sms
 
     for d in DESIGNS["ag_gemm"]:
         def ag_bitwise(d=d):

@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from tilefuse.dist import GemmConfig, Trace, default_config, gemm
-from tilefuse.dist.bench import fused_variants, shapes
-from tilefuse.dist.trace import chrome_trace
+from tilefuse.tp import GemmConfig, Trace, default_config, gemm
+from tilefuse.tp.bench import fused_variants, shapes
+from tilefuse.tp.trace import chrome_trace
 
-ag = importlib.import_module("tilefuse.dist.ag_gemm")
-rs = importlib.import_module("tilefuse.dist.gemm_rs")
+ag = importlib.import_module("tilefuse.tp.ag_gemm")
+rs = importlib.import_module("tilefuse.tp.gemm_rs")
 CPU = torch.device("cpu")
 
 
@@ -67,7 +67,7 @@ def test_flatten_only_for_plain_launches(monkeypatch):
     """The flattened tile loop may run a tile's loads before the previous tile's epilogue:
     only plain GEMM launches get it (ag_gemm's loads wait on band flags; the fused epilogues
     keep the nested loop), whatever the config asks."""
-    core = importlib.import_module("tilefuse.dist._gemm_core")
+    core = importlib.import_module("tilefuse.tp._gemm_core")
     seen = []
 
     class Recorder:
@@ -252,7 +252,7 @@ def test_bench_arguments():
 
 
 def test_bench_entry_without_gpus(tmp_path, capsys):
-    from tilefuse.dist.bench import main
+    from tilefuse.tp.bench import main
 
     if torch.cuda.device_count() >= 2:
         pytest.skip("has GPUs: the launcher would start a real run")
@@ -262,7 +262,7 @@ def test_bench_entry_without_gpus(tmp_path, capsys):
     res.write_text(json.dumps({"summary": [{"op": "gemm_rs", "m": 4096, "n": 4096, "k": 512, "world": 2,
                                             "dtype": "bf16", "nccl+cublas_us": 130.0,
                                             "fused_us": {"fused:push": 70.0}}]}))
-    from tilefuse.dist import policy
+    from tilefuse.tp import policy
 
     saved = policy.table()
     try:

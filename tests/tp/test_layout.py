@@ -10,11 +10,11 @@ import importlib
 import pytest
 import torch
 
-from tilefuse.dist import _primitives as P
-from tilefuse.dist.symm import FusedState, emulated_workspaces
+from tilefuse.tp import _primitives as P
+from tilefuse.tp.symm import FusedState, emulated_workspaces
 
-ag = importlib.import_module("tilefuse.dist.ag_gemm")
-rs = importlib.import_module("tilefuse.dist.gemm_rs")
+ag = importlib.import_module("tilefuse.tp.ag_gemm")
+rs = importlib.import_module("tilefuse.tp.gemm_rs")
 CPU = torch.device("cpu")
 
 

@@ -3,7 +3,7 @@
 # benchmarks with their same-run baselines. Each step runs in its own process under a time
 # limit, so one failing step does not stop the others; everything goes to $OUT/log, results
 # to $OUT/*.json (Perfetto traces: $OUT/*.trace.json). From the repository root:
-#     OUT=/tmp/round STEPS="env checks bench-ag bench-rs" bash tests/dist/gpu_round.sh
+#     OUT=/tmp/round STEPS="env checks bench-ag bench-rs" bash tests/tp/gpu_round.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -28,11 +28,11 @@ for step in $STEPS; do
     env) run env 60 bash -c 'nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv;
             nvidia-smi topo -m; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())"' ;;
     checks) run checks "${CHECKS_S:-150}" python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-            tests/dist/gpu_checks.py ${CHECKS_ARGS:-} ;;
-    bench-ag) run bench-ag "${BENCH_S:-110}" python3 -m tilefuse.dist.bench ag-gemm --world "$NPROC" --shapes "${AG_SHAPES:-seed,llm}" \
+            tests/tp/gpu_checks.py ${CHECKS_ARGS:-} ;;
+    bench-ag) run bench-ag "${BENCH_S:-110}" python3 -m tilefuse.tp.bench ag-gemm --world "$NPROC" --shapes "${AG_SHAPES:-seed,llm}" \
             --designs "${AG_DESIGNS:-auto,ce,push}" --json "$OUT/ag_gemm.json" --trace "$OUT" \
             --trace-shapes "${AG_TRACE:-8192x1024x8192}" "${BENCH[@]}" ;;
-    bench-rs) run bench-rs "${BENCH_S:-110}" python3 -m tilefuse.dist.bench gemm-rs --world "$NPROC" --shapes "${RS_SHAPES:-seed,llm}" \
+    bench-rs) run bench-rs "${BENCH_S:-110}" python3 -m tilefuse.tp.bench gemm-rs --world "$NPROC" --shapes "${RS_SHAPES:-seed,llm}" \
             --designs "${RS_DESIGNS:-auto,push,forward}" --json "$OUT/gemm_rs.json" --trace "$OUT" \
             --trace-shapes "${RS_TRACE:-8192x8192x1024}" "${BENCH[@]}" ;;
     *) echo "unknown step $step" | tee -a "$LOG" ;;

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from tilefuse.dist import policy
-from tilefuse.dist.bench import policy_rows, write_policy
+from tilefuse.tp import policy
+from tilefuse.tp.bench import policy_rows, write_policy
 
 ROWS = [
     {"op": "ag_gemm", "m": 1024, "n": 7168, "k": 8192, "world": 2, "dtype": "bfloat16", "winner": "nccl",
@@ -154,8 +154,8 @@ def test_graph_capture_picks_the_graph_timed_rows():
 def test_measured_variant_options_apply_at_their_exact_shape():
     """A row's fastest variant (bare design unless beaten by more than the tie margin) gives
     its options to calls of exactly that shape, never to neighbours; a caller's own value wins."""
-    from tilefuse.dist._common import with_measured_options
-    from tilefuse.dist._gemm_core import GemmConfig
+    from tilefuse.tp._common import with_measured_options
+    from tilefuse.tp._gemm_core import GemmConfig
 
     result = {"settings": {"mode": "graph"}, "summary": [
         {"op": "ag_gemm", "m": 8192, "n": 1024, "k": 8192, "world": 2, "dtype": "bf16", "nccl+cublas_us": 480.0,

@@ -4,7 +4,7 @@ interpreter): ``test_waits.py`` checks that every branch they take is uniform.""
 import triton
 import triton.language as tl
 
-from tilefuse.dist import _primitives as P
+from tilefuse.tp import _primitives as P
 
 
 @triton.jit

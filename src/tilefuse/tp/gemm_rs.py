@@ -31,9 +31,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from tilefuse._device import capability_major
-from tilefuse.dist import _primitives as P
-from tilefuse.dist._comm_kernels import _rs_forward_kernel
-from tilefuse.dist._gemm_core import (
+from tilefuse.tp import _primitives as P
+from tilefuse.tp._comm_kernels import _rs_forward_kernel
+from tilefuse.tp._gemm_core import (
     EPI_RS_LOCAL,
     EPI_RS_PUSH,
     CommArgs,
@@ -42,8 +42,8 @@ from tilefuse.dist._gemm_core import (
     launch_gemm,
     num_sms,
 )
-from tilefuse.dist._schedule import TileSchedule, chunk_order, chunk_rows
-from tilefuse.dist.symm import Workspace
+from tilefuse.tp._schedule import TileSchedule, chunk_order, chunk_rows
+from tilefuse.tp.symm import Workspace
 
 DESIGNS = ("push", "forward")
 _ALIGN = 1024
@@ -217,7 +217,7 @@ def launch_gemm_part(plan: RsPlan, ws: Workspace, a: torch.Tensor, b: torch.Tens
                     n_reset_flags=n_flags, reset=reset, barrier=barrier and plan.design == "push",
                     recv=ws.view(plan.recv_off, (plan.m, plan.n), plan.dtype) if plan.recv_tma else None)
     if plan.send_tma:  # the whole walk in one launch (push)
-        from tilefuse.dist import _gemm_rs_gluon
+        from tilefuse.tp import _gemm_rs_gluon
 
         if tile_begin != 0 or tile_end not in (None, plan.schedule.num_tiles):
             raise ValueError("the Gluon push kernel runs the whole tile walk in one launch")
@@ -234,7 +234,7 @@ def launch_gemm_part(plan: RsPlan, ws: Workspace, a: torch.Tensor, b: torch.Tens
 
 def launch_forward(plan: RsPlan, ws: Workspace, timeout: int, *, barrier: bool = True,
                    trace: torch.Tensor | None = None) -> None:
-    from tilefuse.dist._gemm_core import _order_tensor
+    from tilefuse.tp._gemm_core import _order_tensor
 
     programs = plan.comm_programs
     cfg = plan.config
@@ -336,7 +336,7 @@ def gemm_rs(
         send_tma: push at W = 2 on Hopper: the Gluon kernel, whose pushed tiles' TMA stores drain
             under the next tile's main loop (None: the measured default).
         timeout_s: bound of every cross-GPU wait (default 60 s).
-        trace: a :class:`tilefuse.dist.Trace`.
+        trace: a :class:`tilefuse.tp.Trace`.
 
     Returns:
         ``[M/W, N]``: the sum over ranks of their partial products' rows of this rank, computed
@@ -347,10 +347,10 @@ def gemm_rs(
         RuntimeError: no initialised process group; workspace growth inside graph capture.
         CommTimeoutError: a wait timed out in this or an earlier call.
     """
-    from tilefuse.dist import _common, policy
-    from tilefuse.dist._gemm_core import check_operands, gemm
-    from tilefuse.dist.ag_gemm import DEFAULT_TIMEOUT_S
-    from tilefuse.dist.symm import get_state
+    from tilefuse.tp import _common, policy
+    from tilefuse.tp._gemm_core import check_operands, gemm
+    from tilefuse.tp.ag_gemm import DEFAULT_TIMEOUT_S
+    from tilefuse.tp.symm import get_state
 
     k, n = check_operands(a, b, b_layout, "a")
     _common.check_options(config, comm_programs, timeout_s)

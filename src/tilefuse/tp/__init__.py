@@ -11,17 +11,17 @@
 
 Run under ``torchrun`` with one process per GPU and an NCCL process group; symmetric memory
 comes from ``torch.distributed._symmetric_memory``; NVLink multicast is never used.
-See ``docs/dist.md``.
+See ``docs/tp.md``.
 """
 
-from tilefuse.dist._gemm_core import GemmConfig, default_config, gemm
-from tilefuse.dist.ag_gemm import ag_gemm
-from tilefuse.dist.gemm_rs import gemm_rs
-from tilefuse.dist.policy import Decision, decide, override, set_override
-from tilefuse.dist.policy import load_table as load_policy_table
-from tilefuse.dist.policy import table as policy_table
-from tilefuse.dist.symm import CommTimeoutError, check_errors, reset_group
-from tilefuse.dist.trace import Trace, chrome_trace, clock_offsets
+from tilefuse.tp._gemm_core import GemmConfig, default_config, gemm
+from tilefuse.tp.ag_gemm import ag_gemm
+from tilefuse.tp.gemm_rs import gemm_rs
+from tilefuse.tp.policy import Decision, decide, override, set_override
+from tilefuse.tp.policy import load_table as load_policy_table
+from tilefuse.tp.policy import table as policy_table
+from tilefuse.tp.symm import CommTimeoutError, check_errors, reset_group
+from tilefuse.tp.trace import Trace, chrome_trace, clock_offsets
 
 __all__ = [
     "CommTimeoutError",

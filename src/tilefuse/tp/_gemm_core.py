@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tilefuse.dist import _primitives as P
-from tilefuse.dist._schedule import TileSchedule, cdiv
+from tilefuse.tp import _primitives as P
+from tilefuse.tp._schedule import TileSchedule, cdiv
 
 EPI_LOCAL = tl.constexpr(0)
 EPI_RS_PUSH = tl.constexpr(1)
@@ -476,7 +476,7 @@ def gemm(
     """``a @ b`` (or ``a @ b.T`` for ``b_layout='nk'``) by the persistent kernel alone: the
     engine of the fused ops, benchmarked on its own against cuBLAS. ``chunks``/``order``/``rank``/
     ``lag`` select the tile order the fused ops use (``_schedule``)."""
-    from tilefuse.dist._schedule import chunk_order, chunk_rows
+    from tilefuse.tp._schedule import chunk_order, chunk_rows
 
     k, n = check_operands(a, b, b_layout)
     m = a.shape[0]

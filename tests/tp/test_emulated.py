@@ -2,7 +2,7 @@
 
 Peer buffers are real CPU tensors addressed through int64 workspace bases (as on a GPU through
 symmetric memory); launches are ordered senders-first and the start barrier's go words are
-pre-set (``tilefuse.dist._emulate``). Checks: results against the fp32 oracle, every output
+pre-set (``tilefuse.tp._emulate``). Checks: results against the fp32 oracle, every output
 element written (poisoned buffers), ag_gemm bitwise equal to the GEMM of the gathered rows,
 bitwise reruns, and every flag / control word back to zero after the call.
 """
@@ -10,11 +10,11 @@ bitwise reruns, and every flag / control word back to zero after the call.
 import pytest
 import torch
 
-from tilefuse.dist import _primitives as P
-from tilefuse.dist import gemm
-from tilefuse.dist._emulate import emulate_ag_gemm, emulate_gemm_rs
-from tilefuse.dist._gemm_core import GemmConfig
 from tilefuse.reference.comm_gemm import ag_gemm_emulated, gemm_rs_emulated
+from tilefuse.tp import _primitives as P
+from tilefuse.tp import gemm
+from tilefuse.tp._emulate import emulate_ag_gemm, emulate_gemm_rs
+from tilefuse.tp._gemm_core import GemmConfig
 
 CFG = GemmConfig(16, 16, 16, 2, 1, 4)
 

@@ -23,7 +23,7 @@ def _worker(rank: int, world: int, port: int) -> None:
     patch_interpreter_numerics()
     import torch.distributed as dist
 
-    import tilefuse.dist as td
+    import tilefuse.tp as td
     from tilefuse.reference.comm_gemm import ag_gemm_ref, gemm_rs_ref
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, port: int) -> None:
             raise AssertionError("fused path on CPU accepted")
         except ValueError as e:
             assert "forced but is unavailable" in str(e)
-        from tilefuse.dist.trace import clock_offsets
+        from tilefuse.tp.trace import clock_offsets
 
         assert clock_offsets() == [0] * world  # no GPU timers to line up
         dist.barrier()
@@ -79,7 +79,7 @@ def test_nccl_path_with_gloo_processes(world):
 
 
 def test_needs_a_process_group():
-    import tilefuse.dist as td
+    import tilefuse.tp as td
 
     a = torch.randn(8, 16).to(torch.bfloat16)
     b = torch.randn(16, 8).to(torch.bfloat16)

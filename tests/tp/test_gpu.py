@@ -1,4 +1,4 @@
-"""2-GPU tests: run tests/dist/gpu_checks.py under torchrun (one process per GPU)."""
+"""2-GPU tests: run tests/tp/gpu_checks.py under torchrun (one process per GPU)."""
 
 import os
 import subprocess
