@@ -6,7 +6,8 @@ Public names resolve lazily, so ``import tilefuse`` stays cheap and works withou
   ``get_mqa_logits_metadata``, ``fp8_paged_mqa_logits``, ``fp8_fp4_paged_mqa_logits``,
   ``get_paged_mqa_logits_metadata``;
 * tensor-parallel fused GEMMs: ``tilefuse.tp.ag_gemm``, ``tilefuse.tp.gemm_rs``;
-* formats and references: ``tilefuse.formats``, ``tilefuse.reference``.
+* formats and references: ``tilefuse.formats``, ``tilefuse.reference``;
+* ``check_errors()``: raise value errors that kernels found on the device (see ``tilefuse._errors``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ _PUBLIC = {
     "fp8_paged_mqa_logits": "tilefuse.indexer.paged",
     "fp8_fp4_paged_mqa_logits": "tilefuse.indexer.paged",
     "get_paged_mqa_logits_metadata": "tilefuse.indexer.paged",
+    "check_errors": "tilefuse._errors",
+    "DeviceValueError": "tilefuse._errors",
 }
 
 __all__ = sorted(_PUBLIC) + ["__version__"]

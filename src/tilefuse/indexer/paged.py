@@ -42,9 +42,10 @@ import triton
 
 from tilefuse import formats
 from tilefuse._config import apply_env_overrides
+from tilefuse._validate import expect, expect_int, expect_tensor
 from tilefuse.formats import FP8_DTYPE, format_of
 from tilefuse.indexer import _paged_kernel as kern
-from tilefuse.indexer.prefill import _expect, _expect_tensor, _window_checks_enabled
+from tilefuse.indexer.prefill import _window_checks_enabled
 
 _FORMAT_CODE = {"fp8": kern.FMT_FP8, "mxfp8": kern.FMT_MXFP8, "mxfp4": kern.FMT_MXFP4}
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16)
@@ -54,11 +55,6 @@ _SCALE_BYTES = 4
 _ROW_ALIGN = 16
 # The smallest tl.dot side: the (row, head) columns are padded up to it.
 _MIN_DOT = 16
-
-
-def _expect_int(value, name: str, minimum: int) -> None:
-    _expect(isinstance(value, int) and value >= minimum, ValueError,
-            f"{name}: expected an int >= {minimum}, got {value!r}")
 
 
 def _next_pow2(n: int) -> int:
@@ -135,12 +131,12 @@ def resolve_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
     cfg = apply_env_overrides(cfg, "TILEFUSE_PAGED_CONFIG")
     for name in ("block_n", "rows", "block_fill"):
         v = getattr(cfg, name)
-        _expect(v >= 1 and v & (v - 1) == 0, ValueError, f"PagedConfig.{name} must be a power of two, got {v}")
-    _expect(cfg.block_n >= _MIN_DOT, ValueError, f"PagedConfig.block_n must be >= {_MIN_DOT}, got {cfg.block_n}")
-    _expect(cfg.num_warps >= 1 and cfg.num_stages >= 1, ValueError,
+        expect(v >= 1 and v & (v - 1) == 0, ValueError, f"PagedConfig.{name} must be a power of two, got {v}")
+    expect(cfg.block_n >= _MIN_DOT, ValueError, f"PagedConfig.block_n must be >= {_MIN_DOT}, got {cfg.block_n}")
+    expect(cfg.num_warps >= 1 and cfg.num_stages >= 1, ValueError,
             f"PagedConfig: num_warps and num_stages must be >= 1, got {cfg}")
     pages = cfg.chunk // block_kv
-    _expect(cfg.chunk > 0 and cfg.chunk % cfg.block_n == 0 and cfg.chunk % block_kv == 0 and pages & (pages - 1) == 0,
+    expect(cfg.chunk > 0 and cfg.chunk % cfg.block_n == 0 and cfg.chunk % block_kv == 0 and pages & (pages - 1) == 0,
             ValueError, f"PagedConfig.chunk must be a multiple of block_n = {cfg.block_n} and a power-of-two number "
             f"of {block_kv}-token pages, got {cfg.chunk}")
     return cfg
@@ -155,8 +151,8 @@ def _value_bytes(head_dim: int, fmt: str) -> int:
 
 def paged_kv_cache_width(head_dim: int, fmt: str = "fp8") -> int:
     """Bytes per token in the cache's last dim: ``D + 4`` (FP8, MXFP8) or ``D/2 + 4`` (MXFP4)."""
-    _expect(fmt in formats.FORMATS, ValueError, f"fmt: unknown format {fmt!r}; expected one of {formats.FORMATS}")
-    _expect(head_dim in ((64, 128) if fmt == "mxfp4" else (32, 64, 128)), ValueError,
+    expect(fmt in formats.FORMATS, ValueError, f"fmt: unknown format {fmt!r}; expected one of {formats.FORMATS}")
+    expect(head_dim in ((64, 128) if fmt == "mxfp4" else (32, 64, 128)), ValueError,
             f"head_dim: {fmt} supports 32, 64, 128 (MXFP4: 64, 128), got {head_dim}")
     return _value_bytes(head_dim, fmt) + _SCALE_BYTES
 
@@ -178,36 +174,36 @@ def new_paged_kv_cache(num_blocks: int, block_kv: int, head_dim: int, fmt: str =
         ValueError: a bad count, format, head dim or page stride.
     """
     width = paged_kv_cache_width(head_dim, fmt)
-    _expect_int(num_blocks, "num_blocks", 1)
-    _expect_int(block_kv, "block_kv", 1)
+    expect_int(num_blocks, "num_blocks", 1)
+    expect_int(block_kv, "block_kv", 1)
     page_bytes = block_kv * width
     stride = page_bytes if page_stride is None else page_stride
-    _expect(isinstance(stride, int) and stride >= page_bytes and stride % _SCALE_BYTES == 0, ValueError,
+    expect(isinstance(stride, int) and stride >= page_bytes and stride % _SCALE_BYTES == 0, ValueError,
             f"page_stride: expected a multiple of 4 that is >= block_kv * width = {page_bytes}, got {page_stride!r}")
     storage = torch.zeros(num_blocks * stride, dtype=torch.uint8, device=device)
     return storage.as_strided((num_blocks, block_kv, 1, width), (stride, width, width, 1))
 
 
 def _check_cache(kv_cache: torch.Tensor, value_bytes: int, name: str = "kv_cache") -> None:
-    _expect_tensor(kv_cache, name)
-    _expect(kv_cache.dtype == torch.uint8, TypeError, f"{name}: expected uint8, got {kv_cache.dtype}")
+    expect_tensor(kv_cache, name)
+    expect(kv_cache.dtype == torch.uint8, TypeError, f"{name}: expected uint8, got {kv_cache.dtype}")
     width = value_bytes + _SCALE_BYTES
-    _expect(kv_cache.dim() == 4 and kv_cache.shape[2] == 1, ValueError,
+    expect(kv_cache.dim() == 4 and kv_cache.shape[2] == 1, ValueError,
             f"{name}: expected [num_blocks, block_kv, 1, {width}], got shape {tuple(kv_cache.shape)}")
-    _expect(kv_cache.shape[3] == width, ValueError,
+    expect(kv_cache.shape[3] == width, ValueError,
             f"{name}: last dim (bytes per token) must be {value_bytes} value bytes + 4 scale bytes = {width} "
             f"for this head dim and format, got {kv_cache.shape[3]}")
     nb, bkv = kv_cache.shape[:2]
-    _expect(nb >= 1 and bkv >= 1, ValueError,
+    expect(nb >= 1 and bkv >= 1, ValueError,
             f"{name}: needs at least one page of one token, got {tuple(kv_cache.shape)}")
-    _expect(kv_cache.stride(3) == 1 and kv_cache.stride(1) == width, ValueError,
+    expect(kv_cache.stride(3) == 1 and kv_cache.stride(1) == width, ValueError,
             f"{name}: expected the fused page view (strides (page_stride, {width}, *, 1)), got {kv_cache.stride()}")
     page_bytes = bkv * width
-    _expect(kv_cache.stride(0) >= page_bytes and kv_cache.stride(0) % _SCALE_BYTES == 0, ValueError,
+    expect(kv_cache.stride(0) >= page_bytes and kv_cache.stride(0) % _SCALE_BYTES == 0, ValueError,
             f"{name}: page stride must be a multiple of 4 and >= block_kv * {width} = {page_bytes}, "
             f"got {kv_cache.stride(0)}")
     # Scales are read as 4-byte words (storage_offset is not traceable: checked eagerly only).
-    _expect(torch.compiler.is_compiling() or kv_cache.storage_offset() % _SCALE_BYTES == 0, ValueError,
+    expect(torch.compiler.is_compiling() or kv_cache.storage_offset() % _SCALE_BYTES == 0, ValueError,
             f"{name}: storage offset must be a multiple of 4 bytes")
 
 
@@ -238,25 +234,25 @@ def write_paged_kv_cache(kv_cache: torch.Tensor, keys: torch.Tensor, slot_mappin
         ValueError: shapes that do not match, a cache width for another format or head dim,
             slots out of range.
     """
-    _expect_tensor(keys, "keys")
-    _expect_tensor(slot_mapping, "slot_mapping")
-    _expect(keys.dim() == 2, ValueError, f"keys: expected [N, D], got shape {tuple(keys.shape)}")
-    _expect(keys.is_floating_point() and keys.element_size() >= 2, TypeError,
+    expect_tensor(keys, "keys")
+    expect_tensor(slot_mapping, "slot_mapping")
+    expect(keys.dim() == 2, ValueError, f"keys: expected [N, D], got shape {tuple(keys.shape)}")
+    expect(keys.is_floating_point() and keys.element_size() >= 2, TypeError,
             f"keys: expected real-valued bf16/fp16/fp32 keys, got {keys.dtype}")
     n, d = keys.shape
     paged_kv_cache_width(d, fmt)
     _check_cache(kv_cache, _value_bytes(d, fmt))
-    _expect(not slot_mapping.is_floating_point() and slot_mapping.dim() == 1 and slot_mapping.shape[0] == n,
+    expect(not slot_mapping.is_floating_point() and slot_mapping.dim() == 1 and slot_mapping.shape[0] == n,
             ValueError, f"slot_mapping: expected an integer [{n}] tensor, got {slot_mapping.dtype} "
             f"{tuple(slot_mapping.shape)}")
-    _expect(keys.device == kv_cache.device and slot_mapping.device == kv_cache.device, ValueError,
+    expect(keys.device == kv_cache.device and slot_mapping.device == kv_cache.device, ValueError,
             f"keys/slot_mapping: expected device {kv_cache.device}")
     if n == 0:
         return
     nb, bkv = kv_cache.shape[:2]
     slots = slot_mapping.long()
     lo, hi = torch.stack([slots.min(), slots.max()]).tolist()
-    _expect(lo >= 0 and hi < nb * bkv, ValueError, f"slot_mapping: slots must lie in [0, {nb * bkv}), got [{lo}, {hi}]")
+    expect(lo >= 0 and hi < nb * bkv, ValueError, f"slot_mapping: slots must lie in [0, {nb * bkv}), got [{lo}, {hi}]")
     values, scales = formats.quantize_k(keys, fmt)
     vals_view, sf_view = _page_views(kv_cache, _value_bytes(d, fmt))
     page, off = slots // bkv, slots % bkv
@@ -287,21 +283,21 @@ def make_paged_kv_cache(keys: torch.Tensor, context_lens: torch.Tensor, block_kv
         ValueError: lengths negative or longer than ``S``, ``num_blocks`` too small, and the
             errors of :func:`new_paged_kv_cache`.
     """
-    _expect_tensor(keys, "keys")
-    _expect_tensor(context_lens, "context_lens")
-    _expect(keys.dim() == 3, ValueError, f"keys: expected [B, S, D], got shape {tuple(keys.shape)}")
+    expect_tensor(keys, "keys")
+    expect_tensor(context_lens, "context_lens")
+    expect(keys.dim() == 3, ValueError, f"keys: expected [B, S, D], got shape {tuple(keys.shape)}")
     b, s, d = keys.shape
-    _expect(context_lens.dim() in (1, 2) and context_lens.shape[0] == b, ValueError,
+    expect(context_lens.dim() in (1, 2) and context_lens.shape[0] == b, ValueError,
             f"context_lens: expected [{b}] or [{b}, next_n], got shape {tuple(context_lens.shape)}")
     lens = context_lens.long() if context_lens.dim() == 1 else context_lens.long().amax(dim=1)
     lens = lens.cpu()
-    _expect(b == 0 or (int(lens.min()) >= 0 and int(lens.max()) <= s), ValueError,
+    expect(b == 0 or (int(lens.min()) >= 0 and int(lens.max()) <= s), ValueError,
             f"context_lens: lengths must lie in [0, {s}] (the keys given)")
-    _expect_int(block_kv, "block_kv", 1)
+    expect_int(block_kv, "block_kv", 1)
     pages = (lens + block_kv - 1) // block_kv
     total = int(pages.sum())
     nb = max(total, 1) if num_blocks is None else num_blocks
-    _expect(isinstance(nb, int) and nb >= max(total, 1), ValueError,
+    expect(isinstance(nb, int) and nb >= max(total, 1), ValueError,
             f"num_blocks: the lengths need {total} pages, got {num_blocks!r}")
     cache = new_paged_kv_cache(nb, block_kv, d, fmt, page_stride=page_stride, device=keys.device)
     order = torch.randperm(nb, generator=generator) if shuffle else torch.arange(nb)
@@ -346,21 +342,21 @@ def _schedule(context_lens: torch.Tensor, block_kv: int, num_sms: int) -> torch.
 
 
 def _check_context_lens(context_lens, name: str = "context_lens") -> None:
-    _expect_tensor(context_lens, name)
-    _expect(context_lens.dtype == torch.int32, TypeError, f"{name}: expected int32, got {context_lens.dtype}")
-    _expect(context_lens.dim() in (1, 2), ValueError,
+    expect_tensor(context_lens, name)
+    expect(context_lens.dtype == torch.int32, TypeError, f"{name}: expected int32, got {context_lens.dtype}")
+    expect(context_lens.dim() in (1, 2), ValueError,
             f"{name}: expected [B] or [B, next_n], got shape {tuple(context_lens.shape)}")
-    _expect(context_lens.stride(-1) == 1 or context_lens.shape[-1] <= 1, ValueError,
+    expect(context_lens.stride(-1) == 1 or context_lens.shape[-1] <= 1, ValueError,
             f"{name}: last dim must be contiguous, got strides {context_lens.stride()}")
 
 
 def _check_indices(indices, n: int, next_n: int, device) -> None:
-    _expect_tensor(indices, "indices")
-    _expect(indices.dtype == torch.int32, TypeError, f"indices: expected int32, got {indices.dtype}")
-    _expect(tuple(indices.shape) == (n,), ValueError,
+    expect_tensor(indices, "indices")
+    expect(indices.dtype == torch.int32, TypeError, f"indices: expected int32, got {indices.dtype}")
+    expect(tuple(indices.shape) == (n,), ValueError,
             f"indices: expected [{n}] (one request id per token), got shape {tuple(indices.shape)}")
-    _expect(next_n == 1, ValueError, f"indices: varlen batches need next_n == 1, got next_n = {next_n}")
-    _expect(indices.device == device, ValueError, f"indices: expected device {device}, got {indices.device}")
+    expect(next_n == 1, ValueError, f"indices: varlen batches need next_n == 1, got next_n = {next_n}")
+    expect(indices.device == device, ValueError, f"indices: expected device {device}, got {indices.device}")
 
 
 def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num_sms: int,
@@ -393,8 +389,8 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
         ValueError: a bad shape, ``block_kv`` or ``num_sms`` < 1, ``indices`` with next_n > 1.
     """
     _check_context_lens(context_lens)
-    _expect_int(block_kv, "block_kv", 1)
-    _expect_int(num_sms, "num_sms", 1)
+    expect_int(block_kv, "block_kv", 1)
+    expect_int(num_sms, "num_sms", 1)
     if indices is not None:
         next_n = context_lens.shape[1] if context_lens.dim() == 2 else 1
         _check_indices(indices, context_lens.shape[0], next_n, context_lens.device)
@@ -417,65 +413,65 @@ class _Problem:
 def _check_inputs(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
                   logits_dtype, indices) -> _Problem:
     """Shapes, dtypes, strides and devices (no data read)."""
-    _expect_tensor(q, "q")
+    expect_tensor(q, "q")
     if q_sf is not None:
-        _expect_tensor(q_sf, "q[1] (query scales)")
+        expect_tensor(q_sf, "q[1] (query scales)")
     if q_sf is None:
-        _expect(q.dtype == FP8_DTYPE, TypeError,
+        expect(q.dtype == FP8_DTYPE, TypeError,
                 f"q: FP8 queries (no scales) must be {FP8_DTYPE}, got {q.dtype}"
                 + ("; MXFP4 queries need their scales" if q.dtype == torch.int8 else ""))
     else:
-        _expect(q.dtype in (FP8_DTYPE, torch.int8), TypeError,
+        expect(q.dtype in (FP8_DTYPE, torch.int8), TypeError,
                 f"q: MX queries must be {FP8_DTYPE} (MXFP8) or int8 packed (MXFP4), got {q.dtype}")
     fmt = format_of(q, q_sf)
-    _expect(q.dim() == 4, ValueError, f"q: expected [B, next_n, H, D], got shape {tuple(q.shape)}")
+    expect(q.dim() == 4, ValueError, f"q: expected [B, next_n, H, D], got shape {tuple(q.shape)}")
     b, next_n, h, dq = q.shape
     d = dq * 2 if fmt == "mxfp4" else dq
     if fmt == "mxfp4":
-        _expect(d in (64, 128), ValueError, f"q: MXFP4 head dim must be 64 or 128 (packed last dim 32/64), got {d}")
+        expect(d in (64, 128), ValueError, f"q: MXFP4 head dim must be 64 or 128 (packed last dim 32/64), got {d}")
     else:
-        _expect(d in (32, 64, 128), ValueError, f"q: head dim must be 32, 64 or 128, got {d}")
-    _expect(h % 4 == 0 and 4 <= h <= 128, ValueError, f"q: head count must be a multiple of 4 in [4, 128], got {h}")
-    _expect(1 <= next_n <= 8, ValueError, f"q: next_n must be in [1, 8], got {next_n}")
-    _expect(q.stride(3) == 1, ValueError, f"q: head dim must be contiguous, got strides {q.stride()}")
+        expect(d in (32, 64, 128), ValueError, f"q: head dim must be 32, 64 or 128, got {d}")
+    expect(h % 4 == 0 and 4 <= h <= 128, ValueError, f"q: head count must be a multiple of 4 in [4, 128], got {h}")
+    expect(1 <= next_n <= 8, ValueError, f"q: next_n must be in [1, 8], got {next_n}")
+    expect(q.stride(3) == 1, ValueError, f"q: head dim must be contiguous, got strides {q.stride()}")
     if q_sf is not None:
-        _expect(q_sf.dtype == torch.int32, TypeError,
+        expect(q_sf.dtype == torch.int32, TypeError,
                 f"q[1]: query scales must be int32 (packed UE8M0), got {q_sf.dtype}")
-        _expect(tuple(q_sf.shape) == (b, next_n, h) and q_sf.stride(2) == 1, ValueError,
+        expect(tuple(q_sf.shape) == (b, next_n, h) and q_sf.stride(2) == 1, ValueError,
                 f"q[1]: expected [{b}, {next_n}, {h}] with unit last stride, got shape {tuple(q_sf.shape)}")
 
     _check_cache(kv_cache, _value_bytes(d, fmt))
     block_kv = kv_cache.shape[1]
 
-    _expect_tensor(weights, "weights")
-    _expect(weights.dtype in _WEIGHT_DTYPES, TypeError, f"weights: expected fp32 or bf16, got {weights.dtype}")
-    _expect(tuple(weights.shape) == (b * next_n, h) and weights.stride(1) == 1, ValueError,
+    expect_tensor(weights, "weights")
+    expect(weights.dtype in _WEIGHT_DTYPES, TypeError, f"weights: expected fp32 or bf16, got {weights.dtype}")
+    expect(tuple(weights.shape) == (b * next_n, h) and weights.stride(1) == 1, ValueError,
             f"weights: expected [B * next_n, H] = [{b * next_n}, {h}] with unit last stride, got shape "
             f"{tuple(weights.shape)} strides {weights.stride()}")
 
     _check_context_lens(context_lens)
     if context_lens.dim() == 1:
-        _expect(context_lens.shape[0] == b, ValueError,
+        expect(context_lens.shape[0] == b, ValueError,
                 f"context_lens: expected [{b}], got {tuple(context_lens.shape)}")
     else:
-        _expect(tuple(context_lens.shape) == (b, next_n), ValueError,
+        expect(tuple(context_lens.shape) == (b, next_n), ValueError,
                 f"context_lens: 2-D lengths must be [B, next_n] = [{b}, {next_n}] (next_n of q), "
                 f"got {tuple(context_lens.shape)}")
 
-    _expect_tensor(block_table, "block_table")
-    _expect(block_table.dtype == torch.int32, TypeError, f"block_table: expected int32, got {block_table.dtype}")
-    _expect(block_table.dim() == 2 and block_table.shape[0] == b, ValueError,
+    expect_tensor(block_table, "block_table")
+    expect(block_table.dtype == torch.int32, TypeError, f"block_table: expected int32, got {block_table.dtype}")
+    expect(block_table.dim() == 2 and block_table.shape[0] == b, ValueError,
             f"block_table: expected [{b}, max_blocks], got shape {tuple(block_table.shape)}")
-    _expect(block_table.stride(1) == 1 or block_table.shape[1] <= 1, ValueError,
+    expect(block_table.stride(1) == 1 or block_table.shape[1] <= 1, ValueError,
             f"block_table: last dim must be contiguous, got strides {block_table.stride()}")
 
-    _expect_tensor(schedule_meta, "schedule_meta")
-    _expect(schedule_meta.dtype == torch.int32 and schedule_meta.dim() == 2 and schedule_meta.shape[1] == 2
+    expect_tensor(schedule_meta, "schedule_meta")
+    expect(schedule_meta.dtype == torch.int32 and schedule_meta.dim() == 2 and schedule_meta.shape[1] == 2
             and schedule_meta.shape[0] >= 2 and schedule_meta.is_contiguous(), ValueError,
             f"schedule_meta: expected contiguous int32 [num_sms + 1, 2] from get_paged_mqa_logits_metadata, "
             f"got {schedule_meta.dtype} {tuple(schedule_meta.shape)}")
-    _expect_int(max_context_len, "max_context_len", 0)
-    _expect(logits_dtype in _LOGITS_DTYPES, TypeError,
+    expect_int(max_context_len, "max_context_len", 0)
+    expect(logits_dtype in _LOGITS_DTYPES, TypeError,
             f"logits_dtype: expected float32 or bfloat16, got {logits_dtype}")
     if indices is not None:
         _check_indices(indices, b, next_n, q.device)
@@ -485,7 +481,7 @@ def _check_inputs(q, q_sf, kv_cache, weights, context_lens, block_table, schedul
     if q_sf is not None:
         tensors["q[1]"] = q_sf
     for name, t in tensors.items():
-        _expect(t.device == q.device, ValueError, f"{name}: expected device {q.device} like q, got {t.device}")
+        expect(t.device == q.device, ValueError, f"{name}: expected device {q.device} like q, got {t.device}")
     return _Problem(fmt, b, next_n, h, d, block_kv)
 
 
@@ -509,12 +505,12 @@ def _check_values(context_lens, block_table, schedule_meta, num_blocks: int, blo
         bad_page.any(), (expected_meta != schedule_meta).any(),
     ]).tolist()
     negative, too_long, short_table, bad_ids, stale_meta = flags
-    _expect(not negative, ValueError, "context_lens: lengths must be >= 0")
-    _expect(not too_long, ValueError, f"context_lens: a length exceeds max_context_len = {max_context_len}")
-    _expect(not short_table, ValueError,
+    expect(not negative, ValueError, "context_lens: lengths must be >= 0")
+    expect(not too_long, ValueError, f"context_lens: a length exceeds max_context_len = {max_context_len}")
+    expect(not short_table, ValueError,
             f"block_table: too short for a length ({block_table.shape[1]} pages of {block_kv} tokens per row)")
-    _expect(not bad_ids, ValueError, f"block_table: a page id used by a request lies outside [0, {num_blocks})")
-    _expect(not stale_meta, ValueError,
+    expect(not bad_ids, ValueError, f"block_table: a page id used by a request lies outside [0, {num_blocks})")
+    expect(not stale_meta, ValueError,
             "schedule_meta: does not match context_lens and the cache's block_kv; build it with "
             "get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms)")
 
@@ -688,6 +684,6 @@ def fp8_paged_mqa_logits(
 
     See :func:`fp8_fp4_paged_mqa_logits` for the arguments and the errors raised.
     """
-    _expect_tensor(q, "q")
+    expect_tensor(q, "q")
     return fp8_fp4_paged_mqa_logits((q, None), kv_cache, weights, context_lens, block_table, schedule_meta,
                                     max_context_len, clean_logits, torch.float32, indices, config=config)

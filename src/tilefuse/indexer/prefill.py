@@ -17,6 +17,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilefuse._config import apply_env_overrides
+from tilefuse._validate import check_aligned, check_tma_rows, expect, expect_tensor
 from tilefuse.formats import FP8_DTYPE, format_of
 from tilefuse.indexer import _dispatch, _prefill_kernel_sm100
 from tilefuse.indexer import _prefill_kernel as kern
@@ -174,83 +175,58 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
 # ---------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------
-def _expect_tensor(x, name: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    return x
-
-
-def _expect(cond: bool, exc: type, msg: str) -> None:
-    if not cond:
-        raise exc(msg)
-
-
-def _check_tma_rows(t: torch.Tensor, name: str) -> None:
-    """Tensor-descriptor rules: unit last stride, 16-byte aligned base and row stride."""
-    row_bytes = t.stride(0) * t.element_size()
-    _expect(t.stride(-1) == 1, ValueError, f"{name}: last dim must be contiguous (stride 1), got strides {t.stride()}")
-    _expect(row_bytes % 16 == 0, ValueError, f"{name}: row stride must be a multiple of 16 bytes, got {row_bytes}")
-    # Data pointers do not exist while torch.compile traces: the op itself checks them then.
-    if not torch.compiler.is_compiling():
-        _check_aligned(t, name)
-
-
-def _check_aligned(t: torch.Tensor, name: str) -> None:
-    _expect(t.data_ptr() % 16 == 0, ValueError, f"{name}: data pointer must be 16-byte aligned")
-
-
 def _check_inputs(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype):
     """Validate shapes, dtypes, strides and devices; return ``(fmt, S_q, H, D, S_k)``."""
     for name, t in (("q", q), ("kv[0]", k), ("kv[1]", k_scale), ("weights", weights),
                     ("cu_seq_len_k_start", ks), ("cu_seq_len_k_end", ke)):
-        _expect_tensor(t, name)
+        expect_tensor(t, name)
     if q_sf is not None:
-        _expect_tensor(q_sf, "q[1] (query scales)")
+        expect_tensor(q_sf, "q[1] (query scales)")
     fmt = format_of(q, q_sf)
 
-    _expect(q.dim() == 3, ValueError, f"q: expected [S_q, H, D], got shape {tuple(q.shape)}")
+    expect(q.dim() == 3, ValueError, f"q: expected [S_q, H, D], got shape {tuple(q.shape)}")
     s_q, h, dq = q.shape
     if fmt == "mxfp4":
-        _expect(q.dtype == torch.int8, TypeError, f"q: MXFP4 values must be int8 (packed), got {q.dtype}")
+        expect(q.dtype == torch.int8, TypeError, f"q: MXFP4 values must be int8 (packed), got {q.dtype}")
         d = dq * 2
-        _expect(d in (64, 128), ValueError, f"q: MXFP4 head dim must be 64 or 128 (packed last dim 32/64), got {d}")
+        expect(d in (64, 128), ValueError, f"q: MXFP4 head dim must be 64 or 128 (packed last dim 32/64), got {d}")
     else:
-        _expect(q.dtype == FP8_DTYPE, TypeError, f"q: expected {FP8_DTYPE} values, got {q.dtype}")
+        expect(q.dtype == FP8_DTYPE, TypeError, f"q: expected {FP8_DTYPE} values, got {q.dtype}")
         d = dq
-        _expect(d in (32, 64, 128), ValueError, f"q: head dim must be 32, 64 or 128, got {d}")
-    _expect(h % 4 == 0 and 4 <= h <= 128, ValueError, f"q: head count must be a multiple of 4 in [4, 128], got {h}")
-    _expect(q.stride(2) == 1 and q.stride(1) == dq, ValueError,
+        expect(d in (32, 64, 128), ValueError, f"q: head dim must be 32, 64 or 128, got {d}")
+    expect(h % 4 == 0 and 4 <= h <= 128, ValueError, f"q: head count must be a multiple of 4 in [4, 128], got {h}")
+    expect(q.stride(2) == 1 and q.stride(1) == dq, ValueError,
             f"q: heads and head dim must be contiguous, got strides {q.stride()}")
-    _check_tma_rows(q, "q")
+    check_tma_rows(q, "q")
 
-    _expect(k.dim() == 2, ValueError, f"kv[0]: expected [S_k, {dq}], got shape {tuple(k.shape)}")
-    _expect(k.dtype == q.dtype, TypeError, f"kv[0]: expected {q.dtype} like q, got {k.dtype}")
-    _expect(k.shape[1] == dq, ValueError, f"kv[0]: last dim must be {dq} like q, got {k.shape[1]}")
-    _check_tma_rows(k, "kv[0]")
+    expect(k.dim() == 2, ValueError, f"kv[0]: expected [S_k, {dq}], got shape {tuple(k.shape)}")
+    expect(k.dtype == q.dtype, TypeError, f"kv[0]: expected {q.dtype} like q, got {k.dtype}")
+    expect(k.shape[1] == dq, ValueError, f"kv[0]: last dim must be {dq} like q, got {k.shape[1]}")
+    check_tma_rows(k, "kv[0]")
     s_k = k.shape[0]
 
     scale_dtype = torch.float32 if fmt == "fp8" else torch.int32
-    _expect(k_scale.dtype == scale_dtype, TypeError,
+    expect(k_scale.dtype == scale_dtype, TypeError,
             f"kv[1]: {fmt} keys need {scale_dtype} scales, got {k_scale.dtype}")
-    _expect(tuple(k_scale.shape) == (s_k,) and k_scale.stride(0) == 1, ValueError,
+    expect(tuple(k_scale.shape) == (s_k,) and k_scale.stride(0) == 1, ValueError,
             f"kv[1]: expected a contiguous [{s_k}] tensor, got shape {tuple(k_scale.shape)}")
     if q_sf is not None:
-        _expect(q_sf.dtype == torch.int32, TypeError,
+        expect(q_sf.dtype == torch.int32, TypeError,
                 f"q[1]: query scales must be int32 (packed UE8M0), got {q_sf.dtype}")
-        _expect(tuple(q_sf.shape) == (s_q, h) and q_sf.stride(1) == 1, ValueError,
+        expect(tuple(q_sf.shape) == (s_q, h) and q_sf.stride(1) == 1, ValueError,
                 f"q[1]: expected [{s_q}, {h}] with unit last stride, got shape {tuple(q_sf.shape)}")
 
-    _expect(weights.dtype in _WEIGHT_DTYPES, TypeError, f"weights: expected fp32 or bf16, got {weights.dtype}")
-    _expect(tuple(weights.shape) == (s_q, h) and weights.stride(1) == 1, ValueError,
+    expect(weights.dtype in _WEIGHT_DTYPES, TypeError, f"weights: expected fp32 or bf16, got {weights.dtype}")
+    expect(tuple(weights.shape) == (s_q, h) and weights.stride(1) == 1, ValueError,
             f"weights: expected [{s_q}, {h}] with unit last stride, got shape {tuple(weights.shape)} "
             f"strides {weights.stride()}")
     for name, t in (("cu_seq_len_k_start", ks), ("cu_seq_len_k_end", ke)):
-        _expect(t.dtype == torch.int32, TypeError, f"{name}: expected int32, got {t.dtype}")
-        _expect(tuple(t.shape) == (s_q,) and t.stride(0) == 1, ValueError,
+        expect(t.dtype == torch.int32, TypeError, f"{name}: expected int32, got {t.dtype}")
+        expect(tuple(t.shape) == (s_q,) and t.stride(0) == 1, ValueError,
                 f"{name}: expected a contiguous [{s_q}] tensor, got shape {tuple(t.shape)}")
-    _expect(isinstance(max_seqlen_k, int) and max_seqlen_k >= 0, ValueError,
+    expect(isinstance(max_seqlen_k, int) and max_seqlen_k >= 0, ValueError,
             f"max_seqlen_k: expected an int >= 0, got {max_seqlen_k!r}")
-    _expect(logits_dtype in _LOGITS_DTYPES, TypeError,
+    expect(logits_dtype in _LOGITS_DTYPES, TypeError,
             f"logits_dtype: expected float32 or bfloat16, got {logits_dtype}")
 
     tensors = {"q": q, "kv[0]": k, "kv[1]": k_scale, "weights": weights, "cu_seq_len_k_start": ks,
@@ -258,7 +234,7 @@ def _check_inputs(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dty
     if q_sf is not None:
         tensors["q[1]"] = q_sf
     for name, t in tensors.items():
-        _expect(t.device == q.device, ValueError, f"{name}: expected device {q.device} like q, got {t.device}")
+        expect(t.device == q.device, ValueError, f"{name}: expected device {q.device} like q, got {t.device}")
     return fmt, s_q, h, d, s_k
 
 
@@ -280,10 +256,10 @@ def _check_windows(ks: torch.Tensor, ke: torch.Tensor, s_k: int, max_seqlen_k: i
         return
     longest = (ke.clamp(max=s_k) - ks).max()
     neg, inverted, longest = torch.stack([(ks < 0).any().int(), (ks > ke).any().int(), longest.int()]).tolist()
-    _expect(not neg, ValueError, "cu_seq_len_k_start: window starts must be >= 0")
-    _expect(not inverted, ValueError, "cu_seq_len_k_start/cu_seq_len_k_end: every window needs ks <= ke")
+    expect(not neg, ValueError, "cu_seq_len_k_start: window starts must be >= 0")
+    expect(not inverted, ValueError, "cu_seq_len_k_start/cu_seq_len_k_end: every window needs ks <= ke")
     if max_seqlen_k > 0:
-        _expect(longest <= max_seqlen_k, ValueError,
+        expect(longest <= max_seqlen_k, ValueError,
                 f"max_seqlen_k: {max_seqlen_k} is smaller than the longest window ({longest} keys)")
 
 
@@ -327,8 +303,8 @@ def _mqa_logits(
     s_q, h, dq = q.shape
     d = dq * 2 if fmt == "mxfp4" else dq
     s_k = k.shape[0]
-    _check_aligned(q, "q")
-    _check_aligned(k, "kv[0]")
+    check_aligned(q, "q")
+    check_aligned(k, "kv[0]")
     shape, stride = _out_shape(s_q, s_k, max_seqlen_k)
     out = torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
     if s_q == 0:
@@ -568,7 +544,7 @@ def fp8_mqa_logits(
 
     See :func:`fp8_fp4_mqa_logits` for the arguments and the errors raised.
     """
-    _expect_tensor(q, "q")
+    expect_tensor(q, "q")
     return fp8_fp4_mqa_logits((q, None), kv, weights, cu_seq_len_k_start, cu_seq_len_k_end,
                               clean_logits, max_seqlen_k)
 
@@ -591,11 +567,11 @@ def get_mqa_logits_metadata(
     ``1 + b`` holds the half-open range of key blocks ``[lo, hi)`` that query block ``b`` must
     compute (blocks outside it are only ``-inf`` fills). It depends only on its arguments.
     """
-    _expect_tensor(cu_seq_len_k_start, "cu_seq_len_k_start")
-    _expect_tensor(cu_seq_len_k_end, "cu_seq_len_k_end")
-    _expect(cu_seq_len_k_start.shape == cu_seq_len_k_end.shape and cu_seq_len_k_start.dim() == 1, ValueError,
+    expect_tensor(cu_seq_len_k_start, "cu_seq_len_k_start")
+    expect_tensor(cu_seq_len_k_end, "cu_seq_len_k_end")
+    expect(cu_seq_len_k_start.shape == cu_seq_len_k_end.shape and cu_seq_len_k_start.dim() == 1, ValueError,
             "cu_seq_len_k_start/cu_seq_len_k_end: expected two [S_q] tensors of one shape")
-    _expect(num_heads % 4 == 0 and 4 <= num_heads <= 128, ValueError,
+    expect(num_heads % 4 == 0 and 4 <= num_heads <= 128, ValueError,
             f"num_heads: expected a multiple of 4 in [4, 128], got {num_heads}")
     cfg = default_config("fp8", num_heads, 128)
     s_q = cu_seq_len_k_start.shape[0]
@@ -613,11 +589,11 @@ def get_mqa_logits_metadata(
 
 
 def _check_metadata(meta: torch.Tensor, s_q: int, device: torch.device) -> None:
-    _expect_tensor(meta, "schedule_meta")
-    _expect(meta.dtype == torch.int32 and meta.dim() == 2 and meta.shape[1] == 2, ValueError,
+    expect_tensor(meta, "schedule_meta")
+    expect(meta.dtype == torch.int32 and meta.dim() == 2 and meta.shape[1] == 2, ValueError,
             f"schedule_meta: expected int32 [1 + num_q_blocks, 2] from get_mqa_logits_metadata, "
             f"got {meta.dtype} {tuple(meta.shape)}")
-    _expect(meta.device == device, ValueError, f"schedule_meta: expected device {device}, got {meta.device}")
+    expect(meta.device == device, ValueError, f"schedule_meta: expected device {device}, got {meta.device}")
     block_q = default_config("fp8", 4, 128).block_q
-    _expect(meta.shape[0] == _META_HEADER_ROWS + triton.cdiv(s_q, block_q), ValueError,
+    expect(meta.shape[0] == _META_HEADER_ROWS + triton.cdiv(s_q, block_q), ValueError,
             f"schedule_meta: made for another number of query rows ({meta.shape[0] - 1} blocks, S_q = {s_q})")
