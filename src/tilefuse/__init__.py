@@ -32,6 +32,8 @@ _PUBLIC = {
     "fp8_fp4_paged_mqa_logits": "tilefuse.indexer.paged",
     "get_paged_mqa_logits_metadata": "tilefuse.indexer.paged",
     "check_errors": "tilefuse._errors",
+    "set_config_override": "tilefuse._config",
+    "config_override": "tilefuse._config",
     "DeviceValueError": "tilefuse._errors",
 }
 

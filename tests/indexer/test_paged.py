@@ -8,8 +8,6 @@ hundred keys); on a GPU the same checks run at the contract's decode shapes.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -482,11 +480,7 @@ def test_bad_modes_raise():
     with pytest.raises(ValueError, match="num_sms"):
         tilefuse.get_paged_mqa_logits_metadata(two.ctx, 32, 0)
     with pytest.raises(ValueError, match="unknown field"):
-        os.environ["TILEFUSE_PAGED_CONFIG"] = "block_z=3"
-        try:
-            tilefuse.fp8_fp4_paged_mqa_logits(**args)
-        finally:
-            del os.environ["TILEFUSE_PAGED_CONFIG"]
+        tilefuse.set_config_override("paged", block_z=3)
 
 
 def test_unchecked_missing_pages_read_as_nan(monkeypatch):

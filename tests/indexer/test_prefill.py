@@ -519,13 +519,7 @@ def test_bad_scalars_and_modes_raise():
     with pytest.raises(TypeError, match=r"kv\[1\]"):  # FP8 queries with MX key scales
         tilefuse.fp8_fp4_mqa_logits((q[0], None), kv, *list(args.values())[2:])
     with pytest.raises(ValueError, match="unknown field"):
-        import os
-
-        os.environ["TILEFUSE_PREFILL_CONFIG"] = "block_z=3"
-        try:
-            tilefuse.fp8_fp4_mqa_logits(**args)
-        finally:
-            del os.environ["TILEFUSE_PREFILL_CONFIG"]
+        tilefuse.set_config_override("prefill", block_z=3)
 
 
 # ---------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from tilefuse._config import apply_override, config_override
 from tilefuse.indexer import _dispatch, prefill
 from tilefuse.kernelcheck import variants as V
 
@@ -104,16 +105,14 @@ def test_bad_selection():
         V.variants(target="sm_80")
 
 
-def test_tracing_restores_kernels_and_environment(monkeypatch):
-    monkeypatch.setenv("TILEFUSE_PREFILL_CONFIG", "block_n=64")
+def test_tracing_restores_kernels_and_config_overrides():
     kernel = prefill.kern.prefill_logits_kernel
-    with V.tracing(f"{prefill.kern.__name__}:prefill_logits_kernel"):
-        import os
-
-        assert "TILEFUSE_PREFILL_CONFIG" not in os.environ
-        assert prefill.kern.prefill_logits_kernel is not kernel
-    assert prefill.kern.prefill_logits_kernel is kernel
-    assert os.environ["TILEFUSE_PREFILL_CONFIG"] == "block_n=64"
+    with config_override("prefill", block_n=64):
+        with V.tracing(f"{prefill.kern.__name__}:prefill_logits_kernel"):
+            assert apply_override(prefill.PrefillConfig(), "prefill") == prefill.PrefillConfig()
+            assert prefill.kern.prefill_logits_kernel is not kernel
+        assert prefill.kern.prefill_logits_kernel is kernel
+        assert apply_override(prefill.PrefillConfig(), "prefill").block_n == 64
 
 
 # ---------------------------------------------------------------------------------------

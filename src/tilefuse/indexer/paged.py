@@ -41,7 +41,7 @@ import torch
 import triton
 
 from tilefuse import formats
-from tilefuse._config import apply_env_overrides
+from tilefuse._config import apply_override, register_config
 from tilefuse._validate import expect, expect_int, expect_tensor
 from tilefuse.formats import FP8_DTYPE, format_of
 from tilefuse.indexer import _paged_kernel as kern
@@ -85,6 +85,8 @@ class PagedConfig:
     block_fill: int = 1024
 
 
+register_config("paged", PagedConfig)
+
 # Programs the chunk size aims for: about 16 per SM on a 132-SM H200, so that programs
 # starting their pipeline overlap others streaming (measured: 512-key chunks at B = 64 / 8K,
 # 1024 at B = 256 / 8K; NOTES.md).
@@ -125,10 +127,10 @@ def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
 def resolve_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, block_kv: int,
                          config: PagedConfig | None = None, batch: int = 64,
                          max_context_len: int = 8192) -> PagedConfig:
-    """``config`` if given, else the default; ``TILEFUSE_PAGED_CONFIG="block_n=64,chunk=512"``
-    overrides single fields."""
+    """``config`` if given, else the default; then the fields set by
+    ``tilefuse.set_config_override("paged", ...)`` (or ``TILEFUSE_PAGED_CONFIG`` at import)."""
     cfg = config or default_paged_config(fmt, next_n, num_heads, head_dim, block_kv, batch, max_context_len)
-    cfg = apply_env_overrides(cfg, "TILEFUSE_PAGED_CONFIG")
+    cfg = apply_override(cfg, "paged")
     for name in ("block_n", "rows", "block_fill"):
         v = getattr(cfg, name)
         expect(v >= 1 and v & (v - 1) == 0, ValueError, f"PagedConfig.{name} must be a power of two, got {v}")

@@ -16,7 +16,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tilefuse._config import apply_env_overrides
+from tilefuse._config import apply_override, register_config
 from tilefuse._validate import check_aligned, check_tma_rows, expect, expect_tensor
 from tilefuse.formats import FP8_DTYPE, format_of
 from tilefuse.indexer import _dispatch, _prefill_kernel_sm100
@@ -78,6 +78,9 @@ class PrefillConfig:
     gluon: bool = False
     gluon_refill: int = 1
     relu_via_abs: int = 0
+
+
+register_config("prefill", PrefillConfig)
 
 
 def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
@@ -146,10 +149,10 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
 def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
                    config: PrefillConfig | None = None, logits_dtype: torch.dtype = torch.float32,
                    arch: int | None = None) -> PrefillConfig:
-    """``config`` if given, else the default for ``arch``; ``TILEFUSE_PREFILL_CONFIG="block_n=64,num_warps=8"``
-    overrides single fields for experiments."""
-    cfg = apply_env_overrides(config or default_config(fmt, num_heads, head_dim, num_q_rows, logits_dtype, arch),
-                              "TILEFUSE_PREFILL_CONFIG")
+    """``config`` if given, else the default for ``arch``; then the fields set by
+    ``tilefuse.set_config_override("prefill", ...)`` (or ``TILEFUSE_PREFILL_CONFIG`` at import)."""
+    cfg = apply_override(config or default_config(fmt, num_heads, head_dim, num_q_rows, logits_dtype, arch),
+                         "prefill")
     if cfg.block_q < 16 or cfg.block_n < 16 or cfg.block_q & (cfg.block_q - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"block_q and block_n must be powers of two >= 16, got {cfg}")
     if cfg.head_unroll not in (1, 2):

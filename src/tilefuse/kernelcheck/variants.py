@@ -27,15 +27,13 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import os
 from collections.abc import Callable, Mapping
 from unittest import mock
 
+from tilefuse import _config
+
 TARGETS_ALL = ("sm_90a", "sm_100a")
 TARGET_MAJOR = {"sm_90a": 9, "sm_100a": 10}
-# Environment overrides of the launch configs, ignored while tracing (the registry checks
-# the configs the code picks, not an experiment's).
-_CONFIG_ENV = ("TILEFUSE_PREFILL_CONFIG", "TILEFUSE_PAGED_CONFIG")
 _TILE_FIELDS = ("block_q", "block_n", "num_warps", "num_stages")
 # Fields of the Gluon kernel only: its registry (``prefill_gluon_variants``) varies them.
 _GLUON_ONLY_FIELDS = ("gluon_refill",)
@@ -117,7 +115,9 @@ class _Recorder:
 def tracing(*paths: str):
     """Replace the kernels ``"module:name"`` by recorders; yields the list of launches."""
     launches: list[Launch] = []
-    saved = {k: os.environ.pop(k) for k in _CONFIG_ENV if k in os.environ}
+    # Config overrides are ignored while tracing: the registry checks the configs the code picks.
+    saved = dict(_config._overrides)
+    _config._overrides.clear()
     try:
         with contextlib.ExitStack() as stack:
             for path in paths:
@@ -127,7 +127,7 @@ def tracing(*paths: str):
                 stack.enter_context(mock.patch.object(mod, name, rec))
             yield launches
     finally:
-        os.environ.update(saved)
+        _config._overrides.update(saved)
 
 
 def _constexpr_params(fn) -> set[str]:
