@@ -156,3 +156,10 @@ def test_delegated_commands(monkeypatch, capsys, argv, module):
     monkeypatch.setitem(sys.modules, module, fake)
     assert cli.main(argv) == 0
     assert seen == [argv[1:]]  # "bench ag-gemm ..." hands over "ag-gemm ..."
+
+
+def test_bench_help_names_the_default_output(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "paged", "--help"])
+    assert e.value.code == 0
+    assert f"{report.results_root()}/<gpu>/<suite>-<time>.json" in "".join(capsys.readouterr().out.split())
