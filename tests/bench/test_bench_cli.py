@@ -1,6 +1,6 @@
 """The tilefuse command: env, tiny interpreter runs of the suites, plot, delegation."""
 
-import importlib.util
+import importlib
 import json
 import sys
 import types
@@ -12,6 +12,14 @@ from tilefuse.bench import report
 from tilefuse.bench.env import environment, gpu_slug
 
 TINY = ["--samples", "2", "--calls", "1", "--quiet", "--no-clocks"]
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 def test_env_record(capsys):
@@ -33,7 +41,7 @@ def test_gpu_slug():
 
 def test_bench_indexer_tiny(tmp_path, capsys):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
+    plot = ["--plot", str(png)] if _importable("matplotlib") else []
     rc = cli.main(["bench", "indexer", "--shapes", "16x256", "--formats", "fp8", "--output", str(out),
                    *plot, *TINY])
     assert rc == 0, capsys.readouterr().err
