@@ -22,6 +22,7 @@ import os
 import sys
 
 from tilefuse.bench import timing
+from tilefuse.bench.report import results_root
 
 _DELEGATED_BENCH = {"ag-gemm", "gemm-rs"}
 # Interpreter runs take a fraction of a second per call: a few samples show the flow.
@@ -53,14 +54,12 @@ def _add_bench_options(p: argparse.ArgumentParser, shapes_help: str) -> None:
     p.add_argument("--l2-flush", action="store_true", help="flush L2 before each timed replay/launch")
     p.add_argument("--no-clocks", action="store_true", help="do not sample clocks and power with NVML")
     p.add_argument("--shapes", nargs="+", help=shapes_help)
-    from tilefuse.bench.report import results_root
-
     p.add_argument("--output", "-o",
                    help=f"result JSON (default {results_root()}/<gpu>/<suite>-<time>.json: benchmarks/results of "
                         "the source checkout tilefuse runs from, whatever the current directory, else of the "
                         "current directory; the path written is printed)")
     p.add_argument("--no-output", action="store_true", help="do not write a result file")
-    p.add_argument("--plot", help="also write a PNG plot here")
+    p.add_argument("--plot", help="also write a PNG plot here (needs matplotlib)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress, no table")
 
 
