@@ -5,6 +5,7 @@ before any tilefuse kernel module is imported.
 """
 
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -25,6 +26,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not ON_GPU:
             item.add_marker(skip_gpu)
+
+
+def skip_reason(report) -> str:
+    """The reason a test was skipped, from its report (``longrepr`` is ``(path, line, reason)``;
+    a list once it has come back from an xdist worker)."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, (tuple, list)) and len(longrepr) == 3 else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Skips grouped by reason with their counts: a few lines instead of one per test."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons = Counter(skip_reason(r) for r in skipped)
+    terminalreporter.write_sep("-", f"{len(skipped)} skipped, by reason")
+    for reason, n in reasons.most_common():
+        terminalreporter.write_line(f"{n:6d}  {reason}")
 
 
 @pytest.fixture

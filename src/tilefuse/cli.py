@@ -4,12 +4,13 @@
     tilefuse bench indexer [--reproduce] [...]    prefill logits at the reference shapes
     tilefuse bench paged [...]                    paged decode logits
     tilefuse bench ag-gemm|gemm-rs [...]          fused tensor-parallel GEMMs (tilefuse.tp.bench)
-    tilefuse compare before.json after.json       per-row speedups; exit 1 on a regression
-    tilefuse plot results.json -o out.png         PNG of a result file
+    tilefuse compare before.json after.json       per-row speedups; exit 1 on a regression of a tilefuse row
+    tilefuse plot results.json [-o out.png]       PNG of a result file (default: results.png beside it)
     tilefuse kernels [...]                        kernel checks (tilefuse.kernelcheck.cli)
 
 Exit codes: 0 success; 1 a regression (compare) or a row that failed its check (bench);
-2 bad usage or a part of tilefuse that is not installed.
+2 bad usage, files that share no tilefuse row (compare), or a part of tilefuse that is not
+installed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import sys
 
 from tilefuse.bench import timing
+from tilefuse.bench.report import results_root
 
 _DELEGATED_BENCH = {"ag-gemm", "gemm-rs"}
 # Interpreter runs take a fraction of a second per call: a few samples show the flow.
@@ -52,9 +54,12 @@ def _add_bench_options(p: argparse.ArgumentParser, shapes_help: str) -> None:
     p.add_argument("--l2-flush", action="store_true", help="flush L2 before each timed replay/launch")
     p.add_argument("--no-clocks", action="store_true", help="do not sample clocks and power with NVML")
     p.add_argument("--shapes", nargs="+", help=shapes_help)
-    p.add_argument("--output", "-o", help="result JSON (default benchmarks/results/<gpu>/<suite>-<time>.json)")
+    p.add_argument("--output", "-o",
+                   help=f"result JSON (default {results_root()}/<gpu>/<suite>-<time>.json: benchmarks/results of "
+                        "the source checkout tilefuse runs from, whatever the current directory, else of the "
+                        "current directory; the path written is printed)")
     p.add_argument("--no-output", action="store_true", help="do not write a result file")
-    p.add_argument("--plot", help="also write a PNG plot here")
+    p.add_argument("--plot", help="also write a PNG plot here (needs matplotlib)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress, no table")
 
 
@@ -78,6 +83,8 @@ def _run_bench(suite: str, args) -> int:
     from tilefuse.bench.runner import run_suite
     from tilefuse.bench.suites import no_window_validation
 
+    if args.plot:
+        import matplotlib  # noqa: F401  (fail before the run, not after it)
     gpu = on_gpu()
     device = "cuda" if gpu else "cpu"
     settings = _settings(args, gpu)
@@ -143,7 +150,10 @@ def _cmd_compare(args) -> int:
         print(f"warning: {w}", file=sys.stderr)
     print(comparison_table(diffs))
     regressions = [d for d in diffs if d.regression]
-    print(f"{len(regressions)} regression(s) beyond {args.tolerance:.1%} in {len(diffs)} rows")
+    compared = [d for d in diffs if not d.peer and d.before_us is not None and d.after_us is not None]
+    peers = sum(d.peer for d in diffs)
+    print(f"{len(regressions)} regression(s) beyond {args.tolerance:.1%} in {len(compared)} tilefuse rows "
+          f"timed in both files ({peers} peer rows shown, not gated)")
     return 1 if regressions else 0
 
 
@@ -151,7 +161,8 @@ def _cmd_plot(args) -> int:
     from tilefuse.bench.plot import plot_result
     from tilefuse.bench.report import load_result
 
-    print(plot_result(load_result(args.results), args.output, title=args.title))
+    output = args.output or os.path.splitext(args.results)[0] + ".png"
+    print(plot_result(load_result(args.results), output, title=args.title))
     return 0
 
 
@@ -178,7 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name in sorted(_DELEGATED_BENCH):
         bsub.add_parser(name, help=f"fused tensor-parallel GEMM ({name}); options: tilefuse bench {name} --help")
 
-    p = sub.add_parser("compare", help="compare two result files; exit 1 on a regression")
+    p = sub.add_parser("compare", help="compare two result files; exit 1 on a regression of a tilefuse row",
+                       description="Per-row medians and speedups of two result files. Only tilefuse's rows gate "
+                                   "(exit 1 on a regression); peer rows (DeepGEMM, torch eager, cuBLAS, NCCL) are "
+                                   "shown, not gated. Exit 2 when the files share no tilefuse row.")
     p.add_argument("before")
     p.add_argument("after")
     p.add_argument("--tolerance", type=float, default=0.05, help="allowed slowdown as a fraction (default 0.05)")
@@ -189,7 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plot", help="PNG of a result file")
     p.add_argument("results")
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("-o", "--output",
+                   help="PNG to write (default: the result file's name with .png; .png is added to a name "
+                        "without a suffix); the path written is printed")
     p.add_argument("--title")
     p.set_defaults(func=_cmd_plot)
 

@@ -1,9 +1,11 @@
-"""tilefuse compare: speedups, spread, regression gate, rows in one file only."""
+"""tilefuse compare: speedups, spread, regression gate on tilefuse rows, rows in one file only."""
 
 import json
 
+import pytest
+
 from tilefuse import cli
-from tilefuse.bench.compare import compare, comparison_table, context_warnings
+from tilefuse.bench.compare import NothingToCompare, compare, comparison_table, context_warnings
 
 from .results_factory import result, row
 
@@ -67,3 +69,43 @@ def test_cli_exit_codes(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "REGRESSION" in out and "1 regression(s)" in out
     assert cli.main(["compare", str(before), str(tmp_path / "missing.json")]) == 2
+
+
+def test_peer_rows_are_shown_not_gated():
+    before = result([row("k | tilefuse", [10.0, 10.0]), row("k | torch eager", [50.0, 50.0], impl="torch eager"),
+                     row("k | cublas", [20.0, 20.0], impl="cublas"), row("k | deep_gemm", [9.0], impl="deep_gemm")])
+    after = result([row("k | tilefuse", [10.1, 10.1]), row("k | torch eager", [90.0, 90.0], impl="torch eager"),
+                    row("k | cublas", [20.0, 20.0], impl="cublas")])
+    d = diffs_by_key(compare(before, after, fail_on_missing=True))
+    assert not d["k | tilefuse"].peer and not d["k | tilefuse"].regression
+    eager = d["k | torch eager"]
+    assert eager.peer and not eager.regression and eager.verdict == "REGRESSION (+80.0%) (peer: not gated)"
+    assert d["k | deep_gemm"].peer and not d["k | deep_gemm"].regression  # missing, but a peer
+    # A row's own label wins over its name: a tilefuse variant called like a peer still gates.
+    before["rows"][2]["peer"] = False
+    after["rows"][2]["peer"] = False
+    after["rows"][2]["stats"]["median_us"] = 30.0
+    d = diffs_by_key(compare(before, after))
+    assert not d["k | cublas"].peer and d["k | cublas"].regression
+
+
+def test_no_common_tilefuse_row_is_an_error():
+    before = result([row("a | tilefuse", [1.0]), row("a | torch eager", [5.0], impl="torch eager")])
+    with pytest.raises(NothingToCompare, match="no tilefuse row is in both files"):
+        compare(before, result([row("b | tilefuse", [1.0])]))
+    with pytest.raises(NothingToCompare, match="1 keys in common"):  # only the peer row is shared
+        compare(before, result([row("a | torch eager", [5.0], impl="torch eager")]))
+
+
+def test_cli_gates_on_tilefuse_rows_and_refuses_disjoint_files(tmp_path, capsys):
+    before, after, other = tmp_path / "b.json", tmp_path / "a.json", tmp_path / "o.json"
+    before.write_text(json.dumps(result([row("k | tilefuse", [10.0]), row("k | nccl", [10.0], impl="nccl")])))
+    after.write_text(json.dumps(result([row("k | tilefuse", [10.0]), row("k | nccl", [20.0], impl="nccl")])))
+    other.write_text(json.dumps(result([row("z | tilefuse", [10.0])])))
+    assert cli.main(["compare", str(before), str(after)]) == 0
+    out = capsys.readouterr().out
+    assert "peer: not gated" in out and "0 regression(s) beyond 5.0% in 1 tilefuse rows" in out
+    assert "(1 peer rows shown, not gated)" in out
+    assert cli.main(["compare", str(before), str(other)]) == 2
+    captured = capsys.readouterr()
+    assert "tilefuse compare: no tilefuse row is in both files" in captured.err and "regression" not in captured.out

@@ -2,6 +2,7 @@
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -37,10 +38,17 @@ def test_schema_errors(tmp_path):
         report.load_result(bad)
 
 
-def test_default_output_path():
-    p = report.default_output_path("indexer", "h200")
-    assert p.parts[:3] == ("benchmarks", "results", "h200")
-    assert p.name.startswith("indexer-") and p.suffix == ".json"
+def test_default_output_path_is_under_the_checkout_wherever_it_runs(tmp_path, monkeypatch):
+    root = Path(__file__).resolve().parents[2]
+    if report.checkout_root() is None:
+        pytest.skip("tilefuse is imported from an installed package, not this checkout")
+    monkeypatch.chdir(tmp_path)
+    assert report.checkout_root() == root
+    path = report.default_output_path("paged", "h200")
+    assert path.is_absolute() and path.parent == root / "benchmarks" / "results" / "h200"
+    assert path.name.startswith("paged-") and path.suffix == ".json"
+    monkeypatch.setattr(report, "checkout_root", lambda: None)  # an installed package
+    assert report.results_root() == tmp_path / "benchmarks" / "results"
 
 
 def test_results_table_lists_every_row_and_ceilings():

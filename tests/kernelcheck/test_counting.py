@@ -173,9 +173,30 @@ TOYS = {
 
 
 @pytest.fixture(scope="module")
-def toys():
+def compiled():
+    """The toys compiled in two workers: (items, reports, what on_report was called with)."""
     items = [(v, t) for v in TOYS.values() for t in v.targets]
-    return {(v.name, t): r for (v, t), r in zip(items, compile_many(items, jobs=2, sass=True))}
+    streamed = []
+    reports = compile_many(items, jobs=2, sass=True, on_report=lambda i, r: streamed.append((i, r)))
+    return items, reports, streamed
+
+
+@pytest.fixture(scope="module")
+def toys(compiled):
+    items, reports, _ = compiled
+    return {(v.name, t): r for (v, t), r in zip(items, reports)}
+
+
+def test_compile_many_reports_each_compile_as_it_finishes(compiled):
+    items, reports, streamed = compiled
+    assert sorted(i for i, _ in streamed) == list(range(len(items)))
+    assert all(r is reports[i] and (r.variant, r.target) == (items[i][0].name, items[i][1]) for i, r in streamed)
+
+
+def test_a_crashed_worker_raises():
+    missing = Variant("toy", "missing", "tests.kernelcheck._no_such_module:kernel", {}, {}, 4, 3)
+    with pytest.raises(RuntimeError, match="worker failed"):
+        compile_many([(missing, "sm_90a")], sass=False)
 
 
 def test_toy_dot_uses_wgmma_on_sm90(toys):

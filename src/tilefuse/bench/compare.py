@@ -5,13 +5,22 @@ Rows are matched by their ``key``. For each row: both medians, the speedup (befo
 verdict. A row regresses when it got slower by more than ``tolerance`` (a fraction), or when
 its correctness check passed before and not after. Rows present in only one file are listed;
 with ``fail_on_missing`` a row that disappeared counts as a regression.
+
+Only tilefuse's own rows gate: rows that time another library (DeepGEMM, eager torch, cuBLAS,
+NCCL; :func:`~tilefuse.bench.report.is_peer_row`) are compared and shown but never count as a
+regression, since their noise says nothing about a tilefuse change. Two files without a common
+tilefuse row cannot be compared: :class:`NothingToCompare`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tilefuse.bench.report import format_table
+from tilefuse.bench.report import format_table, is_peer_row
+
+
+class NothingToCompare(ValueError):
+    """The two result files share no tilefuse row (different suites, shapes or key scheme)."""
 
 
 @dataclass
@@ -23,6 +32,7 @@ class RowDiff:
     beyond_spread: bool | None
     verdict: str
     regression: bool
+    peer: bool = False  # another library's row: shown, never a regression
 
 
 def _median(row: dict | None) -> float | None:
@@ -73,15 +83,32 @@ def compare(
     fail_on_missing: bool = False,
     significant_only: bool = False,
 ) -> list[RowDiff]:
-    """Row-by-row comparison of two result files (rows of ``before`` first, then new ones)."""
+    """Row-by-row comparison of two result files (rows of ``before`` first, then new ones).
+
+    Raises:
+        ValueError: negative ``tolerance``.
+        NothingToCompare: no tilefuse row is in both files.
+    """
     if tolerance < 0:
         raise ValueError(f"tolerance: expected a non-negative fraction, got {tolerance}")
     rows_b = {r["key"]: r for r in before["rows"]}
     rows_a = {r["key"]: r for r in after["rows"]}
+    shared = [k for k in rows_b if k in rows_a and not is_peer_row(rows_b[k])]
+    if not shared:
+        raise NothingToCompare(
+            f"no tilefuse row is in both files ({len(rows_b)} rows before, {len(rows_a)} after, "
+            f"{sum(k in rows_a for k in rows_b)} keys in common): different suites or shapes?")
     keys = list(rows_b) + [k for k in rows_a if k not in rows_b]
-    return [
-        diff_row(k, rows_b.get(k), rows_a.get(k), tolerance, fail_on_missing, significant_only) for k in keys
-    ]
+    diffs = []
+    for k in keys:
+        d = diff_row(k, rows_b.get(k), rows_a.get(k), tolerance, fail_on_missing, significant_only)
+        if is_peer_row(rows_b.get(k) or rows_a[k]):
+            d.peer = True
+            if d.regression:
+                d.regression = False
+                d.verdict += " (peer: not gated)"
+        diffs.append(d)
+    return diffs
 
 
 def context_warnings(before: dict, after: dict) -> list[str]:
@@ -107,7 +134,7 @@ def comparison_table(diffs: list[RowDiff]) -> str:
 
     lines = [
         [
-            d.key,
+            d.key + (" [peer]" if d.peer else ""),
             us(d.before_us),
             us(d.after_us),
             "-" if d.speedup is None else f"{d.speedup:.3f}x",

@@ -1,4 +1,4 @@
-"""``tilefuse plot results.json -o out.png``: one line per implementation against the shape.
+"""``tilefuse plot results.json [-o out.png]``: one line per implementation against the shape.
 
 The y axis is TFLOP/s when rows count FLOPs, TB/s when they count bytes, otherwise the median
 time; the ceiling measured in the same run is drawn as a dashed reference line. Rows that
@@ -26,7 +26,8 @@ def _value(row: dict, field: str) -> float | None:
 
 
 def plot_result(result: dict, path: str | os.PathLike, title: str | None = None) -> Path:
-    """Write a PNG of ``result`` (a result-file dict) to ``path``; returns the path."""
+    """Write a PNG of ``result`` (a result-file dict) to ``path`` (``.png`` added when it has no
+    suffix); returns the path written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,6 +86,8 @@ def plot_result(result: dict, path: str | os.PathLike, title: str | None = None)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path = Path(path)
+    if not path.suffix:
+        path = path.with_suffix(".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

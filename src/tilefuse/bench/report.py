@@ -8,6 +8,8 @@ A result file is one JSON object per run::
                "tflops": ..., "ratio_to_ceiling": ..., "clocks": {...}, ...}, ...]}
 
 Every sample is kept. ``key`` identifies a row across runs (``tilefuse compare`` matches on it).
+``peer`` says whether the row times another library (DeepGEMM, eager torch, cuBLAS, NCCL) rather
+than tilefuse; files without it are read by the implementation's name (:func:`is_peer_row`).
 """
 
 from __future__ import annotations
@@ -28,10 +30,38 @@ ROW_STATUSES = ("ok", "failed", "error", "skipped")
 # ---------------------------------------------------------------------------------------
 # JSON
 # ---------------------------------------------------------------------------------------
-def default_output_path(suite: str, gpu_slug: str, root: str | os.PathLike = "benchmarks/results") -> Path:
-    """``benchmarks/results/<gpu-slug>/<suite>-<timestamp>.json``."""
+# Implementations that time other libraries, by the names the suites and the TP benchmark give
+# them: how rows of files written before rows carried ``peer`` are told apart.
+PEER_IMPLS = frozenset({"deep_gemm", "torch eager", "cublas", "nccl", "nccl+cublas", "symm_mem"})
+
+
+def is_peer_row(row: dict) -> bool:
+    """Whether ``row`` times another library (a peer or baseline) rather than tilefuse."""
+    if "peer" in row:
+        return bool(row["peer"])
+    return row["impl"] in PEER_IMPLS
+
+
+def checkout_root() -> Path | None:
+    """The source checkout tilefuse is imported from (editable install or ``PYTHONPATH=src``),
+    or None for an installed package."""
+    root = Path(__file__).resolve().parents[3]
+    if (root / "pyproject.toml").is_file() and (root / "src" / "tilefuse").is_dir() and (root / "benchmarks").is_dir():
+        return root
+    return None
+
+
+def results_root() -> Path:
+    """Where result files go by default: ``benchmarks/results`` of the checkout tilefuse runs
+    from, wherever the command is started; for an installed package, ``benchmarks/results``
+    under the current directory. Absolute either way."""
+    return (checkout_root() or Path.cwd()) / "benchmarks" / "results"
+
+
+def default_output_path(suite: str, gpu_slug: str, root: str | os.PathLike | None = None) -> Path:
+    """``<root>/<gpu-slug>/<suite>-<timestamp>.json``, ``root`` defaulting to :func:`results_root`."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path(root) / gpu_slug / f"{suite}-{stamp}.json"
+    return Path(root if root is not None else results_root()) / gpu_slug / f"{suite}-{stamp}.json"
 
 
 def _json_safe(x):

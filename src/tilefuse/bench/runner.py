@@ -158,11 +158,12 @@ def _run_check(impl: Impl, device: str, poison: bool) -> dict:
 # ---------------------------------------------------------------------------------------
 # Rows
 # ---------------------------------------------------------------------------------------
-def _base_row(suite: str, case: Case, impl: Impl) -> dict:
+def _base_row(suite: str, case: Case, impl: Impl, peer: bool = False) -> dict:
     return {
         "key": f"{suite}/{case.name} | {impl.name}",
         "case": case.name,
         "impl": impl.name,
+        "peer": peer,
         "x": case.x or case.name,
         "series": f"{impl.name} {case.series}".strip(),
         "params": case.params,
@@ -229,7 +230,8 @@ def run_case(
         row = _base_row(suite, case, Impl("tilefuse"))
         row.update(status="error", note="building inputs: " + _error_note(e))
         return [row]
-    rows = {impl.name: _base_row(suite, case, impl) for impl in impls}
+    # With compare_impls the implementations after the first are other libraries (peers).
+    rows = {impl.name: _base_row(suite, case, impl, peer=case.compare_impls and i > 0) for i, impl in enumerate(impls)}
     timed: dict[str, dict[str, Impl]] = {}
     for impl in impls:
         row = rows[impl.name]

@@ -2,11 +2,13 @@
 print, per kernel and configuration, registers, spills, shared memory and instruction counts.
 
     tilefuse kernels [--target sm_90a|sm_100a|all] [--kernel NAME] [--json FILE] [--jobs N]
-                     [--no-sass] [--failures-only]
+                     [--no-sass] [--failures-only] [--quiet]
     tilefuse kernels list [--kernel NAME]
 
-Works on any machine (no GPU needed). Exit status: 0 every check passes, 1 a configuration
-fails a check (see :mod:`tilefuse.kernelcheck.checks`), 2 bad usage.
+Works on any machine (no GPU needed); a line per configuration goes to stderr as it compiles.
+Exit status: 0 every check passes or fails only as a known issue
+(:mod:`tilefuse.kernelcheck.known_issues`, listed at the end), 1 a configuration fails a check
+(see :mod:`tilefuse.kernelcheck.checks`) that no known issue accepts, 2 bad usage.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import argparse
 import json
 import os
 import sys
+import time
 
-from tilefuse.kernelcheck import checks, variants
+from tilefuse.kernelcheck import checks, known_issues, variants
 from tilefuse.kernelcheck.compile import TARGETS, KernelReport, compile_many
 
 # (header, width, value of a report) of the table's columns after the configuration.
@@ -45,12 +48,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=max(1, min(8, os.cpu_count() or 1)),
                    help="compile processes (default: CPU count, at most 8)")
     p.add_argument("--no-sass", action="store_true", help="skip the SASS disassembly (faster; PTX counts only)")
-    p.add_argument("--failures-only", action="store_true", help="print only configurations that fail a check")
+    p.add_argument("--failures-only", action="store_true",
+                   help="print only configurations that fail a check (known issues included)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
     return p
 
 
 def _fmt_row(cells: list[str], widths: list[int]) -> str:
     return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+
+def verdict(r: KernelReport) -> str:
+    """``ok``, ``known: <failures> (<why>)`` for a known issue, else ``FAIL: <failures>``."""
+    fails = checks.failures(r)
+    if not fails:
+        return "ok"
+    if not r.ok:
+        return "FAIL: does not compile"
+    known = known_issues.accepted_by(r)
+    if known:
+        return f"known: {'; '.join(fails)} ({known[0].why})"
+    return "FAIL: " + "; ".join(fails)
 
 
 def format_table(kernel: str, target: str, reports: list[KernelReport]) -> str:
@@ -59,12 +77,10 @@ def format_table(kernel: str, target: str, reports: list[KernelReport]) -> str:
     headers = ["configuration"] + [mma if h == "mma" else h for h, _, _ in _COLUMNS] + ["check"]
     rows = []
     for r in reports:
-        fails = checks.failures(r)
         if not r.ok:
-            rows.append([r.variant] + ["-"] * len(_COLUMNS) + ["FAIL: does not compile"])
+            rows.append([r.variant] + ["-"] * len(_COLUMNS) + [verdict(r)])
             continue
-        verdict = "ok" if not fails else "FAIL: " + "; ".join(fails)
-        rows.append([r.variant] + [str(get(r)) for _, _, get in _COLUMNS] + [verdict])
+        rows.append([r.variant] + [str(get(r)) for _, _, get in _COLUMNS] + [verdict(r)])
     widths = [max(len(h), *(len(row[i]) for row in rows)) if i < len(headers) - 1 else len(headers[-1])
               for i, h in enumerate(headers)]
     lines = [f"{kernel} on {target}: {len(reports)} configuration(s)", _fmt_row(headers, widths)]
@@ -96,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         print("tilefuse kernels: --jobs must be >= 1", file=sys.stderr)
         return 2
-    reports = compile_many(items, jobs=args.jobs, sass=not args.no_sass)
-    failed = 0
+    reports = compile_many(items, jobs=args.jobs, sass=not args.no_sass,
+                           on_report=None if args.quiet else _progress(items, args.jobs))
     for t in targets:
         for kernel in dict.fromkeys(v.kernel for v in vs):
             rs = [r for (v, tt), r in zip(items, reports) if tt == t and v.kernel == kernel]
@@ -105,18 +121,47 @@ def main(argv: list[str] | None = None) -> int:
                 rs = [r for r in rs if checks.failures(r)]
             if rs:
                 print(format_table(kernel, t, rs) + "\n")
-    failed = sum(bool(checks.failures(r)) for r in reports)
-    print(f"{len(reports)} compiles, {failed} failing a check"
-          + (f" (see {', '.join(sorted({r.kernel for r in reports if checks.failures(r)}))})" if failed else ""))
+    accepted = [known_issues.accepted_by(r) for r in reports]
+    known = [r for r, a in zip(reports, accepted) if a]
+    new = [r for r, a in zip(reports, accepted) if checks.failures(r) and not a]
+    if known:
+        print(f"{len(known)} known issue(s), accepted by tilefuse/kernelcheck/known_issues.py:")
+        for r in known:
+            print(f"  {r.kernel} {r.target} {r.variant}: {'; '.join(checks.failures(r))}")
+    stale = known_issues.stale(reports)
+    if stale:
+        print(f"{len(stale)} known issue(s) no longer occur (tighten or delete them in known_issues.py):")
+        for e in stale:
+            print(f"  {e.kernel} {e.target} {e.configuration!r}: {e.why}")
+    print(f"{len(reports)} compiles, {len(new)} failing a check, {len(known)} known issue(s)"
+          + (f" (failing: {', '.join(sorted({r.kernel for r in new}))})" if new else ""))
     if args.json:
         import triton
 
         doc = {"triton": triton.__version__, "ptxas": _ptxas_versions(targets), "targets": targets,
-               "reports": [{**r.to_dict(), "origin": v.origin, "failures": checks.failures(r)}
-                           for (v, _), r in zip(items, reports)]}
+               "reports": [{**r.to_dict(), "origin": v.origin, "failures": checks.failures(r),
+                            "known_issue": a[0].why if a else None}
+                           for (v, _), r, a in zip(items, reports, accepted)]}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
-    return 1 if failed else 0
+    return 1 if new else 0
+
+
+def _progress(items: list[tuple[variants.Variant, str]], jobs: int):
+    """A line on stderr per compiled configuration: count, time, kernel, target, verdict."""
+    t0 = time.monotonic()
+    done = 0
+    print(f"compiling {len(items)} configuration(s) in {min(jobs, len(items))} process(es)", file=sys.stderr,
+          flush=True)
+
+    def report(_index: int, r: KernelReport) -> None:
+        nonlocal done
+        done += 1
+        width = len(str(len(items)))
+        print(f"[{done:{width}}/{len(items)} {time.monotonic() - t0:5.0f}s] {r.kernel} {r.target} {r.variant}: "
+              f"{verdict(r)}", file=sys.stderr, flush=True)
+
+    return report
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from typing import IO, Callable
 
 from tilefuse.kernelcheck.variants import TL_DTYPE_PREFIX, Variant
 
@@ -305,12 +306,14 @@ def compile_variant(variant: Variant, target: str, sass: bool = True) -> KernelR
     return report
 
 
-def compile_many(items: list[tuple[Variant, str]], jobs: int = 1, sass: bool = True,
-                 timeout: float = 1800.0) -> list[KernelReport]:
+def compile_many(items: list[tuple[Variant, str]], jobs: int = 1, sass: bool = True, timeout: float = 1800.0,
+                 on_report: Callable[[int, KernelReport], None] | None = None) -> list[KernelReport]:
     """Compile ``(variant, target)`` pairs in ``jobs`` worker processes; reports in input order.
 
     Workers run ``python -m tilefuse.kernelcheck.compile`` with this process's ``sys.path``,
-    without ``TRITON_INTERPRET``, and with a private Triton cache directory.
+    without ``TRITON_INTERPRET``, and with a private Triton cache directory. Each writes a
+    report as soon as it has one, so ``on_report(index into items, report)`` is called for each
+    pair while the others still compile (in completion order).
 
     Raises:
         RuntimeError: a worker failed (the message carries its stderr).
@@ -323,33 +326,66 @@ def compile_many(items: list[tuple[Variant, str]], jobs: int = 1, sass: bool = T
     results: list[KernelReport | None] = [None] * len(items)
     with tempfile.TemporaryDirectory(prefix="tilefuse-kernelcheck-") as tmp:
         env["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton-cache")
-        procs = []
+        workers = []
         for w, idx in enumerate(chunks):
-            inp, out = os.path.join(tmp, f"in{w}.json"), os.path.join(tmp, f"out{w}.json")
+            inp, out = os.path.join(tmp, f"in{w}.json"), os.path.join(tmp, f"out{w}.jsonl")
             jobs_in = [{"variant": items[i][0].to_dict(), "target": items[i][1]} for i in idx]
             with open(inp, "w") as f:
                 json.dump({"sys_path": sys.path, "sass": sass, "jobs": jobs_in}, f)
+            open(out, "w").close()
             err = open(os.path.join(tmp, f"err{w}.txt"), "w+")
             p = subprocess.Popen([sys.executable, "-m", "tilefuse.kernelcheck.compile", inp, out],
                                  env=env, stdout=subprocess.DEVNULL, stderr=err)
-            procs.append((p, idx, out, err))
+            workers.append(_Worker(p, idx, open(out), err))
+
+        def collect(worker: _Worker) -> None:
+            for line in worker.new_lines():
+                i = worker.idx[worker.done]
+                results[i] = KernelReport.from_dict(json.loads(line))
+                worker.done += 1
+                if on_report is not None:
+                    on_report(i, results[i])
+
         deadline = time.monotonic() + timeout
-        for p, idx, out, err in procs:
-            try:
-                rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-                rc = "timeout"
-            err.seek(0)
-            log = err.read()
-            err.close()
-            if rc != 0:
-                raise RuntimeError(f"kernel compile worker failed ({rc}):\n{log[-4000:]}")
-            with open(out) as f:
-                for i, d in zip(idx, json.load(f)):
-                    results[i] = KernelReport.from_dict(d)
+        try:
+            while any(w.proc.poll() is None for w in workers):
+                for w in workers:
+                    collect(w)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"kernel compiles did not finish within {timeout:.0f} s")
+                time.sleep(0.1)
+            for w in workers:
+                collect(w)
+                w.err.seek(0)
+                log = w.err.read()
+                if w.proc.returncode != 0 or w.done != len(w.idx):
+                    raise RuntimeError(f"kernel compile worker failed ({w.proc.returncode}):\n{log[-4000:]}")
+        finally:
+            for w in workers:
+                if w.proc.poll() is None:
+                    w.proc.kill()
+                    w.proc.wait()
+                w.out.close()
+                w.err.close()
     return results  # type: ignore[return-value]
+
+
+@dataclasses.dataclass
+class _Worker:
+    """One compile process of :func:`compile_many` and how far its report file has been read."""
+
+    proc: subprocess.Popen
+    idx: list[int]
+    out: IO[str]
+    err: IO[str]
+    done: int = 0
+    partial: str = ""
+
+    def new_lines(self) -> list[str]:
+        """Complete lines the worker has written since the last call (a line being written waits)."""
+        text = self.partial + self.out.read()
+        *lines, self.partial = text.split("\n")
+        return [ln for ln in lines if ln]
 
 
 def _worker(argv: list[str]) -> int:
@@ -359,10 +395,11 @@ def _worker(argv: list[str]) -> int:
     for p in job["sys_path"]:
         if p not in sys.path:
             sys.path.append(p)
-    reports = [compile_variant(Variant.from_dict(j["variant"]), j["target"], job["sass"]).to_dict()
-               for j in job["jobs"]]
     with open(out, "w") as f:
-        json.dump(reports, f)
+        for j in job["jobs"]:
+            report = compile_variant(Variant.from_dict(j["variant"]), j["target"], job["sass"])
+            f.write(json.dumps(report.to_dict()) + "\n")
+            f.flush()
     return 0
 
 

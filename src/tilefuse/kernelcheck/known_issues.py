@@ -1,0 +1,89 @@
+"""Configurations that fail a compile check today, with the most spill each may show.
+
+``tilefuse kernels`` and the compile tests accept a report whose only failures are its spills
+(and, in the SASS, the local-memory instructions that carry them) when an entry here matches it
+and its spill stores are within the entry's budget. The tests also fail on an entry that no
+longer matches a failure (fixed: delete the entry) or no configuration at all (renamed: update
+it). So the list only shrinks, and a regression in a listed configuration still fails.
+
+An entry: (kernel, target glob, configuration glob, spill budget in bytes stored, why).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import NamedTuple
+
+from tilefuse.kernelcheck import checks
+from tilefuse.kernelcheck.compile import KernelReport
+
+
+class KnownSpill(NamedTuple):
+    kernel: str
+    target: str  # glob
+    configuration: str  # glob
+    budget: int  # bytes of spill stores allowed
+    why: str
+
+
+_ENTRIES = [
+    # Prefill, compressed layout: the store address ``row + (col - ks[row])`` and its mask are
+    # computed per element, on top of the 64x128 fp32 accumulator.
+    ("indexer.prefill", "*", "* compressed*", 1100,
+     "compressed-layout epilogue: per-element offsets and masks beside the accumulator"),
+    # Prefill MXFP8 on Hopper, bf16-upcast path: the dequantised operands and the scale bytes
+    # push the 64x128 tile just past 255 registers.
+    ("indexer.prefill", "sm_90a", "mxfp8 * full*", 128, "MXFP8 bf16-upcast tile at the register limit"),
+    # Prefill on Hopper, Gluon head loop with 4 warps refilling its query ring after every head
+    # (an option; the default refills two at a time and has no spill): the head sum and two score
+    # tiles (one under an MMA, one being applied), three 64x128 fp32 tiles, at the register limit.
+    ("indexer.prefill_gluon", "sm_90a", "* w4 buf4*", 80, "three 64x128 fp32 tiles live in one warpgroup"),
+    # Prefill options (not the defaults).
+    ("indexer.prefill", "*", "* mx_split=True", 1300, "per-block FP8 path: four partial score tiles live"),
+    ("indexer.prefill", "*", "* keys_major=True*", 320, "keys-major tile with the MX upcast / bf16 epilogue"),
+    ("indexer.prefill", "sm_90a", "mxfp4 * head_unroll=2*", 64, "two heads' upcast operands live at once"),
+    ("indexer.prefill", "sm_100a", "fp8 * relu_via_abs=*", 16,
+     "Triton loop on sm_100a with the linear term's operands beside the key tile (option, timed on Hopper only)"),
+    # Persistent GEMM: the masked (unaligned) epilogue builds a pointer per element (on sm_90a
+    # it no longer spills since the per-tile clock read went under TRACE); the reduce-scatter
+    # epilogues hold the accumulator while loading every peer's partial.
+    ("tp.gemm", "sm_100a", "gemm * unaligned*", 100, "masked epilogue of an unaligned chunk"),
+    ("tp.gemm", "*", "gemm_rs*", 2600, "reduce-scatter epilogue: accumulator plus peer partials"),
+    ("tp.comm", "*", "_rs_forward_kernel * BN=128 *", 16, "forwarding copy of 128-column tiles"),
+]
+KNOWN_SPILLS = [KnownSpill(*e) for e in _ENTRIES]
+
+
+def entries(kernel: str, target: str) -> list[KnownSpill]:
+    """The entries of ``kernel`` whose target glob matches ``target``."""
+    return [e for e in KNOWN_SPILLS if e.kernel == kernel and fnmatch.fnmatch(target, e.target)]
+
+
+def matching(report: KernelReport) -> list[KnownSpill]:
+    """The entries that name the configuration of ``report``."""
+    return [e for e in entries(report.kernel, report.target) if fnmatch.fnmatch(report.variant, e.configuration)]
+
+
+def _spill_only(report: KernelReport, fails: list[str]) -> bool:
+    # Spilled values live in local memory: the SASS's LDL/STL are the same finding as the spill.
+    return report.ok and bool(report.spill_stores or report.spill_loads) and all(
+        f.startswith("spills") or f.endswith("local-memory instructions (LDL/STL) in the SASS") for f in fails)
+
+
+def accepted_by(report: KernelReport) -> list[KnownSpill]:
+    """The entries that accept the failures of ``report``: empty when it passes every check or
+    fails one that no entry accepts (another failure, or more spill than the largest budget)."""
+    fails = checks.failures(report)
+    known = matching(report)
+    if not fails or not known or not _spill_only(report, fails):
+        return []
+    return known if report.spill_stores <= max(e.budget for e in known) else []
+
+
+def stale(reports: list[KernelReport]) -> list[KnownSpill]:
+    """Entries that name one of the compiled configurations yet accepted none of them: the
+    configuration no longer fails (tighten or delete the entry)."""
+    used = {e for r in reports for e in accepted_by(r)}
+    named = {e for r in reports for e in matching(r)}
+    return [e for e in KNOWN_SPILLS if e in named and e not in used]
+
