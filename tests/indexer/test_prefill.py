@@ -26,21 +26,18 @@ from ..conftest import DEVICE, ON_GPU
 SMALL = prefill.PrefillConfig(block_q=16, block_n=32)
 VARIANTS = {  # name -> (format, config fields beyond the tile)
     "fp8": ("fp8", {}),
-    "fp8-keys-major": ("fp8", dict(keys_major=True)),
     "fp8-unroll2": ("fp8", dict(head_unroll=2)),
     "fp8-clean-pass": ("fp8", dict(clean_pass=True)),
     "fp8-heads-on-n": ("fp8", dict(heads_on_n=True)),
     "mxfp8": ("mxfp8", {}),
-    "mxfp8-keys-major-unroll2": ("mxfp8", dict(keys_major=True, head_unroll=2)),
-    "mxfp8-split": ("mxfp8", dict(mx_split=True)),
+    "mxfp8-unroll2": ("mxfp8", dict(head_unroll=2)),
     "mxfp4": ("mxfp4", {}),
-    "mxfp4-wide-keys-major": ("mxfp4", dict(keys_major=True, head_unroll=2)),
+    "mxfp4-unroll2": ("mxfp4", dict(head_unroll=2)),
     "mxfp4-via-fp8": ("mxfp4", dict(fp4_via_fp8=True)),
     "mxfp4-via-fp8-clean-pass": ("mxfp4", dict(fp4_via_fp8=True, clean_pass=True)),
     "mxfp8-via-f16": ("mxfp8", dict(mxfp8_via_f16=True)),
-    "mxfp4-split": ("mxfp4", dict(mx_split=True)),
     "fp8-abs2": ("fp8", dict(relu_via_abs=2)),
-    "fp8-abs3-unroll2": ("fp8", dict(relu_via_abs=3, head_unroll=2)),
+    "fp8-abs2-unroll2": ("fp8", dict(relu_via_abs=2, head_unroll=2)),
     "mxfp4-via-fp8-abs2": ("mxfp4", dict(fp4_via_fp8=True, relu_via_abs=2)),
 }
 BF16_THRESHOLD = {"fp8": 1e-3, "mxfp8": 0.02, "mxfp4": 0.02}
@@ -324,7 +321,7 @@ def test_linear_term_parts_sum_to_the_weighted_query_row():
     q[3] = 0
     w = w * torch.logspace(-6, 6, s_q, device=DEVICE)[:, None]  # rows over twelve decades
     qc = (q.float() * w[:, :, None]).sum(1)
-    for n in (1, 2, 3):
+    for n in (1, 2):
         lin, w_scaled, half = prefill.linear_term_parts(q, w, n)
         c = 2 * half
         assert torch.equal(torch.frexp(c).mantissa, torch.full_like(c, 0.5)), "c is not a power of two"
@@ -336,7 +333,7 @@ def test_linear_term_parts_sum_to_the_weighted_query_row():
         assert (err <= 256 * 2.0 ** (-4 * n)).all(), (n, err.max())
 
 
-@pytest.mark.parametrize("variant", ["fp8", "fp8-keys-major", "mxfp8-split", "mxfp4", "fp8-abs2"])
+@pytest.mark.parametrize("variant", ["fp8", "fp8-unroll2", "mxfp8", "mxfp4", "fp8-abs2"])
 def test_bitwise_reruns_and_schedule_meta(variant):
     fmt, fields = VARIANTS[variant]
     s_q, s_k = shapes((16, 64), (2048, 32768))
@@ -367,7 +364,7 @@ def test_clean_schedules_are_bitwise_identical(fmt):
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
 def test_split_over_keys_is_bitwise_identical_to_one_key_block(fmt):
     """Few query rows, many keys: the key range split over many programs (small key blocks, both
-    tile orientations, with and without schedule metadata) gives the bits of one key block per
+    head steps, with and without schedule metadata) gives the bits of one key block per
     row block. Integer-valued inputs make every dot exact, so the comparison sees the schedule
     (which keys a program visits, where it writes) and not the order in which the interpreter's
     matmul sums a tile, which depends on the tile's shape. The few-row kernel (``heads_on_n``,
@@ -385,7 +382,7 @@ def test_split_over_keys_is_bitwise_identical_to_one_key_block(fmt):
     one_block = 4096 if not ON_GPU else 256  # on a GPU: the widest tile that fits
     unsplit = run(qq, kk, w, ks, ke, config=prefill.PrefillConfig(block_q=16, block_n=one_block), clean_logits=True)
     splits = [prefill.PrefillConfig(block_q=16, block_n=32), prefill.PrefillConfig(block_q=16, block_n=64,
-              keys_major=True, head_unroll=2)]
+              head_unroll=2)]
     for i, cfg in enumerate(splits):
         out = run(qq, kk, w, ks, ke, config=cfg, clean_logits=True, schedule_meta=meta if i % 2 else None)
         assert torch.equal(out.view(torch.int32), unsplit.view(torch.int32)), f"split config {cfg} differs"
@@ -621,7 +618,7 @@ def test_gluon_head_loop_at_few_heads(h, num_buf, parts, poisoned):
 @pytest.mark.skipif(not HOPPER, reason="the Gluon head loop runs on Hopper only")
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("layout", ["clean", "raw", "compressed", "bf16"])
-@pytest.mark.parametrize("parts,refill", [(2, 1), (2, 2), (3, 2)])
+@pytest.mark.parametrize("parts,refill", [(2, 1), (2, 2)])
 @pytest.mark.parametrize("windows", ["random", "zigzag"])
 def test_gluon_relu_via_abs_is_bitwise_the_triton_kernel(fmt, layout, parts, refill, windows, poisoned):
     """relu_via_abs in both head loops (the linear term's MMAs first, then |s| * w / c per head):
@@ -639,12 +636,11 @@ def test_gluon_relu_via_abs_is_bitwise_the_triton_kernel(fmt, layout, parts, ref
 def test_relu_via_abs_rejects_what_it_cannot_run():
     _, _, w, qq, kk = make_inputs(16, 64, 8, 64, "fp8", seed=1)
     ks, ke = W.causal_tail(16, 64, device=DEVICE)
-    for cfg in (dataclasses.replace(SMALL, relu_via_abs=4), dataclasses.replace(SMALL, relu_via_abs=1),
-                dataclasses.replace(SMALL, relu_via_abs=2, keys_major=True),
+    for cfg in (dataclasses.replace(SMALL, relu_via_abs=3), dataclasses.replace(SMALL, relu_via_abs=1),
                 dataclasses.replace(SMALL, relu_via_abs=2, heads_on_n=True)):
         with pytest.raises(ValueError, match="relu_via_abs"):
             run(qq, kk, w, ks, ke, config=cfg)
-    for fmt, fields in (("mxfp8", {}), ("mxfp4", {}), ("mxfp4", dict(fp4_via_fp8=True, mx_split=True))):
+    for fmt, fields in (("mxfp8", {}), ("mxfp4", {}), ("mxfp8", dict(mxfp8_via_f16=True))):
         _, _, w, qq, kk = make_inputs(16, 64, 8, 64, fmt, seed=1)
         with pytest.raises(ValueError, match="relu_via_abs"):
             run(qq, kk, w, ks, ke, config=dataclasses.replace(SMALL, relu_via_abs=2, **fields))
@@ -670,7 +666,7 @@ def test_gluon_rejects_tiles_it_cannot_run():
     ks, ke = W.causal_tail(16, 64, device=DEVICE)
     for cfg in (prefill.PrefillConfig(block_q=32, num_warps=4, gluon=True),
                 prefill.PrefillConfig(block_q=64, num_warps=4, num_stages=1, gluon=True),
-                prefill.PrefillConfig(block_q=64, keys_major=True, gluon=True)):
+                prefill.PrefillConfig(block_q=16, heads_on_n=True, gluon=True)):
         with pytest.raises(ValueError, match="gluon"):
             tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=cfg)
     if not HOPPER:

@@ -30,33 +30,19 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 _GL_DTYPE = {torch.float8_e4m3fn: gl.float8e4nv, torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
-# ``ABLATE`` removes one part of the work so that ``benchmarks/prefill_bound.py`` can time
-# what is left (the output is then wrong): 0 = the kernel; 1 = scores summed without ReLU and
-# weight (one add per score); 2 = no MMA (the query tiles still stream in); 3 = no query
-# traffic after the first NUM_BUF heads (their buffers are reused).
-ABLATIONS = {"none": 0, "no-relu-weight": 1, "no-mma": 2, "no-query-loads": 3}
-
-
 @gluon.jit
-def _issue(q_desc, q_smem, q_bars, k_t, s, head, NUM_BUF: gl.constexpr, ABLATE: gl.constexpr):
+def _issue(q_smem, q_bars, k_t, s, head, NUM_BUF: gl.constexpr):
     """Start head ``head``'s MMA once its query tile has landed; overwrites ``s``."""
     buf = head % NUM_BUF
-    if ABLATE != 3:
-        mbarrier.wait(q_bars.index(buf), phase=(head // NUM_BUF) & 1)
-    elif head < NUM_BUF:
-        mbarrier.wait(q_bars.index(buf), phase=0)
-    if ABLATE != 2:
-        s = warpgroup_mma(q_smem.index(buf), k_t, s, use_acc=False, is_async=True)
-    return s
+    mbarrier.wait(q_bars.index(buf), phase=(head // NUM_BUF) & 1)
+    return warpgroup_mma(q_smem.index(buf), k_t, s, use_acc=False, is_async=True)
 
 
 @gluon.jit
-def _apply(acc, s, w, ABLATE: gl.constexpr, ABS: gl.constexpr):
+def _apply(acc, s, w, ABS: gl.constexpr):
     """acc += relu(s) * w per row; with ``ABS`` (``relu_via_abs``: the linear half of
     relu(s) = (s + |s|) / 2 is in acc already) acc += |s| * w, one FMA per score."""
-    if ABLATE == 1:
-        acc += s
-    elif ABS:
+    if ABS:
         # abs.f32 in the asm: written as gl.abs, LLVM turns the abs of the last head's scores
         # (bitcast from the wgmma wait's integer registers) into an integer AND, and ptxas then
         # dropped that head's wgmma (its contribution read as 0 on an H200).
@@ -69,20 +55,18 @@ def _apply(acc, s, w, ABLATE: gl.constexpr, ABS: gl.constexpr):
 
 
 @gluon.jit
-def _refill(q_desc, q_smem, q_bars, head, q0, H: gl.constexpr, D: gl.constexpr, NUM_BUF: gl.constexpr,
-            ABLATE: gl.constexpr):
+def _refill(q_desc, q_smem, q_bars, head, q0, H: gl.constexpr, D: gl.constexpr, NUM_BUF: gl.constexpr):
     """Head ``head``'s MMA is done: its buffer takes the query tile of head ``head + NUM_BUF``, if any."""
     buf = head % NUM_BUF
     later = head + NUM_BUF
-    if ABLATE != 3:
-        if later < H:
-            mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q0, later * D], q_bars.index(buf), q_smem.index(buf))
+    if later < H:
+        mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q0, later * D], q_bars.index(buf), q_smem.index(buf))
 
 
 @gluon.jit
 def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr, D: gl.constexpr,
-               NUM_BUF: gl.constexpr, ABLATE: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
+               NUM_BUF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
                mma: gl.constexpr, REFILL_EVERY: gl.constexpr = 1, lin_smem=None, LIN_PARTS: gl.constexpr = 0):
     """sum_h relu(q_h . k) * w_h for one tile, heads in order (the ring already holds requests
     for heads 0 .. NUM_BUF - 1).
@@ -100,8 +84,7 @@ def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr,
     acc = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
     for p in gl.static_range(LIN_PARTS):
         acc = warpgroup_mma(lin_smem.index(p), k_t, acc, use_acc=p > 0, is_async=True)
-    s0 = _issue(q_desc, q_smem, q_bars, k_t, gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma), 0, NUM_BUF,
-                ABLATE)
+    s0 = _issue(q_smem, q_bars, k_t, gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma), 0, NUM_BUF)
     s1 = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
     w0 = gl.load(w_rows, mask=row_ok, other=0.0).to(gl.float32)
     w1 = gl.load(w_rows + 1, mask=row_ok, other=0.0).to(gl.float32)
@@ -110,29 +93,29 @@ def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr,
     else:
         s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
     if REFILL_EVERY == 1:
-        _refill(q_desc, q_smem, q_bars, 0, q0, H, D, NUM_BUF, ABLATE)
+        _refill(q_desc, q_smem, q_bars, 0, q0, H, D, NUM_BUF)
     for h in range(0, H - 2, 2):
-        s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, h + 1, NUM_BUF, ABLATE)
-        acc = _apply(acc, s0, w0, ABLATE, ABS)
+        s1 = _issue(q_smem, q_bars, k_t, s1, h + 1, NUM_BUF)
+        acc = _apply(acc, s0, w0, ABS)
         w0 = gl.load(w_rows + h + 2, mask=row_ok, other=0.0).to(gl.float32)
         s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
         if REFILL_EVERY == 1:
-            _refill(q_desc, q_smem, q_bars, h + 1, q0, H, D, NUM_BUF, ABLATE)
+            _refill(q_desc, q_smem, q_bars, h + 1, q0, H, D, NUM_BUF)
         else:  # heads h and h + 1 are done: both their buffers take later heads
-            _refill(q_desc, q_smem, q_bars, h, q0, H, D, NUM_BUF, ABLATE)
-            _refill(q_desc, q_smem, q_bars, h + 1, q0, H, D, NUM_BUF, ABLATE)
-        s0 = _issue(q_desc, q_smem, q_bars, k_t, s0, h + 2, NUM_BUF, ABLATE)
-        acc = _apply(acc, s1, w1, ABLATE, ABS)
+            _refill(q_desc, q_smem, q_bars, h, q0, H, D, NUM_BUF)
+            _refill(q_desc, q_smem, q_bars, h + 1, q0, H, D, NUM_BUF)
+        s0 = _issue(q_smem, q_bars, k_t, s0, h + 2, NUM_BUF)
+        acc = _apply(acc, s1, w1, ABS)
         w1 = gl.load(w_rows + h + 3, mask=row_ok, other=0.0).to(gl.float32)
         s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
         if REFILL_EVERY == 1:
-            _refill(q_desc, q_smem, q_bars, h + 2, q0, H, D, NUM_BUF, ABLATE)
-    s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, H - 1, NUM_BUF, ABLATE)
-    acc = _apply(acc, s0, w0, ABLATE, ABS)
+            _refill(q_desc, q_smem, q_bars, h + 2, q0, H, D, NUM_BUF)
+    s1 = _issue(q_smem, q_bars, k_t, s1, H - 1, NUM_BUF)
+    acc = _apply(acc, s0, w0, ABS)
     s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
     if REFILL_EVERY == 1:
-        _refill(q_desc, q_smem, q_bars, H - 1, q0, H, D, NUM_BUF, ABLATE)
-    return _apply(acc, s1, w1, ABLATE, ABS)
+        _refill(q_desc, q_smem, q_bars, H - 1, q0, H, D, NUM_BUF)
+    return _apply(acc, s1, w1, ABS)
 
 
 @gluon.jit
@@ -194,7 +177,7 @@ def prefill_logits_gluon_kernel(
     out_ptr, stride_out,
     S_q, S_k,
     H: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr, NUM_BUF: gl.constexpr,
-    num_warps: gl.constexpr, ABLATE: gl.constexpr = 0, REFILL_EVERY: gl.constexpr = 1,
+    num_warps: gl.constexpr, REFILL_EVERY: gl.constexpr = 1,
     lin_desc=None, half_scale_ptr=None, LIN_PARTS: gl.constexpr = 0,
 ):
     BLOCK_Q: gl.constexpr = q_desc.block_type.shape[0]
@@ -240,8 +223,8 @@ def prefill_logits_gluon_kernel(
         w_rows = w_ptr + rows.to(gl.int64) * stride_w
         k_t = k_smem.permute((1, 0))
         mbarrier.wait(k_bar, phase=0)
-        acc = _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H, D, NUM_BUF, ABLATE, BLOCK_Q, BLOCK_N,
-                         mma, REFILL_EVERY, lin_smem, LIN_PARTS)
+        acc = _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H, D, NUM_BUF, BLOCK_Q, BLOCK_N, mma,
+                         REFILL_EVERY, lin_smem, LIN_PARTS)
         mbarrier.invalidate(k_bar)
         for i in gl.static_range(NUM_BUF):
             mbarrier.invalidate(q_bars.index(i))
@@ -256,7 +239,7 @@ def prefill_logits_gluon_kernel(
 
 
 def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, block_q: int, block_n: int,
-           num_warps: int, num_buf: int, ablate: int = 0, refill_every: int = 1, lin_parts=None,
+           num_warps: int, num_buf: int, refill_every: int = 1, lin_parts=None,
            half_scale=None):
     """q [S_q, H, D] and k [S_k, D] in E4M3 or f16, the rest as the Triton kernel takes them.
     ``refill_every``: query buffers refilled after every head (1) or two at a time (2, needs
@@ -291,6 +274,6 @@ def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, b
     grid = (triton.cdiv(s_k, block_n), triton.cdiv(s_q, block_q))
     return prefill_logits_gluon_kernel[grid](
         q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k,
-        H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps, ABLATE=ablate,
+        H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps,
         REFILL_EVERY=refill_every, lin_desc=lin_desc, half_scale_ptr=half_scale if n_parts else k_scale,
         LIN_PARTS=n_parts)

@@ -18,15 +18,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilefuse._config import apply_override, register_config
 from tilefuse._validate import check_aligned, check_tma_rows, expect, expect_tensor
-from tilefuse.formats import FP8_DTYPE, format_of
+from tilefuse.formats import FORMAT_CODE, FP8_DTYPE, format_of
 from tilefuse.indexer import _dispatch, _prefill_kernel_sm100
 from tilefuse.indexer import _prefill_kernel as kern
+from tilefuse.indexer._layout import padded_logits_layout
 
-_FORMAT_CODE = {"fp8": kern.FMT_FP8, "mxfp8": kern.FMT_MXFP8, "mxfp4": kern.FMT_MXFP4}
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
-# Output rows are padded to this many elements so every row starts 64-byte aligned.
-_ROW_ALIGN = 16
 
 
 # ---------------------------------------------------------------------------------------
@@ -34,42 +32,34 @@ _ROW_ALIGN = 16
 # ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
-    """Tile shape and pipelining of the prefill kernel.
+    """Tile shape, pipelining and kernel path of the prefill op (defaults: :func:`default_config`).
 
-    ``mx_split`` picks the MX path on Hopper: False = dequantise to bf16 and run a bf16 dot
-    (exact), True = one FP8 dot per 32-element block with scaled accumulation.
-    ``fp4_via_fp8`` runs MXFP4 on FP8 tensor cores: each row is renormalised into E4M3 by its
-    largest block scale (exact while its block exponents span <= 8; that scale is folded into
-    the weights or the key scale), and a second pass recomputes with the bf16 upcast only the
-    tiles that hold a row outside that span. ``mxfp8_via_f16`` does the same for MXFP8 into
-    f16 (exact while the span is <= 15) on f16 tensor cores. ``keys_major`` puts keys on the MMA's M side (for
-    few query rows: a 16-row query tile then wastes nothing); ``head_unroll`` = 2 issues two
-    heads' dots per loop step. Neither applies to the MX split path. ``clean_pass`` writes the
-    full layout's ``-inf`` in a separate store-only pass after the logits kernel, instead of
-    inside it (same output, bit for bit). ``heads_on_n`` (FP8, for few query rows) puts
-    (query row, head) pairs on the MMA's N side: a program loads its key tile once and walks
-    its ``block_q`` rows two at a time (one row at H > 64), each step one dot of
-    [block_n, D] x [D, rows * H] and a head sum per row. ``gluon`` (Hopper, FP8 and the f16
-    rows of ``mxfp8_via_f16``) runs the 2-D tile's head loop as a Gluon kernel that issues each
-    head's wgmma asynchronously, so head h+1's MMA overlaps head h's ReLU and weighting;
-    ``num_stages`` (>= 2) is then its ring of query-tile buffers, ``block_q`` is 64 or 128 and
-    warps beyond one per 16 rows split the keys. GPU-only (Gluon has no interpreter).
-    ``gluon_refill``: the Gluon kernel refills its query ring after every head (1) or two
-    buffers at a time (2, needs ``num_stages >= 3``: half the CTA barriers around the refills).
-    ``relu_via_abs`` (E4M3 operands on the 64-row tile: FP8, and MXFP4 on FP8 tensor cores;
-    0 = off) sums ``w * relu(s)`` as ``(sum_h w_h s_h + sum_h w_h |s_h|) / 2``: one FMA per score
-    (|s| is an operand modifier) instead of a max and an FMA. The linear half is one MMA per
-    part: ``sum_h w_h q_h`` per row in fp32, split into ``relu_via_abs`` E4M3 parts of ~4 bits
-    each (2 parts: calc_diff ~1e-7 against the dequantised reference, whose bound is 5e-6;
-    3 parts: ~1e-10; tested with weights from 1e-30 to 1e36).
+    ``block_q`` x ``block_n``: query rows x keys per program; ``num_warps``, ``num_stages``.
+    ``head_unroll`` (1 or 2): heads per step of the Triton head loop.
+    ``fp4_via_fp8`` (MXFP4) / ``mxfp8_via_f16`` (MXFP8): rows renormalised by their largest
+    block scale into E4M3 / f16 (exact while the row's block exponents span <= 8 / 15
+    binades; the scale is folded into the weights or the key scale) and run on FP8 / f16
+    tensor cores; a second pass recomputes with the bf16 upcast only the tiles holding a row
+    outside that span. Without either, MX operands are upcast to bf16 for the dot.
+    ``clean_pass``: the ``-inf`` of the full layout written by a separate store-only pass
+    instead of inside the logits kernel (same bits).
+    ``heads_on_n`` (FP8, few query rows): (query row, head) pairs on the MMA's N side, the key
+    tile loaded once per program.
+    ``gluon`` (Hopper): the 2-D tile's head loop as the Gluon kernel (async wgmma); then
+    ``num_stages`` (>= 2) is its ring of query buffers, ``block_q`` 64 or 128, and warps
+    beyond one per 16 rows split the keys; ``gluon_refill`` 1 or 2 (needs ``num_stages`` >= 3)
+    buffers refilled at a time.
+    ``relu_via_abs`` (0 or 2; E4M3 operands with query rows on the MMA's M side): the head sum
+    as ``(sum_h w_h s_h + sum_h w_h |s_h|) / 2``, the linear half one MMA per part of
+    ``sum_h w_h q_h`` split into 2 E4M3 parts.
+
+    Every field's measurements are in ``benchmarks/NOTES.md``.
     """
 
     block_q: int = 64
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    mx_split: bool = False
-    keys_major: bool = False
     head_unroll: int = 1
     fp4_via_fp8: bool = False
     clean_pass: bool = False
@@ -85,48 +75,10 @@ register_config("prefill", PrefillConfig)
 
 def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
                    logits_dtype: torch.dtype = torch.float32, arch: int | None = None) -> PrefillConfig:
-    """Measured defaults for H200, H=64 D=128 (benchmarks/NOTES.md has the sweeps behind each row).
-
-    FP8, more than 32 query rows: 64 rows x 128 keys, 4 warps, 3 stages, two heads per step
-    (1000 TFLOP/s at 2048/32768 against 975 without the unroll, 952 with 2 stages, 710-840
-    for every 8-warp tile; with bf16 logits 956 against 890).
-    FP8, at most 32 query rows: (query row, head) pairs on the MMA's N side (``heads_on_n``),
-    16 rows x 128 keys per program: 16/65536 in 24.8 us against 38.9 with keys on the MMA's M
-    side and 83.4 with the 64-row tile; 32/65536 in 47.4 us against 65.1 and 70.7. From 64 rows
-    on the 64-row tile wins (64/65536: 69.1 us against 91.2; 128/32768: 68.8 against 91.7).
-    Clean logits: inline for fp32 logits (972 / 988 TFLOP/s against 942 / 955 for the
-    separate -inf pass, two runs), the separate pass for bf16 logits (1027 / 1032 against
-    936 / 930); clean=False 974, so the choice costs the unclean path nothing.
-    MXFP8: rows renormalised into f16 on f16 tensor cores (``mxfp8_via_f16``), 64x128, 4 warps,
-    2 stages, two heads per step: 509-510 TFLOP/s, 0.71-0.75 of the BF16 ceiling, against 404
-    for the exact bf16 upcast (371 without the unroll; the per-block FP8 path 79-279); clean
-    inline 510 against 502 for the separate pass.
-    MXFP4: on FP8 tensor cores (rows renormalised into E4M3, ``fp4_via_fp8``): 955-982 TFLOP/s
-    against 266 for the bf16 upcast in the same run (clean inline 955 against 932 for the
-    separate pass); the bf16 recompute pass for rows with
-    block exponents spanning more than 8 binades uses 64x256, 8 warps, 3 stages (270 TFLOP/s
-    as the whole path, against 221 at 64x128 and 120 for the per-block FP8 split).
-    ``arch`` is the GPU's compute-capability major (None: no GPU, the interpreter). On Hopper
-    (9) the 64x128 tile's head loop runs as the Gluon kernel (``gluon``): FP8 with fp32 logits
-    1002-1006 TFLOP/s against 978 for the Triton loop in one run and 970-984 against 954 in
-    another, 962 / 948 at 8192/65536, 927-936 against 867-877 at H = 32, 70.6 / 71.1 us at
-    128/32768; MXFP8 (f16 rows) 710-744 TFLOP/s against 465-488, 0.98-1.09 of the BF16 ceiling.
-    4 warps, 4 query buffers (3: 1002 / 970, 710 for MXFP8), refilled two at a time (1027.7
-    against 1049.8 us at H64 2048/32768, equal at H32: ``indexer-prefill-bound-2-refill.json``);
-    8 warps splitting the keys (one block per SM at 164 registers) ran 815-829. The head sum
-    through |s| with a 2-part linear term (``relu_via_abs=2``) in the same run as the plain
-    loop (``indexer-prefill-sweep-13-abs.json``): 2048/32768 954 against 1147 us, H32 542 against
-    612, 128/32768 64.2 against 71.1, 8192/65536 8219 against 9310; calc_diff 1.6e-7 against the
-    dequantised reference (bound 5e-6); 3 parts 1-5% slower for no accuracy that shows (the FP8
-    MMA's own rounding dominates). MXFP4 on the Triton loop ran 5% slower with it (1201
-    against 1146 us): not used there. With the |s| head sum (fewer registers live) the ring
-    refilled after every head wins again (``indexer-prefill-sweep-14-abs-tiles.json``, two runs):
-    2048/32768 913 against 947 us, 8192/65536 7368 against 7453, H32 517 against 534, 128/32768
-    60.0 against 61.5; 3 or 6 buffers and 64-key tiles were slower. bf16 logits stay
-    on the Triton loop with the separate -inf pass (1017 against 929-931 for Gluon, either clean
-    schedule). MXFP4 stays on the Triton loop (Gluon 957-973 against 942-960: within run-to-run
-    spread, and its wide 64x256 tile also serves the bf16 recompute pass). Elsewhere the Triton
-    loop.
+    """The launch configuration measured best on an H200 at H = 64, D = 128 for each format,
+    by the number of query rows (at most 32: the few-row path) and the logits dtype; ``arch``
+    is the GPU's compute-capability major (None: the CPU interpreter), 9 picks the Gluon head
+    loop where it won. The sweeps behind every row are in ``benchmarks/NOTES.md``.
     """
     del num_heads, head_dim  # one tile per format fits every H and D measured so far
     hopper = arch == 9
@@ -159,19 +111,17 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
         raise ValueError(f"head_unroll must be 1 or 2, got {cfg.head_unroll}")
     if cfg.heads_on_n and fmt != "fp8":
         raise ValueError(f"heads_on_n runs FP8 only, got format {fmt}")
-    if cfg.gluon and (cfg.keys_major or cfg.heads_on_n or cfg.mx_split or cfg.block_q not in (64, 128)
-                      or cfg.num_warps % (cfg.block_q // 16) or cfg.num_stages < 2):
-        raise ValueError("gluon runs the 2-D tile (not keys_major, heads_on_n or mx_split) with block_q 64 or "
-                         f"128, num_warps a multiple of block_q / 16 and num_stages >= 2, got {cfg}")
+    if cfg.gluon and (cfg.heads_on_n or cfg.block_q not in (64, 128) or cfg.num_warps % (cfg.block_q // 16)
+                      or cfg.num_stages < 2):
+        raise ValueError("gluon runs the 2-D tile (not heads_on_n) with block_q 64 or 128, num_warps a multiple "
+                         f"of block_q / 16 and num_stages >= 2, got {cfg}")
     if cfg.gluon_refill not in (1, 2) or (cfg.gluon_refill == 2 and cfg.num_stages < 3):
         raise ValueError(f"gluon_refill must be 1, or 2 with num_stages >= 3, got {cfg}")
-    # One part (~4 bits of the combined row) misses the accuracy bound (calc_diff ~2e-4): not offered.
-    if cfg.relu_via_abs not in (0, 2, 3) or (cfg.relu_via_abs and (
-            cfg.keys_major or cfg.heads_on_n or cfg.mx_split or fmt == "mxfp8"
-            or (fmt == "mxfp4" and not cfg.fp4_via_fp8))):
-        raise ValueError("relu_via_abs (0, 2 or 3 parts) runs E4M3 operands on the 2-D tile with query rows on the "
-                         "MMA's M side (FP8, or MXFP4 with fp4_via_fp8; not keys_major, heads_on_n or mx_split), got "
-                         f"{cfg} for {fmt}")
+    # One part misses the accuracy bound; three add time and no accuracy that shows (NOTES).
+    if cfg.relu_via_abs not in (0, 2) or (cfg.relu_via_abs and (
+            cfg.heads_on_n or fmt == "mxfp8" or (fmt == "mxfp4" and not cfg.fp4_via_fp8))):
+        raise ValueError("relu_via_abs (0 or 2 parts) runs E4M3 operands on the 2-D tile with query rows on the "
+                         f"MMA's M side (FP8, or MXFP4 with fp4_via_fp8; not heads_on_n), got {cfg} for {fmt}")
     return cfg
 
 
@@ -270,9 +220,7 @@ def _check_windows(ks: torch.Tensor, ke: torch.Tensor, s_k: int, max_seqlen_k: i
 # The custom op
 # ---------------------------------------------------------------------------------------
 def _out_shape(s_q: int, s_k: int, max_seqlen_k: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    cols = max_seqlen_k if max_seqlen_k > 0 else s_k
-    row = max(_ROW_ALIGN, triton.cdiv(cols, _ROW_ALIGN) * _ROW_ALIGN)
-    return (s_q, cols), (row, 1)
+    return padded_logits_layout(s_q, max_seqlen_k if max_seqlen_k > 0 else s_k)
 
 
 @torch.library.custom_op("tilefuse::mqa_logits", mutates_args=())
@@ -291,8 +239,6 @@ def _mqa_logits(
     block_n: int,
     num_warps: int,
     num_stages: int,
-    mx_split: bool,
-    keys_major: bool,
     head_unroll: int,
     fp4_via_fp8: bool,
     clean_pass: bool,
@@ -322,13 +268,13 @@ def _mqa_logits(
     clean = clean_logits and not separate_clean
     # Blackwell (10.x): MX formats run the native block-scaled kernel with its own tile; the
     # table of which kernel runs where is _dispatch.PREFILL_KERNELS.
-    if (_dispatch.prefill_kernel_path(_dispatch.capability_major(q.device), fmt, mx_split)
+    if (_dispatch.prefill_kernel_path(_dispatch.capability_major(q.device), fmt)
             == _dispatch.SM100_MX_DOT_SCALED):
         _prefill_kernel_sm100.launch(q, q_sf, k, k_scale, weights, ks, ke, out, clean, compressed)
     else:
-        cfg = PrefillConfig(block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll,
-                            fp4_via_fp8, clean_pass, mxfp8_via_f16, heads_on_n, gluon, gluon_refill, relu_via_abs)
-        if ((fmt == "mxfp4" and fp4_via_fp8) or (fmt == "mxfp8" and mxfp8_via_f16)) and not mx_split:
+        cfg = PrefillConfig(block_q, block_n, num_warps, num_stages, head_unroll, fp4_via_fp8, clean_pass,
+                            mxfp8_via_f16, heads_on_n, gluon, gluon_refill, relu_via_abs)
+        if (fmt == "mxfp4" and fp4_via_fp8) or (fmt == "mxfp8" and mxfp8_via_f16):
             _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, clean, compressed, d, cfg)
         else:
             _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg)
@@ -365,11 +311,8 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
                                      cfg.block_n, cfg.num_warps, cfg.num_stages, refill_every=cfg.gluon_refill,
                                      lin_parts=lin_parts, half_scale=half_scale)
         return
-    # With MX split, each load is one 32-element block (16 bytes of packed FP4).
-    split = fmt != "fp8" and cfg.mx_split
-    q_cols = (16 if fmt == "mxfp4" else 32) if split else dq
-    q_desc = TensorDescriptor(q, [s_q, h * dq], [q.stride(0), 1], [cfg.block_q, q_cols])
-    k_desc = TensorDescriptor(k, [s_k, dq], [k.stride(0), 1], [cfg.block_n, q_cols])
+    q_desc = TensorDescriptor(q, [s_q, h * dq], [q.stride(0), 1], [cfg.block_q, dq])
+    k_desc = TensorDescriptor(k, [s_k, dq], [k.stride(0), 1], [cfg.block_n, dq])
     q_sf_arg = q_sf if q_sf is not None else ks  # unused for FP8
     grid = (triton.cdiv(s_k, cfg.block_n), triton.cdiv(s_q, cfg.block_q))
     kern.prefill_logits_kernel[grid](
@@ -379,9 +322,9 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
         ks, ke,
         out, out.stride(0),
         s_q, s_k,
-        H=h, D=d, FMT=_FORMAT_CODE[fmt], MX_SPLIT=split,
+        H=h, D=d, FMT=FORMAT_CODE[fmt],
         CLEAN=clean, COMPRESSED=compressed,
-        BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, KEYS_MAJOR=cfg.keys_major and not split,
+        BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
         HEAD_UNROLL=cfg.head_unroll,
         fix_q_ptr=fix_q, fix_k_ptr=fix_k, FIXUP=fix_q is not None,
         lin_desc=None if lin_parts is None else TensorDescriptor(
@@ -421,7 +364,7 @@ def _renormalise_rows(values: torch.Tensor, sf: torch.Tensor, fmt: str, d: int, 
     span = torch.empty(n, dtype=torch.int32, device=values.device)
     if n:
         kern.mx_rows_renormalise_kernel[(triton.cdiv(n, block_r),)](
-            rows, sf.reshape(-1), out, e_max, span, n, D=d, FMT=_FORMAT_CODE[fmt], BLOCK_R=block_r)
+            rows, sf.reshape(-1), out, e_max, span, n, D=d, FMT=FORMAT_CODE[fmt], BLOCK_R=block_r)
     exact = (span <= _SPAN_EXACT[fmt]) & ((e_max - 127).abs() <= _FOLD_EXP_LIMIT)
     return out, torch.exp2(e_max.float() - 127.0), exact
 
@@ -452,7 +395,7 @@ def _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, cl
 
 @_mqa_logits.register_fake
 def _mqa_logits_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype,
-                     block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll, fp4_via_fp8,
+                     block_q, block_n, num_warps, num_stages, head_unroll, fp4_via_fp8,
                      clean_pass, mxfp8_via_f16, heads_on_n, gluon, gluon_refill, relu_via_abs):
     shape, stride = _out_shape(q.shape[0], k.shape[0], max_seqlen_k)
     return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
