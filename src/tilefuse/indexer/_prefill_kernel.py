@@ -18,11 +18,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tilefuse import _errors
+from tilefuse._errors_kernel import report_error
 from tilefuse.formats import FORMAT_CODE
 
 FMT_FP8 = tl.constexpr(FORMAT_CODE["fp8"])
 FMT_MXFP8 = tl.constexpr(FORMAT_CODE["mxfp8"])
 FMT_MXFP4 = tl.constexpr(FORMAT_CODE["mxfp4"])
+ERR_START_NEGATIVE = tl.constexpr(_errors.WINDOW_START_NEGATIVE)
+ERR_INVERTED = tl.constexpr(_errors.WINDOW_INVERTED)
+ERR_LONGER_THAN_ROW = tl.constexpr(_errors.WINDOW_LONGER_THAN_MAX_SEQLEN)
+
+# Sizes and strides that change from call to call are not specialised (no recompile for a new
+# S_q, S_k or row stride), nor the alignment of inputs an engine may slice anywhere (windows,
+# weights, key scales): a kernel compiles once per model configuration.
+_DYNAMIC = ["S_q", "S_k", "n_cols", "stride_qsf", "stride_w", "stride_out"]
+_SLICEABLE = ["q_sf_ptr", "k_scale_ptr", "w_ptr", "ks_ptr", "ke_ptr"]
 
 
 @triton.jit
@@ -87,6 +98,26 @@ def _add_relu_weighted(acc, s, w, ABS: tl.constexpr):
 
 
 @triton.jit
+def load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, report, COMPRESSED: tl.constexpr):
+    """The rows' windows ``[ks, ke)`` clamped into ``[0, S_k]`` (an inverted window is empty;
+    compressed: cut at the row's ``n_cols`` columns), so that no value of the windows makes a
+    read or write out of bounds. Where ``report`` holds (one program per row block) bad windows
+    are recorded in the error record ``err_ptr``; those rows' logits are then not valid."""
+    ks_in = tl.load(ks_ptr + rows, mask=row_ok, other=0)
+    ke_in = tl.load(ke_ptr + rows, mask=row_ok, other=0)
+    ks = tl.minimum(tl.maximum(ks_in, 0), S_k)
+    ke = tl.minimum(tl.maximum(ke_in, ks), S_k)
+    if COMPRESSED:
+        ke = tl.minimum(ke, ks + n_cols)
+    if report:
+        report_error(err_ptr, ERR_START_NEGATIVE, row_ok & (ks_in < 0), rows)
+        report_error(err_ptr, ERR_INVERTED, row_ok & (ks_in > ke_in), rows)
+        if COMPRESSED:
+            report_error(err_ptr, ERR_LONGER_THAN_ROW, row_ok & (tl.minimum(ke_in, S_k) - ks_in > n_cols), rows)
+    return ks, ke
+
+
+@triton.jit
 def _store_logits(val, out_rows, key, ks, valid, row_ok, S_k, CLEAN: tl.constexpr, COMPRESSED: tl.constexpr):
     """Store a logits tile in either orientation ([row, key] or [key, row]): every operand comes
     broadcastable to ``val`` in that orientation (``out_rows`` the rows' base pointers, ``key``
@@ -102,14 +133,14 @@ def _store_logits(val, out_rows, key, ks, valid, row_ok, S_k, CLEAN: tl.constexp
         tl.store(out_rows + key, val, mask=row_ok & (key < S_k))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_DYNAMIC, do_not_specialize_on_alignment=_SLICEABLE)
 def prefill_logits_kernel(
     q_desc, q_sf_ptr, stride_qsf,
     k_desc, k_scale_ptr,
     w_ptr, stride_w,
     ks_ptr, ke_ptr,
     out_ptr, stride_out,
-    S_q, S_k,
+    S_q, S_k, n_cols, err_ptr,
     H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
     CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_UNROLL: tl.constexpr,
@@ -128,8 +159,7 @@ def prefill_logits_kernel(
     rows = q0 + tl.arange(0, BLOCK_Q)
     cols = n0 + tl.arange(0, BLOCK_N)
     row_ok = rows < S_q
-    ks = tl.load(ks_ptr + rows, mask=row_ok, other=0)
-    ke = tl.minimum(tl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
+    ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
     valid = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None]) & row_ok[:, None]
     out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_out
 
@@ -172,14 +202,14 @@ def prefill_logits_kernel(
     _store_logits(acc, out_rows, cols[None, :], ks[:, None], valid, row_ok[:, None], S_k, CLEAN, COMPRESSED)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_DYNAMIC + ["stride_qs"], do_not_specialize_on_alignment=_SLICEABLE)
 def prefill_heads_on_n_kernel(
     q_ptr, stride_qs, stride_qh,
     k_desc, k_scale_ptr,
     w_ptr, stride_w,
     ks_ptr, ke_ptr,
     out_ptr, stride_out,
-    S_q, S_k,
+    S_q, S_k, n_cols, err_ptr,
     H: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
     CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -218,25 +248,25 @@ def prefill_heads_on_n_kernel(
         else:
             logits = tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HEADS_P)), axis=2)
         logits = logits * k_sf[:, None]  # [BLOCK_N, ROWS]
-        ks = tl.load(ks_ptr + rows, mask=row_ok, other=0)
-        ke = tl.minimum(tl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
+        ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
         valid = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :]) & row_ok[None, :]
         out_cols = out_ptr + rows.to(tl.int64)[None, :] * stride_out
         _store_logits(logits, out_cols, cols[:, None], ks[None, :], valid, row_ok[None, :], S_k, CLEAN, COMPRESSED)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_out", "S_q", "S_k", "n_cols"],
+            do_not_specialize_on_alignment=["ks_ptr", "ke_ptr"])
 def fill_outside_windows_kernel(out_ptr, stride_out, ks_ptr, ke_ptr, S_q, S_k, n_cols,
                                 COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
     """``-inf`` in every column of a row outside its window: ``[0, ks) + [ke, S_k)`` in the full
-    layout, ``[ke - ks, n_cols)`` in the compressed one. Writes nothing inside the windows."""
+    layout, ``[ke - ks, n_cols)`` in the compressed one. Writes nothing inside the windows
+    (clamped as the logits kernels clamp them; those report bad values)."""
     rows = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_ok = rows < S_q
-    ks = tl.load(ks_ptr + rows, mask=row_ok, other=0)
-    ke = tl.minimum(tl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
+    ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, ks_ptr, False, COMPRESSED)
     if COMPRESSED:
-        outside = cols[None, :] >= tl.maximum(ke - ks, 0)[:, None]
+        outside = cols[None, :] >= (ke - ks)[:, None]
     else:
         outside = (cols[None, :] < ks[:, None]) | (cols[None, :] >= ke[:, None])
     mask = row_ok[:, None] & outside & (cols[None, :] < n_cols)
@@ -244,7 +274,7 @@ def fill_outside_windows_kernel(out_ptr, stride_out, ks_ptr, ke_ptr, S_q, S_k, n
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], fill, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"], do_not_specialize_on_alignment=["sf_ptr"])
 def mx_rows_renormalise_kernel(src_ptr, sf_ptr, dst_ptr, row_exp_ptr, row_spread_ptr, n_rows,
                                D: tl.constexpr, FMT: tl.constexpr, BLOCK_R: tl.constexpr):
     """MX rows -> rows of ``dst``'s dtype renormalised by the row's largest block scale.
@@ -281,7 +311,7 @@ def mx_rows_renormalise_kernel(src_ptr, sf_ptr, dst_ptr, row_exp_ptr, row_spread
     tl.store(row_spread_ptr + rows, e_max - e_min, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_q", "stride_w"], do_not_specialize_on_alignment=["w_ptr"])
 def linear_term_parts_kernel(q_ptr, stride_q, w_ptr, stride_w, parts_ptr, w_out_ptr, half_scale_ptr,
                              H: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr):
     """The linear term of ``relu(s) = (s + |s|) / 2`` for one FP8 query row (``relu_via_abs``).

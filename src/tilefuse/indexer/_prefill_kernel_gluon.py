@@ -20,13 +20,21 @@ the Triton kernel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from tilefuse import _errors
+from tilefuse._jit import host_descriptor
+from tilefuse.indexer._prefill_kernel import _DYNAMIC, _SLICEABLE
+
+ERR_START_NEGATIVE = gl.constexpr(_errors.WINDOW_START_NEGATIVE)
+ERR_INVERTED = gl.constexpr(_errors.WINDOW_INVERTED)
+ERR_LONGER_THAN_ROW = gl.constexpr(_errors.WINDOW_LONGER_THAN_MAX_SEQLEN)
 _GL_DTYPE = {torch.float8_e4m3fn: gl.float8e4nv, torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
@@ -138,13 +146,31 @@ def _store_tile(val, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN: gl.
 
 
 @gluon.jit
-def _tile_window(ks_ptr, ke_ptr, q0, n0, S_q, S_k, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
-                 row_l: gl.constexpr):
-    """The tile at (q0, n0): its rows, their windows, and whether no row sees any of its keys."""
+def _report(err_ptr, CODE: gl.constexpr, bad, rows):
+    """``_errors_kernel.report_error`` for Gluon: mark error ``CODE`` with a row where ``bad``."""
+    zero = rows * 0
+    gl.store(err_ptr + 2 * CODE + zero, zero + 1, mask=bad)
+    gl.store(err_ptr + 2 * CODE + 1 + zero, rows, mask=bad)
+
+
+@gluon.jit
+def _tile_window(ks_ptr, ke_ptr, q0, n0, S_q, S_k, n_cols, err_ptr, report, COMPRESSED: gl.constexpr,
+                 BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, row_l: gl.constexpr):
+    """The tile at (q0, n0): its rows, their windows (clamped as ``_prefill_kernel.load_windows``
+    clamps them, bad ones recorded where ``report`` holds) and whether no row sees its keys."""
     rows = q0 + gl.arange(0, BLOCK_Q, layout=row_l)
     row_ok = rows < S_q
-    ks = gl.load(ks_ptr + rows, mask=row_ok, other=0)
-    ke = gl.minimum(gl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
+    ks_in = gl.load(ks_ptr + rows, mask=row_ok, other=0)
+    ke_in = gl.load(ke_ptr + rows, mask=row_ok, other=0)
+    ks = gl.minimum(gl.maximum(ks_in, 0), S_k)
+    ke = gl.minimum(gl.maximum(ke_in, ks), S_k)
+    if COMPRESSED:
+        ke = gl.minimum(ke, ks + n_cols)
+    if report:
+        _report(err_ptr, ERR_START_NEGATIVE, row_ok & (ks_in < 0), rows)
+        _report(err_ptr, ERR_INVERTED, row_ok & (ks_in > ke_in), rows)
+        if COMPRESSED:
+            _report(err_ptr, ERR_LONGER_THAN_ROW, row_ok & (gl.minimum(ke_in, S_k) - ks_in > n_cols), rows)
     has_keys = row_ok & (ks < ke)
     lo = gl.min(gl.where(has_keys, ks, S_k), axis=0)
     hi = gl.max(gl.where(has_keys, ke, 0), axis=0)
@@ -169,13 +195,13 @@ def _load_first_queries(q_desc, q_smem, q_bars, q0, D: gl.constexpr, NUM_BUF: gl
         tma.async_copy_global_to_shared(q_desc, [q0, i * D], q_bars.index(i), q_smem.index(i))
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=_DYNAMIC, do_not_specialize_on_alignment=_SLICEABLE)
 def prefill_logits_gluon_kernel(
     q_desc, k_desc, k_scale_ptr,
     w_ptr, stride_w,
     ks_ptr, ke_ptr,
     out_ptr, stride_out,
-    S_q, S_k,
+    S_q, S_k, n_cols, err_ptr,
     H: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr, NUM_BUF: gl.constexpr,
     num_warps: gl.constexpr, REFILL_EVERY: gl.constexpr = 1,
     lin_desc=None, half_scale_ptr=None, LIN_PARTS: gl.constexpr = 0,
@@ -197,7 +223,8 @@ def prefill_logits_gluon_kernel(
     pid_q = gl.program_id(1)
     q0 = pid_q * BLOCK_Q
     n0 = pid_n * BLOCK_N
-    rows, ks, ke, empty = _tile_window(ks_ptr, ke_ptr, q0, n0, S_q, S_k, BLOCK_Q, BLOCK_N, row_l)
+    rows, ks, ke, empty = _tile_window(ks_ptr, ke_ptr, q0, n0, S_q, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED,
+                                       BLOCK_Q, BLOCK_N, row_l)
     row_ok = rows < S_q
     if empty:
         _fill_skipped(rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N, mma)
@@ -238,14 +265,18 @@ def prefill_logits_gluon_kernel(
         _store_tile(acc, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, mma)
 
 
-def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, block_q: int, block_n: int,
-           num_warps: int, num_buf: int, refill_every: int = 1, lin_parts=None,
-           half_scale=None):
+@functools.cache
+def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPE[dtype])
+
+
+def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, err, block_q: int, block_n: int,
+           num_warps: int, num_buf: int, refill_every: int = 1, lin_parts=None, half_scale=None):
     """q [S_q, H, D] and k [S_k, D] in E4M3 or f16, the rest as the Triton kernel takes them.
     ``refill_every``: query buffers refilled after every head (1) or two at a time (2, needs
     num_buf >= 3). ``lin_parts`` (E4M3 ``[S_q, P * D]``) and ``half_scale`` (fp32 ``[S_q]``):
     the linear term of ``relu_via_abs`` from ``linear_term_parts_kernel``, whose ``w / c`` is
-    then ``weights``. Returns the compiled kernel (registers, spills)."""
+    then ``weights``. ``err``: the device's error record. Returns the compiled kernel (registers, spills)."""
     s_q, h, d = q.shape
     s_k = k.shape[0]
     if num_buf < 2 or num_buf > h:
@@ -256,24 +287,22 @@ def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, b
     if refill_every not in (1, 2) or (refill_every == 2 and num_buf < 3):
         raise ValueError(f"gluon prefill: refill_every must be 1, or 2 with num_buf >= 3, got {refill_every} "
                          f"(num_buf {num_buf})")
-    dt = _GL_DTYPE[q.dtype]
     q_block, k_block = [block_q, d], [block_n, d]
+    q_layout, k_layout = _smem_layout((block_q, d), q.dtype), _smem_layout((block_n, d), q.dtype)
     # Rows of q may be padded (stride(0) >= H * D); heads and head dim are contiguous (checked).
-    q_desc = TensorDescriptor(q, [s_q, h * d], [q.stride(0), 1], q_block,
-                              gl.NVMMASharedLayout.get_default_for(q_block, dt))
-    k_desc = TensorDescriptor(k, [s_k, d], [k.stride(0), 1], k_block,
-                              gl.NVMMASharedLayout.get_default_for(k_block, dt))
+    q_desc = host_descriptor(TensorDescriptor, q, [s_q, h * d], [q.stride(0), 1], q_block, layout=q_layout)
+    k_desc = host_descriptor(TensorDescriptor, k, [s_k, d], [k.stride(0), 1], k_block, layout=k_layout)
     n_parts = 0 if lin_parts is None else lin_parts.shape[1] // d
     if n_parts and (q.dtype != torch.float8_e4m3fn or lin_parts.dtype != q.dtype):
         raise ValueError(f"gluon prefill: the linear-term parts run E4M3 queries only, got q {q.dtype}, "
                          f"parts {lin_parts.dtype}")
     lin_desc = q_desc
     if n_parts:
-        lin_desc = TensorDescriptor(lin_parts, [s_q, n_parts * d], [lin_parts.stride(0), 1], q_block,
-                                    gl.NVMMASharedLayout.get_default_for(q_block, dt))
-    grid = (triton.cdiv(s_k, block_n), triton.cdiv(s_q, block_q))
+        lin_desc = host_descriptor(TensorDescriptor, lin_parts, [s_q, n_parts * d], [lin_parts.stride(0), 1], q_block,
+                                   layout=q_layout)
+    grid = (-(-s_k // block_n), -(-s_q // block_q))
     return prefill_logits_gluon_kernel[grid](
-        q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k,
+        q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k, out.shape[1], err,
         H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps,
         REFILL_EVERY=refill_every, lin_desc=lin_desc, half_scale_ptr=half_scale if n_parts else k_scale,
         LIN_PARTS=n_parts)

@@ -30,7 +30,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from unittest import mock
 
-from tilefuse import _config
+from tilefuse import _config, _validate
 
 TARGETS_ALL = ("sm_90a", "sm_100a")
 TARGET_MAJOR = {"sm_90a": 9, "sm_100a": 10}
@@ -120,6 +120,8 @@ def tracing(*paths: str):
     _config._overrides.clear()
     try:
         with contextlib.ExitStack() as stack:
+            # Nothing runs: the ops' check that CPU tensors go to the interpreter does not apply.
+            stack.enter_context(mock.patch.object(_validate, "interpreter_enabled", lambda: True))
             for path in paths:
                 module, _, name = path.partition(":")
                 mod = importlib.import_module(module)
@@ -357,6 +359,12 @@ def _trace_prefill() -> tuple[Variant, ...]:
     return tuple(out)
 
 
+def _error_record():
+    from tilefuse._errors import error_record
+
+    return error_record("cpu")
+
+
 def _weights(rows: int, h: int, dtype):
     import torch
 
@@ -416,8 +424,8 @@ def prefill_gluon_variants() -> list[Variant]:
                 logits = torch.zeros(_S_Q, cols + (-cols) % 16, dtype=out_dtype)
                 with tracing(path) as launches:
                     gk.launch(q, k, torch.ones(_S_K), _weights(_S_Q, h, torch.float32), ks, ke, logits, clean,
-                              compressed, default.block_q, default.block_n, num_warps, num_buf, refill_every=refill,
-                              lin_parts=lin, half_scale=torch.ones(_S_Q) if parts else None)
+                              compressed, _error_record(), default.block_q, default.block_n, num_warps, num_buf,
+                              refill_every=refill, lin_parts=lin, half_scale=torch.ones(_S_Q) if parts else None)
                 name = (f"{_dtype_name(dtype)} D{d} H{h} {_layout_name(clean, compressed)} "
                         f"{default.block_q}x{default.block_n} w{num_warps} buf{num_buf}"
                         + (f" refill{refill}" if refill != 1 else "") + (f" abs{parts}" if parts else "")
@@ -468,7 +476,8 @@ def prefill_sm100_variants() -> list[Variant]:
         cols = _MAX_SEQLEN_K if compressed else _S_K
         logits = torch.empty_strided((_S_Q, cols), (-(-cols // 16) * 16, 1), dtype=out_dtype)  # rows padded as the op
         with tracing(path) as launches:
-            k100.launch(q, q_sf, k, k_sf, _weights(_S_Q, h, w_dtype), ks, ke, logits, clean, compressed)
+            k100.launch(q, q_sf, k, k_sf, _weights(_S_Q, h, w_dtype), ks, ke, logits, clean, compressed,
+                        _error_record())
         extras = "".join(f" {n}={_short(t)}" for n, t in (("w", w_dtype), ("out", out_dtype)) if _short(t) != "fp32")
         (launch,) = launches
         c = launch.arguments
