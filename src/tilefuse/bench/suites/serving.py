@@ -38,7 +38,7 @@ class ServingShape:
     """The model and the step sequence. Defaults: DeepSeek-V3.2 on a GPU."""
 
     layers: int = 61
-    steps: int = 20
+    steps: int = 12
     heads: int = 64
     head_dim: int = 128
     block_kv: int = 64
@@ -182,30 +182,45 @@ class StepRunner:
             self.api.decode(p.q_decode[:batch], p.kv_cache, p.w_decode[:batch * n], p.context_lens[:batch],
                             p.block_table[:batch], meta, self.shape.max_model_len, False)
 
-    def decode(self, step: Step) -> int:
-        """The step's decode; returns the calls it enqueued (metadata included)."""
-        p = self.pool
-        lens = torch.tensor(step.context_lens, dtype=torch.int32)
-        bucket = bucket_of(step.batch, self.shape.graph_buckets) if self.mode == "graph" else None
-        rows = bucket or step.batch
-        p.context_lens[:rows].zero_()  # padded requests have no context
-        p.context_lens[:step.batch].copy_(lens, non_blocking=False)
-        meta = self.api.metadata(p.context_lens[:rows], self.shape.block_kv, p.num_sms)
-        if bucket is None:
-            self._decode_layers(rows, meta)
-            return 1 + self.shape.layers
-        buf = self.meta_buffers.get(bucket)
-        if buf is None:  # first use of this bucket: capture its L decode calls
+    def _graph(self, bucket: int, meta: torch.Tensor) -> torch.cuda.CUDAGraph:
+        """The bucket's graph of L decode calls, captured on first use (after one eager run:
+        allocations and lazy initialisation stay out of the capture)."""
+        graph = self.graphs.get(bucket)
+        if graph is None:
             buf = self.meta_buffers[bucket] = meta.clone()
             torch.cuda.synchronize()
-            self._decode_layers(bucket, buf)  # outside the graph once (allocations, compiles)
+            self._decode_layers(bucket, buf)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self._decode_layers(bucket, buf)
             self.graphs[bucket] = graph
-        buf.copy_(meta)
-        self.graphs[bucket].replay()
-        return 3  # metadata, its copy into the captured buffer, the replay
+        return graph
+
+    def _set_lengths(self, lens: list[int], rows: int) -> torch.Tensor:
+        p = self.pool
+        # Requests padded into a graph bucket get one token (DeepGEMM's metadata fails on empty ones).
+        p.context_lens[:rows].fill_(1)
+        p.context_lens[:len(lens)].copy_(torch.tensor(lens, dtype=torch.int32))
+        return self.api.metadata(p.context_lens[:rows], self.shape.block_kv, p.num_sms)
+
+    def capture(self, batch: int) -> None:
+        """Capture the graph of ``batch``'s bucket now (before timing)."""
+        bucket = bucket_of(batch, self.shape.graph_buckets)
+        if bucket is not None:
+            self._graph(bucket, self._set_lengths([1] * bucket, bucket))
+
+    def decode(self, step: Step) -> int:
+        """The step's decode; returns the calls it enqueued (metadata included)."""
+        bucket = bucket_of(step.batch, self.shape.graph_buckets) if self.mode == "graph" else None
+        rows = bucket or step.batch
+        meta = self._set_lengths(step.context_lens, rows)
+        if bucket is None:
+            self._decode_layers(rows, meta)
+            return 2 + self.shape.layers  # lengths, metadata, L decode calls
+        graph = self._graph(bucket, meta)
+        self.meta_buffers[bucket].copy_(meta)
+        graph.replay()
+        return 4  # lengths, metadata, its copy into the captured buffer, the replay
 
     def run(self, step: Step) -> dict:
         """One step; returns wall, GPU and host-enqueue times (us)."""
@@ -235,17 +250,22 @@ def _stats(values: list[float], timer: str, mode: str) -> dict:
     return timing.summarize(values, timer=timer, mode=mode).to_dict()
 
 
-def run_impl(api: Api, shape: ServingShape, steps: list[Step], pool: Pool, device: str, mode: str) -> list[dict]:
-    """Warm-up (every bucket and path once, the same steps), then the timed steps: rows of
-    per-step wall time, GPU time and host time per call, and the compiles seen while timed."""
+def run_impl(api: Api, shape: ServingShape, steps: list[Step], warm_steps: list[Step], pool: Pool, device: str,
+             mode: str) -> list[dict]:
+    """Warm-up (tilefuse.warmup, steps of another seed, the graphs of the buckets the timed
+    steps use), then the timed steps: rows of per-step wall time, GPU time and host time per
+    call, and the Triton compiles seen while timed (shapes the warm-up never ran)."""
     import tilefuse
 
     runner = StepRunner(api, shape, pool, device, mode)
     if api.name == "tilefuse":
         tilefuse.warmup(tilefuse.IndexerModel(num_heads=shape.heads, head_dim=shape.head_dim, block_kv=shape.block_kv,
                                               next_n=shape.next_n), device=device)
-    for step in steps:  # warm-up pass: graphs captured, lazy initialisation done
+    for step in warm_steps:
         runner.run(step)
+    if mode == "graph":
+        for batch in sorted({s.batch for s in steps}):
+            runner.capture(batch)
     records = []
     with _jit.count_compiles() as log:
         for step in steps:
@@ -281,7 +301,8 @@ def _fill_peer_ratios(rows: list[dict]) -> None:
 def run(shape: ServingShape, device: str, modes=("eager", "graph"), with_peer: bool = True) -> tuple[list, dict]:
     """Rows for every mode and implementation, and notes (peer availability)."""
     steps = step_sequence(shape)
-    pool = make_pool(shape, steps, device)
+    warm_steps = step_sequence(dataclasses.replace(shape, seed=shape.seed + 1))
+    pool = make_pool(shape, steps + warm_steps, device)
     apis = [tilefuse_api()]
     notes = {}
     if with_peer:
@@ -297,7 +318,7 @@ def run(shape: ServingShape, device: str, modes=("eager", "graph"), with_peer: b
             continue
         for api in apis:
             try:
-                rows += run_impl(api, shape, steps, pool, device, mode)
+                rows += run_impl(api, shape, steps, warm_steps, pool, device, mode)
             except Exception as e:  # a peer's failure is a row, not the end of the run
                 rows.append({"key": f"serving/{mode} | {api.name}", "case": f"{mode} step", "impl": api.name,
                              "x": "error", "series": f"{api.name} {mode}", "status": "error",
@@ -314,7 +335,7 @@ def parse_args(argv=None):
 
     ap = argparse.ArgumentParser(prog="tilefuse bench serving", description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, help="indexer layers per step (default 61; 2 on CPU)")
-    ap.add_argument("--steps", type=int, help="timed steps (default 20; 2 on CPU)")
+    ap.add_argument("--steps", type=int, help="timed steps (default 12; 2 on CPU)")
     ap.add_argument("--next-n", type=int, default=1, help="decode rows per request (MTP), default 1")
     ap.add_argument("--max-model-len", type=int, help="decode logits width (default 163840)")
     ap.add_argument("--modes", default="eager,graph", help="comma-separated: eager, graph")
