@@ -7,7 +7,9 @@ Public names resolve lazily, so ``import tilefuse`` stays cheap and works withou
   ``get_paged_mqa_logits_metadata``;
 * tensor-parallel fused GEMMs: ``tilefuse.tp.ag_gemm``, ``tilefuse.tp.gemm_rs``;
 * formats and references: ``tilefuse.formats``, ``tilefuse.reference``;
-* ``check_errors()``: raise value errors that kernels found on the device (see ``tilefuse._errors``).
+* ``check_errors()``: raise value errors that kernels found on the device (see ``tilefuse._errors``);
+  ``set_checked()`` / ``checked_mode()``: validate device values synchronously, raising at once;
+* ``warmup(IndexerModel(...))``: compile every indexer kernel a model configuration uses, at start-up.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ _PUBLIC = {
     "fp8_fp4_paged_mqa_logits": "tilefuse.indexer.paged",
     "get_paged_mqa_logits_metadata": "tilefuse.indexer.paged",
     "check_errors": "tilefuse._errors",
+    "set_checked": "tilefuse._errors",
+    "checked_mode": "tilefuse._errors",
+    "warmup": "tilefuse.indexer.warmup",
+    "IndexerModel": "tilefuse.indexer.warmup",
     "set_config_override": "tilefuse._config",
     "config_override": "tilefuse._config",
     "DeviceValueError": "tilefuse._errors",

@@ -18,6 +18,7 @@ them); several writers of one code leave one of their details, which is all the 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -126,3 +127,55 @@ def check_errors(device: torch.device | str | None = None) -> None:
         record = _records.get(dev)
         if record is not None:
             _raise_from(record)
+
+
+# Checked mode: the ops also validate device values on the host before launching (one host
+# sync per call) and raise at once, instead of at the next call. For debugging and tests.
+_checked = False
+
+
+def set_checked(on: bool = True) -> None:
+    """Turn checked mode on or off for the process (off by default: no host sync on any op).
+
+    In checked mode each op reads the values it depends on (windows, lengths) before launching,
+    raises a ``ValueError`` naming the argument at once, and waits for its kernels to raise
+    anything they found (:func:`check_errors`). Skipped inside CUDA-graph capture and
+    torch.compile tracing, where a host read is not possible.
+    """
+    global _checked
+    _checked = bool(on)
+
+
+def checked() -> bool:
+    """Whether checked mode is on (:func:`set_checked`)."""
+    return _checked
+
+
+@contextlib.contextmanager
+def checked_mode(on: bool = True):
+    """:func:`set_checked` for the duration of a ``with`` block."""
+    global _checked
+    old = _checked
+    _checked = bool(on)
+    try:
+        yield
+    finally:
+        _checked = old
+
+
+# The ops' hot path: a byte view of each host-visible record, so that a clean record costs one
+# memory comparison (a torch read of it costs microseconds per call).
+_byte_views: dict[torch.device, memoryview | None] = {}
+_CLEAN = bytes(2 * NUM_CODES * 4)
+
+
+def raise_pending_fast(device: torch.device) -> None:
+    """:func:`raise_pending` for a tensor's own device (``tensor.device``, index included):
+    the same errors raised, at the cost of one comparison while nothing is recorded."""
+    view = _byte_views.get(device, False)
+    if view is False:
+        record = error_record(device)
+        view = None if record.device.type == "cuda" else memoryview(record.numpy()).cast("B")
+        _byte_views[device] = view
+    if view is not None and view != _CLEAN:
+        raise_pending(device)

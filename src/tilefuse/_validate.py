@@ -30,9 +30,12 @@ def check_aligned(t: torch.Tensor, name: str) -> None:
 
 def check_tma_rows(t: torch.Tensor, name: str) -> None:
     """Tensor-descriptor rules: unit last stride, 16-byte aligned base and row stride."""
+    # Messages are formatted only on failure: these checks run on every call of an op.
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: last dim must be contiguous (stride 1), got strides {t.stride()}")
     row_bytes = t.stride(0) * t.element_size()
-    expect(t.stride(-1) == 1, ValueError, f"{name}: last dim must be contiguous (stride 1), got strides {t.stride()}")
-    expect(row_bytes % 16 == 0, ValueError, f"{name}: row stride must be a multiple of 16 bytes, got {row_bytes}")
+    if row_bytes % 16:
+        raise ValueError(f"{name}: row stride must be a multiple of 16 bytes, got {row_bytes}")
     # Data pointers do not exist while torch.compile traces: the op itself checks them then.
     if not torch.compiler.is_compiling():
         check_aligned(t, name)

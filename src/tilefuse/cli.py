@@ -3,6 +3,7 @@
     tilefuse env                                  environment record (what result files carry)
     tilefuse bench indexer [--reproduce] [...]    prefill logits at the reference shapes
     tilefuse bench paged [...]                    paged decode logits
+    tilefuse bench serving [...]                  the indexer in an engine's step loop
     tilefuse bench ag-gemm|gemm-rs [...]          fused tensor-parallel GEMMs (tilefuse.tp.bench)
     tilefuse compare before.json after.json       per-row speedups; exit 1 on a regression of a tilefuse row
     tilefuse plot results.json [-o out.png]       PNG of a result file (default: results.png beside it)
@@ -186,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_options(p, "only these BxNEXT_NxMEAN_CTX rows, e.g. 64x1x8192 256x2x32768")
     p.add_argument("--formats", default="fp8", help="comma-separated formats (fp8, mxfp8, mxfp4)")
     p.set_defaults(func=lambda a: _run_bench("paged", a))
+    bsub.add_parser("serving", help="the indexer in an engine's step loop; options: tilefuse bench serving --help")
     for name in sorted(_DELEGATED_BENCH):
         bsub.add_parser(name, help=f"fused tensor-parallel GEMM ({name}); options: tilefuse bench {name} --help")
 
@@ -232,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     # Delegated commands take their own options: hand them the rest of the line untouched.
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in _DELEGATED_BENCH:
         return _delegate("tilefuse.tp.bench", "main", [argv[1], *argv[2:]], f"bench {argv[1]}")
+    if argv[:2] == ["bench", "serving"]:
+        return _delegate("tilefuse.bench.suites.serving", "main", argv[2:], "bench serving")
     if argv and argv[0] == "kernels":
         return _delegate("tilefuse.kernelcheck.cli", "main", argv[1:], "kernels")
     args = build_parser().parse_args(argv)

@@ -23,6 +23,8 @@ MX_BLOCK = 32
 SCALES_PER_INT32 = 4
 UE8M0_ONE = 0x7F
 AMAX_FLOOR = 1e-4
+# The code of each format in the kernels' ``FMT`` constexpr (kernels import their constants from here).
+FORMAT_CODE = {"fp8": 0, "mxfp8": 1, "mxfp4": 2}
 
 # Magnitudes of the eight E2M1 codes 0..7; code | 8 is the negative.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

@@ -10,6 +10,7 @@ import torch
 
 from tilefuse import formats as F
 from tilefuse import reference as R
+from tilefuse._errors import error_record
 from tilefuse.indexer import _prefill_kernel_sm100 as k100
 
 S_Q, S_K, H = 37, 300, 8  # 3 query blocks of 16 (the last partial) x 3 key tiles of 128 (the last partial)
@@ -30,7 +31,7 @@ def _inputs(fmt, d, seed, w_dtype=torch.float32):
 def _run(q, k, w, ks, ke, clean, max_seqlen_k, out_dtype):
     cols = max_seqlen_k or S_K
     out = torch.empty_strided((S_Q, cols), (-(-cols // 16) * 16, 1), dtype=out_dtype).fill_(float("nan"))
-    k100.launch(q[0], q[1], k[0], k[1], w, ks, ke, out, clean, max_seqlen_k > 0)
+    k100.launch(q[0], q[1], k[0], k[1], w, ks, ke, out, clean, max_seqlen_k > 0, error_record("cpu"))
     return out
 
 

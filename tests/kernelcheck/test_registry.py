@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tilefuse._config import apply_override, config_override
+from tilefuse.formats import FORMAT_CODE
 from tilefuse.indexer import _dispatch, prefill
 from tilefuse.kernelcheck import variants as V
 
@@ -37,7 +38,7 @@ def test_prefill_defaults_are_covered(registry):
     few_rows = [v for v in pre if v.function.endswith(":prefill_heads_on_n_kernel")]
     pre = [v for v in pre if v.function.endswith(":prefill_logits_kernel")]
     for fmt, d in V._FMT_D:
-        code = prefill._FORMAT_CODE[fmt]
+        code = FORMAT_CODE[fmt]
         mine = [v for v in pre if v.constexprs["FMT"] == code and v.constexprs["D"] == d]
         for s_q in V._Q_ROWS:
             cfg = prefill.default_config(fmt, 64, d, s_q)
@@ -118,22 +119,19 @@ def test_tracing_restores_kernels_and_config_overrides():
 # ---------------------------------------------------------------------------------------
 # Dispatch
 # ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("major,fmt,split,path", [
-    (9, "fp8", False, "hopper-fp8"),
-    (9, "mxfp8", False, "hopper-mx-bf16"),
-    (9, "mxfp4", False, "hopper-mx-bf16"),
-    (9, "mxfp8", True, "hopper-mx-split"),
-    (9, "fp8", True, "hopper-fp8"),
-    (10, "fp8", False, "hopper-fp8"),
-    (10, "mxfp8", False, "sm100-mx-dot-scaled"),
-    (10, "mxfp4", False, "sm100-mx-dot-scaled"),
-    (10, "mxfp4", True, "sm100-mx-dot-scaled"),  # the Hopper split option does not apply
-    (None, "mxfp8", False, "hopper-mx-bf16"),  # CPU: the interpreter runs the Hopper kernel
-    (8, "mxfp4", False, "hopper-mx-bf16"),
-    (12, "mxfp8", False, "hopper-mx-bf16"),  # consumer Blackwell: no tcgen05
+@pytest.mark.parametrize("major,fmt,path", [
+    (9, "fp8", "hopper-fp8"),
+    (9, "mxfp8", "hopper-mx-bf16"),
+    (9, "mxfp4", "hopper-mx-bf16"),
+    (10, "fp8", "hopper-fp8"),
+    (10, "mxfp8", "sm100-mx-dot-scaled"),
+    (10, "mxfp4", "sm100-mx-dot-scaled"),
+    (None, "mxfp8", "hopper-mx-bf16"),  # CPU: the interpreter runs the Hopper kernel
+    (8, "mxfp4", "hopper-mx-bf16"),
+    (12, "mxfp8", "hopper-mx-bf16"),  # consumer Blackwell: no tcgen05
 ])
-def test_dispatch_table(major, fmt, split, path):
-    assert _dispatch.prefill_kernel_path(major, fmt, split) == path
+def test_dispatch_table(major, fmt, path):
+    assert _dispatch.prefill_kernel_path(major, fmt) == path
     assert path in _dispatch.KERNEL_OF_PATH
 
 

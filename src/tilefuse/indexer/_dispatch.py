@@ -1,15 +1,14 @@
 """Which prefill kernel runs where: one table from (GPU capability major, format) to a kernel path.
 
     capability             fp8          mxfp8, mxfp4
-    9.x  Hopper            hopper-fp8   hopper-mx-bf16 (hopper-mx-split with mx_split=True)
+    9.x  Hopper            hopper-fp8   hopper-mx-bf16
     10.x Blackwell sm_100  hopper-fp8   sm100-mx-dot-scaled
     anything else, CPU     as 9.x       as 9.x
 
 * ``hopper-*``: ``prefill_logits_kernel`` (``_prefill_kernel.py``), written for Hopper; its
   ``tl.dot`` compiles to wgmma on sm_90 and to tcgen05 on sm_100, so FP8 keeps it on
-  Blackwell. Hopper has no block-scaled MMA: MX operands are dequantised to bf16 for the dot
-  (``hopper-mx-bf16``) or run as one FP8 dot per 32-element block (``hopper-mx-split``,
-  chosen with ``PrefillConfig(mx_split=True)``).
+  Blackwell. Hopper has no block-scaled MMA: MX operands are dequantised to bf16 for the dot,
+  or renormalised into E4M3 / f16 rows first (``hopper-mx-bf16``; see ``PrefillConfig``).
 * On 9.x the default config (``default_config(arch=9)``) runs the FP8 path's head loop, and
   MXFP8's f16-row pass, as the Gluon kernel (``_prefill_kernel_gluon.py``, async wgmma): same
   tile, same bits; ``PrefillConfig(gluon=False)`` keeps the Triton loop.
@@ -27,7 +26,6 @@ from tilefuse._device import capability_major  # noqa: F401  (the ops call it fr
 
 HOPPER_FP8 = "hopper-fp8"
 HOPPER_MX_BF16 = "hopper-mx-bf16"
-HOPPER_MX_SPLIT = "hopper-mx-split"
 SM100_MX_DOT_SCALED = "sm100-mx-dot-scaled"
 
 # (capability major, format) -> kernel path. Majors not listed behave as 9.
@@ -44,12 +42,11 @@ _FALLBACK_MAJOR = 9
 KERNEL_OF_PATH = {
     HOPPER_FP8: "tilefuse.indexer._prefill_kernel:prefill_logits_kernel",
     HOPPER_MX_BF16: "tilefuse.indexer._prefill_kernel:prefill_logits_kernel",
-    HOPPER_MX_SPLIT: "tilefuse.indexer._prefill_kernel:prefill_logits_kernel",
     SM100_MX_DOT_SCALED: "tilefuse.indexer._prefill_kernel_sm100:prefill_logits_mx_kernel",
 }
 
 
-def prefill_kernel_path(major: int | None, fmt: str, mx_split: bool = False) -> str:
+def prefill_kernel_path(major: int | None, fmt: str) -> str:
     """The kernel path for a capability major (None: CPU) and a format.
 
     Raises:
@@ -58,7 +55,4 @@ def prefill_kernel_path(major: int | None, fmt: str, mx_split: bool = False) -> 
     key_major = major if (major, fmt) in PREFILL_KERNELS else _FALLBACK_MAJOR
     if (key_major, fmt) not in PREFILL_KERNELS:
         raise ValueError(f"fmt: expected one of fp8, mxfp8, mxfp4, got {fmt!r}")
-    path = PREFILL_KERNELS[(key_major, fmt)]
-    if path == HOPPER_MX_BF16 and mx_split:
-        path = HOPPER_MX_SPLIT
-    return path
+    return PREFILL_KERNELS[(key_major, fmt)]

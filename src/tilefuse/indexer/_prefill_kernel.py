@@ -6,13 +6,11 @@ once, walks the H heads (one ``tl.dot`` of [BLOCK_Q, D] x [D, BLOCK_N] each) and
 grid is 2-D over (key block, query block): with few query rows the key blocks alone fill the
 SMs (a split over keys with no reduction, since every key is an independent output column).
 
-Formats (``FMT``): 0 = FP8 (per-key fp32 scale applied after the head sum), 1 = MXFP8,
-2 = MXFP4. Hopper has no block-scaled tensor-core instruction, so MX runs one of two paths
-(``MX_SPLIT``):
-* 0: dequantise both operands to bf16 in registers (exact: E4M3/E2M1 times a power of two
-  fits bf16) and run a bf16 dot;
-* 1: one FP8 dot per 32-element block (K = 32, the native FP8 wgmma depth) and a scaled
-  accumulation of the partial scores on CUDA cores; FP4 values are widened to E4M3 (exact).
+Formats (``FMT``, codes from ``tilefuse.formats.FORMAT_CODE``): FP8 (per-key fp32 scale
+applied after the head sum), MXFP8, MXFP4. Hopper has no block-scaled tensor-core
+instruction: this kernel dequantises MX operands to bf16 in registers (exact: E4M3/E2M1 times
+a power of two fits bf16) and runs a bf16 dot; the op's default MX paths first renormalise
+rows into E4M3 / f16 and run the FP8-style loop (``prefill.py``).
 """
 
 from __future__ import annotations
@@ -20,9 +18,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FMT_FP8 = 0
-FMT_MXFP8 = 1
-FMT_MXFP4 = 2
+from tilefuse import _errors
+from tilefuse._errors_kernel import report_error
+from tilefuse.formats import FORMAT_CODE
+
+FMT_FP8 = tl.constexpr(FORMAT_CODE["fp8"])
+FMT_MXFP8 = tl.constexpr(FORMAT_CODE["mxfp8"])
+FMT_MXFP4 = tl.constexpr(FORMAT_CODE["mxfp4"])
+ERR_START_NEGATIVE = tl.constexpr(_errors.WINDOW_START_NEGATIVE)
+ERR_INVERTED = tl.constexpr(_errors.WINDOW_INVERTED)
+ERR_LONGER_THAN_ROW = tl.constexpr(_errors.WINDOW_LONGER_THAN_MAX_SEQLEN)
+
+# Sizes and strides that change from call to call are not specialised (no recompile for a new
+# S_q, S_k or row stride), nor the alignment of inputs an engine may slice anywhere (windows,
+# weights, key scales): a kernel compiles once per model configuration.
+_DYNAMIC = ["S_q", "S_k", "n_cols", "stride_qsf", "stride_w", "stride_out"]
+_SLICEABLE = ["q_sf_ptr", "k_scale_ptr", "w_ptr", "ks_ptr", "ke_ptr"]
 
 
 @triton.jit
@@ -55,7 +66,7 @@ def _unpack_fp4(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
 @triton.jit
 def _dequant_tile(raw, packed_sf, ROWS: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr):
     """MX tile [ROWS, D] (or [ROWS, D/2] packed FP4) with packed scales [ROWS] -> bf16 [ROWS, D]."""
-    if FMT == 2:
+    if FMT == FMT_MXFP4:
         vals = _unpack_fp4(raw, ROWS, D)
     else:
         vals = raw.to(tl.float32)
@@ -64,60 +75,46 @@ def _dequant_tile(raw, packed_sf, ROWS: tl.constexpr, D: tl.constexpr, FMT: tl.c
 
 
 @triton.jit
-def _mx_chunk_dot(q_desc, row0, col, k_chunk, FMT: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """FP8 dot of one 32-element block of q against the matching key block (both E4M3)."""
-    q_raw = q_desc.load([row0, col])
-    if FMT == 2:
-        q8 = _unpack_fp4(q_raw, BLOCK_Q, 32).to(tl.float8e4nv)
-    else:
-        q8 = q_raw
-    return tl.dot(q8, tl.trans(k_chunk))
-
-
-@triton.jit
-def _load_k_chunk(k_desc, n0, b: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
-    if FMT == 2:
-        chunk = _unpack_fp4(k_desc.load([n0, b * 16]), BLOCK_N, 32).to(tl.float8e4nv)
-    else:
-        chunk = k_desc.load([n0, b * 32])
-    return chunk
-
-
-@triton.jit
 def _q_operand(q_desc, q0, h, qsf_rows, row_ok, D: tl.constexpr, FMT: tl.constexpr, BLOCK_Q: tl.constexpr):
     """Head ``h`` of the query tile as a dot operand: raw E4M3 (FP8) or dequantised bf16 (MX)."""
-    if FMT == 0:
+    if FMT == FMT_FP8:
         q = q_desc.load([q0, h * D])
     else:
-        DQ: tl.constexpr = D // 2 if FMT == 2 else D
+        DQ: tl.constexpr = D // 2 if FMT == FMT_MXFP4 else D
         q_sf = tl.load(qsf_rows + h, mask=row_ok, other=0)
         q = _dequant_tile(q_desc.load([q0, h * DQ]), q_sf, BLOCK_Q, D, FMT)
     return q
 
 
 @triton.jit
-def _score(q, k, KEYS_MAJOR: tl.constexpr):
-    """q . k for one head: [BLOCK_Q, BLOCK_N], or [BLOCK_N, BLOCK_Q] with keys as the MMA rows."""
-    if KEYS_MAJOR:
-        s = tl.dot(k, tl.trans(q))
-    else:
-        s = tl.dot(q, tl.trans(k))
-    return s
-
-
-@triton.jit
-def _add_relu_weighted(acc, s, w, KEYS_MAJOR: tl.constexpr, ABS: tl.constexpr = False):
+def _add_relu_weighted(acc, s, w, ABS: tl.constexpr):
     """acc += relu(s) * w, or acc += |s| * w (one FMA with an operand modifier) when the
     linear half of relu(s) = (s + |s|) / 2 is in acc already (``relu_via_abs``)."""
     if ABS:
         r = tl.abs(s)
     else:
         r = tl.maximum(s, 0.0)
-    if KEYS_MAJOR:
-        acc += r * w[None, :]
-    else:
-        acc += r * w[:, None]
-    return acc
+    return acc + r * w[:, None]
+
+
+@triton.jit
+def load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, report, COMPRESSED: tl.constexpr):
+    """The rows' windows ``[ks, ke)`` clamped into ``[0, S_k]`` (an inverted window is empty;
+    compressed: cut at the row's ``n_cols`` columns), so that no value of the windows makes a
+    read or write out of bounds. Where ``report`` holds (one program per row block) bad windows
+    are recorded in the error record ``err_ptr``; those rows' logits are then not valid."""
+    ks_in = tl.load(ks_ptr + rows, mask=row_ok, other=0)
+    ke_in = tl.load(ke_ptr + rows, mask=row_ok, other=0)
+    ks = tl.minimum(tl.maximum(ks_in, 0), S_k)
+    ke = tl.minimum(tl.maximum(ke_in, ks), S_k)
+    if COMPRESSED:
+        ke = tl.minimum(ke, ks + n_cols)
+    if report:
+        report_error(err_ptr, ERR_START_NEGATIVE, row_ok & (ks_in < 0), rows)
+        report_error(err_ptr, ERR_INVERTED, row_ok & (ks_in > ke_in), rows)
+        if COMPRESSED:
+            report_error(err_ptr, ERR_LONGER_THAN_ROW, row_ok & (tl.minimum(ke_in, S_k) - ks_in > n_cols), rows)
+    return ks, ke
 
 
 @triton.jit
@@ -136,17 +133,17 @@ def _store_logits(val, out_rows, key, ks, valid, row_ok, S_k, CLEAN: tl.constexp
         tl.store(out_rows + key, val, mask=row_ok & (key < S_k))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_DYNAMIC, do_not_specialize_on_alignment=_SLICEABLE)
 def prefill_logits_kernel(
     q_desc, q_sf_ptr, stride_qsf,
     k_desc, k_scale_ptr,
     w_ptr, stride_w,
     ks_ptr, ke_ptr,
     out_ptr, stride_out,
-    S_q, S_k,
-    H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, MX_SPLIT: tl.constexpr,
+    S_q, S_k, n_cols, err_ptr,
+    H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
     CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_MAJOR: tl.constexpr, HEAD_UNROLL: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_UNROLL: tl.constexpr,
     fix_q_ptr=None, fix_k_ptr=None, FIXUP: tl.constexpr = False,
     lin_desc=None, half_scale_ptr=None, LIN_PARTS: tl.constexpr = 0,
 ):
@@ -162,8 +159,7 @@ def prefill_logits_kernel(
     rows = q0 + tl.arange(0, BLOCK_Q)
     cols = n0 + tl.arange(0, BLOCK_N)
     row_ok = rows < S_q
-    ks = tl.load(ks_ptr + rows, mask=row_ok, other=0)
-    ke = tl.minimum(tl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
+    ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
     valid = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None]) & row_ok[:, None]
     out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_out
 
@@ -179,72 +175,41 @@ def prefill_logits_kernel(
     w_rows = w_ptr + rows.to(tl.int64) * stride_w
     qsf_rows = q_sf_ptr + rows.to(tl.int64) * stride_qsf
     k_sf = tl.load(k_scale_ptr + cols, mask=cols < S_k, other=0)
-    if KEYS_MAJOR:
-        acc = tl.zeros((BLOCK_N, BLOCK_Q), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.float32)
+    # One loop for all formats: FP8 feeds the raw E4M3 tiles to the dot, MX the bf16 upcast.
+    if FMT == FMT_FP8:
+        k = k_desc.load([n0, 0])
     else:
-        acc = tl.zeros((BLOCK_Q, BLOCK_N), dtype=tl.float32)
-    if FMT == 0 or not MX_SPLIT:
-        # One loop for all formats: FP8 feeds the raw E4M3 tiles to the dot, MX the bf16 upcast.
-        if FMT == 0:
-            k = k_desc.load([n0, 0])
+        k = _dequant_tile(k_desc.load([n0, 0]), k_sf, BLOCK_N, D, FMT)
+    # relu_via_abs: acc starts as the linear term parts . k, the heads add |s| * w / c.
+    for p in tl.static_range(LIN_PARTS):
+        acc = tl.dot(lin_desc.load([q0, p * D]), tl.trans(k), acc)
+    # Two heads per step let the second head's MMA run while the first one's ReLU*w runs.
+    for h in range(0, H, HEAD_UNROLL):
+        s0 = tl.dot(_q_operand(q_desc, q0, h, qsf_rows, row_ok, D, FMT, BLOCK_Q), tl.trans(k))
+        w0 = tl.load(w_rows + h, mask=row_ok, other=0.0).to(tl.float32)
+        if HEAD_UNROLL == 2:
+            s1 = tl.dot(_q_operand(q_desc, q0, h + 1, qsf_rows, row_ok, D, FMT, BLOCK_Q), tl.trans(k))
+            w1 = tl.load(w_rows + h + 1, mask=row_ok, other=0.0).to(tl.float32)
+            acc = _add_relu_weighted(acc, s0, w0, LIN_PARTS > 0)
+            acc = _add_relu_weighted(acc, s1, w1, LIN_PARTS > 0)
         else:
-            k = _dequant_tile(k_desc.load([n0, 0]), k_sf, BLOCK_N, D, FMT)
-        # relu_via_abs (FP8, query rows on the MMA's M side): acc starts as the linear term
-        # parts . k (the launcher checks the layout), the heads add |s| * w / c.
-        for p in tl.static_range(LIN_PARTS):
-            acc = tl.dot(lin_desc.load([q0, p * D]), tl.trans(k), acc)
-        # Two heads per step let the second head's MMA run while the first one's ReLU*w runs.
-        for h in range(0, H, HEAD_UNROLL):
-            s0 = _score(_q_operand(q_desc, q0, h, qsf_rows, row_ok, D, FMT, BLOCK_Q), k, KEYS_MAJOR)
-            w0 = tl.load(w_rows + h, mask=row_ok, other=0.0).to(tl.float32)
-            if HEAD_UNROLL == 2:
-                s1 = _score(_q_operand(q_desc, q0, h + 1, qsf_rows, row_ok, D, FMT, BLOCK_Q), k, KEYS_MAJOR)
-                w1 = tl.load(w_rows + h + 1, mask=row_ok, other=0.0).to(tl.float32)
-                acc = _add_relu_weighted(acc, s0, w0, KEYS_MAJOR, LIN_PARTS > 0)
-                acc = _add_relu_weighted(acc, s1, w1, KEYS_MAJOR, LIN_PARTS > 0)
-            else:
-                acc = _add_relu_weighted(acc, s0, w0, KEYS_MAJOR, LIN_PARTS > 0)
-        if KEYS_MAJOR:
-            acc = tl.trans(acc)
-        if FMT == 0:
-            acc = acc * k_sf[None, :]
-        if LIN_PARTS > 0:
-            acc = acc * tl.load(half_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    else:
-        NB: tl.constexpr = D // 32
-        CQ: tl.constexpr = 16 if FMT == 2 else 32
-        DQ: tl.constexpr = D // 2 if FMT == 2 else D
-        k0 = _load_k_chunk(k_desc, n0, 0, FMT, BLOCK_N)
-        k1 = _load_k_chunk(k_desc, n0, 1 % NB, FMT, BLOCK_N)
-        k2 = _load_k_chunk(k_desc, n0, 2 % NB, FMT, BLOCK_N)
-        k3 = _load_k_chunk(k_desc, n0, 3 % NB, FMT, BLOCK_N)
-        for h in range(H):
-            w = tl.load(w_rows + h, mask=row_ok, other=0.0).to(tl.float32)
-            q_sf = tl.load(qsf_rows + h, mask=row_ok, other=0)
-            base = h * DQ
-            s = _mx_chunk_dot(q_desc, q0, base, k0, FMT, BLOCK_Q) * (
-                _ue8m0_byte_scale(q_sf, 0)[:, None] * _ue8m0_byte_scale(k_sf, 0)[None, :])
-            if NB > 1:
-                s += _mx_chunk_dot(q_desc, q0, base + CQ, k1, FMT, BLOCK_Q) * (
-                    _ue8m0_byte_scale(q_sf, 1)[:, None] * _ue8m0_byte_scale(k_sf, 1)[None, :])
-            if NB > 2:
-                s += _mx_chunk_dot(q_desc, q0, base + 2 * CQ, k2, FMT, BLOCK_Q) * (
-                    _ue8m0_byte_scale(q_sf, 2)[:, None] * _ue8m0_byte_scale(k_sf, 2)[None, :])
-                s += _mx_chunk_dot(q_desc, q0, base + 3 * CQ, k3, FMT, BLOCK_Q) * (
-                    _ue8m0_byte_scale(q_sf, 3)[:, None] * _ue8m0_byte_scale(k_sf, 3)[None, :])
-            acc += tl.maximum(s, 0.0) * w[:, None]
-
+            acc = _add_relu_weighted(acc, s0, w0, LIN_PARTS > 0)
+    if FMT == FMT_FP8:
+        acc = acc * k_sf[None, :]
+    if LIN_PARTS > 0:
+        acc = acc * tl.load(half_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
     _store_logits(acc, out_rows, cols[None, :], ks[:, None], valid, row_ok[:, None], S_k, CLEAN, COMPRESSED)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_DYNAMIC + ["stride_qs"], do_not_specialize_on_alignment=_SLICEABLE)
 def prefill_heads_on_n_kernel(
     q_ptr, stride_qs, stride_qh,
     k_desc, k_scale_ptr,
     w_ptr, stride_w,
     ks_ptr, ke_ptr,
     out_ptr, stride_out,
-    S_q, S_k,
+    S_q, S_k, n_cols, err_ptr,
     H: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
     CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -283,25 +248,25 @@ def prefill_heads_on_n_kernel(
         else:
             logits = tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HEADS_P)), axis=2)
         logits = logits * k_sf[:, None]  # [BLOCK_N, ROWS]
-        ks = tl.load(ks_ptr + rows, mask=row_ok, other=0)
-        ke = tl.minimum(tl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
+        ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
         valid = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :]) & row_ok[None, :]
         out_cols = out_ptr + rows.to(tl.int64)[None, :] * stride_out
         _store_logits(logits, out_cols, cols[:, None], ks[None, :], valid, row_ok[None, :], S_k, CLEAN, COMPRESSED)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_out", "S_q", "S_k", "n_cols"],
+            do_not_specialize_on_alignment=["ks_ptr", "ke_ptr"])
 def fill_outside_windows_kernel(out_ptr, stride_out, ks_ptr, ke_ptr, S_q, S_k, n_cols,
                                 COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
     """``-inf`` in every column of a row outside its window: ``[0, ks) + [ke, S_k)`` in the full
-    layout, ``[ke - ks, n_cols)`` in the compressed one. Writes nothing inside the windows."""
+    layout, ``[ke - ks, n_cols)`` in the compressed one. Writes nothing inside the windows
+    (clamped as the logits kernels clamp them; those report bad values)."""
     rows = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_ok = rows < S_q
-    ks = tl.load(ks_ptr + rows, mask=row_ok, other=0)
-    ke = tl.minimum(tl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
+    ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, ks_ptr, False, COMPRESSED)
     if COMPRESSED:
-        outside = cols[None, :] >= tl.maximum(ke - ks, 0)[:, None]
+        outside = cols[None, :] >= (ke - ks)[:, None]
     else:
         outside = (cols[None, :] < ks[:, None]) | (cols[None, :] >= ke[:, None])
     mask = row_ok[:, None] & outside & (cols[None, :] < n_cols)
@@ -309,7 +274,7 @@ def fill_outside_windows_kernel(out_ptr, stride_out, ks_ptr, ke_ptr, S_q, S_k, n
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], fill, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"], do_not_specialize_on_alignment=["sf_ptr"])
 def mx_rows_renormalise_kernel(src_ptr, sf_ptr, dst_ptr, row_exp_ptr, row_spread_ptr, n_rows,
                                D: tl.constexpr, FMT: tl.constexpr, BLOCK_R: tl.constexpr):
     """MX rows -> rows of ``dst``'s dtype renormalised by the row's largest block scale.
@@ -327,7 +292,7 @@ def mx_rows_renormalise_kernel(src_ptr, sf_ptr, dst_ptr, row_exp_ptr, row_spread
     e_blocks = (sf[:, None] >> (tl.arange(0, NB) * 8)[None, :]) & 0xFF
     e_max = tl.max(e_blocks, axis=1)
     e_min = tl.min(e_blocks, axis=1)
-    if FMT == 2:
+    if FMT == FMT_MXFP4:
         half = tl.arange(0, D // 2)
         raw = tl.load(src_ptr + rows.to(tl.int64)[:, None] * (D // 2) + half[None, :], mask=ok[:, None], other=0)
         b = raw.to(tl.int32) & 0xFF
@@ -346,7 +311,7 @@ def mx_rows_renormalise_kernel(src_ptr, sf_ptr, dst_ptr, row_exp_ptr, row_spread
     tl.store(row_spread_ptr + rows, e_max - e_min, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_q", "stride_w"], do_not_specialize_on_alignment=["w_ptr"])
 def linear_term_parts_kernel(q_ptr, stride_q, w_ptr, stride_w, parts_ptr, w_out_ptr, half_scale_ptr,
                              H: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, PARTS: tl.constexpr):
     """The linear term of ``relu(s) = (s + |s|) / 2`` for one FP8 query row (``relu_via_abs``).

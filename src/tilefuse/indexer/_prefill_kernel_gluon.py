@@ -20,43 +20,37 @@ the Triton kernel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from tilefuse import _errors
+from tilefuse._jit import host_descriptor
+from tilefuse.indexer._prefill_kernel import _DYNAMIC, _SLICEABLE
+
+ERR_START_NEGATIVE = gl.constexpr(_errors.WINDOW_START_NEGATIVE)
+ERR_INVERTED = gl.constexpr(_errors.WINDOW_INVERTED)
+ERR_LONGER_THAN_ROW = gl.constexpr(_errors.WINDOW_LONGER_THAN_MAX_SEQLEN)
 _GL_DTYPE = {torch.float8_e4m3fn: gl.float8e4nv, torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 
 
-# ``ABLATE`` removes one part of the work so that ``benchmarks/prefill_bound.py`` can time
-# what is left (the output is then wrong): 0 = the kernel; 1 = scores summed without ReLU and
-# weight (one add per score); 2 = no MMA (the query tiles still stream in); 3 = no query
-# traffic after the first NUM_BUF heads (their buffers are reused).
-ABLATIONS = {"none": 0, "no-relu-weight": 1, "no-mma": 2, "no-query-loads": 3}
-
-
 @gluon.jit
-def _issue(q_desc, q_smem, q_bars, k_t, s, head, NUM_BUF: gl.constexpr, ABLATE: gl.constexpr):
+def _issue(q_smem, q_bars, k_t, s, head, NUM_BUF: gl.constexpr):
     """Start head ``head``'s MMA once its query tile has landed; overwrites ``s``."""
     buf = head % NUM_BUF
-    if ABLATE != 3:
-        mbarrier.wait(q_bars.index(buf), phase=(head // NUM_BUF) & 1)
-    elif head < NUM_BUF:
-        mbarrier.wait(q_bars.index(buf), phase=0)
-    if ABLATE != 2:
-        s = warpgroup_mma(q_smem.index(buf), k_t, s, use_acc=False, is_async=True)
-    return s
+    mbarrier.wait(q_bars.index(buf), phase=(head // NUM_BUF) & 1)
+    return warpgroup_mma(q_smem.index(buf), k_t, s, use_acc=False, is_async=True)
 
 
 @gluon.jit
-def _apply(acc, s, w, ABLATE: gl.constexpr, ABS: gl.constexpr):
+def _apply(acc, s, w, ABS: gl.constexpr):
     """acc += relu(s) * w per row; with ``ABS`` (``relu_via_abs``: the linear half of
     relu(s) = (s + |s|) / 2 is in acc already) acc += |s| * w, one FMA per score."""
-    if ABLATE == 1:
-        acc += s
-    elif ABS:
+    if ABS:
         # abs.f32 in the asm: written as gl.abs, LLVM turns the abs of the last head's scores
         # (bitcast from the wgmma wait's integer registers) into an integer AND, and ptxas then
         # dropped that head's wgmma (its contribution read as 0 on an H200).
@@ -69,20 +63,18 @@ def _apply(acc, s, w, ABLATE: gl.constexpr, ABS: gl.constexpr):
 
 
 @gluon.jit
-def _refill(q_desc, q_smem, q_bars, head, q0, H: gl.constexpr, D: gl.constexpr, NUM_BUF: gl.constexpr,
-            ABLATE: gl.constexpr):
+def _refill(q_desc, q_smem, q_bars, head, q0, H: gl.constexpr, D: gl.constexpr, NUM_BUF: gl.constexpr):
     """Head ``head``'s MMA is done: its buffer takes the query tile of head ``head + NUM_BUF``, if any."""
     buf = head % NUM_BUF
     later = head + NUM_BUF
-    if ABLATE != 3:
-        if later < H:
-            mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q0, later * D], q_bars.index(buf), q_smem.index(buf))
+    if later < H:
+        mbarrier.expect(q_bars.index(buf), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q0, later * D], q_bars.index(buf), q_smem.index(buf))
 
 
 @gluon.jit
 def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr, D: gl.constexpr,
-               NUM_BUF: gl.constexpr, ABLATE: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
+               NUM_BUF: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
                mma: gl.constexpr, REFILL_EVERY: gl.constexpr = 1, lin_smem=None, LIN_PARTS: gl.constexpr = 0):
     """sum_h relu(q_h . k) * w_h for one tile, heads in order (the ring already holds requests
     for heads 0 .. NUM_BUF - 1).
@@ -100,8 +92,7 @@ def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr,
     acc = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
     for p in gl.static_range(LIN_PARTS):
         acc = warpgroup_mma(lin_smem.index(p), k_t, acc, use_acc=p > 0, is_async=True)
-    s0 = _issue(q_desc, q_smem, q_bars, k_t, gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma), 0, NUM_BUF,
-                ABLATE)
+    s0 = _issue(q_smem, q_bars, k_t, gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma), 0, NUM_BUF)
     s1 = gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma)
     w0 = gl.load(w_rows, mask=row_ok, other=0.0).to(gl.float32)
     w1 = gl.load(w_rows + 1, mask=row_ok, other=0.0).to(gl.float32)
@@ -110,29 +101,29 @@ def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr,
     else:
         s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
     if REFILL_EVERY == 1:
-        _refill(q_desc, q_smem, q_bars, 0, q0, H, D, NUM_BUF, ABLATE)
+        _refill(q_desc, q_smem, q_bars, 0, q0, H, D, NUM_BUF)
     for h in range(0, H - 2, 2):
-        s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, h + 1, NUM_BUF, ABLATE)
-        acc = _apply(acc, s0, w0, ABLATE, ABS)
+        s1 = _issue(q_smem, q_bars, k_t, s1, h + 1, NUM_BUF)
+        acc = _apply(acc, s0, w0, ABS)
         w0 = gl.load(w_rows + h + 2, mask=row_ok, other=0.0).to(gl.float32)
         s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
         if REFILL_EVERY == 1:
-            _refill(q_desc, q_smem, q_bars, h + 1, q0, H, D, NUM_BUF, ABLATE)
+            _refill(q_desc, q_smem, q_bars, h + 1, q0, H, D, NUM_BUF)
         else:  # heads h and h + 1 are done: both their buffers take later heads
-            _refill(q_desc, q_smem, q_bars, h, q0, H, D, NUM_BUF, ABLATE)
-            _refill(q_desc, q_smem, q_bars, h + 1, q0, H, D, NUM_BUF, ABLATE)
-        s0 = _issue(q_desc, q_smem, q_bars, k_t, s0, h + 2, NUM_BUF, ABLATE)
-        acc = _apply(acc, s1, w1, ABLATE, ABS)
+            _refill(q_desc, q_smem, q_bars, h, q0, H, D, NUM_BUF)
+            _refill(q_desc, q_smem, q_bars, h + 1, q0, H, D, NUM_BUF)
+        s0 = _issue(q_smem, q_bars, k_t, s0, h + 2, NUM_BUF)
+        acc = _apply(acc, s1, w1, ABS)
         w1 = gl.load(w_rows + h + 3, mask=row_ok, other=0.0).to(gl.float32)
         s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
         if REFILL_EVERY == 1:
-            _refill(q_desc, q_smem, q_bars, h + 2, q0, H, D, NUM_BUF, ABLATE)
-    s1 = _issue(q_desc, q_smem, q_bars, k_t, s1, H - 1, NUM_BUF, ABLATE)
-    acc = _apply(acc, s0, w0, ABLATE, ABS)
+            _refill(q_desc, q_smem, q_bars, h + 2, q0, H, D, NUM_BUF)
+    s1 = _issue(q_smem, q_bars, k_t, s1, H - 1, NUM_BUF)
+    acc = _apply(acc, s0, w0, ABS)
     s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
     if REFILL_EVERY == 1:
-        _refill(q_desc, q_smem, q_bars, H - 1, q0, H, D, NUM_BUF, ABLATE)
-    return _apply(acc, s1, w1, ABLATE, ABS)
+        _refill(q_desc, q_smem, q_bars, H - 1, q0, H, D, NUM_BUF)
+    return _apply(acc, s1, w1, ABS)
 
 
 @gluon.jit
@@ -155,13 +146,31 @@ def _store_tile(val, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN: gl.
 
 
 @gluon.jit
-def _tile_window(ks_ptr, ke_ptr, q0, n0, S_q, S_k, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
-                 row_l: gl.constexpr):
-    """The tile at (q0, n0): its rows, their windows, and whether no row sees any of its keys."""
+def _report(err_ptr, CODE: gl.constexpr, bad, rows):
+    """``_errors_kernel.report_error`` for Gluon: mark error ``CODE`` with a row where ``bad``."""
+    zero = rows * 0
+    gl.store(err_ptr + 2 * CODE + zero, zero + 1, mask=bad)
+    gl.store(err_ptr + 2 * CODE + 1 + zero, rows, mask=bad)
+
+
+@gluon.jit
+def _tile_window(ks_ptr, ke_ptr, q0, n0, S_q, S_k, n_cols, err_ptr, report, COMPRESSED: gl.constexpr,
+                 BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, row_l: gl.constexpr):
+    """The tile at (q0, n0): its rows, their windows (clamped as ``_prefill_kernel.load_windows``
+    clamps them, bad ones recorded where ``report`` holds) and whether no row sees its keys."""
     rows = q0 + gl.arange(0, BLOCK_Q, layout=row_l)
     row_ok = rows < S_q
-    ks = gl.load(ks_ptr + rows, mask=row_ok, other=0)
-    ke = gl.minimum(gl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
+    ks_in = gl.load(ks_ptr + rows, mask=row_ok, other=0)
+    ke_in = gl.load(ke_ptr + rows, mask=row_ok, other=0)
+    ks = gl.minimum(gl.maximum(ks_in, 0), S_k)
+    ke = gl.minimum(gl.maximum(ke_in, ks), S_k)
+    if COMPRESSED:
+        ke = gl.minimum(ke, ks + n_cols)
+    if report:
+        _report(err_ptr, ERR_START_NEGATIVE, row_ok & (ks_in < 0), rows)
+        _report(err_ptr, ERR_INVERTED, row_ok & (ks_in > ke_in), rows)
+        if COMPRESSED:
+            _report(err_ptr, ERR_LONGER_THAN_ROW, row_ok & (gl.minimum(ke_in, S_k) - ks_in > n_cols), rows)
     has_keys = row_ok & (ks < ke)
     lo = gl.min(gl.where(has_keys, ks, S_k), axis=0)
     hi = gl.max(gl.where(has_keys, ke, 0), axis=0)
@@ -186,15 +195,15 @@ def _load_first_queries(q_desc, q_smem, q_bars, q0, D: gl.constexpr, NUM_BUF: gl
         tma.async_copy_global_to_shared(q_desc, [q0, i * D], q_bars.index(i), q_smem.index(i))
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=_DYNAMIC, do_not_specialize_on_alignment=_SLICEABLE)
 def prefill_logits_gluon_kernel(
     q_desc, k_desc, k_scale_ptr,
     w_ptr, stride_w,
     ks_ptr, ke_ptr,
     out_ptr, stride_out,
-    S_q, S_k,
+    S_q, S_k, n_cols, err_ptr,
     H: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr, NUM_BUF: gl.constexpr,
-    num_warps: gl.constexpr, ABLATE: gl.constexpr = 0, REFILL_EVERY: gl.constexpr = 1,
+    num_warps: gl.constexpr, REFILL_EVERY: gl.constexpr = 1,
     lin_desc=None, half_scale_ptr=None, LIN_PARTS: gl.constexpr = 0,
 ):
     BLOCK_Q: gl.constexpr = q_desc.block_type.shape[0]
@@ -214,7 +223,8 @@ def prefill_logits_gluon_kernel(
     pid_q = gl.program_id(1)
     q0 = pid_q * BLOCK_Q
     n0 = pid_n * BLOCK_N
-    rows, ks, ke, empty = _tile_window(ks_ptr, ke_ptr, q0, n0, S_q, S_k, BLOCK_Q, BLOCK_N, row_l)
+    rows, ks, ke, empty = _tile_window(ks_ptr, ke_ptr, q0, n0, S_q, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED,
+                                       BLOCK_Q, BLOCK_N, row_l)
     row_ok = rows < S_q
     if empty:
         _fill_skipped(rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N, mma)
@@ -240,8 +250,8 @@ def prefill_logits_gluon_kernel(
         w_rows = w_ptr + rows.to(gl.int64) * stride_w
         k_t = k_smem.permute((1, 0))
         mbarrier.wait(k_bar, phase=0)
-        acc = _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H, D, NUM_BUF, ABLATE, BLOCK_Q, BLOCK_N,
-                         mma, REFILL_EVERY, lin_smem, LIN_PARTS)
+        acc = _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H, D, NUM_BUF, BLOCK_Q, BLOCK_N, mma,
+                         REFILL_EVERY, lin_smem, LIN_PARTS)
         mbarrier.invalidate(k_bar)
         for i in gl.static_range(NUM_BUF):
             mbarrier.invalidate(q_bars.index(i))
@@ -255,14 +265,18 @@ def prefill_logits_gluon_kernel(
         _store_tile(acc, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, mma)
 
 
-def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, block_q: int, block_n: int,
-           num_warps: int, num_buf: int, ablate: int = 0, refill_every: int = 1, lin_parts=None,
-           half_scale=None):
+@functools.cache
+def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPE[dtype])
+
+
+def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, err, block_q: int, block_n: int,
+           num_warps: int, num_buf: int, refill_every: int = 1, lin_parts=None, half_scale=None):
     """q [S_q, H, D] and k [S_k, D] in E4M3 or f16, the rest as the Triton kernel takes them.
     ``refill_every``: query buffers refilled after every head (1) or two at a time (2, needs
     num_buf >= 3). ``lin_parts`` (E4M3 ``[S_q, P * D]``) and ``half_scale`` (fp32 ``[S_q]``):
     the linear term of ``relu_via_abs`` from ``linear_term_parts_kernel``, whose ``w / c`` is
-    then ``weights``. Returns the compiled kernel (registers, spills)."""
+    then ``weights``. ``err``: the device's error record. Returns the compiled kernel (registers, spills)."""
     s_q, h, d = q.shape
     s_k = k.shape[0]
     if num_buf < 2 or num_buf > h:
@@ -273,24 +287,22 @@ def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, b
     if refill_every not in (1, 2) or (refill_every == 2 and num_buf < 3):
         raise ValueError(f"gluon prefill: refill_every must be 1, or 2 with num_buf >= 3, got {refill_every} "
                          f"(num_buf {num_buf})")
-    dt = _GL_DTYPE[q.dtype]
     q_block, k_block = [block_q, d], [block_n, d]
+    q_layout, k_layout = _smem_layout((block_q, d), q.dtype), _smem_layout((block_n, d), q.dtype)
     # Rows of q may be padded (stride(0) >= H * D); heads and head dim are contiguous (checked).
-    q_desc = TensorDescriptor(q, [s_q, h * d], [q.stride(0), 1], q_block,
-                              gl.NVMMASharedLayout.get_default_for(q_block, dt))
-    k_desc = TensorDescriptor(k, [s_k, d], [k.stride(0), 1], k_block,
-                              gl.NVMMASharedLayout.get_default_for(k_block, dt))
+    q_desc = host_descriptor(TensorDescriptor, q, [s_q, h * d], [q.stride(0), 1], q_block, layout=q_layout)
+    k_desc = host_descriptor(TensorDescriptor, k, [s_k, d], [k.stride(0), 1], k_block, layout=k_layout)
     n_parts = 0 if lin_parts is None else lin_parts.shape[1] // d
     if n_parts and (q.dtype != torch.float8_e4m3fn or lin_parts.dtype != q.dtype):
         raise ValueError(f"gluon prefill: the linear-term parts run E4M3 queries only, got q {q.dtype}, "
                          f"parts {lin_parts.dtype}")
     lin_desc = q_desc
     if n_parts:
-        lin_desc = TensorDescriptor(lin_parts, [s_q, n_parts * d], [lin_parts.stride(0), 1], q_block,
-                                    gl.NVMMASharedLayout.get_default_for(q_block, dt))
-    grid = (triton.cdiv(s_k, block_n), triton.cdiv(s_q, block_q))
+        lin_desc = host_descriptor(TensorDescriptor, lin_parts, [s_q, n_parts * d], [lin_parts.stride(0), 1], q_block,
+                                   layout=q_layout)
+    grid = (-(-s_k // block_n), -(-s_q // block_q))
     return prefill_logits_gluon_kernel[grid](
-        q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k,
-        H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps, ABLATE=ablate,
+        q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k, out.shape[1], err,
+        H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps,
         REFILL_EVERY=refill_every, lin_desc=lin_desc, half_scale_ptr=half_scale if n_parts else k_scale,
         LIN_PARTS=n_parts)

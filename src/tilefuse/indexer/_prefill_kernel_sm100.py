@@ -20,10 +20,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tilefuse.indexer._prefill_kernel import _store_logits
-
-FMT_MXFP8 = 1
-FMT_MXFP4 = 2
+from tilefuse._jit import host_descriptor
+from tilefuse.formats import FORMAT_CODE
+from tilefuse.indexer._prefill_kernel import _DYNAMIC, _SLICEABLE, FMT_MXFP4, _store_logits, load_windows
 
 # Launch tile (see the kernel for why): BLOCK_N is the MMA's M and must stay 128.
 BLOCK_N = 128
@@ -39,14 +38,14 @@ def _scale_bytes(packed, NB: tl.constexpr):
     return ((packed[:, None] >> (b[None, :] * 8)) & 0xFF).to(tl.uint8)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_DYNAMIC, do_not_specialize_on_alignment=_SLICEABLE + ["k_sf_ptr"])
 def prefill_logits_mx_kernel(
     q_desc, q_sf_ptr, stride_qsf,
     k_desc, k_sf_ptr,
     w_ptr, stride_w,
     ks_ptr, ke_ptr,
     out_ptr, stride_out,
-    S_q, S_k,
+    S_q, S_k, n_cols, err_ptr,
     H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
     CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -58,8 +57,7 @@ def prefill_logits_mx_kernel(
     rows = q0 + tl.arange(0, BLOCK_Q)
     cols = n0 + tl.arange(0, BLOCK_N)
     row_ok = rows < S_q
-    ks = tl.load(ks_ptr + rows, mask=row_ok, other=0)
-    ke = tl.minimum(tl.load(ke_ptr + rows, mask=row_ok, other=0), S_k)
+    ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
     out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_out
 
     lo = tl.min(tl.where(row_ok & (ks < ke), ks, S_k), axis=0)
@@ -72,8 +70,8 @@ def prefill_logits_mx_kernel(
         return
 
     NB: tl.constexpr = D // 32
-    DQ: tl.constexpr = D // 2 if FMT == 2 else D  # FMT 2 = MXFP4: two values a byte
-    ELEM: tl.constexpr = "e2m1" if FMT == 2 else "e4m3"
+    DQ: tl.constexpr = D // 2 if FMT == FMT_MXFP4 else D  # two values a byte
+    ELEM: tl.constexpr = "e2m1" if FMT == FMT_MXFP4 else "e4m3"
     # Keys are the M side of the MMA (M = BLOCK_N = 128: the block-scaled tcgen05 MMA needs
     # M = 128; with M = 64 Triton dequantises instead), query rows the N side. Keys and their
     # scales are loaded once for all heads. In the accumulator's TMEM layout a thread owns one
@@ -104,13 +102,14 @@ def prefill_logits_mx_kernel(
     _store_logits(acc, out_rows, cols[None, :], ks[:, None], valid, row_ok[:, None], S_k, CLEAN, COMPRESSED)
 
 
-def launch(q, q_sf, k, k_sf, weights, ks, ke, out, clean_logits: bool, compressed: bool, *,
+def launch(q, q_sf, k, k_sf, weights, ks, ke, out, clean_logits: bool, compressed: bool, err, *,
            block_q: int = BLOCK_Q, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> None:
     """Run the kernel on validated MX inputs, writing ``out`` (as the Hopper launch does).
 
     ``q``: E4M3 ``[S_q, H, D]`` or packed-FP4 int8 ``[S_q, H, D/2]``; ``q_sf`` int32 ``[S_q, H]``;
     ``k``: ``[S_k, D]`` or ``[S_k, D/2]`` like ``q``; ``k_sf`` int32 ``[S_k]``; ``weights``
-    ``[S_q, H]``; ``ks``/``ke`` int32 ``[S_q]``; ``out`` ``[S_q, S_k or max_seqlen_k]``. The tile is
+    ``[S_q, H]``; ``ks``/``ke`` int32 ``[S_q]``; ``out`` ``[S_q, S_k or max_seqlen_k]``; ``err``
+    the device's error record (``tilefuse._errors.error_record``). The tile is
     fixed by the block-scaled MMA (128 keys) and the register budget (``block_q`` query rows).
     """
     fp4 = q.dtype == torch.int8
@@ -119,17 +118,17 @@ def launch(q, q_sf, k, k_sf, weights, ks, ke, out, clean_logits: bool, compresse
     if fp4:
         # tl.dot_scaled takes packed E2M1 as uint8; the bytes are the same.
         q, k = q.view(torch.uint8), k.view(torch.uint8)
-    q_desc = TensorDescriptor(q, [s_q, h * dq], [q.stride(0), 1], [block_q, dq])
-    k_desc = TensorDescriptor(k, [s_k, dq], [k.stride(0), 1], [BLOCK_N, dq])
-    grid = (triton.cdiv(s_k, BLOCK_N), triton.cdiv(s_q, block_q))
+    q_desc = host_descriptor(TensorDescriptor, q, [s_q, h * dq], [q.stride(0), 1], [block_q, dq])
+    k_desc = host_descriptor(TensorDescriptor, k, [s_k, dq], [k.stride(0), 1], [BLOCK_N, dq])
+    grid = (-(-s_k // BLOCK_N), -(-s_q // block_q))
     prefill_logits_mx_kernel[grid](
         q_desc, q_sf, q_sf.stride(0),
         k_desc, k_sf,
         weights, weights.stride(0),
         ks, ke,
         out, out.stride(0),
-        s_q, s_k,
-        H=h, D=dq * 2 if fp4 else dq, FMT=FMT_MXFP4 if fp4 else FMT_MXFP8,
+        s_q, s_k, out.shape[1], err,
+        H=h, D=dq * 2 if fp4 else dq, FMT=FORMAT_CODE["mxfp4" if fp4 else "mxfp8"],
         CLEAN=clean_logits, COMPRESSED=compressed,
         BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
         num_warps=num_warps, num_stages=num_stages,

@@ -16,17 +16,32 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from tilefuse import _config, _errors
 from tilefuse._config import apply_override, register_config
-from tilefuse._validate import check_aligned, check_tma_rows, expect, expect_tensor
-from tilefuse.formats import FP8_DTYPE, format_of
+from tilefuse._errors import check_errors, error_record
+from tilefuse._jit import host_descriptor
+from tilefuse._validate import (
+    check_aligned,
+    check_kernel_device,
+    check_same_device,
+    check_tma_rows,
+    expect,
+    expect_tensor,
+)
+from tilefuse.formats import FORMAT_CODE, FP8_DTYPE, format_of
 from tilefuse.indexer import _dispatch, _prefill_kernel_sm100
 from tilefuse.indexer import _prefill_kernel as kern
+from tilefuse.indexer._layout import padded_logits_layout
 
-_FORMAT_CODE = {"fp8": kern.FMT_FP8, "mxfp8": kern.FMT_MXFP8, "mxfp4": kern.FMT_MXFP4}
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv costs microseconds per host call
+
+
+
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
-# Output rows are padded to this many elements so every row starts 64-byte aligned.
-_ROW_ALIGN = 16
 
 
 # ---------------------------------------------------------------------------------------
@@ -34,42 +49,34 @@ _ROW_ALIGN = 16
 # ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
-    """Tile shape and pipelining of the prefill kernel.
+    """Tile shape, pipelining and kernel path of the prefill op (defaults: :func:`default_config`).
 
-    ``mx_split`` picks the MX path on Hopper: False = dequantise to bf16 and run a bf16 dot
-    (exact), True = one FP8 dot per 32-element block with scaled accumulation.
-    ``fp4_via_fp8`` runs MXFP4 on FP8 tensor cores: each row is renormalised into E4M3 by its
-    largest block scale (exact while its block exponents span <= 8; that scale is folded into
-    the weights or the key scale), and a second pass recomputes with the bf16 upcast only the
-    tiles that hold a row outside that span. ``mxfp8_via_f16`` does the same for MXFP8 into
-    f16 (exact while the span is <= 15) on f16 tensor cores. ``keys_major`` puts keys on the MMA's M side (for
-    few query rows: a 16-row query tile then wastes nothing); ``head_unroll`` = 2 issues two
-    heads' dots per loop step. Neither applies to the MX split path. ``clean_pass`` writes the
-    full layout's ``-inf`` in a separate store-only pass after the logits kernel, instead of
-    inside it (same output, bit for bit). ``heads_on_n`` (FP8, for few query rows) puts
-    (query row, head) pairs on the MMA's N side: a program loads its key tile once and walks
-    its ``block_q`` rows two at a time (one row at H > 64), each step one dot of
-    [block_n, D] x [D, rows * H] and a head sum per row. ``gluon`` (Hopper, FP8 and the f16
-    rows of ``mxfp8_via_f16``) runs the 2-D tile's head loop as a Gluon kernel that issues each
-    head's wgmma asynchronously, so head h+1's MMA overlaps head h's ReLU and weighting;
-    ``num_stages`` (>= 2) is then its ring of query-tile buffers, ``block_q`` is 64 or 128 and
-    warps beyond one per 16 rows split the keys. GPU-only (Gluon has no interpreter).
-    ``gluon_refill``: the Gluon kernel refills its query ring after every head (1) or two
-    buffers at a time (2, needs ``num_stages >= 3``: half the CTA barriers around the refills).
-    ``relu_via_abs`` (E4M3 operands on the 64-row tile: FP8, and MXFP4 on FP8 tensor cores;
-    0 = off) sums ``w * relu(s)`` as ``(sum_h w_h s_h + sum_h w_h |s_h|) / 2``: one FMA per score
-    (|s| is an operand modifier) instead of a max and an FMA. The linear half is one MMA per
-    part: ``sum_h w_h q_h`` per row in fp32, split into ``relu_via_abs`` E4M3 parts of ~4 bits
-    each (2 parts: calc_diff ~1e-7 against the dequantised reference, whose bound is 5e-6;
-    3 parts: ~1e-10; tested with weights from 1e-30 to 1e36).
+    ``block_q`` x ``block_n``: query rows x keys per program; ``num_warps``, ``num_stages``.
+    ``head_unroll`` (1 or 2): heads per step of the Triton head loop.
+    ``fp4_via_fp8`` (MXFP4) / ``mxfp8_via_f16`` (MXFP8): rows renormalised by their largest
+    block scale into E4M3 / f16 (exact while the row's block exponents span <= 8 / 15
+    binades; the scale is folded into the weights or the key scale) and run on FP8 / f16
+    tensor cores; a second pass recomputes with the bf16 upcast only the tiles holding a row
+    outside that span. Without either, MX operands are upcast to bf16 for the dot.
+    ``clean_pass``: the ``-inf`` of the full layout written by a separate store-only pass
+    instead of inside the logits kernel (same bits).
+    ``heads_on_n`` (FP8, few query rows): (query row, head) pairs on the MMA's N side, the key
+    tile loaded once per program.
+    ``gluon`` (Hopper): the 2-D tile's head loop as the Gluon kernel (async wgmma); then
+    ``num_stages`` (>= 2) is its ring of query buffers, ``block_q`` 64 or 128, and warps
+    beyond one per 16 rows split the keys; ``gluon_refill`` 1 or 2 (needs ``num_stages`` >= 3)
+    buffers refilled at a time.
+    ``relu_via_abs`` (0 or 2; E4M3 operands with query rows on the MMA's M side): the head sum
+    as ``(sum_h w_h s_h + sum_h w_h |s_h|) / 2``, the linear half one MMA per part of
+    ``sum_h w_h q_h`` split into 2 E4M3 parts.
+
+    Every field's measurements are in ``benchmarks/NOTES.md``.
     """
 
     block_q: int = 64
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    mx_split: bool = False
-    keys_major: bool = False
     head_unroll: int = 1
     fp4_via_fp8: bool = False
     clean_pass: bool = False
@@ -81,57 +88,22 @@ class PrefillConfig:
 
 
 register_config("prefill", PrefillConfig)
+# At most this many query rows take the few-row path (heads_on_n for FP8): the only choice of
+# the defaults that depends on a size, so a model's kernels are a fixed set (warmup_calls).
+FEW_ROWS = 32
 
 
 def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
                    logits_dtype: torch.dtype = torch.float32, arch: int | None = None) -> PrefillConfig:
-    """Measured defaults for H200, H=64 D=128 (benchmarks/NOTES.md has the sweeps behind each row).
-
-    FP8, more than 32 query rows: 64 rows x 128 keys, 4 warps, 3 stages, two heads per step
-    (1000 TFLOP/s at 2048/32768 against 975 without the unroll, 952 with 2 stages, 710-840
-    for every 8-warp tile; with bf16 logits 956 against 890).
-    FP8, at most 32 query rows: (query row, head) pairs on the MMA's N side (``heads_on_n``),
-    16 rows x 128 keys per program: 16/65536 in 24.8 us against 38.9 with keys on the MMA's M
-    side and 83.4 with the 64-row tile; 32/65536 in 47.4 us against 65.1 and 70.7. From 64 rows
-    on the 64-row tile wins (64/65536: 69.1 us against 91.2; 128/32768: 68.8 against 91.7).
-    Clean logits: inline for fp32 logits (972 / 988 TFLOP/s against 942 / 955 for the
-    separate -inf pass, two runs), the separate pass for bf16 logits (1027 / 1032 against
-    936 / 930); clean=False 974, so the choice costs the unclean path nothing.
-    MXFP8: rows renormalised into f16 on f16 tensor cores (``mxfp8_via_f16``), 64x128, 4 warps,
-    2 stages, two heads per step: 509-510 TFLOP/s, 0.71-0.75 of the BF16 ceiling, against 404
-    for the exact bf16 upcast (371 without the unroll; the per-block FP8 path 79-279); clean
-    inline 510 against 502 for the separate pass.
-    MXFP4: on FP8 tensor cores (rows renormalised into E4M3, ``fp4_via_fp8``): 955-982 TFLOP/s
-    against 266 for the bf16 upcast in the same run (clean inline 955 against 932 for the
-    separate pass); the bf16 recompute pass for rows with
-    block exponents spanning more than 8 binades uses 64x256, 8 warps, 3 stages (270 TFLOP/s
-    as the whole path, against 221 at 64x128 and 120 for the per-block FP8 split).
-    ``arch`` is the GPU's compute-capability major (None: no GPU, the interpreter). On Hopper
-    (9) the 64x128 tile's head loop runs as the Gluon kernel (``gluon``): FP8 with fp32 logits
-    1002-1006 TFLOP/s against 978 for the Triton loop in one run and 970-984 against 954 in
-    another, 962 / 948 at 8192/65536, 927-936 against 867-877 at H = 32, 70.6 / 71.1 us at
-    128/32768; MXFP8 (f16 rows) 710-744 TFLOP/s against 465-488, 0.98-1.09 of the BF16 ceiling.
-    4 warps, 4 query buffers (3: 1002 / 970, 710 for MXFP8), refilled two at a time (1027.7
-    against 1049.8 us at H64 2048/32768, equal at H32: ``indexer-prefill-bound-2-refill.json``);
-    8 warps splitting the keys (one block per SM at 164 registers) ran 815-829. The head sum
-    through |s| with a 2-part linear term (``relu_via_abs=2``) in the same run as the plain
-    loop (``indexer-prefill-sweep-13-abs.json``): 2048/32768 954 against 1147 us, H32 542 against
-    612, 128/32768 64.2 against 71.1, 8192/65536 8219 against 9310; calc_diff 1.6e-7 against the
-    dequantised reference (bound 5e-6); 3 parts 1-5% slower for no accuracy that shows (the FP8
-    MMA's own rounding dominates). MXFP4 on the Triton loop ran 5% slower with it (1201
-    against 1146 us): not used there. With the |s| head sum (fewer registers live) the ring
-    refilled after every head wins again (``indexer-prefill-sweep-14-abs-tiles.json``, two runs):
-    2048/32768 913 against 947 us, 8192/65536 7368 against 7453, H32 517 against 534, 128/32768
-    60.0 against 61.5; 3 or 6 buffers and 64-key tiles were slower. bf16 logits stay
-    on the Triton loop with the separate -inf pass (1017 against 929-931 for Gluon, either clean
-    schedule). MXFP4 stays on the Triton loop (Gluon 957-973 against 942-960: within run-to-run
-    spread, and its wide 64x256 tile also serves the bf16 recompute pass). Elsewhere the Triton
-    loop.
+    """The launch configuration measured best on an H200 at H = 64, D = 128 for each format,
+    by the number of query rows (at most 32: the few-row path) and the logits dtype; ``arch``
+    is the GPU's compute-capability major (None: the CPU interpreter), 9 picks the Gluon head
+    loop where it won. The sweeps behind every row are in ``benchmarks/NOTES.md``.
     """
     del num_heads, head_dim  # one tile per format fits every H and D measured so far
     hopper = arch == 9
     if fmt == "fp8":
-        if num_q_rows is not None and num_q_rows <= 32:
+        if num_q_rows is not None and num_q_rows <= FEW_ROWS:
             return PrefillConfig(block_q=16, block_n=128, num_warps=4, num_stages=3, heads_on_n=True)
         if hopper and logits_dtype == torch.float32:
             return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon=True, gluon_refill=1,
@@ -139,7 +111,7 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
         return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3, head_unroll=2,
                              clean_pass=logits_dtype == torch.bfloat16)
     if fmt == "mxfp8":
-        if hopper and (num_q_rows is None or num_q_rows > 32):
+        if hopper and (num_q_rows is None or num_q_rows > FEW_ROWS):
             return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, mxfp8_via_f16=True, gluon=True,
                                  gluon_refill=2)
         return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=2, head_unroll=2, mxfp8_via_f16=True)
@@ -159,89 +131,122 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
         raise ValueError(f"head_unroll must be 1 or 2, got {cfg.head_unroll}")
     if cfg.heads_on_n and fmt != "fp8":
         raise ValueError(f"heads_on_n runs FP8 only, got format {fmt}")
-    if cfg.gluon and (cfg.keys_major or cfg.heads_on_n or cfg.mx_split or cfg.block_q not in (64, 128)
-                      or cfg.num_warps % (cfg.block_q // 16) or cfg.num_stages < 2):
-        raise ValueError("gluon runs the 2-D tile (not keys_major, heads_on_n or mx_split) with block_q 64 or "
-                         f"128, num_warps a multiple of block_q / 16 and num_stages >= 2, got {cfg}")
+    if cfg.gluon and (cfg.heads_on_n or cfg.block_q not in (64, 128) or cfg.num_warps % (cfg.block_q // 16)
+                      or cfg.num_stages < 2):
+        raise ValueError("gluon runs the 2-D tile (not heads_on_n) with block_q 64 or 128, num_warps a multiple "
+                         f"of block_q / 16 and num_stages >= 2, got {cfg}")
     if cfg.gluon_refill not in (1, 2) or (cfg.gluon_refill == 2 and cfg.num_stages < 3):
         raise ValueError(f"gluon_refill must be 1, or 2 with num_stages >= 3, got {cfg}")
-    # One part (~4 bits of the combined row) misses the accuracy bound (calc_diff ~2e-4): not offered.
-    if cfg.relu_via_abs not in (0, 2, 3) or (cfg.relu_via_abs and (
-            cfg.keys_major or cfg.heads_on_n or cfg.mx_split or fmt == "mxfp8"
-            or (fmt == "mxfp4" and not cfg.fp4_via_fp8))):
-        raise ValueError("relu_via_abs (0, 2 or 3 parts) runs E4M3 operands on the 2-D tile with query rows on the "
-                         "MMA's M side (FP8, or MXFP4 with fp4_via_fp8; not keys_major, heads_on_n or mx_split), got "
-                         f"{cfg} for {fmt}")
+    # One part misses the accuracy bound; three add time and no accuracy that shows (NOTES).
+    if cfg.relu_via_abs not in (0, 2) or (cfg.relu_via_abs and (
+            cfg.heads_on_n or fmt == "mxfp8" or (fmt == "mxfp4" and not cfg.fp4_via_fp8))):
+        raise ValueError("relu_via_abs (0 or 2 parts) runs E4M3 operands on the 2-D tile with query rows on the "
+                         f"MMA's M side (FP8, or MXFP4 with fp4_via_fp8; not heads_on_n), got {cfg} for {fmt}")
     return cfg
 
 
 # ---------------------------------------------------------------------------------------
-# Validation
+# Validation: shapes, dtypes, strides and devices only (no device data, no host sync). The
+# window values are checked in the kernels (tilefuse._errors) or, in checked mode, here.
 # ---------------------------------------------------------------------------------------
 def _check_inputs(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype):
     """Validate shapes, dtypes, strides and devices; return ``(fmt, S_q, H, D, S_k)``."""
     for name, t in (("q", q), ("kv[0]", k), ("kv[1]", k_scale), ("weights", weights),
                     ("cu_seq_len_k_start", ks), ("cu_seq_len_k_end", ke)):
-        expect_tensor(t, name)
-    if q_sf is not None:
+        if not isinstance(t, torch.Tensor):
+            expect_tensor(t, name)
+    if q_sf is not None and not isinstance(q_sf, torch.Tensor):
         expect_tensor(q_sf, "q[1] (query scales)")
+    check_kernel_device(q, "q")
     fmt = format_of(q, q_sf)
 
-    expect(q.dim() == 3, ValueError, f"q: expected [S_q, H, D], got shape {tuple(q.shape)}")
+    if q.dim() != 3:
+        raise ValueError(f"q: expected [S_q, H, D], got shape {tuple(q.shape)}")
     s_q, h, dq = q.shape
     if fmt == "mxfp4":
-        expect(q.dtype == torch.int8, TypeError, f"q: MXFP4 values must be int8 (packed), got {q.dtype}")
+        if q.dtype != torch.int8:
+            raise TypeError(f"q: MXFP4 values must be int8 (packed), got {q.dtype}")
         d = dq * 2
-        expect(d in (64, 128), ValueError, f"q: MXFP4 head dim must be 64 or 128 (packed last dim 32/64), got {d}")
+        if d not in (64, 128):
+            raise ValueError(f"q: MXFP4 head dim must be 64 or 128 (packed last dim 32/64), got {d}")
     else:
-        expect(q.dtype == FP8_DTYPE, TypeError, f"q: expected {FP8_DTYPE} values, got {q.dtype}")
+        if q.dtype != FP8_DTYPE:
+            raise TypeError(f"q: expected {FP8_DTYPE} values, got {q.dtype}")
         d = dq
-        expect(d in (32, 64, 128), ValueError, f"q: head dim must be 32, 64 or 128, got {d}")
-    expect(h % 4 == 0 and 4 <= h <= 128, ValueError, f"q: head count must be a multiple of 4 in [4, 128], got {h}")
-    expect(q.stride(2) == 1 and q.stride(1) == dq, ValueError,
-            f"q: heads and head dim must be contiguous, got strides {q.stride()}")
+        if d not in (32, 64, 128):
+            raise ValueError(f"q: head dim must be 32, 64 or 128, got {d}")
+    if h % 4 or not 4 <= h <= 128:
+        raise ValueError(f"q: head count must be a multiple of 4 in [4, 128], got {h}")
+    if q.stride(2) != 1 or q.stride(1) != dq:
+        raise ValueError(f"q: heads and head dim must be contiguous, got strides {q.stride()}")
     check_tma_rows(q, "q")
 
-    expect(k.dim() == 2, ValueError, f"kv[0]: expected [S_k, {dq}], got shape {tuple(k.shape)}")
-    expect(k.dtype == q.dtype, TypeError, f"kv[0]: expected {q.dtype} like q, got {k.dtype}")
-    expect(k.shape[1] == dq, ValueError, f"kv[0]: last dim must be {dq} like q, got {k.shape[1]}")
+    if k.dim() != 2:
+        raise ValueError(f"kv[0]: expected [S_k, {dq}], got shape {tuple(k.shape)}")
+    if k.dtype != q.dtype:
+        raise TypeError(f"kv[0]: expected {q.dtype} like q, got {k.dtype}")
+    if k.shape[1] != dq:
+        raise ValueError(f"kv[0]: last dim must be {dq} like q, got {k.shape[1]}")
     check_tma_rows(k, "kv[0]")
     s_k = k.shape[0]
 
     scale_dtype = torch.float32 if fmt == "fp8" else torch.int32
-    expect(k_scale.dtype == scale_dtype, TypeError,
-            f"kv[1]: {fmt} keys need {scale_dtype} scales, got {k_scale.dtype}")
-    expect(tuple(k_scale.shape) == (s_k,) and k_scale.stride(0) == 1, ValueError,
-            f"kv[1]: expected a contiguous [{s_k}] tensor, got shape {tuple(k_scale.shape)}")
+    if k_scale.dtype != scale_dtype:
+        raise TypeError(f"kv[1]: {fmt} keys need {scale_dtype} scales, got {k_scale.dtype}")
+    if k_scale.dim() != 1 or k_scale.shape[0] != s_k or k_scale.stride(0) != 1:
+        raise ValueError(f"kv[1]: expected a contiguous [{s_k}] tensor, got shape {tuple(k_scale.shape)}")
     if q_sf is not None:
-        expect(q_sf.dtype == torch.int32, TypeError,
-                f"q[1]: query scales must be int32 (packed UE8M0), got {q_sf.dtype}")
-        expect(tuple(q_sf.shape) == (s_q, h) and q_sf.stride(1) == 1, ValueError,
-                f"q[1]: expected [{s_q}, {h}] with unit last stride, got shape {tuple(q_sf.shape)}")
+        if q_sf.dtype != torch.int32:
+            raise TypeError(f"q[1]: query scales must be int32 (packed UE8M0), got {q_sf.dtype}")
+        if q_sf.dim() != 2 or q_sf.shape[0] != s_q or q_sf.shape[1] != h or q_sf.stride(1) != 1:
+            raise ValueError(f"q[1]: expected [{s_q}, {h}] with unit last stride, got shape {tuple(q_sf.shape)}")
 
-    expect(weights.dtype in _WEIGHT_DTYPES, TypeError, f"weights: expected fp32 or bf16, got {weights.dtype}")
-    expect(tuple(weights.shape) == (s_q, h) and weights.stride(1) == 1, ValueError,
-            f"weights: expected [{s_q}, {h}] with unit last stride, got shape {tuple(weights.shape)} "
-            f"strides {weights.stride()}")
+    if weights.dtype not in _WEIGHT_DTYPES:
+        raise TypeError(f"weights: expected fp32 or bf16, got {weights.dtype}")
+    if weights.dim() != 2 or weights.shape[0] != s_q or weights.shape[1] != h or weights.stride(1) != 1:
+        raise ValueError(f"weights: expected [{s_q}, {h}] with unit last stride, got shape {tuple(weights.shape)} "
+                         f"strides {weights.stride()}")
     for name, t in (("cu_seq_len_k_start", ks), ("cu_seq_len_k_end", ke)):
-        expect(t.dtype == torch.int32, TypeError, f"{name}: expected int32, got {t.dtype}")
-        expect(tuple(t.shape) == (s_q,) and t.stride(0) == 1, ValueError,
-                f"{name}: expected a contiguous [{s_q}] tensor, got shape {tuple(t.shape)}")
-    expect(isinstance(max_seqlen_k, int) and max_seqlen_k >= 0, ValueError,
-            f"max_seqlen_k: expected an int >= 0, got {max_seqlen_k!r}")
-    expect(logits_dtype in _LOGITS_DTYPES, TypeError,
-            f"logits_dtype: expected float32 or bfloat16, got {logits_dtype}")
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name}: expected int32, got {t.dtype}")
+        if t.dim() != 1 or t.shape[0] != s_q or t.stride(0) != 1:
+            raise ValueError(f"{name}: expected a contiguous [{s_q}] tensor, got shape {tuple(t.shape)}")
+    if not isinstance(max_seqlen_k, int) or isinstance(max_seqlen_k, bool) or max_seqlen_k < 0:
+        raise ValueError(f"max_seqlen_k: expected an int >= 0, got {max_seqlen_k!r}")
+    if logits_dtype not in _LOGITS_DTYPES:
+        raise TypeError(f"logits_dtype: expected float32 or bfloat16, got {logits_dtype}")
 
-    tensors = {"q": q, "kv[0]": k, "kv[1]": k_scale, "weights": weights, "cu_seq_len_k_start": ks,
-               "cu_seq_len_k_end": ke}
-    if q_sf is not None:
-        tensors["q[1]"] = q_sf
-    for name, t in tensors.items():
-        expect(t.device == q.device, ValueError, f"{name}: expected device {q.device} like q, got {t.device}")
+    # get_device() is an int (-1: CPU): comparing torch.device objects costs ~1 us each.
+    dev = q.get_device()
+    if not (k.get_device() == dev and k_scale.get_device() == dev and weights.get_device() == dev
+            and ks.get_device() == dev and ke.get_device() == dev and (q_sf is None or q_sf.get_device() == dev)):
+        tensors = {"kv[0]": k, "kv[1]": k_scale, "weights": weights, "cu_seq_len_k_start": ks,
+                   "cu_seq_len_k_end": ke, "q": q}
+        if q_sf is not None:
+            tensors["q[1]"] = q_sf
+        check_same_device(tensors, "q")
     return fmt, s_q, h, d, s_k
 
 
+def _check_out(out, s_q: int, cols: int, logits_dtype: torch.dtype, device: torch.device) -> None:
+    """A caller-owned logits buffer: the op's dtype and shape, unit last stride, rows of at
+    least ``cols`` elements starting 16-byte aligned (what the kernels' stores need)."""
+    if not isinstance(out, torch.Tensor):
+        expect_tensor(out, "out")
+    if out.dtype != logits_dtype:
+        raise TypeError(f"out: expected {logits_dtype} like logits_dtype, got {out.dtype}")
+    if out.dim() != 2 or out.shape[0] != s_q or out.shape[1] != cols:
+        raise ValueError(f"out: expected shape [{s_q}, {cols}], got {tuple(out.shape)}")
+    if out.device != device:
+        raise ValueError(f"out: expected device {device} like q, got {out.device}")
+    if s_q > 1 and out.stride(0) < cols:
+        raise ValueError(f"out: rows overlap (row stride {out.stride(0)} < {cols} columns)")
+    check_tma_rows(out, "out")
+
+
 def _window_checks_enabled() -> bool:
+    """The paged op's switch for its host-side value checks (``TILEFUSE_CHECK_WINDOWS``), kept
+    for ``paged.py`` until it moves to ``tilefuse.set_checked``; prefill no longer reads it."""
     if os.environ.get("TILEFUSE_CHECK_WINDOWS", "1") == "0":
         return False
     if torch.compiler.is_compiling():
@@ -249,107 +254,163 @@ def _window_checks_enabled() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _check_windows(ks: torch.Tensor, ke: torch.Tensor, s_k: int, max_seqlen_k: int) -> None:
-    """Value checks on the windows: one small reduction and one host sync.
+def _host_reads_possible(device: torch.device) -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
-    Skipped inside CUDA-graph capture and torch.compile tracing, and when
-    ``TILEFUSE_CHECK_WINDOWS=0`` (serving hot paths that validated upstream).
-    """
-    if ks.numel() == 0 or not _window_checks_enabled():
+
+def _check_windows(ks: torch.Tensor, ke: torch.Tensor, s_k: int, max_seqlen_k: int) -> None:
+    """Checked mode: the window values read on the host (one small reduction, one sync)."""
+    if ks.numel() == 0:
         return
     longest = (ke.clamp(max=s_k) - ks).max()
     neg, inverted, longest = torch.stack([(ks < 0).any().int(), (ks > ke).any().int(), longest.int()]).tolist()
-    expect(not neg, ValueError, "cu_seq_len_k_start: window starts must be >= 0")
-    expect(not inverted, ValueError, "cu_seq_len_k_start/cu_seq_len_k_end: every window needs ks <= ke")
-    if max_seqlen_k > 0:
-        expect(longest <= max_seqlen_k, ValueError,
-                f"max_seqlen_k: {max_seqlen_k} is smaller than the longest window ({longest} keys)")
+    if neg:
+        raise ValueError("cu_seq_len_k_start: window starts must be >= 0")
+    if inverted:
+        raise ValueError("cu_seq_len_k_start/cu_seq_len_k_end: every window needs ks <= ke")
+    if max_seqlen_k > 0 and longest > max_seqlen_k:
+        raise ValueError(f"max_seqlen_k: {max_seqlen_k} is smaller than the longest window ({longest} keys)")
 
 
 # ---------------------------------------------------------------------------------------
-# The custom op
+# Per-shape decisions, made once: the config (by format, H, D, few or many rows, logits
+# dtype, GPU, override) and the GPU's architecture. The custom ops take the config as one
+# small int: its index in the table of configs seen so far.
 # ---------------------------------------------------------------------------------------
-def _out_shape(s_q: int, s_k: int, max_seqlen_k: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    cols = max_seqlen_k if max_seqlen_k > 0 else s_k
-    row = max(_ROW_ALIGN, triton.cdiv(cols, _ROW_ALIGN) * _ROW_ALIGN)
-    return (s_q, cols), (row, 1)
+_CONFIGS: list[PrefillConfig] = []
+_CONFIG_INDEX: dict[PrefillConfig, int] = {}
+_RESOLVED: dict[tuple, int] = {}
+_ARCH: dict[torch.device, int] = {}
+_ERR_RECORDS: dict[torch.device, torch.Tensor] = {}
 
 
-@torch.library.custom_op("tilefuse::mqa_logits", mutates_args=())
-def _mqa_logits(
-    q: torch.Tensor,
-    q_sf: torch.Tensor | None,
-    k: torch.Tensor,
-    k_scale: torch.Tensor,
-    weights: torch.Tensor,
-    ks: torch.Tensor,
-    ke: torch.Tensor,
-    clean_logits: bool,
-    max_seqlen_k: int,
-    logits_dtype: torch.dtype,
-    block_q: int,
-    block_n: int,
-    num_warps: int,
-    num_stages: int,
-    mx_split: bool,
-    keys_major: bool,
-    head_unroll: int,
-    fp4_via_fp8: bool,
-    clean_pass: bool,
-    mxfp8_via_f16: bool,
-    heads_on_n: bool,
-    gluon: bool,
-    gluon_refill: int,
-    relu_via_abs: int,
-) -> torch.Tensor:
+def _arch(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return _dispatch.capability_major(device)
+    arch = _ARCH.get(device)
+    if arch is None:
+        arch = _ARCH[device] = _dispatch.capability_major(device)
+    return arch
+
+
+def config_key(cfg: PrefillConfig) -> int:
+    """The small int the custom ops take for ``cfg`` (stable for the process's lifetime)."""
+    key = _CONFIG_INDEX.get(cfg)
+    if key is None:
+        key = _CONFIG_INDEX[cfg] = len(_CONFIGS)
+        _CONFIGS.append(cfg)
+    return key
+
+
+def config_of_key(key: int) -> PrefillConfig:
+    return _CONFIGS[key]
+
+
+def _resolved_key(fmt: str, h: int, d: int, s_q: int, config: PrefillConfig | None, logits_dtype: torch.dtype,
+                  device: torch.device) -> int:
+    override = _config._overrides.get("prefill")
+    arch = _arch(device)
+    cache_key = (fmt, h, d, s_q <= FEW_ROWS, config, logits_dtype, arch,
+                 tuple(sorted(override.items())) if override else ())
+    key = _RESOLVED.get(cache_key)
+    if key is None:
+        cfg = resolve_config(fmt, h, d, s_q, config, logits_dtype, arch)
+        key = _RESOLVED[cache_key] = config_key(cfg)
+    return key
+
+
+# ---------------------------------------------------------------------------------------
+# The implementation, and the custom ops torch.compile sees
+# ---------------------------------------------------------------------------------------
+def _run(q, q_sf, k, k_scale, weights, ks, ke, clean_logits: bool, max_seqlen_k: int, cfg: PrefillConfig,
+         out: torch.Tensor) -> None:
+    """Write the logits of validated inputs into ``out`` ([S_q, S_k or max_seqlen_k])."""
     fmt = format_of(q, q_sf)
     s_q, h, dq = q.shape
     d = dq * 2 if fmt == "mxfp4" else dq
     s_k = k.shape[0]
-    check_aligned(q, "q")
-    check_aligned(k, "kv[0]")
-    shape, stride = _out_shape(s_q, s_k, max_seqlen_k)
-    out = torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
     if s_q == 0:
-        return out
+        return
+    err = _ERR_RECORDS.get(q.device)
+    if err is None:
+        err = _ERR_RECORDS[q.device] = error_record(q.device)
     compressed = max_seqlen_k > 0
     if compressed and clean_logits:
         _fill_outside_windows(out, ks, ke, s_k, compressed=True)
     if s_k == 0:
-        return out
+        return
     # The -inf of the full layout: inside the logits kernel, or in a store-only pass after it.
-    separate_clean = clean_logits and clean_pass and not compressed
+    separate_clean = clean_logits and cfg.clean_pass and not compressed
     clean = clean_logits and not separate_clean
     # Blackwell (10.x): MX formats run the native block-scaled kernel with its own tile; the
     # table of which kernel runs where is _dispatch.PREFILL_KERNELS.
-    if (_dispatch.prefill_kernel_path(_dispatch.capability_major(q.device), fmt, mx_split)
-            == _dispatch.SM100_MX_DOT_SCALED):
-        _prefill_kernel_sm100.launch(q, q_sf, k, k_scale, weights, ks, ke, out, clean, compressed)
+    if _dispatch.prefill_kernel_path(_arch(q.device), fmt) == _dispatch.SM100_MX_DOT_SCALED:
+        _prefill_kernel_sm100.launch(q, q_sf, k, k_scale, weights, ks, ke, out, clean, compressed, err)
+    elif (fmt == "mxfp4" and cfg.fp4_via_fp8) or (fmt == "mxfp8" and cfg.mxfp8_via_f16):
+        _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, clean, compressed, d, cfg, err)
     else:
-        cfg = PrefillConfig(block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll,
-                            fp4_via_fp8, clean_pass, mxfp8_via_f16, heads_on_n, gluon, gluon_refill, relu_via_abs)
-        if ((fmt == "mxfp4" and fp4_via_fp8) or (fmt == "mxfp8" and mxfp8_via_f16)) and not mx_split:
-            _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, clean, compressed, d, cfg)
-        else:
-            _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg)
+        _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg, err)
     if separate_clean:
         _fill_outside_windows(out, ks, ke, s_k, compressed=False)
+
+
+def _new_logits(s_q: int, cols: int, logits_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    shape, stride = padded_logits_layout(s_q, cols)
+    return torch.empty_strided(shape, stride, dtype=logits_dtype, device=device)
+
+
+def _check_pointers(q, k, out=None) -> None:
+    # Eager calls checked these in _check_inputs; under torch.compile data pointers exist only now.
+    check_aligned(q, "q")
+    check_aligned(k, "kv[0]")
+    if out is not None:
+        check_aligned(out, "out")
+
+
+@torch.library.custom_op("tilefuse::mqa_logits", mutates_args=())
+def _mqa_logits_op(q: torch.Tensor, q_sf: torch.Tensor | None, k: torch.Tensor, k_scale: torch.Tensor,
+                   weights: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, clean_logits: bool, max_seqlen_k: int,
+                   logits_dtype: torch.dtype, config: int) -> torch.Tensor:
+    _check_pointers(q, k)
+    out = _new_logits(q.shape[0], max_seqlen_k or k.shape[0], logits_dtype, q.device)
+    _run(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, config_of_key(config), out)
     return out
 
 
-def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg: PrefillConfig,
+@_mqa_logits_op.register_fake
+def _mqa_logits_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype, config):
+    return _new_logits(q.shape[0], max_seqlen_k or k.shape[0], logits_dtype, q.device)
+
+
+@torch.library.custom_op("tilefuse::mqa_logits_out", mutates_args=("out",))
+def _mqa_logits_out_op(q: torch.Tensor, q_sf: torch.Tensor | None, k: torch.Tensor, k_scale: torch.Tensor,
+                       weights: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, clean_logits: bool,
+                       max_seqlen_k: int, config: int, out: torch.Tensor) -> None:
+    _check_pointers(q, k, out)
+    _run(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, config_of_key(config), out)
+
+
+@_mqa_logits_out_op.register_fake
+def _mqa_logits_out_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, config, out):
+    return None
+
+
+def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg: PrefillConfig, err,
             fix_q=None, fix_k=None) -> None:
     """One launch of the prefill kernel; ``fix_q``/``fix_k`` (int32 per query/key block) restrict
-    it to the flagged tiles."""
+    it to the flagged tiles; ``err`` is the device's error record."""
     s_q, h, dq = q.shape
     s_k = k.shape[0]
     if cfg.heads_on_n and fmt == "fp8":
         heads_p = triton.next_power_of_2(h)
-        k_desc = TensorDescriptor(k, [s_k, dq], [k.stride(0), 1], [cfg.block_n, dq])
-        grid = (triton.cdiv(s_k, cfg.block_n), triton.cdiv(s_q, cfg.block_q))
+        k_desc = host_descriptor(TensorDescriptor, k, [s_k, dq], [k.stride(0), 1], [cfg.block_n, dq])
+        grid = (_cdiv(s_k, cfg.block_n), _cdiv(s_q, cfg.block_q))
         kern.prefill_heads_on_n_kernel[grid](
             q, q.stride(0), q.stride(1), k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0),
-            s_q, s_k, H=h, HEADS_P=heads_p, D=d, ROWS=max(1, 128 // heads_p), CLEAN=clean, COMPRESSED=compressed,
+            s_q, s_k, out.shape[1], err, H=h, HEADS_P=heads_p, D=d, ROWS=max(1, 128 // heads_p), CLEAN=clean,
+            COMPRESSED=compressed,
             BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return
@@ -361,31 +422,28 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
             raise ValueError("gluon: the Gluon prefill kernel runs on Hopper (sm_90) GPUs only")
         from tilefuse.indexer import _prefill_kernel_gluon
 
-        _prefill_kernel_gluon.launch(q, k, k_scale, weights, ks, ke, out, clean, compressed, cfg.block_q,
+        _prefill_kernel_gluon.launch(q, k, k_scale, weights, ks, ke, out, clean, compressed, err, cfg.block_q,
                                      cfg.block_n, cfg.num_warps, cfg.num_stages, refill_every=cfg.gluon_refill,
                                      lin_parts=lin_parts, half_scale=half_scale)
         return
-    # With MX split, each load is one 32-element block (16 bytes of packed FP4).
-    split = fmt != "fp8" and cfg.mx_split
-    q_cols = (16 if fmt == "mxfp4" else 32) if split else dq
-    q_desc = TensorDescriptor(q, [s_q, h * dq], [q.stride(0), 1], [cfg.block_q, q_cols])
-    k_desc = TensorDescriptor(k, [s_k, dq], [k.stride(0), 1], [cfg.block_n, q_cols])
+    q_desc = host_descriptor(TensorDescriptor, q, [s_q, h * dq], [q.stride(0), 1], [cfg.block_q, dq])
+    k_desc = host_descriptor(TensorDescriptor, k, [s_k, dq], [k.stride(0), 1], [cfg.block_n, dq])
     q_sf_arg = q_sf if q_sf is not None else ks  # unused for FP8
-    grid = (triton.cdiv(s_k, cfg.block_n), triton.cdiv(s_q, cfg.block_q))
+    grid = (_cdiv(s_k, cfg.block_n), _cdiv(s_q, cfg.block_q))
     kern.prefill_logits_kernel[grid](
         q_desc, q_sf_arg, q_sf.stride(0) if q_sf is not None else 0,
         k_desc, k_scale,
         weights, weights.stride(0),
         ks, ke,
         out, out.stride(0),
-        s_q, s_k,
-        H=h, D=d, FMT=_FORMAT_CODE[fmt], MX_SPLIT=split,
+        s_q, s_k, out.shape[1], err,
+        H=h, D=d, FMT=FORMAT_CODE[fmt],
         CLEAN=clean, COMPRESSED=compressed,
-        BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, KEYS_MAJOR=cfg.keys_major and not split,
+        BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
         HEAD_UNROLL=cfg.head_unroll,
         fix_q_ptr=fix_q, fix_k_ptr=fix_k, FIXUP=fix_q is not None,
-        lin_desc=None if lin_parts is None else TensorDescriptor(
-            lin_parts, list(lin_parts.shape), [lin_parts.stride(0), 1], [cfg.block_q, dq]),
+        lin_desc=None if lin_parts is None else host_descriptor(
+            TensorDescriptor, lin_parts, list(lin_parts.shape), [lin_parts.stride(0), 1], [cfg.block_q, dq]),
         half_scale_ptr=half_scale, LIN_PARTS=0 if lin_parts is None else cfg.relu_via_abs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -420,8 +478,8 @@ def _renormalise_rows(values: torch.Tensor, sf: torch.Tensor, fmt: str, d: int, 
     e_max = torch.empty(n, dtype=torch.int32, device=values.device)
     span = torch.empty(n, dtype=torch.int32, device=values.device)
     if n:
-        kern.mx_rows_renormalise_kernel[(triton.cdiv(n, block_r),)](
-            rows, sf.reshape(-1), out, e_max, span, n, D=d, FMT=_FORMAT_CODE[fmt], BLOCK_R=block_r)
+        kern.mx_rows_renormalise_kernel[(_cdiv(n, block_r),)](
+            rows, sf.reshape(-1), out, e_max, span, n, D=d, FMT=FORMAT_CODE[fmt], BLOCK_R=block_r)
     exact = (span <= _SPAN_EXACT[fmt]) & ((e_max - 127).abs() <= _FOLD_EXP_LIMIT)
     return out, torch.exp2(e_max.float() - 127.0), exact
 
@@ -433,7 +491,7 @@ def _block_flags(inexact: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, clean, compressed, d,
-                              cfg: PrefillConfig) -> None:
+                              cfg: PrefillConfig, err) -> None:
     """MX logits on the FP8 kernel's head loop: rows renormalised into E4M3 (MXFP4, FP8 MMA) or
     f16 (MXFP8, f16 MMA), then the bf16 upcast recomputes only tiles with a row that was not exact."""
     s_q, h, _ = q.shape
@@ -444,23 +502,15 @@ def _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, cl
     # The Triton loop, as the FP8 default off Hopper, with this config's head sum.
     fp8_cfg = cfg if cfg.gluon else dataclasses.replace(default_config("fp8", h, d, s_q), relu_via_abs=cfg.relu_via_abs)
     _launch(q_rows.view(s_q, h, d), None, k_rows, k_row_scale, w_rows, ks, ke, out, "fp8", d, clean, compressed,
-            fp8_cfg)
+            fp8_cfg, err)
     fix_q = _block_flags(~q_exact.view(s_q, h).all(dim=1), cfg.block_q)
     fix_k = _block_flags(~k_exact, cfg.block_n)
-    _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg, fix_q, fix_k)
-
-
-@_mqa_logits.register_fake
-def _mqa_logits_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype,
-                     block_q, block_n, num_warps, num_stages, mx_split, keys_major, head_unroll, fp4_via_fp8,
-                     clean_pass, mxfp8_via_f16, heads_on_n, gluon, gluon_refill, relu_via_abs):
-    shape, stride = _out_shape(q.shape[0], k.shape[0], max_seqlen_k)
-    return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
+    _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg, err, fix_q, fix_k)
 
 
 def _fill_outside_windows(out, ks, ke, s_k, compressed: bool, block_q: int = 32, block_c: int = 128) -> None:
     n_cols = out.shape[1]
-    grid = (triton.cdiv(n_cols, block_c), triton.cdiv(out.shape[0], block_q))
+    grid = (_cdiv(n_cols, block_c), _cdiv(out.shape[0], block_q))
     kern.fill_outside_windows_kernel[grid](out, out.stride(0), ks, ke, out.shape[0], s_k, n_cols,
                                            COMPRESSED=compressed, BLOCK_Q=block_q, BLOCK_C=block_c)
 
@@ -480,6 +530,7 @@ def fp8_fp4_mqa_logits(
     schedule_meta: torch.Tensor | None = None,
     *,
     config: PrefillConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Indexer logits over FP8, MXFP8 or MXFP4 queries and keys.
 
@@ -497,22 +548,30 @@ def fp8_fp4_mqa_logits(
         max_seqlen_k: 0 for the full ``[S_q, S_k]`` layout; ``> 0`` for the compressed layout
             ``[S_q, max_seqlen_k]`` where column ``c`` holds key ``ks[i] + c``.
         logits_dtype: torch.float32 or torch.bfloat16.
-        schedule_meta: from :func:`get_mqa_logits_metadata`; the output is bitwise identical
-            with or without it.
+        schedule_meta: from :func:`get_mqa_logits_metadata`, checked by shape only; the output
+            is bitwise identical with or without it.
         config: launch configuration override (see :class:`PrefillConfig`).
+        out: a caller-owned logits buffer to write (and return) instead of a new one:
+            ``logits_dtype``, shape ``[S_q, S_k]`` (or ``[S_q, max_seqlen_k]``), last stride 1,
+            row stride >= its columns with rows starting 16-byte aligned. Reusable across calls.
 
     Returns:
-        ``[S_q, S_k]`` (or ``[S_q, max_seqlen_k]``) logits, last stride 1, row stride padded to a
-        multiple of 16 elements (read ``logits.stride(0)``).
+        ``[S_q, S_k]`` (or ``[S_q, max_seqlen_k]``) logits, last stride 1; a new tensor has its
+        row stride padded to a multiple of 16 elements (read ``logits.stride(0)``).
 
     Raises:
         TypeError: a non-tensor argument, or a wrong dtype (q, kv[0], kv[1], q[1], weights,
-            windows, logits_dtype).
+            windows, logits_dtype, out).
         ValueError: a wrong shape; H not a multiple of 4 in [4, 128]; D not in {32, 64, 128}
             (FP4: {64, 128}); non-contiguous heads/head dim, a row stride or base not 16-byte
-            aligned; tensors on different devices; ``ks < 0`` or ``ks > ke``; ``max_seqlen_k``
-            negative or smaller than the longest window; schedule_meta of the wrong
-            dtype, shape or device.
+            aligned; tensors on different devices, or on the CPU without Triton's interpreter;
+            schedule_meta or out of the wrong dtype, shape, strides or device; ``max_seqlen_k``
+            negative.
+        tilefuse.DeviceValueError (a ValueError): window values, found by the kernels and raised
+            at the next call on the device or at :func:`tilefuse.check_errors` (in checked mode,
+            :func:`tilefuse.set_checked`, a ValueError at once): ``ks < 0``, ``ks > ke``,
+            ``max_seqlen_k`` smaller than a window. Whatever the values, nothing is read or
+            written out of bounds (windows are clamped into ``[0, S_k]``).
     """
     if not isinstance(q, (tuple, list)) or len(q) != 2:
         raise TypeError("q: expected a tuple (values, sf); sf is None for FP8")
@@ -520,17 +579,34 @@ def fp8_fp4_mqa_logits(
         raise TypeError("kv: expected a tuple (k, k_sf)")
     q_values, q_sf = q
     k, k_scale = kv
-    fmt, s_q, h, d, s_k = _check_inputs(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start,
-                                        cu_seq_len_k_end, max_seqlen_k, logits_dtype)
-    cfg = resolve_config(fmt, h, d, s_q, config, logits_dtype, _dispatch.capability_major(q_values.device))
+    ks, ke = cu_seq_len_k_start, cu_seq_len_k_end
+    fmt, s_q, h, d, s_k = _check_inputs(q_values, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype)
+    device = q_values.device
+    _errors.raise_pending_fast(device)
+    cols = max_seqlen_k if max_seqlen_k > 0 else s_k
     if schedule_meta is not None:
-        # The 2-D grid derives the same per-block key ranges in each program, so the result
-        # does not depend on the metadata; it is validated here for the caller's sake.
-        _check_metadata(schedule_meta, s_q, q_values.device)
-    _check_windows(cu_seq_len_k_start, cu_seq_len_k_end, s_k, max_seqlen_k)
-    return _mqa_logits(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end,
-                       bool(clean_logits), max_seqlen_k, logits_dtype,
-                       *dataclasses.astuple(cfg))  # the op takes the config's fields in their order
+        _check_metadata(schedule_meta, s_q, device)
+    if out is not None:
+        _check_out(out, s_q, cols, logits_dtype, device)
+    key = _resolved_key(fmt, h, d, s_q, config, logits_dtype, device)
+    clean = bool(clean_logits)
+    checked_now = _errors.checked() and _host_reads_possible(device)
+    if checked_now:
+        _check_windows(ks, ke, s_k, max_seqlen_k)
+    if torch.compiler.is_compiling():
+        if out is None:
+            return torch.ops.tilefuse.mqa_logits(q_values, q_sf, k, k_scale, weights, ks, ke, clean, max_seqlen_k,
+                                                 logits_dtype, key)
+        torch.ops.tilefuse.mqa_logits_out(q_values, q_sf, k, k_scale, weights, ks, ke, clean, max_seqlen_k, key, out)
+        return out
+    # Eager: the implementation directly (the custom op's dispatch would cost more than the
+    # rest of the host work together).
+    if out is None:
+        out = _new_logits(s_q, cols, logits_dtype, device)
+    _run(q_values, q_sf, k, k_scale, weights, ks, ke, clean, max_seqlen_k, _CONFIGS[key], out)
+    if checked_now:
+        check_errors(device)
+    return out
 
 
 def fp8_mqa_logits(
@@ -541,15 +617,18 @@ def fp8_mqa_logits(
     cu_seq_len_k_end: torch.Tensor,
     clean_logits: bool = True,
     max_seqlen_k: int = 0,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FP8 indexer logits with DeepGEMM's ``fp8_mqa_logits`` signature: ``q`` is a bare e4m3
     ``[S_q, H, D]`` tensor, ``kv = (k e4m3 [S_k, D], k_scale fp32 [S_k])``, fp32 logits.
 
-    See :func:`fp8_fp4_mqa_logits` for the arguments and the errors raised.
+    See :func:`fp8_fp4_mqa_logits` for the arguments (``out`` included) and the errors raised.
     """
-    expect_tensor(q, "q")
+    if not isinstance(q, torch.Tensor):
+        expect_tensor(q, "q")
     return fp8_fp4_mqa_logits((q, None), kv, weights, cu_seq_len_k_start, cu_seq_len_k_end,
-                              clean_logits, max_seqlen_k)
+                              clean_logits, max_seqlen_k, out=out)
 
 
 # ---------------------------------------------------------------------------------------
@@ -591,12 +670,59 @@ def get_mqa_logits_metadata(
     return torch.cat([header, torch.stack([lo_blk, hi_blk], dim=1)]).to(torch.int32)
 
 
+_META_BLOCK_Q = default_config("fp8", 4, 128).block_q
+
+
 def _check_metadata(meta: torch.Tensor, s_q: int, device: torch.device) -> None:
-    expect_tensor(meta, "schedule_meta")
-    expect(meta.dtype == torch.int32 and meta.dim() == 2 and meta.shape[1] == 2, ValueError,
-            f"schedule_meta: expected int32 [1 + num_q_blocks, 2] from get_mqa_logits_metadata, "
-            f"got {meta.dtype} {tuple(meta.shape)}")
-    expect(meta.device == device, ValueError, f"schedule_meta: expected device {device}, got {meta.device}")
-    block_q = default_config("fp8", 4, 128).block_q
-    expect(meta.shape[0] == _META_HEADER_ROWS + triton.cdiv(s_q, block_q), ValueError,
-            f"schedule_meta: made for another number of query rows ({meta.shape[0] - 1} blocks, S_q = {s_q})")
+    """By shape, dtype and device only: the kernels never read it, so it is never recomputed."""
+    if not isinstance(meta, torch.Tensor):
+        expect_tensor(meta, "schedule_meta")
+    if meta.dtype != torch.int32 or meta.dim() != 2 or meta.shape[1] != 2:
+        raise ValueError(f"schedule_meta: expected int32 [1 + num_q_blocks, 2] from get_mqa_logits_metadata, "
+                         f"got {meta.dtype} {tuple(meta.shape)}")
+    if meta.device != device:
+        raise ValueError(f"schedule_meta: expected device {device}, got {meta.device}")
+    if meta.shape[0] != _META_HEADER_ROWS + -(-s_q // _META_BLOCK_Q):
+        raise ValueError(f"schedule_meta: made for another number of query rows ({meta.shape[0] - 1} blocks, "
+                         f"S_q = {s_q})")
+
+
+def warmup_calls(fmt: str, num_heads: int, head_dim: int, weights_dtype: torch.dtype = torch.float32,
+                 logits_dtype: torch.dtype = torch.float32, clean_logits: bool = False, compressed: bool = False,
+                 device: torch.device | str = "cuda") -> list:
+    """One call per kernel variant that the op's heuristics can pick for this model
+    configuration (the few-row and the many-row path, with every pass each one launches), on
+    small inputs. After running them, any S_q, S_k, windows and strides run without a compile.
+    Returns the calls (each takes no arguments and returns nothing)."""
+    device = torch.device(device)
+    s_k = 256
+    calls = []
+    for s_q in (FEW_ROWS // 2, 3 * FEW_ROWS):  # one per side of the few-row threshold
+        q, kv = _zero_inputs(fmt, s_q, s_k, num_heads, head_dim, device)
+        weights = torch.zeros(s_q, num_heads, dtype=weights_dtype, device=device)
+        ks = torch.zeros(s_q, dtype=torch.int32, device=device)
+        ke = torch.arange(s_k - s_q + 1, s_k + 1, dtype=torch.int32, device=device)
+        max_seqlen_k = s_k if compressed else 0
+
+        def call(q=q, kv=kv, weights=weights, ks=ks, ke=ke, max_seqlen_k=max_seqlen_k) -> None:
+            fp8_fp4_mqa_logits(q, kv, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype)
+
+        calls.append(call)
+    return calls
+
+
+def _zero_inputs(fmt: str, s_q: int, s_k: int, h: int, d: int, device: torch.device):
+    """Zero-valued operands of a format (unit scales), for warm-up launches."""
+    if fmt not in FORMAT_CODE:
+        raise ValueError(f"fmt: expected one of {sorted(FORMAT_CODE)}, got {fmt!r}")
+    if fmt == "fp8":
+        values = torch.zeros(s_q, h, d, dtype=torch.uint8, device=device).view(FP8_DTYPE)
+        keys = torch.zeros(s_k, d, dtype=torch.uint8, device=device).view(FP8_DTYPE)
+        return (values, None), (keys, torch.ones(s_k, device=device))
+    dq = d // 2 if fmt == "mxfp4" else d
+    dtype = torch.int8 if fmt == "mxfp4" else FP8_DTYPE
+    values = torch.zeros(s_q, h, dq, dtype=torch.uint8, device=device).view(dtype)
+    keys = torch.zeros(s_k, dq, dtype=torch.uint8, device=device).view(dtype)
+    one = 0x7F7F7F7F  # UE8M0 1.0 in every byte
+    return ((values, torch.full((s_q, h), one, dtype=torch.int32, device=device)),
+            (keys, torch.full((s_k,), one, dtype=torch.int32, device=device)))

@@ -15,8 +15,8 @@ with aligned sizes compiles a further specialisation that only adds facts.
 
 What is covered, per kernel, is listed in each builder's docstring. A variant says where it
 comes from (``origin``): ``"default"`` for what the heuristics pick, ``"option"`` for an
-alternative a caller can ask for through the config (``PrefillConfig(mx_split=True)`` and the
-like), which must stay on the fast path too.
+alternative a caller can ask for through the config (``PrefillConfig(clean_pass=True)`` and
+the like), which must stay on the fast path too.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from unittest import mock
 
-from tilefuse import _config
+from tilefuse import _config, _validate
 
 TARGETS_ALL = ("sm_90a", "sm_100a")
 TARGET_MAJOR = {"sm_90a": 9, "sm_100a": 10}
@@ -120,6 +120,8 @@ def tracing(*paths: str):
     _config._overrides.clear()
     try:
         with contextlib.ExitStack() as stack:
+            # Nothing runs: the ops' check that CPU tensors go to the interpreter does not apply.
+            stack.enter_context(mock.patch.object(_validate, "interpreter_enabled", lambda: True))
             for path in paths:
                 module, _, name = path.partition(":")
                 mod = importlib.import_module(module)
@@ -210,7 +212,7 @@ _Q_ROWS = (1, 16, 64, 256, 1024, 4096, 16384, 65536)
 # (clean_logits, compressed): clean full layout, raw full layout, compressed, compressed + -inf tail.
 _LAYOUTS = ((True, False), (False, False), (False, True), (True, True))
 # Integer PrefillConfig fields other than the tile, and the values callers may set.
-_PREFILL_INT_OPTIONS = {"head_unroll": (1, 2), "relu_via_abs": (0, 2, 3)}
+_PREFILL_INT_OPTIONS = {"head_unroll": (1, 2), "relu_via_abs": (0, 2)}
 _S_Q, _S_K, _MAX_SEQLEN_K = 37, 300, 45
 
 
@@ -297,7 +299,7 @@ def _prefill_points():
             for clean, compressed in _LAYOUTS:
                 yield fmt, d, h, cfg, clean, compressed, f32, f32, "default"
             if d == 128:
-                rows = cfg.block_q if cfg.keys_major or cfg.heads_on_n else 4096
+                rows = cfg.block_q if cfg.heads_on_n else 4096
                 bf16_cfg = prefill.default_config(fmt, h, d, rows, bf16)
                 yield fmt, d, h, bf16_cfg, True, False, bf16, bf16, "default"
                 yield fmt, d, h, bf16_cfg, True, True, bf16, bf16, "default"
@@ -306,8 +308,7 @@ def _prefill_points():
             if (opt.heads_on_n and fmt != "fp8") or opt.gluon or (opt.relu_via_abs and fmt == "mxfp8"):
                 continue  # heads_on_n: FP8 only; the Gluon kernel has its own builder (GPU-only launch);
                 # relu_via_abs runs E4M3 operands (MXFP8 goes through f16)
-            # Options at D = 128; the MX split path (which changes the loads) at every D.
-            if d == 128 or (opt.mx_split and fmt != "fp8"):
+            if d == 128:  # options at D = 128
                 yield fmt, d, 64, opt, True, False, f32, f32, "option"
 
 
@@ -330,7 +331,7 @@ def _trace_prefill() -> tuple[Variant, ...]:
         extras = "".join(f" {n}={_short(t)}" for n, t in (("w", w_dtype), ("out", out_dtype)) if _short(t) != "fp32")
         # The targets whose dispatch runs this kernel for this format.
         targets = tuple(t for t in TARGETS_ALL if _dispatch.KERNEL_OF_PATH[
-            _dispatch.prefill_kernel_path(TARGET_MAJOR[t], fmt, cfg.mx_split)] == main)
+            _dispatch.prefill_kernel_path(TARGET_MAJOR[t], fmt)] == main)
         for launch in launches:
             if launch.function == heads_on_n:
                 name = f"{fmt} D{d} H{h} {_layout_name(clean, compressed)} {_config_label(cfg, base)}{extras}"
@@ -358,6 +359,12 @@ def _trace_prefill() -> tuple[Variant, ...]:
     return tuple(out)
 
 
+def _error_record():
+    from tilefuse._errors import error_record
+
+    return error_record("cpu")
+
+
 def _weights(rows: int, h: int, dtype):
     import torch
 
@@ -372,8 +379,7 @@ def prefill_variants() -> list[Variant]:
     in 1..65536, each in the four output layouts (full/compressed x clean/raw) with fp32
     weights and logits, at H = 64 (or a head count that gets the config: H is the trip count
     of a run-time loop, so the code does not depend on it otherwise); at D = 128 also bf16
-    weights and logits. Options: each non-tile ``PrefillConfig`` field flipped (MX split at
-    every D, the others at D = 128).
+    weights and logits. Options: each non-tile ``PrefillConfig`` field flipped, at D = 128.
     """
     return _unique(v for v in _trace_prefill() if v.kernel == "indexer.prefill")
 
@@ -384,7 +390,7 @@ def prefill_gluon_variants() -> list[Variant]:
     with fp32 logits and the clean layout with bf16 logits. Default: the tile ``default_config``
     picks on Hopper (64x128, 4 warps, 4 buffers; E4M3 with the head sum through |s| and a 2-part
     linear term, ``relu_via_abs``, refilled after every head; f16 with the plain head sum, refilled
-    two at a time); options: the other refills, the plain head sum or 3 parts (E4M3), 8 warps
+    two at a time); options: the other refills, the plain head sum (E4M3), 8 warps
     splitting the key tile (3 and 4 buffers). The launcher is
     called directly: the op only dispatches to it on an sm_90 GPU."""
     import torch
@@ -399,7 +405,7 @@ def prefill_gluon_variants() -> list[Variant]:
     w, nb = default.num_warps, default.num_stages
     # (warps, buffers, refill, linear-term parts, origin) per operand dtype
     fp8_tiles = [(w, nb, default.gluon_refill, default.relu_via_abs, "default")]
-    fp8_tiles += [t for t in [(w, nb, r, p, "option") for r in (1, 2) for p in (0, 2, 3)] + [
+    fp8_tiles += [t for t in [(w, nb, r, p, "option") for r in (1, 2) for p in (0, 2)] + [
         (8, 3, 1, 0, "option"), (8, 4, 1, 0, "option")] if t[:4] != fp8_tiles[0][:4]]
     f16_tiles = [(mx_default.num_warps, mx_default.num_stages, mx_default.gluon_refill, 0, "default")]
     f16_tiles += [t for t in [(w, nb, 1, 0, "option"), (w, nb, 2, 0, "option"), (8, 3, 1, 0, "option"),
@@ -418,8 +424,8 @@ def prefill_gluon_variants() -> list[Variant]:
                 logits = torch.zeros(_S_Q, cols + (-cols) % 16, dtype=out_dtype)
                 with tracing(path) as launches:
                     gk.launch(q, k, torch.ones(_S_K), _weights(_S_Q, h, torch.float32), ks, ke, logits, clean,
-                              compressed, default.block_q, default.block_n, num_warps, num_buf, refill_every=refill,
-                              lin_parts=lin, half_scale=torch.ones(_S_Q) if parts else None)
+                              compressed, _error_record(), default.block_q, default.block_n, num_warps, num_buf,
+                              refill_every=refill, lin_parts=lin, half_scale=torch.ones(_S_Q) if parts else None)
                 name = (f"{_dtype_name(dtype)} D{d} H{h} {_layout_name(clean, compressed)} "
                         f"{default.block_q}x{default.block_n} w{num_warps} buf{num_buf}"
                         + (f" refill{refill}" if refill != 1 else "") + (f" abs{parts}" if parts else "")
@@ -470,7 +476,8 @@ def prefill_sm100_variants() -> list[Variant]:
         cols = _MAX_SEQLEN_K if compressed else _S_K
         logits = torch.empty_strided((_S_Q, cols), (-(-cols // 16) * 16, 1), dtype=out_dtype)  # rows padded as the op
         with tracing(path) as launches:
-            k100.launch(q, q_sf, k, k_sf, _weights(_S_Q, h, w_dtype), ks, ke, logits, clean, compressed)
+            k100.launch(q, q_sf, k, k_sf, _weights(_S_Q, h, w_dtype), ks, ke, logits, clean, compressed,
+                        _error_record())
         extras = "".join(f" {n}={_short(t)}" for n, t in (("w", w_dtype), ("out", out_dtype)) if _short(t) != "fp32")
         (launch,) = launches
         c = launch.arguments

@@ -1,0 +1,118 @@
+"""Host time per call of the prefill op, as an engine calls it eagerly (back to back).
+
+With ``--stub`` (the default without a GPU) every prefill kernel is replaced by a launcher that
+does nothing, so what is timed is the Python wrapper alone: validation, the cached config,
+the output allocation, descriptors and argument packing. That is a sanity check that runs on
+any machine; Triton's own launch cost (about 14 us on an H200 host, 27 us with a host tensor
+descriptor) comes on top. On a GPU without ``--stub`` the real kernels run at a small shape
+(the GPU time stays below the host time) and the host time is the time to enqueue the calls,
+read without a sync; the wall time per call after a final sync is printed beside it.
+
+    python benchmarks/prefill_host_cost.py [--stub] [--calls 2000] [--output host-cost.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import tilefuse  # noqa: E402
+from tilefuse.indexer import _prefill_kernel, _prefill_kernel_sm100, prefill  # noqa: E402
+from tilefuse.indexer import windows as W  # noqa: E402
+
+_KERNELS = [(_prefill_kernel, name) for name in (
+    "prefill_logits_kernel", "prefill_heads_on_n_kernel", "fill_outside_windows_kernel",
+    "mx_rows_renormalise_kernel", "linear_term_parts_kernel")] + [(_prefill_kernel_sm100, "prefill_logits_mx_kernel")]
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def stubbed_kernels():
+    """Every prefill kernel launch does nothing (the Gluon kernel too, where it is imported)."""
+    targets = list(_KERNELS)
+    if torch.cuda.is_available():
+        from tilefuse.indexer import _prefill_kernel_gluon
+
+        targets.append((_prefill_kernel_gluon, "prefill_logits_gluon_kernel"))
+    saved = [(mod, name, getattr(mod, name)) for mod, name in targets]
+    try:
+        for mod, name, _ in saved:
+            setattr(mod, name, _NoLaunch())
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
+
+def _case(fmt: str, s_q: int, s_k: int, h: int, d: int, device: str):
+    q, kv = prefill._zero_inputs(fmt, s_q, s_k, h, d, device)
+    w = torch.randn(s_q, h, device=device)
+    ks, ke = W.causal_tail(s_q, s_k, device=device)
+    return q, kv, w, ks, ke
+
+
+def _calls(fmt: str, s_q: int, s_k: int, device: str) -> dict:
+    """The calls an engine makes (H64 D128, clean_logits=False): new output, out=, DeepGEMM's FP8 name."""
+    q, kv, w, ks, ke = _case(fmt, s_q, s_k, 64, 128, device)
+    out = torch.empty(s_q, s_k, device=device)
+    calls = {"new output": lambda: tilefuse.fp8_fp4_mqa_logits(q, kv, w, ks, ke, False),
+             "out=": lambda: tilefuse.fp8_fp4_mqa_logits(q, kv, w, ks, ke, False, out=out)}
+    if fmt == "fp8":
+        calls["fp8_mqa_logits"] = lambda: tilefuse.fp8_mqa_logits(q[0], kv, w, ks, ke, False)
+    return calls
+
+
+def time_calls(fn, calls: int, device: str) -> dict:
+    for _ in range(10):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    enqueued = time.perf_counter()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    done = time.perf_counter()
+    return {"host_us": (enqueued - start) / calls * 1e6, "wall_us": (done - start) / calls * 1e6}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stub", action="store_true", help="time the wrapper alone (kernels not launched)")
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--output", default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    stub = args.stub or device == "cpu"
+    rows = []
+    cases = [("fp8", 128, 4096), ("fp8", 16, 4096), ("mxfp8", 128, 4096), ("mxfp4", 128, 4096)]
+    with stubbed_kernels() if stub else contextlib.nullcontext():
+        for fmt, s_q, s_k in cases:
+            for name, fn in _calls(fmt, s_q, s_k, device).items():
+                row = {"fmt": fmt, "s_q": s_q, "s_k": s_k, "call": name, "stub": stub, "device": device,
+                       **time_calls(fn, args.calls, device)}
+                rows.append(row)
+                print(f"{fmt:6} {s_q:5}/{s_k:<6} {name:15} host {row['host_us']:8.1f} us   "
+                      f"wall {row['wall_us']:8.1f} us{'   (kernels stubbed)' if stub else ''}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"rows": rows, "torch": torch.__version__}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""tilefuse.warmup: every kernel variant a model configuration can use, run once at start-up;
+on a GPU, no compile afterwards over a random sequence of shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilefuse
+from tilefuse import _jit
+from tilefuse.indexer import paged, prefill
+from tilefuse.indexer import warmup as warmup_mod
+from tilefuse.indexer import windows as W
+
+from ..conftest import DEVICE, ON_GPU
+
+
+def test_warmup_runs_the_prefill_calls_and_reports(record_launches):
+    from tilefuse.indexer import _prefill_kernel as kern
+
+    main = record_launches(kern, "prefill_logits_kernel")
+    few = record_launches(kern, "prefill_heads_on_n_kernel")
+    model = tilefuse.IndexerModel(fmt="fp8", num_heads=8, head_dim=64)
+    report = tilefuse.warmup(model, device=DEVICE, decode=False)
+    assert report.calls == {"prefill": 2} and report.seconds > 0
+    assert len(main) == 1 and len(few) == 1  # the many-row and the few-row path
+    if not ON_GPU:
+        assert report.compiles == []  # the interpreter never compiles
+
+
+def test_warmup_asks_the_paged_op_when_it_offers_warmup_calls(monkeypatch):
+    seen = []
+
+    def paged_calls(fmt, num_heads, head_dim, block_kv, next_n, weights_dtype, logits_dtype, clean_logits, device):
+        seen.append((fmt, num_heads, head_dim, block_kv, next_n, weights_dtype, logits_dtype, clean_logits))
+        return [lambda: None, lambda: None]
+
+    monkeypatch.setattr(paged, "warmup_calls", paged_calls, raising=False)
+    monkeypatch.setattr(prefill, "warmup_calls", lambda *a: [])
+    model = tilefuse.IndexerModel(fmt="mxfp4", num_heads=16, head_dim=128, block_kv=32, next_n=2)
+    report = tilefuse.warmup(model, device=DEVICE)
+    assert report.calls == {"prefill": 0, "decode": 2}
+    assert seen == [("mxfp4", 16, 128, 32, 2, torch.float32, torch.float32, False)]
+
+
+def test_warmup_rejects_what_is_not_a_model():
+    with pytest.raises(TypeError, match="IndexerModel"):
+        tilefuse.warmup({"fmt": "fp8"})
+    with pytest.raises(ValueError, match="fmt"):
+        warmup_mod.warmup_calls(tilefuse.IndexerModel(fmt="int4"), DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", [
+    tilefuse.IndexerModel(),  # DeepSeek-V3.2's indexer as engines call prefill: FP8, no clean
+    tilefuse.IndexerModel(clean_logits=True, logits_dtype=torch.bfloat16),
+    tilefuse.IndexerModel(fmt="mxfp4", compressed=True),
+    tilefuse.IndexerModel(fmt="mxfp8", num_heads=32),
+], ids=str)
+def test_no_compile_after_warmup_over_random_shapes(model):
+    """After warm-up, 24 random (S_q, S_k) with random windows, padded rows and sliced inputs
+    compile nothing."""
+    tilefuse.warmup(model, decode=False)
+    g = torch.Generator().manual_seed(19)
+    q_full, kv_full = prefill._zero_inputs(model.fmt, 2048, 8192, model.num_heads, model.head_dim, "cuda")
+    w_full = torch.randn(2048, model.num_heads + 5, device="cuda").to(model.weights_dtype)
+    with _jit.count_compiles() as log:
+        for _ in range(24):
+            s_q = int(torch.randint(1, 2048, (1,), generator=g))
+            s_k = int(torch.randint(1, 8192, (1,), generator=g))
+            start = int(torch.randint(0, 8192 - s_k + 1, (1,), generator=g))
+            ks, ke = W.random_windows(s_q, s_k, generator=g, device="cuda")
+            q = (q_full[0][:s_q], None if q_full[1] is None else q_full[1][:s_q])
+            kv = (kv_full[0][start:start + s_k], kv_full[1][start:start + s_k])
+            tilefuse.fp8_fp4_mqa_logits(q, kv, w_full[:s_q, 3:3 + model.num_heads], ks, ke, model.clean_logits,
+                                        s_k if model.compressed else 0, model.logits_dtype)
+        torch.cuda.synchronize()
+    assert log.count == 0, f"compiled after warm-up: {log.kernels()}"
