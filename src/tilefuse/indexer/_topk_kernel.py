@@ -1,0 +1,134 @@
+"""Triton kernel of the chunked top-k: merge one chunk of logits into a running per-row top-k.
+
+Each (position, value) pair becomes one int64 key whose signed order is the contract's order:
+
+* high 32 bits: the fp32 value's bits mapped to an int32 of the same order (negative values
+  have their magnitude bits flipped); ``-0.0`` maps like ``+0.0`` (they tie, as IEEE compares
+  them) and every NaN maps to ``INT32_MIN``, below ``-inf``: a NaN logit ranks after every
+  number and before the ``-1`` padding, ties among NaNs broken by position;
+* low 32 bits: ``0x7FFFFFFF - position``, so of equal values the smaller position is larger.
+
+Keys are unique per row (the position is in them), so the order is total and the result
+exact whatever the ties. ``INT64_MIN`` is the empty slot (no valid key reaches it: positions
+stay below ``2^31 - 1``); it decodes to index ``-1`` and value ``-inf``.
+
+A row's state is ``W`` keys (``W`` a power of two >= topk) sorted descending in a workspace
+between chunks and in registers inside one. A block of ``W`` logits is merged only if its
+largest key beats the running ``topk``-th key (after the first ``topk`` keys, most blocks of
+long rows cost one compare per element); the merge sorts the block ascending, takes the
+elementwise maximum with the descending state (the ``W`` largest of both, as a bitonic
+sequence) and sorts that descending.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tilefuse import _errors
+from tilefuse._errors_kernel import report_error
+
+EMPTY_KEY = tl.constexpr(-(2**63))
+_INT32_MIN = tl.constexpr(-(2**31))
+_POS_MASK = tl.constexpr(0x7FFFFFFF)
+_WINDOW_START_NEGATIVE = tl.constexpr(_errors.WINDOW_START_NEGATIVE)
+_WINDOW_INVERTED = tl.constexpr(_errors.WINDOW_INVERTED)
+_CONTEXT_LEN_NEGATIVE = tl.constexpr(_errors.CONTEXT_LEN_NEGATIVE)
+_CONTEXT_LEN_PAST_WIDTH = tl.constexpr(_errors.CONTEXT_LEN_PAST_WIDTH)
+_CONTEXT_LEN_PAST_TABLE = tl.constexpr(_errors.CONTEXT_LEN_PAST_TABLE)
+
+# Window modes: how a row's valid positions [start, end) come from the arguments.
+WIN_PREFILL = tl.constexpr(0)  # start = ks[row], end = min(ke[row], n_keys)
+WIN_DECODE_1D = tl.constexpr(1)  # start = 0, end = ctx[b] - next_n + 1 + t (row = b * next_n + t)
+WIN_DECODE_2D = tl.constexpr(2)  # start = 0, end = ctx[b, t]
+
+
+@triton.jit
+def _order_keys(values, pos):
+    """int64 keys of fp32 ``values`` at int32 ``pos`` (see the module docstring)."""
+    bits = values.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == _INT32_MIN, 0, bits)  # -0.0 -> +0.0
+    ordered = bits ^ ((bits >> 31) & _POS_MASK)
+    ordered = tl.where(values != values, _INT32_MIN, ordered)
+    return (ordered.to(tl.int64) << 32) | (-pos + _POS_MASK).to(tl.int64)
+
+
+@triton.jit
+def _row_window(win_a_ptr, win_b_ptr, row, n_keys, key_limit, next_n, ctx_stride, err_ptr, MODE: tl.constexpr,
+                CHECK: tl.constexpr):
+    """A row's valid ``[start, end)``, clamped to ``[0, n_keys]``; with CHECK, bad values are
+    reported (decode: a length over ``n_keys`` = max_context_len, or over ``key_limit`` = the
+    keys the block table holds)."""
+    if MODE == WIN_PREFILL:
+        ks = tl.load(win_a_ptr + row)
+        ke = tl.load(win_b_ptr + row)
+        if CHECK:
+            report_error(err_ptr, _WINDOW_START_NEGATIVE, ks < 0, row.to(tl.int32))
+            report_error(err_ptr, _WINDOW_INVERTED, ks > ke, row.to(tl.int32))
+        start = tl.minimum(tl.maximum(ks, 0), n_keys)
+        end = tl.maximum(tl.minimum(ke, n_keys), start)
+    else:
+        b = (row // next_n).to(tl.int32)
+        if MODE == WIN_DECODE_1D:
+            ctx = tl.load(win_a_ptr + b)
+            end = ctx - next_n + 1 + row % next_n
+        else:
+            ctx = tl.load(win_a_ptr + b * ctx_stride + row % next_n)
+            end = ctx
+        if CHECK:
+            report_error(err_ptr, _CONTEXT_LEN_NEGATIVE, ctx < 0, b)
+            report_error(err_ptr, _CONTEXT_LEN_PAST_WIDTH, ctx > n_keys, b)
+            report_error(err_ptr, _CONTEXT_LEN_PAST_TABLE, ctx > key_limit, b)
+        start = 0
+        end = tl.minimum(tl.maximum(end, 0), n_keys)
+    return start, end
+
+
+# Runtime ints that change with the shape or the chunk: not specialised, so no recompiles.
+@triton.jit(do_not_specialize=["stride_l", "stride_s", "n_keys", "key_limit", "next_n", "ctx_stride",
+                               "chunk_lo", "chunk_width", "stride_i", "stride_v"])
+def topk_merge_chunk_kernel(
+    logits_ptr, stride_l,
+    state_ptr, stride_s,
+    win_a_ptr, win_b_ptr, n_keys, key_limit, next_n, ctx_stride,
+    chunk_lo, chunk_width,
+    idx_ptr, stride_i, val_ptr, stride_v,
+    err_ptr,
+    TOPK: tl.constexpr, W: tl.constexpr, MODE: tl.constexpr,
+    FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr,
+):
+    """One program per row: merge the row's valid keys of logits columns ``[0, chunk_width)``
+    (positions ``chunk_lo + c``) into its state; FIRST starts from an empty state (and checks the
+    row's window), FINAL writes the first TOPK indices (and values) instead of the state."""
+    tl.static_assert(W >= TOPK)
+    row = tl.program_id(0).to(tl.int64)
+    start, end = _row_window(win_a_ptr, win_b_ptr, row, n_keys, key_limit, next_n, ctx_stride, err_ptr, MODE, FIRST)
+    lo = tl.maximum(start, chunk_lo)
+    hi = tl.minimum(end, chunk_lo + chunk_width)
+    slot = tl.arange(0, W)
+    if FIRST:
+        state = tl.full([W], EMPTY_KEY, tl.int64)
+    else:
+        state = tl.load(state_ptr + row * stride_s + slot)
+    kth = tl.max(tl.where(slot == TOPK - 1, state, EMPTY_KEY), axis=0)
+    row_logits = logits_ptr + row * stride_l
+    for b0 in range(lo, hi, W):
+        pos = b0 + slot
+        inside = pos < hi
+        v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
+        keys = tl.where(inside, _order_keys(v, pos), EMPTY_KEY)
+        if tl.max(keys, axis=0) > kth:
+            state = tl.sort(tl.maximum(state, tl.sort(keys)), descending=True)
+            kth = tl.max(tl.where(slot == TOPK - 1, state, EMPTY_KEY), axis=0)
+    if FINAL:
+        out = slot < TOPK
+        empty = state == EMPTY_KEY
+        idx = tl.where(empty, -1, -state.to(tl.int32) + _POS_MASK)  # the low 32 bits
+        tl.store(idx_ptr + row * stride_i + slot, idx, mask=out)
+        if WRITE_VALUES:
+            hi_bits = (state >> 32).to(tl.int32)
+            bits = tl.where(hi_bits >= 0, hi_bits, hi_bits ^ _POS_MASK)
+            val = tl.where(empty, float("-inf"), bits.to(tl.float32, bitcast=True))
+            tl.store(val_ptr + row * stride_v + slot, val.to(val_ptr.dtype.element_ty), mask=out)
+    else:
+        tl.store(state_ptr + row * stride_s + slot, state)
