@@ -13,11 +13,11 @@ exact whatever the ties. ``INT64_MIN`` is the empty slot (no valid key reaches i
 stay below ``2^31 - 1``); it decodes to index ``-1`` and value ``-inf``.
 
 A row's state is ``W`` keys (``W`` a power of two >= topk) sorted descending in a workspace
-between chunks and in registers inside one. A block of ``W`` logits is merged only if its
-largest key beats the running ``topk``-th key (after the first ``topk`` keys, most blocks of
-long rows cost one compare per element); the merge sorts the block ascending, takes the
-elementwise maximum with the descending state (the ``W`` largest of both, as a bitonic
-sequence) and sorts that descending.
+between chunks and in registers inside one. A block of ``W`` logits is merged only if a key
+beats its row's running ``topk``-th key (once that bar is high, a block costs one compare per
+element); the merge sorts the block ascending, takes the elementwise maximum with the
+descending state (the ``W`` largest of both, as a bitonic sequence) and sorts that with a
+bitonic merge (``log2 W`` stages, not a full sort's ``log2 W (log2 W + 1) / 2``).
 """
 
 from __future__ import annotations
@@ -79,56 +79,110 @@ def _row_window(win_a_ptr, win_b_ptr, row, n_keys, key_limit, next_n, ctx_stride
             report_error(err_ptr, _CONTEXT_LEN_NEGATIVE, ctx < 0, b)
             report_error(err_ptr, _CONTEXT_LEN_PAST_WIDTH, ctx > n_keys, b)
             report_error(err_ptr, _CONTEXT_LEN_PAST_TABLE, ctx > key_limit, b)
-        start = 0
         end = tl.minimum(tl.maximum(end, 0), n_keys)
+        start = end * 0
     return start, end
 
 
+@triton.jit
+def _half_clean(x, ROWS: tl.constexpr, W: tl.constexpr, HALF: tl.constexpr, flip):
+    """Compare-and-swap of every pair ``(i, i + HALF)`` inside blocks of ``2 * HALF`` along each
+    row of ``x [ROWS, W]``: the smaller first, or the larger where ``flip`` (per block or a
+    scalar) is 1. Pairs are split out with reshapes, so no cross-lane reductions are needed."""
+    n: tl.constexpr = ROWS * W // (2 * HALF)
+    a, b = tl.split(tl.permute(tl.reshape(x, [n, 2, HALF]), (0, 2, 1)))
+    lo = tl.minimum(a, b)
+    hi = tl.maximum(a, b)
+    swap = flip != 0
+    pairs = tl.join(tl.where(swap, hi, lo), tl.where(swap, lo, hi))
+    return tl.reshape(tl.permute(pairs, (0, 2, 1)), [ROWS, W])
+
+
+@triton.jit
+def _sort_rows(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, DESCENDING: tl.constexpr):
+    """Bitonic sort of each row of ``x [ROWS, W]``."""
+    for k in tl.static_range(1, LOG_W):
+        for i in tl.static_range(k):
+            half: tl.constexpr = 1 << (k - 1 - i)
+            # Blocks of 2^k alternate direction (as the final direction: flipped when descending);
+            # a row's length is a multiple of 2^(k+1), so the parity is the same counted per row.
+            block = (tl.arange(0, ROWS * W // (2 * half)) * (2 * half)) >> k
+            x = _half_clean(x, ROWS, W, half, ((block & 1) ^ DESCENDING)[:, None])
+    return _merge_bitonic(x, ROWS, W, LOG_W, DESCENDING)
+
+
+@triton.jit
+def _merge_bitonic(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, DESCENDING: tl.constexpr):
+    """Sort each row of ``x [ROWS, W]``, a bitonic sequence: LOG_W half-cleaner stages instead
+    of a full sort's LOG_W * (LOG_W + 1) / 2."""
+    for i in tl.static_range(LOG_W):
+        x = _half_clean(x, ROWS, W, W >> (i + 1), DESCENDING)
+    return x
+
+
+@triton.jit
+def _kth(state, slot, TOPK: tl.constexpr):
+    """Each row's TOPK-th key (the bar a new key must clear), ``[ROWS]``."""
+    return tl.max(tl.where(slot[None, :] == TOPK - 1, state, EMPTY_KEY), axis=1)
+
+
 # Runtime ints that change with the shape or the chunk: not specialised, so no recompiles.
-@triton.jit(do_not_specialize=["stride_l", "stride_s", "n_keys", "key_limit", "next_n", "ctx_stride",
+@triton.jit(do_not_specialize=["n_rows", "stride_l", "stride_s", "n_keys", "key_limit", "next_n", "ctx_stride",
                                "chunk_lo", "chunk_width", "stride_i", "stride_v"])
 def topk_merge_chunk_kernel(
     logits_ptr, stride_l,
     state_ptr, stride_s,
-    win_a_ptr, win_b_ptr, n_keys, key_limit, next_n, ctx_stride,
+    n_rows, win_a_ptr, win_b_ptr, n_keys, key_limit, next_n, ctx_stride,
     chunk_lo, chunk_width,
     idx_ptr, stride_i, val_ptr, stride_v,
     err_ptr,
-    TOPK: tl.constexpr, W: tl.constexpr, MODE: tl.constexpr,
+    TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr,
 ):
-    """One program per row: merge the row's valid keys of logits columns ``[0, chunk_width)``
+    """ROWS rows a program: merge each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) into its state; FIRST starts from an empty state (and checks the
-    row's window), FINAL writes the first TOPK indices (and values) instead of the state."""
+    rows' windows), FINAL writes the first TOPK indices (and values) instead of the state.
+
+    The rows walk the union of their windows in blocks of W columns (rows of one program have
+    near windows in the usual layouts: causal, zig-zag, decode), each row masked to its own."""
     tl.static_assert(W >= TOPK)
-    row = tl.program_id(0).to(tl.int64)
-    start, end = _row_window(win_a_ptr, win_b_ptr, row, n_keys, key_limit, next_n, ctx_stride, err_ptr, MODE, FIRST)
+    tl.static_assert(W == 1 << LOG_W)
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = row < n_rows
+    row = tl.where(live, row, 0)  # dead rows reread row 0 and store nothing
+    start, end = _row_window(win_a_ptr, win_b_ptr, row, n_keys, key_limit, next_n, ctx_stride, err_ptr, MODE,
+                             FIRST)
     lo = tl.maximum(start, chunk_lo)
-    hi = tl.minimum(end, chunk_lo + chunk_width)
+    hi = tl.where(live, tl.minimum(end, chunk_lo + chunk_width), lo)
     slot = tl.arange(0, W)
+    cell = row[:, None] * stride_s + slot[None, :]
     if FIRST:
-        state = tl.full([W], EMPTY_KEY, tl.int64)
+        state = tl.full([ROWS, W], EMPTY_KEY, tl.int64)
     else:
-        state = tl.load(state_ptr + row * stride_s + slot)
-    kth = tl.max(tl.where(slot == TOPK - 1, state, EMPTY_KEY), axis=0)
-    row_logits = logits_ptr + row * stride_l
-    for b0 in range(lo, hi, W):
-        pos = b0 + slot
-        inside = pos < hi
+        state = tl.load(state_ptr + cell)
+    kth = _kth(state, slot, TOPK)
+    walk_lo = tl.min(tl.where(lo < hi, lo, chunk_lo + chunk_width), axis=0)
+    walk_hi = tl.max(tl.where(lo < hi, hi, 0), axis=0)
+    row_logits = logits_ptr + row[:, None] * stride_l
+    for b0 in range(walk_lo, walk_hi, W):
+        pos = b0 + slot[None, :]
+        inside = (pos >= lo[:, None]) & (pos < hi[:, None])
         v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
         keys = tl.where(inside, _order_keys(v, pos), EMPTY_KEY)
-        if tl.max(keys, axis=0) > kth:
-            state = tl.sort(tl.maximum(state, tl.sort(keys)), descending=True)
-            kth = tl.max(tl.where(slot == TOPK - 1, state, EMPTY_KEY), axis=0)
+        if tl.max((tl.max(keys, axis=1) > kth).to(tl.int32), axis=0) > 0:
+            # Block ascending against state descending: the elementwise maximum is the W largest
+            # of both, bitonic; rows with nothing above their bar keep their state.
+            state = _merge_bitonic(tl.maximum(state, _sort_rows(keys, ROWS, W, LOG_W, 0)), ROWS, W, LOG_W, 1)
+            kth = _kth(state, slot, TOPK)
     if FINAL:
-        out = slot < TOPK
+        out = live[:, None] & (slot[None, :] < TOPK)
         empty = state == EMPTY_KEY
         idx = tl.where(empty, -1, -state.to(tl.int32) + _POS_MASK)  # the low 32 bits
-        tl.store(idx_ptr + row * stride_i + slot, idx, mask=out)
+        tl.store(idx_ptr + row[:, None] * stride_i + slot[None, :], idx, mask=out)
         if WRITE_VALUES:
             hi_bits = (state >> 32).to(tl.int32)
             bits = tl.where(hi_bits >= 0, hi_bits, hi_bits ^ _POS_MASK)
             val = tl.where(empty, float("-inf"), bits.to(tl.float32, bitcast=True))
-            tl.store(val_ptr + row * stride_v + slot, val.to(val_ptr.dtype.element_ty), mask=out)
+            tl.store(val_ptr + row[:, None] * stride_v + slot[None, :], val.to(val_ptr.dtype.element_ty), mask=out)
     else:
-        tl.store(state_ptr + row * stride_s + slot, state)
+        tl.store(state_ptr + cell, state, mask=live[:, None])

@@ -50,6 +50,9 @@ _MIN_CHUNK, _MAX_CHUNK = 2048, 65536
 _PREFILL_KEY_TILE = 256
 # Smallest state: the kernels' blocks are at least 16 wide.
 _MIN_STATE = 16
+# Keys a merge program holds (ROWS x W): small top-k values share a program between rows.
+# A prediction, not a measurement.
+_KEYS_PER_PROGRAM = 2048
 _MAX_TOPK = 1 << 16
 _MAX_POSITION = 2**31 - 2  # keys hold 0x7FFFFFFF - position in 31 bits, above the empty slot
 
@@ -118,14 +121,16 @@ def _outputs(rows: int, topk: int, logits_dtype, device, out, return_values: boo
 def _merge(logits, state, lo: int, width: int, win_a, win_b, n_keys: int, key_limit: int, next_n: int,
            ctx_stride: int, out, values, topk: int, mode: int, first: bool, final: bool) -> None:
     """Merge logits columns ``[0, width)`` (positions ``lo + c``) of every row into ``state``."""
-    kern.topk_merge_chunk_kernel[(out.shape[0],)](
+    rows, w = out.shape[0], state_width(topk)
+    rows_per_program = max(1, min(triton.next_power_of_2(rows), _KEYS_PER_PROGRAM // w))
+    kern.topk_merge_chunk_kernel[(triton.cdiv(rows, rows_per_program),)](
         logits, logits.stride(0), state, state.stride(0),
-        win_a, win_b, n_keys, key_limit, next_n, ctx_stride,
+        rows, win_a, win_b, n_keys, key_limit, next_n, ctx_stride,
         lo, width,
         out, out.stride(0), out if values is None else values, 0 if values is None else values.stride(0),
         error_record(out.device),
-        TOPK=topk, W=state_width(topk), MODE=mode, FIRST=first, FINAL=final, WRITE_VALUES=values is not None,
-        num_warps=max(1, min(8, state_width(topk) // 256)),
+        TOPK=topk, W=w, LOG_W=w.bit_length() - 1, ROWS=rows_per_program, MODE=mode, FIRST=first, FINAL=final,
+        WRITE_VALUES=values is not None, num_warps=max(1, min(8, rows_per_program * w // 256)),
     )
 
 
