@@ -89,6 +89,12 @@ def _run_bench(suite: str, args) -> int:
                           reproduce=args.reproduce)
         extra = {"reproduce": args.reproduce, "formats": list(fmts)}
         name = "indexer-reproduce" if args.reproduce else "indexer"
+    elif suite == "topk":
+        from tilefuse.bench.suites import topk as mod
+
+        fmts = tuple(f.strip() for f in args.formats.split(",") if f.strip())
+        cases = mod.cases(on_gpu=gpu, device=device, shapes=mod.parse_shapes(args.shapes), fmts=fmts)
+        extra, name = {"formats": list(fmts)}, "topk"
     else:
         from tilefuse.bench.suites import paged as mod
 
@@ -175,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_options(p, "only these BxNEXT_NxMEAN_CTX rows, e.g. 64x1x8192 256x2x32768")
     p.add_argument("--formats", default="fp8", help="comma-separated formats (fp8, mxfp8, mxfp4)")
     p.set_defaults(func=lambda a: _run_bench("paged", a))
+    p = bsub.add_parser("topk", help="indexer logits + top-k, fused and unfused")
+    _add_bench_options(p, "only these S_QxS_K prefill and BxNEXT_NxMEAN_CTX decode rows, e.g. 2048x32768 64x2x8192")
+    p.add_argument("--formats", default="fp8", help="comma-separated formats (fp8, mxfp8, mxfp4)")
+    p.set_defaults(func=lambda a: _run_bench("topk", a))
     for name in sorted(_DELEGATED_BENCH):
         bsub.add_parser(name, help=f"fused tensor-parallel GEMM ({name}); options: tilefuse bench {name} --help")
 

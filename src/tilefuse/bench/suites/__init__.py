@@ -2,7 +2,8 @@
 ``parse_shapes(items)`` for its ``--shapes`` option.
 
 * ``indexer``: prefill logits at the contract's reference shapes (``tilefuse bench indexer``);
-* ``paged``: paged decode logits (``tilefuse bench paged``).
+* ``paged``: paged decode logits (``tilefuse bench paged``);
+* ``topk``: logits + top-k, fused and unfused, prefill and decode (``tilefuse bench topk``).
 """
 
 from __future__ import annotations
