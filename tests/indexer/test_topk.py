@@ -183,6 +183,23 @@ def test_prefill_many_rows_use_the_row_tile(record_launches):
     assert launched == [(1,), (1,)]
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_prefill_row_blocks(fmt):
+    """Row blocks of 128: the last block of 12 rows keeps the 140-row launch configuration
+    (not the few-rows one), so the bits stay the unfused op's; error rows count from row 0."""
+    s_q, s_k = 140, 300
+    qq, kk, w = prefill_inputs(s_q, s_k, 4, 64, fmt, seed=20)
+    ks, ke = W.random_windows(s_q, s_k, torch.Generator().manual_seed(20), DEVICE, empty_fraction=0.1, overhang=9)
+    ref_idx, ref_val = expected_prefill(qq, kk, w, ks, ke, 8)
+    idx, val = tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, 8, return_values=True, chunk_k=256, chunk_q=128)
+    tilefuse.check_errors()
+    assert torch.equal(idx, ref_idx) and _equal(val, ref_val)
+    ks[133] = ke[133] + 1
+    tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, 8, chunk_k=256, chunk_q=128)
+    with pytest.raises(tilefuse.DeviceValueError, match="row 133"):
+        tilefuse.check_errors()
+
+
 # ---------------------------------------------------------------------------------------
 # Decode
 # ---------------------------------------------------------------------------------------
@@ -293,15 +310,17 @@ def test_custom_ops_fake_and_torch_compile():
     assert torch.equal(compiled(case.qq[0], case.cache, case.w, case.ctx, case.table, case.meta), real)
 
 
-def test_bytes_moved_and_default_chunk():
-    moved = topk.topk_bytes_moved(8192, 131072, 2048, 2048)
+def test_bytes_moved_and_default_chunks():
+    moved = topk.topk_bytes_moved(8192, 131072, 2048, 16384, chunk_q=512)
     assert moved["unfused"] == 2 * 8192 * 131072 * 4 + 8192 * 2048 * 4
-    assert moved["chunked_total"] > moved["unfused"]  # the state's traffic, paid for bounded memory
-    assert moved["chunked_workspace_bytes"] == 8192 * 2048 * 4 + 8192 * 2048 * 8
+    assert moved["chunked_total"] == moved["unfused"] + 8192 * 2048 * 8 * 2 * 7
+    assert moved["chunked_workspace_bytes"] == 512 * (16384 * 4 + 2048 * 8)
+    assert moved["chunked_hbm_if_l2_resident"] < moved["unfused"] / 4
     assert topk.topk_bytes_moved(4, 100, 8, 256)["chunked_hbm_if_l2_resident"] == 4 * 8 * 4
-    chunk = topk.default_chunk(8192, 2048, torch.float32, 256)
-    assert chunk == 2048 and 8192 * chunk * 4 <= 2 * topk._WORKSPACE_BYTES
-    assert topk.default_chunk(2, 64, torch.float32, 48) == 65568  # whole pages of 48 tokens
+    assert topk.default_chunk_k(2048, 256) == 16384 and topk.default_chunk_k(8, 256) == 2048
+    assert topk.default_chunk_k(64, 48) == 2064  # whole pages of 48 tokens
+    assert topk.default_chunk_q(16384, torch.float32) == 512
+    assert topk.default_chunk_q(65536, torch.float32) == 128
     assert topk.state_width(2048) == 2048 and topk.state_width(3) == 16
 
 
@@ -319,6 +338,7 @@ PREFILL_BAD = {
     "topk-zero": (ValueError, "topk", dict(topk=lambda n: 0)),
     "topk-huge": (ValueError, "topk", dict(topk=lambda n: 1 << 20)),
     "chunk-unaligned": (ValueError, "chunk_k", dict(chunk_k=lambda n: 300)),
+    "rows-unaligned": (ValueError, "chunk_q", dict(chunk_q=lambda n: 100)),
     "out-dtype": (TypeError, "out", dict(out=lambda o: torch.zeros(8, 8, dtype=torch.int64, device=DEVICE))),
     "out-shape": (ValueError, "out", dict(out=lambda o: torch.zeros(8, 9, dtype=torch.int32, device=DEVICE))),
     "meta-dtype": (ValueError, "schedule_meta", dict(schedule_meta=lambda m: torch.zeros(2, 2, device=DEVICE))),

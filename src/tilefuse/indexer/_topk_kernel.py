@@ -54,8 +54,8 @@ def _order_keys(values, pos):
 
 
 @triton.jit
-def _row_window(win_a_ptr, win_b_ptr, row, n_keys, key_limit, next_n, ctx_stride, err_ptr, MODE: tl.constexpr,
-                CHECK: tl.constexpr):
+def _row_window(win_a_ptr, win_b_ptr, row, row_base, n_keys, key_limit, next_n, ctx_stride, err_ptr,
+                MODE: tl.constexpr, CHECK: tl.constexpr):
     """A row's valid ``[start, end)``, clamped to ``[0, n_keys]``; with CHECK, bad values are
     reported (decode: a length over ``n_keys`` = max_context_len, or over ``key_limit`` = the
     keys the block table holds)."""
@@ -63,8 +63,8 @@ def _row_window(win_a_ptr, win_b_ptr, row, n_keys, key_limit, next_n, ctx_stride
         ks = tl.load(win_a_ptr + row)
         ke = tl.load(win_b_ptr + row)
         if CHECK:
-            report_error(err_ptr, _WINDOW_START_NEGATIVE, ks < 0, row.to(tl.int32))
-            report_error(err_ptr, _WINDOW_INVERTED, ks > ke, row.to(tl.int32))
+            report_error(err_ptr, _WINDOW_START_NEGATIVE, ks < 0, (row + row_base).to(tl.int32))
+            report_error(err_ptr, _WINDOW_INVERTED, ks > ke, (row + row_base).to(tl.int32))
         start = tl.minimum(tl.maximum(ks, 0), n_keys)
         end = tl.maximum(tl.minimum(ke, n_keys), start)
     else:
@@ -127,12 +127,12 @@ def _kth(state, slot, TOPK: tl.constexpr):
 
 
 # Runtime ints that change with the shape or the chunk: not specialised, so no recompiles.
-@triton.jit(do_not_specialize=["n_rows", "stride_l", "stride_s", "n_keys", "key_limit", "next_n", "ctx_stride",
-                               "chunk_lo", "chunk_width", "stride_i", "stride_v"])
+@triton.jit(do_not_specialize=["n_rows", "row_base", "stride_l", "stride_s", "n_keys", "key_limit", "next_n",
+                               "ctx_stride", "chunk_lo", "chunk_width", "stride_i", "stride_v"])
 def topk_merge_chunk_kernel(
     logits_ptr, stride_l,
     state_ptr, stride_s,
-    n_rows, win_a_ptr, win_b_ptr, n_keys, key_limit, next_n, ctx_stride,
+    n_rows, row_base, win_a_ptr, win_b_ptr, n_keys, key_limit, next_n, ctx_stride,
     chunk_lo, chunk_width,
     idx_ptr, stride_i, val_ptr, stride_v,
     err_ptr,
@@ -150,7 +150,7 @@ def topk_merge_chunk_kernel(
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     live = row < n_rows
     row = tl.where(live, row, 0)  # dead rows reread row 0 and store nothing
-    start, end = _row_window(win_a_ptr, win_b_ptr, row, n_keys, key_limit, next_n, ctx_stride, err_ptr, MODE,
+    start, end = _row_window(win_a_ptr, win_b_ptr, row, row_base, n_keys, key_limit, next_n, ctx_stride, err_ptr, MODE,
                              FIRST)
     lo = tl.maximum(start, chunk_lo)
     hi = tl.where(live, tl.minimum(end, chunk_lo + chunk_width), lo)

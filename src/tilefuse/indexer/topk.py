@@ -34,17 +34,21 @@ import torch
 import triton
 
 import tilefuse
+from tilefuse._device import capability_major
 from tilefuse._errors import error_record, raise_pending
 from tilefuse._validate import check_kernel_device, expect, expect_int, expect_tensor
 from tilefuse.formats import format_of
 from tilefuse.indexer import _topk_kernel as kern
-from tilefuse.indexer import paged
+from tilefuse.indexer import paged, prefill
 
 _INDEX_DTYPE = torch.int32
-# Logits bytes one chunk may take: about an H200's L2 (50 MB) less room for the keys and the
-# state. A prediction, not a measurement (benchmarks/NOTES.md lists the sweep to run).
+# Logits bytes one prefill chunk may take: about an H200's L2 (50 MB) less room for the keys
+# and the states. A prediction, not a measurement (the sweep to run is in the bench suite).
 _WORKSPACE_BYTES = 32 << 20
 _MIN_CHUNK, _MAX_CHUNK = 2048, 65536
+# Prefill row blocks are whole multiples of this (the query tiles of every prefill kernel, so
+# the MX paths' per-tile recompute flags match the unfused op's).
+_ROW_BLOCK = 128
 # Prefill chunks start on whole key tiles of every prefill kernel (the widest is 256 keys): the
 # MX paths recompute flagged key tiles exactly, so the tiling must match the unfused op's.
 _PREFILL_KEY_TILE = 256
@@ -62,35 +66,42 @@ def state_width(topk: int) -> int:
     return max(_MIN_STATE, triton.next_power_of_2(topk))
 
 
-def default_chunk(rows: int, topk: int, logits_dtype: torch.dtype, align: int) -> int:
-    """Columns per chunk: the largest power of two whose logits fit ``_WORKSPACE_BYTES`` at
-    ``rows`` rows, within [2048, 65536] and at least one merge block, rounded up to ``align``."""
-    per_col = max(1, rows) * torch.empty((), dtype=logits_dtype).element_size()
-    chunk = _MIN_CHUNK
-    while chunk < _MAX_CHUNK and 2 * chunk * per_col <= _WORKSPACE_BYTES:
-        chunk *= 2
-    chunk = max(chunk, state_width(topk))
+def default_chunk_k(topk: int, align: int) -> int:
+    """Key columns per chunk: ``8 W`` within [2048, 65536], rounded up to ``align``. A row's state
+    moves ``16 W`` bytes per chunk (loaded and stored as int64), so 8 W columns of fp32 logits
+    (written and read: 64 W bytes) keep the state's traffic a fifth of the chunk's."""
+    chunk = min(_MAX_CHUNK, max(_MIN_CHUNK, 8 * state_width(topk)))
     return triton.cdiv(chunk, align) * align
 
 
-def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_bytes: int = 4) -> dict:
+def default_chunk_q(chunk_k: int, logits_dtype: torch.dtype) -> int:
+    """Prefill query rows per block: as many multiples of 128 as keep one chunk of logits within
+    ``_WORKSPACE_BYTES`` (at least 128)."""
+    per_row = chunk_k * torch.empty((), dtype=logits_dtype).element_size()
+    return max(_ROW_BLOCK, _WORKSPACE_BYTES // per_row // _ROW_BLOCK * _ROW_BLOCK)
+
+
+def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_bytes: int = 4,
+                     chunk_q: int | None = None) -> dict:
     """Bytes of logits, state and result traffic of one call, beside the unfused pair's.
 
     ``rows`` x ``n_keys`` logits of ``logits_bytes`` each. Unfused: the logits op writes them
     and a top-k reads them at least once, then writes int32 indices. Chunked (these ops): the
-    same logits writes and reads, but into a workspace of ``rows * chunk_k`` logits (in L2 when
-    it fits, so they need not reach HBM), plus the state (``W`` int64 keys a row) stored after
-    every chunk but the last and loaded before every chunk but the first, plus the indices.
+    same logits writes and reads, but into a workspace of ``min(rows, chunk_q) * chunk_k`` logits
+    and as many states (in L2 when they fit, so they need not reach HBM), plus the state (``W``
+    int64 keys a row) stored after every chunk but the last and loaded before every chunk but
+    the first, plus the indices.
     Inputs (q, keys, weights) are read alike by both and left out.
     """
     logits = rows * n_keys * logits_bytes
     indices = rows * topk * 4
     chunks = max(1, triton.cdiv(n_keys, chunk_k))
     state = rows * state_width(topk) * 8 * 2 * (chunks - 1)
+    block = rows if chunk_q is None else min(rows, chunk_q)
     return {
         "unfused": 2 * logits + indices,
         "chunked_total": 2 * logits + state + indices,
-        "chunked_workspace_bytes": rows * min(chunk_k, max(n_keys, 1)) * logits_bytes + rows * state_width(topk) * 8,
+        "chunked_workspace_bytes": block * (min(chunk_k, max(n_keys, 1)) * logits_bytes + state_width(topk) * 8),
         "chunked_hbm_if_l2_resident": state + indices,
     }
 
@@ -119,13 +130,14 @@ def _outputs(rows: int, topk: int, logits_dtype, device, out, return_values: boo
 
 
 def _merge(logits, state, lo: int, width: int, win_a, win_b, n_keys: int, key_limit: int, next_n: int,
-           ctx_stride: int, out, values, topk: int, mode: int, first: bool, final: bool) -> None:
-    """Merge logits columns ``[0, width)`` (positions ``lo + c``) of every row into ``state``."""
+           ctx_stride: int, row_base: int, out, values, topk: int, mode: int, first: bool, final: bool) -> None:
+    """Merge logits columns ``[0, width)`` (positions ``lo + c``) of every row of ``out`` into
+    ``state``; ``row_base`` is the first row's index in the op's output (for error messages)."""
     rows, w = out.shape[0], state_width(topk)
     rows_per_program = max(1, min(triton.next_power_of_2(rows), _KEYS_PER_PROGRAM // w))
     kern.topk_merge_chunk_kernel[(triton.cdiv(rows, rows_per_program),)](
         logits, logits.stride(0), state, state.stride(0),
-        rows, win_a, win_b, n_keys, key_limit, next_n, ctx_stride,
+        rows, row_base, win_a, win_b, n_keys, key_limit, next_n, ctx_stride,
         lo, width,
         out, out.stride(0), out if values is None else values, 0 if values is None else values.stride(0),
         error_record(out.device),
@@ -159,26 +171,37 @@ def _mqa_topk(
     ke: torch.Tensor,
     logits_dtype: torch.dtype,
     topk: int,
+    chunk_q: int,
     chunk_k: int,
     out: torch.Tensor,
     values: torch.Tensor | None,
 ) -> None:
     s_q, s_k = q.shape[0], k.shape[0]
+    # The launch configuration the unfused op picks for all S_q rows, pinned for every slice.
+    fmt = format_of(q, q_sf)
+    head_dim = q.shape[2] * 2 if fmt == "mxfp4" else q.shape[2]
+    cfg = prefill.resolve_config(fmt, q.shape[1], head_dim, s_q, None, logits_dtype, capability_major(q.device))
     chunks = _chunks(s_k, chunk_k)
-    state = _state_buffer(s_q, topk, len(chunks), q.device)
-    for c, (lo, hi) in enumerate(chunks):
-        width = hi - lo
-        ks_c = (ks - lo).clamp(0, width)
-        ke_c = torch.maximum((ke - lo).clamp(0, width), ks_c)
-        logits = tilefuse.fp8_fp4_mqa_logits((q, q_sf), (k[lo:hi], k_scale[lo:hi]), weights, ks_c, ke_c,
-                                             clean_logits=False, logits_dtype=logits_dtype)
-        if s_q:
-            _merge(logits, state, lo, width, ks, ke, s_k, s_k, 1, 0, out, values, topk, kern.WIN_PREFILL,
-                   first=c == 0, final=c == len(chunks) - 1)
+    state = _state_buffer(min(s_q, chunk_q), topk, len(chunks), q.device)
+    for r0 in range(0, max(s_q, 1), chunk_q):
+        r1 = min(r0 + chunk_q, s_q)
+        rows = slice(r0, r1)
+        ks_r, ke_r = ks[rows], ke[rows]
+        for c, (lo, hi) in enumerate(chunks):
+            width = hi - lo
+            ks_c = (ks_r - lo).clamp(0, width)
+            ke_c = torch.maximum((ke_r - lo).clamp(0, width), ks_c)
+            logits = tilefuse.fp8_fp4_mqa_logits(
+                (q[rows], None if q_sf is None else q_sf[rows]), (k[lo:hi], k_scale[lo:hi]), weights[rows], ks_c, ke_c,
+                clean_logits=False, logits_dtype=logits_dtype, config=cfg)
+            if r1 > r0:
+                _merge(logits, state, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out[rows],
+                       None if values is None else values[rows], topk, kern.WIN_PREFILL,
+                       first=c == 0, final=c == len(chunks) - 1)
 
 
 @_mqa_topk.register_fake
-def _mqa_topk_fake(q, q_sf, k, k_scale, weights, ks, ke, logits_dtype, topk, chunk_k, out, values):
+def _mqa_topk_fake(q, q_sf, k, k_scale, weights, ks, ke, logits_dtype, topk, chunk_q, chunk_k, out, values):
     return None
 
 
@@ -195,6 +218,7 @@ def fp8_fp4_mqa_topk(
     return_values: bool = False,
     out: torch.Tensor | None = None,
     chunk_k: int | None = None,
+    chunk_q: int | None = None,
 ):
     """The ``topk`` best keys of every query row under :func:`tilefuse.fp8_fp4_mqa_logits`.
 
@@ -208,8 +232,9 @@ def fp8_fp4_mqa_topk(
         return_values: also return each position's logit (``-inf`` at ``-1``; ``-0.0`` comes
             back as ``+0.0``).
         out: int32 ``[S_q, topk]`` to write the indices into (last stride 1).
-        chunk_k: key columns per chunk, a multiple of 256 (default: a chunk of logits of about
-            32 MiB, see :func:`default_chunk`).
+        chunk_k: key columns per chunk, a multiple of 256 (default: :func:`default_chunk_k`).
+        chunk_q: query rows per block, a multiple of 128 (default: :func:`default_chunk_q`,
+            about 32 MiB of logits a chunk).
 
     Returns:
         int32 ``[S_q, topk]``: key positions (indices into ``kv``) by (logit descending,
@@ -247,11 +272,15 @@ def fp8_fp4_mqa_topk(
     expect(logits_dtype in (torch.float32, torch.bfloat16), TypeError,
            f"logits_dtype: expected float32 or bfloat16, got {logits_dtype}")
     _check_topk_args(topk, chunk_k, _PREFILL_KEY_TILE, s_q, out, q_values.device, return_values)
+    if chunk_q is not None:
+        expect_int(chunk_q, "chunk_q", 1)
+        expect(chunk_q % _ROW_BLOCK == 0, ValueError, f"chunk_q: must be a multiple of {_ROW_BLOCK}, got {chunk_q}")
     raise_pending(q_values.device)
-    chunk = chunk_k or default_chunk(s_q, topk, logits_dtype, _PREFILL_KEY_TILE)
+    chunk_k = chunk_k or default_chunk_k(topk, _PREFILL_KEY_TILE)
+    chunk_q = chunk_q or default_chunk_q(chunk_k, logits_dtype)
     out, values = _outputs(s_q, topk, logits_dtype, q_values.device, out, return_values)
     _mqa_topk(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, logits_dtype, topk,
-              chunk, out, values)
+              chunk_q, chunk_k, out, values)
     return (out, values) if return_values else out
 
 
@@ -301,7 +330,7 @@ def _paged_mqa_topk(
                                                    False, logits_dtype, indices, config=cfg)
         if b:
             _merge(logits, state, lo, width, context_lens, context_lens, max_context_len, covered, next_n,
-                   ctx_stride, out, values, topk, mode, first=c == 0, final=c == len(chunks) - 1)
+                   ctx_stride, 0, out, values, topk, mode, first=c == 0, final=c == len(chunks) - 1)
 
 
 @_paged_mqa_topk.register_fake
@@ -339,7 +368,7 @@ def fp8_fp4_paged_mqa_topk(
             back as ``+0.0``).
         out: int32 ``[B * next_n, topk]`` to write the indices into (last stride 1).
         chunk_k: token columns per chunk, a multiple of the page size ``block_kv`` (default:
-            about 32 MiB of logits a chunk, see :func:`default_chunk`).
+            :func:`default_chunk_k`).
 
     Returns:
         int32 ``[B * next_n, topk]``: token indices within the request, row ``b * next_n + t``,
@@ -379,7 +408,7 @@ def fp8_fp4_paged_mqa_topk(
     block_kv = kv_cache.shape[1]
     _check_topk_args(topk, chunk_k, max(1, block_kv), b * next_n, out, q_values.device, return_values)
     raise_pending(q_values.device)
-    chunk = chunk_k or default_chunk(b * next_n, topk, logits_dtype, max(1, block_kv))
+    chunk = chunk_k or default_chunk_k(topk, max(1, block_kv))
     out, values = _outputs(b * next_n, topk, logits_dtype, q_values.device, out, return_values)
     _paged_mqa_topk(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta.shape[0] - 1,
                     max_context_len, logits_dtype, indices, topk, chunk, out, values)

@@ -142,11 +142,12 @@ def _pairs_flops(spec: Spec, valid_pairs: int) -> int:
 
 def prefill_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) -> Case:
     from tilefuse.indexer import windows
-    from tilefuse.indexer.topk import default_chunk, topk_bytes_moved
+    from tilefuse.indexer.topk import default_chunk_k, default_chunk_q, topk_bytes_moved
 
     s_q, s_k = spec.rows_a, spec.rows_b
     ks_cpu, ke_cpu = windows.causal_tail(s_q, s_k)
-    chunk = spec.chunk_k or default_chunk(s_q, spec.topk, torch.float32, 256)
+    chunk = spec.chunk_k or default_chunk_k(spec.topk, 256)
+    chunk_q = default_chunk_q(chunk, torch.float32)
 
     def build() -> list[Impl]:
         import tilefuse
@@ -186,7 +187,8 @@ def prefill_case(spec: Spec, device: str, peer=None, peer_skip: str | None = Non
 
     params = spec.params()
     params["chunk_k_used"] = chunk
-    params["bytes_moved"] = topk_bytes_moved(s_q, s_k, spec.topk, chunk)
+    params["chunk_q_used"] = chunk_q
+    params["bytes_moved"] = topk_bytes_moved(s_q, s_k, spec.topk, chunk, chunk_q=chunk_q)
     return Case(name=spec.name, build=build, x=spec.shape, series=f"prefill {spec.fmt} H{spec.heads}",
                 params=params, flops=_pairs_flops(spec, windows.valid_pairs(ks_cpu, ke_cpu, s_k)),
                 ceiling=ceil.FP8_MATMUL if spec.fmt == "fp8" else ceil.BF16_MATMUL)
@@ -207,12 +209,12 @@ def decode_lengths(spec: Spec, seed: int = 0) -> torch.Tensor:
 
 
 def decode_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) -> Case:
-    from tilefuse.indexer.topk import default_chunk, topk_bytes_moved
+    from tilefuse.indexer.topk import default_chunk_k, topk_bytes_moved
 
     lens = decode_lengths(spec)
     max_len = int(lens.max())
     rows_total = spec.rows_a * spec.next_n
-    chunk = spec.chunk_k or default_chunk(rows_total, spec.topk, torch.float32, BLOCK_KV)
+    chunk = spec.chunk_k or default_chunk_k(spec.topk, BLOCK_KV)
     valid_pairs = int((lens.long()[:, None] - spec.next_n + 1 + torch.arange(spec.next_n)).clamp(min=0).sum())
 
     def build() -> list[Impl]:
