@@ -13,6 +13,7 @@ import torch
 import tilefuse
 from tilefuse import formats as F
 from tilefuse import reference as R
+from tilefuse.bench.suites import topk as suite
 from tilefuse.indexer import _topk_kernel as kern
 from tilefuse.indexer import paged, topk
 from tilefuse.indexer import windows as W
@@ -397,3 +398,26 @@ def test_bad_values_are_found_on_the_device():
         tilefuse.check_errors()
     tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 8)
     tilefuse.check_errors()
+
+
+def test_bench_suite_rows_and_checks():
+    """The suite's rows parse and build lazily; its checks fail on a wrong answer."""
+    assert suite.parse_shapes(["2048x32768,64x2x8192"]) == ([(2048, 32768)], [(64, 2, 8192)])
+    with pytest.raises(ValueError, match="--shapes"):
+        suite.parse_shapes(["64x"])
+    rows = suite.cases(on_gpu=True, device="cpu", shapes=([(2048, 32768)], [(64, 2, 8192)]))
+    assert [c.params["api"] for c in rows] == ["prefill", "decode"]
+    assert rows[0].params["chunk_k_used"] == 16384 and rows[0].params["bytes_moved"]["unfused"] > 0
+    logits = torch.randn(5, 300)
+    logits[1, 7:9] = 9.0  # a tie at the top
+    valid = torch.ones(5, 300, dtype=torch.bool)
+    valid[3, 20:] = False
+    check_fused, check_pair = suite.make_checks(logits, valid, 16, torch.arange(5))
+    good, _ = R.topk_of_logits(logits, valid, 16)
+    assert check_fused(good)["passed"]
+    swapped = good.clone()
+    swapped[1, :2] = swapped[1, :2].flip(0)  # right set, wrong order among equal logits
+    assert not check_fused(swapped)["passed"]
+    masked = logits.masked_fill(~valid, float("-inf"))
+    assert check_pair(torch.topk(masked, 16, dim=1))["passed"]
+    assert not check_pair(torch.topk(-masked, 16, dim=1))["passed"]

@@ -69,7 +69,7 @@ def state_width(topk: int) -> int:
 def default_chunk_k(topk: int, align: int) -> int:
     """Key columns per chunk: ``8 W`` within [2048, 65536], rounded up to ``align``. A row's state
     moves ``16 W`` bytes per chunk (loaded and stored as int64), so 8 W columns of fp32 logits
-    (written and read: 64 W bytes) keep the state's traffic a fifth of the chunk's."""
+    (written and read: 64 W bytes) keep the state's traffic a quarter of the logits'."""
     chunk = min(_MAX_CHUNK, max(_MIN_CHUNK, 8 * state_width(topk)))
     return triton.cdiv(chunk, align) * align
 
