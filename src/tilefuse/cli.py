@@ -93,8 +93,10 @@ def _run_bench(suite: str, args) -> int:
         from tilefuse.bench.suites import topk as mod
 
         fmts = tuple(f.strip() for f in args.formats.split(",") if f.strip())
-        cases = mod.cases(on_gpu=gpu, device=device, shapes=mod.parse_shapes(args.shapes), fmts=fmts)
-        extra, name = {"formats": list(fmts)}, "topk"
+        chunks = {"chunk_k": mod.parse_chunks(args.chunk_k, "chunk-k"),
+                  "chunk_q": mod.parse_chunks(args.chunk_q, "chunk-q")}
+        cases = mod.cases(on_gpu=gpu, device=device, shapes=mod.parse_shapes(args.shapes), fmts=fmts, **chunks)
+        extra, name = {"formats": list(fmts), **chunks}, "topk"
     else:
         from tilefuse.bench.suites import paged as mod
 
@@ -184,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("topk", help="indexer logits + top-k, fused and unfused")
     _add_bench_options(p, "only these S_QxS_K prefill and BxNEXT_NxMEAN_CTX decode rows, e.g. 2048x32768 64x2x8192")
     p.add_argument("--formats", default="fp8", help="comma-separated formats (fp8, mxfp8, mxfp4)")
+    p.add_argument("--chunk-k", help="comma-separated key chunk sizes to sweep (default: the op's)")
+    p.add_argument("--chunk-q", help="comma-separated prefill row block sizes to sweep (default: the op's)")
     p.set_defaults(func=lambda a: _run_bench("topk", a))
     for name in sorted(_DELEGATED_BENCH):
         bsub.add_parser(name, help=f"fused tensor-parallel GEMM ({name}); options: tilefuse bench {name} --help")

@@ -408,6 +408,11 @@ def test_bench_suite_rows_and_checks():
     rows = suite.cases(on_gpu=True, device="cpu", shapes=([(2048, 32768)], [(64, 2, 8192)]))
     assert [c.params["api"] for c in rows] == ["prefill", "decode"]
     assert rows[0].params["chunk_k_used"] == 16384 and rows[0].params["bytes_moved"]["unfused"] > 0
+    chunk_k, chunk_q = suite.parse_chunks("8192,16384", "chunk-k"), suite.parse_chunks("256", "chunk-q")
+    sweep = suite.cases(on_gpu=True, device="cpu", shapes=([(2048, 32768)], []), chunk_k=chunk_k, chunk_q=chunk_q)
+    assert [(c.params["chunk_k_used"], c.params["chunk_q_used"]) for c in sweep] == [(8192, 256), (16384, 256)]
+    with pytest.raises(ValueError, match="--chunk-k"):
+        suite.parse_chunks("8k", "chunk-k")
     logits = torch.randn(5, 300)
     logits[1, 7:9] = 9.0  # a tie at the top
     valid = torch.ones(5, 300, dtype=torch.bool)

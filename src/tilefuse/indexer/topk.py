@@ -12,20 +12,26 @@ valid window, as the unfused op computes the logits; rows with fewer than ``topk
 positions end in ``-1``. ``-0.0`` ties ``+0.0``; a NaN logit (none arise from finite inputs
 and weights) ranks after every number, before the ``-1`` padding.
 
-How: the keys are cut into chunks of ``chunk_k`` columns. Each chunk's logits come from the
-unfused op itself on a slice of the keys (prefill: ``k[lo:hi]`` with the windows shifted and
-clamped, S_q unchanged so the same launch configuration is picked; decode: block-table columns
-``[lo / block_kv, hi / block_kv)`` with the lengths shifted), so every value is the unfused
-op's value by construction: a logit depends on its own (row, key) only, and chunks start on
-whole key tiles (prefill) or pages (decode). A Triton kernel (``_topk_kernel``) then merges
-the chunk into a running per-row top-k of int64 keys. The workspace is one chunk of logits
-plus ``W = next_pow2(topk)`` keys per row, independent of S_k; :func:`topk_bytes_moved`
-gives the traffic beside the unfused pair's.
+How: the keys are cut into chunks of ``chunk_k`` columns (prefill: and the query rows into
+blocks of ``chunk_q``). Each chunk's logits come from the unfused op itself on a slice (prefill:
+``q[r0:r1]``, ``k[lo:hi]`` with the windows shifted and clamped, and the launch configuration
+the op picks for all S_q rows passed explicitly; decode: block-table columns
+``[lo / block_kv, hi / block_kv)`` with 2-D lengths shifted and clamped), so every value is
+the unfused op's value by construction: a logit depends on its own (row, key) only, and slices
+start on whole tiles (prefill: 128 rows, 256 keys) or pages (decode). A Triton kernel
+(``_topk_kernel``) then merges the chunk into a running per-row top-k of int64 keys. The
+workspace is one chunk of logits plus ``W = next_pow2(topk)`` keys per row of the block,
+independent of S_k; :func:`topk_bytes_moved` gives the traffic beside the unfused pair's.
 
-No host synchronisation: window and length errors are found by the merge kernel and raised at
-the next op call or by :func:`tilefuse.check_errors` (see ``tilefuse._errors``); the chunk's
-logits op runs on windows and lengths that are valid by construction. The ops are
-``torch.library`` custom ops with fake implementations and write into ``out=`` if given.
+The result is always sorted: the merge keeps each row's state sorted anyway, so an unsorted
+variant would save only the final copy (no option is offered for it).
+
+These ops add no host synchronisation of their own: window and length errors are found by the
+merge kernel and raised at the next op call or by :func:`tilefuse.check_errors` (see
+``tilefuse._errors``); each chunk's logits op runs on windows and lengths valid by
+construction (its own eager value checks still run per chunk, skipped under graph capture,
+``torch.compile`` and ``TILEFUSE_CHECK_WINDOWS=0``). The ops are ``torch.library`` custom ops
+with fake implementations and write into ``out=`` if given.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ from tilefuse.indexer import paged, prefill
 
 _INDEX_DTYPE = torch.int32
 # Logits bytes one prefill chunk may take: about an H200's L2 (50 MB) less room for the keys
-# and the states. A prediction, not a measurement (the sweep to run is in the bench suite).
+# and the states. A prediction, not a measurement (``tilefuse bench topk --chunk-k/--chunk-q``
+# sweeps it).
 _WORKSPACE_BYTES = 32 << 20
 _MIN_CHUNK, _MAX_CHUNK = 2048, 65536
 # Prefill row blocks are whole multiples of this (the query tiles of every prefill kernel, so

@@ -57,6 +57,7 @@ class Spec:
     heads: int
     topk: int
     chunk_k: int | None
+    chunk_q: int | None = None
 
     @property
     def shape(self) -> str:
@@ -66,11 +67,12 @@ class Spec:
 
     @property
     def name(self) -> str:
-        return f"{self.api} {self.fmt} H{self.heads} D{HEAD_DIM} {self.shape} top{self.topk}"
+        tiles = "".join(f" {n}{v}" for n, v in (("chunk_k", self.chunk_k), ("chunk_q", self.chunk_q)) if v)
+        return f"{self.api} {self.fmt} H{self.heads} D{HEAD_DIM} {self.shape} top{self.topk}{tiles}"
 
     def params(self) -> dict:
         p = {"api": self.api, "format": self.fmt, "heads": self.heads, "head_dim": HEAD_DIM, "topk": self.topk,
-             "chunk_k": self.chunk_k, "logits_dtype": "float32", "weights_dtype": "float32"}
+             "chunk_k": self.chunk_k, "chunk_q": self.chunk_q, "logits_dtype": "float32", "weights_dtype": "float32"}
         if self.api == "prefill":
             p.update(s_q=self.rows_a, s_k=self.rows_b, window="causal")
         else:
@@ -147,7 +149,7 @@ def prefill_case(spec: Spec, device: str, peer=None, peer_skip: str | None = Non
     s_q, s_k = spec.rows_a, spec.rows_b
     ks_cpu, ke_cpu = windows.causal_tail(s_q, s_k)
     chunk = spec.chunk_k or default_chunk_k(spec.topk, 256)
-    chunk_q = default_chunk_q(chunk, torch.float32)
+    chunk_q = spec.chunk_q or default_chunk_q(chunk, torch.float32)
 
     def build() -> list[Impl]:
         import tilefuse
@@ -168,7 +170,8 @@ def prefill_case(spec: Spec, device: str, peer=None, peer_skip: str | None = Non
         del logits
 
         impls = [
-            Impl("tilefuse", lambda: tilefuse.fp8_fp4_mqa_topk(qq, kv, w, ks, ke, spec.topk, chunk_k=spec.chunk_k),
+            Impl("tilefuse", lambda: tilefuse.fp8_fp4_mqa_topk(qq, kv, w, ks, ke, spec.topk, chunk_k=spec.chunk_k,
+                                                               chunk_q=spec.chunk_q),
                  lambda out: check_fused(out.cpu())),
             Impl("tilefuse+torch.topk",
                  lambda: torch.topk(tilefuse.fp8_fp4_mqa_logits(qq, kv, w, ks, ke), spec.topk, dim=1),
@@ -271,18 +274,30 @@ def decode_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None
                 ceiling=ceil.FP8_MATMUL if spec.fmt == "fp8" else ceil.BF16_MATMUL)
 
 
-def cases(*, on_gpu: bool, device: str, shapes=None, fmts=("fp8",)) -> list[Case]:
-    """The cases of ``tilefuse bench topk``: the prefill rows, then the decode rows."""
+def cases(*, on_gpu: bool, device: str, shapes=None, fmts=("fp8",), chunk_k=(None,), chunk_q=(None,)) -> list[Case]:
+    """The cases of ``tilefuse bench topk``: the prefill rows, then the decode rows; one row per
+    ``chunk_k`` (both APIs) and ``chunk_q`` (prefill) given (None: the op's default)."""
     for f in fmts:
         if f not in formats.FORMATS:
             raise ValueError(f"--formats: expected some of {formats.FORMATS}, got {f!r}")
     prefill, decode = shapes or ((GPU_PREFILL, GPU_DECODE) if on_gpu else (CPU_PREFILL, CPU_DECODE))
     heads, k_top = (GPU_HEADS, GPU_TOPK) if on_gpu else (CPU_HEADS, CPU_TOPK)
-    chunk = None if on_gpu else CPU_CHUNK
+    if not on_gpu and chunk_k == (None,):
+        chunk_k = (CPU_CHUNK,)
     peer, skip = deep_gemm_module()
-    out = [prefill_case(Spec("prefill", f, s_q, s_k, 1, heads, k_top, chunk), device, peer, skip)
-           for f in fmts for s_q, s_k in prefill]
-    decode_chunk = None if on_gpu else 2 * BLOCK_KV
-    out += [decode_case(Spec("decode", f, b, c, n, heads, k_top, decode_chunk), device, peer, skip)
-            for f in fmts for b, n, c in decode]
+    out = [prefill_case(Spec("prefill", f, s_q, s_k, 1, heads, k_top, ck, cq), device, peer, skip)
+           for f in fmts for s_q, s_k in prefill for ck in chunk_k for cq in chunk_q]
+    decode_chunks = chunk_k if on_gpu or chunk_k != (CPU_CHUNK,) else (2 * BLOCK_KV,)
+    out += [decode_case(Spec("decode", f, b, c, n, heads, k_top, ck), device, peer, skip)
+            for f in fmts for b, n, c in decode for ck in decode_chunks]
     return out
+
+
+def parse_chunks(text: str | None, name: str) -> tuple[int | None, ...]:
+    """``"8192,16384"`` -> ``(8192, 16384)``; empty -> ``(None,)`` (the op's default)."""
+    if not text:
+        return (None,)
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise ValueError(f"--{name}: expected comma-separated positive ints, got {text!r}")
+    return tuple(int(p) for p in parts)
