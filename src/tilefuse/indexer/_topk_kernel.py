@@ -38,9 +38,12 @@ _CONTEXT_LEN_PAST_WIDTH = tl.constexpr(_errors.CONTEXT_LEN_PAST_WIDTH)
 _CONTEXT_LEN_PAST_TABLE = tl.constexpr(_errors.CONTEXT_LEN_PAST_TABLE)
 
 # Window modes: how a row's valid positions [start, end) come from the arguments.
-WIN_PREFILL = tl.constexpr(0)  # start = ks[row], end = min(ke[row], n_keys)
-WIN_DECODE_1D = tl.constexpr(1)  # start = 0, end = ctx[b] - next_n + 1 + t (row = b * next_n + t)
-WIN_DECODE_2D = tl.constexpr(2)  # start = 0, end = ctx[b, t]
+# (Plain ints for the launch site, constexpr copies for the kernels.)
+WIN_PREFILL = 0  # start = ks[row], end = min(ke[row], n_keys)
+WIN_DECODE_1D = 1  # start = 0, end = ctx[b] - next_n + 1 + t (row = b * next_n + t)
+WIN_DECODE_2D = 2  # start = 0, end = ctx[b, t]
+_WIN_PREFILL = tl.constexpr(WIN_PREFILL)
+_WIN_DECODE_1D = tl.constexpr(WIN_DECODE_1D)
 
 
 @triton.jit
@@ -59,7 +62,7 @@ def _row_window(win_a_ptr, win_b_ptr, row, row_base, n_keys, key_limit, next_n, 
     """A row's valid ``[start, end)``, clamped to ``[0, n_keys]``; with CHECK, bad values are
     reported (decode: a length over ``n_keys`` = max_context_len, or over ``key_limit`` = the
     keys the block table holds)."""
-    if MODE == WIN_PREFILL:
+    if MODE == _WIN_PREFILL:
         ks = tl.load(win_a_ptr + row)
         ke = tl.load(win_b_ptr + row)
         if CHECK:
@@ -69,7 +72,7 @@ def _row_window(win_a_ptr, win_b_ptr, row, row_base, n_keys, key_limit, next_n, 
         end = tl.maximum(tl.minimum(ke, n_keys), start)
     else:
         b = (row // next_n).to(tl.int32)
-        if MODE == WIN_DECODE_1D:
+        if MODE == _WIN_DECODE_1D:
             ctx = tl.load(win_a_ptr + b)
             end = ctx - next_n + 1 + row % next_n
         else:
@@ -103,11 +106,11 @@ def _sort_rows(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, DESC
     """Bitonic sort of each row of ``x [ROWS, W]``."""
     for k in tl.static_range(1, LOG_W):
         for i in tl.static_range(k):
-            half: tl.constexpr = 1 << (k - 1 - i)
-            # Blocks of 2^k alternate direction (as the final direction: flipped when descending);
-            # a row's length is a multiple of 2^(k+1), so the parity is the same counted per row.
-            block = (tl.arange(0, ROWS * W // (2 * half)) * (2 * half)) >> k
-            x = _half_clean(x, ROWS, W, half, ((block & 1) ^ DESCENDING)[:, None])
+            # Pairs (j, j + 2^(k-1-i)); blocks of 2^k alternate direction (as the final direction:
+            # flipped when descending); a row's length is a multiple of 2^(k+1), so the parity is
+            # the same counted per row.
+            block = (tl.arange(0, ROWS * W >> (k - i)) << (k - i)) >> k
+            x = _half_clean(x, ROWS, W, 1 << (k - 1 - i), ((block & 1) ^ DESCENDING)[:, None])
     return _merge_bitonic(x, ROWS, W, LOG_W, DESCENDING)
 
 
