@@ -273,6 +273,8 @@ def test_decode_bf16_logits_and_rerun():
     first = case.check(32, chunk_k=64, logits_dtype=torch.bfloat16)
     again = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 32, torch.bfloat16, chunk_k=128)
     assert torch.equal(first, again)
+    varlen = torch.arange(2, dtype=torch.int32, device=DEVICE)  # request id per token (next_n = 1)
+    assert torch.equal(tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 32, torch.bfloat16, varlen, chunk_k=64), first)
 
 
 def test_decode_empty_batch_and_zero_columns():
