@@ -33,6 +33,8 @@ _PUBLIC = {
     "fp8_paged_mqa_logits": "tilefuse.indexer.paged",
     "fp8_fp4_paged_mqa_logits": "tilefuse.indexer.paged",
     "get_paged_mqa_logits_metadata": "tilefuse.indexer.paged",
+    "fp8_fp4_mqa_topk": "tilefuse.indexer.topk",
+    "fp8_fp4_paged_mqa_topk": "tilefuse.indexer.topk",
     "check_errors": "tilefuse._errors",
     "set_checked": "tilefuse._errors",
     "checked_mode": "tilefuse._errors",

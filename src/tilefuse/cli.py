@@ -97,6 +97,14 @@ def _run_bench(suite: str, args) -> int:
                           reproduce=args.reproduce)
         extra = {"reproduce": args.reproduce, "formats": list(fmts)}
         name = "indexer-reproduce" if args.reproduce else "indexer"
+    elif suite == "topk":
+        from tilefuse.bench.suites import topk as mod
+
+        fmts = tuple(f.strip() for f in args.formats.split(",") if f.strip())
+        chunks = {"chunk_k": mod.parse_chunks(args.chunk_k, "chunk-k"),
+                  "chunk_q": mod.parse_chunks(args.chunk_q, "chunk-q")}
+        cases = mod.cases(on_gpu=gpu, device=device, shapes=mod.parse_shapes(args.shapes), fmts=fmts, **chunks)
+        extra, name = {"formats": list(fmts), **chunks}, "topk"
     else:
         from tilefuse.bench.suites import paged as mod
 
@@ -188,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--formats", default="fp8", help="comma-separated formats (fp8, mxfp8, mxfp4)")
     p.set_defaults(func=lambda a: _run_bench("paged", a))
     bsub.add_parser("serving", help="the indexer in an engine's step loop; options: tilefuse bench serving --help")
+    p = bsub.add_parser("topk", help="indexer logits + top-k, fused and unfused")
+    _add_bench_options(p, "only these S_QxS_K prefill and BxNEXT_NxMEAN_CTX decode rows, e.g. 2048x32768 64x2x8192")
+    p.add_argument("--formats", default="fp8", help="comma-separated formats (fp8, mxfp8, mxfp4)")
+    p.add_argument("--chunk-k", help="comma-separated key chunk sizes to sweep (default: the op's)")
+    p.add_argument("--chunk-q", help="comma-separated prefill row block sizes to sweep (default: the op's)")
+    p.set_defaults(func=lambda a: _run_bench("topk", a))
     for name in sorted(_DELEGATED_BENCH):
         bsub.add_parser(name, help=f"fused tensor-parallel GEMM ({name}); options: tilefuse bench {name} --help")
 

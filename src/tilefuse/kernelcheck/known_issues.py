@@ -39,10 +39,9 @@ _ENTRIES = [
     # tiles (one under an MMA, one being applied), three 64x128 fp32 tiles, at the register limit.
     ("indexer.prefill_gluon", "sm_90a", "* w4 buf4*", 80, "three 64x128 fp32 tiles live in one warpgroup"),
     # Prefill options (not the defaults).
-    ("indexer.prefill", "*", "* mx_split=True", 1300, "per-block FP8 path: four partial score tiles live"),
-    ("indexer.prefill", "*", "* keys_major=True*", 320, "keys-major tile with the MX upcast / bf16 epilogue"),
     ("indexer.prefill", "sm_90a", "mxfp4 * head_unroll=2*", 64, "two heads' upcast operands live at once"),
-    ("indexer.prefill", "sm_100a", "fp8 * relu_via_abs=*", 16,
+    # (20 B since the kernel clamps and checks the windows itself, 16 before.)
+    ("indexer.prefill", "sm_100a", "fp8 * relu_via_abs=*", 24,
      "Triton loop on sm_100a with the linear term's operands beside the key tile (option, timed on Hopper only)"),
     # Persistent GEMM: the masked (unaligned) epilogue builds a pointer per element (on sm_90a
     # it no longer spills since the per-tile clock read went under TRACE); the reduce-scatter

@@ -20,6 +20,7 @@ from tilefuse.reference.paged import (
     paged_mqa_logits_ref,
     paged_valid_mask,
 )
+from tilefuse.reference.topk import fp8_fp4_mqa_topk_ref, fp8_fp4_paged_mqa_topk_ref, topk_of_logits
 
 __all__ = [
     "ag_gemm_emulated",
@@ -29,11 +30,14 @@ __all__ = [
     "calc_diff",
     "compress_logits",
     "fp8_fp4_mqa_logits_ref",
+    "fp8_fp4_mqa_topk_ref",
     "fp8_fp4_paged_mqa_logits_ref",
+    "fp8_fp4_paged_mqa_topk_ref",
     "gather_paged_keys",
     "mqa_logits_ref",
     "paged_key_extent",
     "paged_mqa_logits_ref",
     "paged_valid_mask",
+    "topk_of_logits",
     "window_mask",
 ]

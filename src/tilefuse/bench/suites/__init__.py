@@ -5,6 +5,7 @@
 * ``paged``: paged decode logits (``tilefuse bench paged``);
 * ``serving``: the indexer in an engine's step loop (``tilefuse bench serving``; its own step
   loop and command line, ``serving.main``).
+* ``topk``: logits + top-k, fused and unfused, prefill and decode (``tilefuse bench topk``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,422 @@
+"""Indexer logits followed by a per-row top-k, without the full logits in memory.
+
+Public ops:
+
+* :func:`fp8_fp4_mqa_topk` — prefill: for every query row the first ``topk`` key positions of
+  :func:`tilefuse.fp8_fp4_mqa_logits` over its window ``[ks, ke)``;
+* :func:`fp8_fp4_paged_mqa_topk` — decode: the same over the rows of
+  :func:`tilefuse.fp8_fp4_paged_mqa_logits` (positions are token indices within the request).
+
+Contract (bit for bit): positions ordered by (logit descending, position ascending) over the
+valid window, as the unfused op computes the logits; rows with fewer than ``topk`` valid
+positions end in ``-1``. ``-0.0`` ties ``+0.0``; a NaN logit (none arise from finite inputs
+and weights) ranks after every number, before the ``-1`` padding.
+
+How: the keys are cut into chunks of ``chunk_k`` columns (prefill: and the query rows into
+blocks of ``chunk_q``). Each chunk's logits come from the unfused op itself on a slice (prefill:
+``q[r0:r1]``, ``k[lo:hi]`` with the windows shifted and clamped, and the launch configuration
+the op picks for all S_q rows passed explicitly; decode: block-table columns
+``[lo / block_kv, hi / block_kv)`` with 2-D lengths shifted and clamped), so every value is
+the unfused op's value by construction: a logit depends on its own (row, key) only, and slices
+start on whole tiles (prefill: 128 rows, 256 keys) or pages (decode). A Triton kernel
+(``_topk_kernel``) then merges the chunk into a running per-row top-k of int64 keys. The
+workspace is one chunk of logits plus ``W = next_pow2(topk)`` keys per row of the block,
+independent of S_k; :func:`topk_bytes_moved` gives the traffic beside the unfused pair's.
+
+The result is always sorted: the merge keeps each row's state sorted anyway, so an unsorted
+variant would save only the final copy (no option is offered for it).
+
+These ops add no host synchronisation of their own: window and length errors are found by the
+merge kernel and raised at the next op call or by :func:`tilefuse.check_errors` (see
+``tilefuse._errors``); each chunk's logits op runs on windows and lengths valid by
+construction (its own eager value checks still run per chunk, skipped under graph capture,
+``torch.compile`` and ``TILEFUSE_CHECK_WINDOWS=0``). The ops are ``torch.library`` custom ops
+with fake implementations and write into ``out=`` if given.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+import tilefuse
+from tilefuse._device import capability_major
+from tilefuse._errors import error_record, raise_pending
+from tilefuse._validate import check_kernel_device, expect, expect_int, expect_tensor
+from tilefuse.formats import format_of
+from tilefuse.indexer import _topk_kernel as kern
+from tilefuse.indexer import paged, prefill
+
+_INDEX_DTYPE = torch.int32
+# Logits bytes one prefill chunk may take: about an H200's L2 (50 MB) less room for the keys
+# and the states. A prediction, not a measurement (``tilefuse bench topk --chunk-k/--chunk-q``
+# sweeps it).
+_WORKSPACE_BYTES = 32 << 20
+_MIN_CHUNK, _MAX_CHUNK = 2048, 65536
+# Prefill row blocks are whole multiples of this (the query tiles of every prefill kernel, so
+# the MX paths' per-tile recompute flags match the unfused op's).
+_ROW_BLOCK = 128
+# Prefill chunks start on whole key tiles of every prefill kernel (the widest is 256 keys): the
+# MX paths recompute flagged key tiles exactly, so the tiling must match the unfused op's.
+_PREFILL_KEY_TILE = 256
+# Smallest state: the kernels' blocks are at least 16 wide.
+_MIN_STATE = 16
+# Keys a merge program holds (ROWS x W): small top-k values share a program between rows.
+# A prediction, not a measurement.
+_KEYS_PER_PROGRAM = 2048
+_MAX_TOPK = 1 << 16
+_MAX_POSITION = 2**31 - 2  # keys hold 0x7FFFFFFF - position in 31 bits, above the empty slot
+
+
+def state_width(topk: int) -> int:
+    """Keys kept per row between chunks (and the merge block): the next power of two >= topk."""
+    return max(_MIN_STATE, triton.next_power_of_2(topk))
+
+
+def default_chunk_k(topk: int, align: int) -> int:
+    """Key columns per chunk: ``8 W`` within [2048, 65536], rounded up to ``align``. A row's state
+    moves ``16 W`` bytes per chunk (loaded and stored as int64), so 8 W columns of fp32 logits
+    (written and read: 64 W bytes) keep the state's traffic a quarter of the logits'."""
+    chunk = min(_MAX_CHUNK, max(_MIN_CHUNK, 8 * state_width(topk)))
+    return triton.cdiv(chunk, align) * align
+
+
+def default_chunk_q(chunk_k: int, logits_dtype: torch.dtype) -> int:
+    """Prefill query rows per block: as many multiples of 128 as keep one chunk of logits within
+    ``_WORKSPACE_BYTES`` (at least 128)."""
+    per_row = chunk_k * torch.empty((), dtype=logits_dtype).element_size()
+    return max(_ROW_BLOCK, _WORKSPACE_BYTES // per_row // _ROW_BLOCK * _ROW_BLOCK)
+
+
+def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_bytes: int = 4,
+                     chunk_q: int | None = None) -> dict:
+    """Bytes of logits, state and result traffic of one call, beside the unfused pair's.
+
+    ``rows`` x ``n_keys`` logits of ``logits_bytes`` each. Unfused: the logits op writes them
+    and a top-k reads them at least once, then writes int32 indices. Chunked (these ops): the
+    same logits writes and reads, but into a workspace of ``min(rows, chunk_q) * chunk_k`` logits
+    and as many states (in L2 when they fit, so they need not reach HBM), plus the state (``W``
+    int64 keys a row) stored after every chunk but the last and loaded before every chunk but
+    the first, plus the indices.
+    Inputs (q, keys, weights) are read alike by both and left out.
+    """
+    logits = rows * n_keys * logits_bytes
+    indices = rows * topk * 4
+    chunks = max(1, triton.cdiv(n_keys, chunk_k))
+    state = rows * state_width(topk) * 8 * 2 * (chunks - 1)
+    block = rows if chunk_q is None else min(rows, chunk_q)
+    return {
+        "unfused": 2 * logits + indices,
+        "chunked_total": 2 * logits + state + indices,
+        "chunked_workspace_bytes": block * (min(chunk_k, max(n_keys, 1)) * logits_bytes + state_width(topk) * 8),
+        "chunked_hbm_if_l2_resident": state + indices,
+    }
+
+
+def _check_topk_args(topk, chunk_k, align: int, name_rows: int, out, device, return_values) -> None:
+    expect_int(topk, "topk", 1)
+    expect(topk <= _MAX_TOPK, ValueError, f"topk: at most {_MAX_TOPK}, got {topk}")
+    expect(isinstance(return_values, bool), TypeError, f"return_values: expected a bool, got {return_values!r}")
+    if chunk_k is not None:
+        expect_int(chunk_k, "chunk_k", 1)
+        expect(chunk_k % align == 0, ValueError, f"chunk_k: must be a multiple of {align} here, got {chunk_k}")
+    if out is not None:
+        expect_tensor(out, "out")
+        expect(out.dtype == _INDEX_DTYPE, TypeError, f"out: expected int32, got {out.dtype}")
+        expect(tuple(out.shape) == (name_rows, topk) and out.stride(1) == 1, ValueError,
+               f"out: expected [{name_rows}, {topk}] with unit last stride, got shape {tuple(out.shape)} "
+               f"strides {out.stride()}")
+        expect(out.device == device, ValueError, f"out: expected device {device}, got {out.device}")
+
+
+def _outputs(rows: int, topk: int, logits_dtype, device, out, return_values: bool):
+    if out is None:
+        out = torch.empty((rows, topk), dtype=_INDEX_DTYPE, device=device)
+    values = torch.empty((rows, topk), dtype=logits_dtype, device=device) if return_values else None
+    return out, values
+
+
+def _merge(logits, state, lo: int, width: int, win_a, win_b, n_keys: int, key_limit: int, next_n: int,
+           ctx_stride: int, row_base: int, out, values, topk: int, mode: int, first: bool, final: bool) -> None:
+    """Merge logits columns ``[0, width)`` (positions ``lo + c``) of every row of ``out`` into
+    ``state``; ``row_base`` is the first row's index in the op's output (for error messages)."""
+    rows, w = out.shape[0], state_width(topk)
+    rows_per_program = max(1, min(triton.next_power_of_2(rows), _KEYS_PER_PROGRAM // w))
+    kern.topk_merge_chunk_kernel[(triton.cdiv(rows, rows_per_program),)](
+        logits, logits.stride(0), state, state.stride(0),
+        rows, row_base, win_a, win_b, n_keys, key_limit, next_n, ctx_stride,
+        lo, width,
+        out, out.stride(0), out if values is None else values, 0 if values is None else values.stride(0),
+        error_record(out.device),
+        TOPK=topk, W=w, LOG_W=w.bit_length() - 1, ROWS=rows_per_program, MODE=mode, FIRST=first, FINAL=final,
+        WRITE_VALUES=values is not None, num_warps=max(1, min(8, rows_per_program * w // 256)),
+    )
+
+
+def _chunks(n_keys: int, chunk_k: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` column ranges; one empty range when there are no keys (the rows still get -1)."""
+    return [(lo, min(lo + chunk_k, n_keys)) for lo in range(0, max(n_keys, 1), chunk_k)]
+
+
+def _state_buffer(rows: int, topk: int, n_chunks: int, device) -> torch.Tensor:
+    # One chunk merges straight from an empty state into the result: no state needed.
+    shape = (rows, state_width(topk)) if n_chunks > 1 else (1, state_width(topk))
+    return torch.empty(shape, dtype=torch.int64, device=device)
+
+
+# ---------------------------------------------------------------------------------------
+# Prefill
+# ---------------------------------------------------------------------------------------
+@torch.library.custom_op("tilefuse::mqa_topk", mutates_args=("out", "values"))
+def _mqa_topk(
+    q: torch.Tensor,
+    q_sf: torch.Tensor | None,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    logits_dtype: torch.dtype,
+    topk: int,
+    chunk_q: int,
+    chunk_k: int,
+    out: torch.Tensor,
+    values: torch.Tensor | None,
+) -> None:
+    s_q, s_k = q.shape[0], k.shape[0]
+    # The launch configuration the unfused op picks for all S_q rows, pinned for every slice.
+    fmt = format_of(q, q_sf)
+    head_dim = q.shape[2] * 2 if fmt == "mxfp4" else q.shape[2]
+    cfg = prefill.resolve_config(fmt, q.shape[1], head_dim, s_q, None, logits_dtype, capability_major(q.device))
+    chunks = _chunks(s_k, chunk_k)
+    state = _state_buffer(min(s_q, chunk_q), topk, len(chunks), q.device)
+    for r0 in range(0, max(s_q, 1), chunk_q):
+        r1 = min(r0 + chunk_q, s_q)
+        rows = slice(r0, r1)
+        ks_r, ke_r = ks[rows], ke[rows]
+        for c, (lo, hi) in enumerate(chunks):
+            width = hi - lo
+            ks_c = (ks_r - lo).clamp(0, width)
+            ke_c = torch.maximum((ke_r - lo).clamp(0, width), ks_c)
+            logits = tilefuse.fp8_fp4_mqa_logits(
+                (q[rows], None if q_sf is None else q_sf[rows]), (k[lo:hi], k_scale[lo:hi]), weights[rows], ks_c, ke_c,
+                clean_logits=False, logits_dtype=logits_dtype, config=cfg)
+            if r1 > r0:
+                _merge(logits, state, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out[rows],
+                       None if values is None else values[rows], topk, kern.WIN_PREFILL,
+                       first=c == 0, final=c == len(chunks) - 1)
+
+
+@_mqa_topk.register_fake
+def _mqa_topk_fake(q, q_sf, k, k_scale, weights, ks, ke, logits_dtype, topk, chunk_q, chunk_k, out, values):
+    return None
+
+
+def fp8_fp4_mqa_topk(
+    q: tuple[torch.Tensor, torch.Tensor | None],
+    kv: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor,
+    cu_seq_len_k_start: torch.Tensor,
+    cu_seq_len_k_end: torch.Tensor,
+    topk: int = 2048,
+    logits_dtype: torch.dtype = torch.float32,
+    schedule_meta: torch.Tensor | None = None,
+    *,
+    return_values: bool = False,
+    out: torch.Tensor | None = None,
+    chunk_k: int | None = None,
+    chunk_q: int | None = None,
+):
+    """The ``topk`` best keys of every query row under :func:`tilefuse.fp8_fp4_mqa_logits`.
+
+    Args:
+        q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, logits_dtype: as for
+            :func:`tilefuse.fp8_fp4_mqa_logits` (FP8, MXFP8, MXFP4; fp32/bf16 weights; the
+            logits dtype the ranking reads, so bf16 logits tie more often).
+        topk: positions per row (1 to 65536).
+        schedule_meta: accepted as the logits op does (from ``get_mqa_logits_metadata``); the
+            result does not depend on it.
+        return_values: also return each position's logit (``-inf`` at ``-1``; ``-0.0`` comes
+            back as ``+0.0``).
+        out: int32 ``[S_q, topk]`` to write the indices into (last stride 1).
+        chunk_k: key columns per chunk, a multiple of 256 (default: :func:`default_chunk_k`).
+        chunk_q: query rows per block, a multiple of 128 (default: :func:`default_chunk_q`,
+            about 32 MiB of logits a chunk).
+
+    Returns:
+        int32 ``[S_q, topk]``: key positions (indices into ``kv``) by (logit descending,
+        position ascending) within ``[ks, min(ke, S_k))``, then ``-1``; with ``return_values``
+        ``(indices, values)``.
+
+    Raises:
+        TypeError, ValueError: the logits op's errors for its arguments; a bad ``topk``,
+        ``chunk_k``, ``out`` or ``schedule_meta``. Bad window values (``ks < 0``, ``ks > ke``)
+        raise :class:`tilefuse.DeviceValueError` at the next call or ``tilefuse.check_errors()``.
+    """
+    if not isinstance(q, (tuple, list)) or len(q) != 2:
+        raise TypeError("q: expected a tuple (values, sf); sf is None for FP8")
+    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+        raise TypeError("kv: expected a tuple (k, k_sf)")
+    q_values, q_sf = q
+    k, k_scale = kv
+    for name, t in (("q", q_values), ("kv[0]", k), ("kv[1]", k_scale),
+                    ("cu_seq_len_k_start", cu_seq_len_k_start), ("cu_seq_len_k_end", cu_seq_len_k_end)):
+        expect_tensor(t, name)
+    s_q = q_values.shape[0] if q_values.dim() else 0
+    check_kernel_device(q_values, "q")
+    for name, t in (("cu_seq_len_k_start", cu_seq_len_k_start), ("cu_seq_len_k_end", cu_seq_len_k_end)):
+        expect(t.dtype == torch.int32, TypeError, f"{name}: expected int32, got {t.dtype}")
+        expect(tuple(t.shape) == (s_q,) and t.stride(0) == 1, ValueError,
+               f"{name}: expected a contiguous [{s_q}] tensor, got shape {tuple(t.shape)}")
+        expect(t.device == q_values.device, ValueError, f"{name}: expected device {q_values.device}, got {t.device}")
+    expect(k.dim() >= 1 and k.shape[0] <= _MAX_POSITION, ValueError,
+           f"kv[0]: at most {_MAX_POSITION} keys, got shape {tuple(k.shape)}")
+    if schedule_meta is not None:
+        expect_tensor(schedule_meta, "schedule_meta")
+        expect(schedule_meta.dtype == torch.int32 and schedule_meta.dim() == 2, ValueError,
+               f"schedule_meta: expected int32 [1 + num_q_blocks, 2] from get_mqa_logits_metadata, got "
+               f"{schedule_meta.dtype} {tuple(schedule_meta.shape)}")
+    expect(logits_dtype in (torch.float32, torch.bfloat16), TypeError,
+           f"logits_dtype: expected float32 or bfloat16, got {logits_dtype}")
+    _check_topk_args(topk, chunk_k, _PREFILL_KEY_TILE, s_q, out, q_values.device, return_values)
+    if chunk_q is not None:
+        expect_int(chunk_q, "chunk_q", 1)
+        expect(chunk_q % _ROW_BLOCK == 0, ValueError, f"chunk_q: must be a multiple of {_ROW_BLOCK}, got {chunk_q}")
+    raise_pending(q_values.device)
+    chunk_k = chunk_k or default_chunk_k(topk, _PREFILL_KEY_TILE)
+    chunk_q = chunk_q or default_chunk_q(chunk_k, logits_dtype)
+    out, values = _outputs(s_q, topk, logits_dtype, q_values.device, out, return_values)
+    _mqa_topk(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, logits_dtype, topk,
+              chunk_q, chunk_k, out, values)
+    return (out, values) if return_values else out
+
+
+# ---------------------------------------------------------------------------------------
+# Decode
+# ---------------------------------------------------------------------------------------
+@torch.library.custom_op("tilefuse::paged_mqa_topk", mutates_args=("out", "values"))
+def _paged_mqa_topk(
+    q: torch.Tensor,
+    q_sf: torch.Tensor | None,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    num_workers: int,
+    max_context_len: int,
+    logits_dtype: torch.dtype,
+    indices: torch.Tensor | None,
+    topk: int,
+    chunk_k: int,
+    out: torch.Tensor,
+    values: torch.Tensor | None,
+) -> None:
+    b, next_n, h, dq = q.shape
+    fmt = format_of(q, q_sf)
+    block_kv = kv_cache.shape[1]
+    cfg = paged.resolve_paged_config(fmt, next_n, h, dq * 2 if fmt == "mxfp4" else dq, block_kv, None, b,
+                                     max_context_len)
+    # Keys a row may have: the output's width, and what the block table can address.
+    covered = min(max_context_len, block_table.shape[1] * block_kv)
+    # Row (b, t) sees [0, ends[b, t]), as 2-D lengths (contiguous, >= 0).
+    if context_lens.dim() == 1:
+        ends = context_lens[:, None] - (next_n - 1) + torch.arange(next_n, dtype=torch.int32, device=q.device)
+    else:
+        ends = context_lens
+    ends = ends.clamp(min=0).to(torch.int32)
+    mode = kern.WIN_DECODE_1D if context_lens.dim() == 1 else kern.WIN_DECODE_2D
+    ctx_stride = context_lens.stride(0) if context_lens.dim() == 2 else 1
+    chunks = _chunks(covered, chunk_k)
+    state = _state_buffer(b * next_n, topk, len(chunks), q.device)
+    for c, (lo, hi) in enumerate(chunks):
+        width = hi - lo
+        lens_c = (ends - lo).clamp(0, width).contiguous()
+        table_c = block_table[:, lo // block_kv: triton.cdiv(hi, block_kv)]
+        meta_c = tilefuse.get_paged_mqa_logits_metadata(lens_c, block_kv, num_workers)
+        logits = tilefuse.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, lens_c, table_c, meta_c, width,
+                                                   False, logits_dtype, indices, config=cfg)
+        if b:
+            _merge(logits, state, lo, width, context_lens, context_lens, max_context_len, covered, next_n,
+                   ctx_stride, 0, out, values, topk, mode, first=c == 0, final=c == len(chunks) - 1)
+
+
+@_paged_mqa_topk.register_fake
+def _paged_mqa_topk_fake(q, q_sf, kv_cache, weights, context_lens, block_table, num_workers, max_context_len,
+                         logits_dtype, indices, topk, chunk_k, out, values):
+    return None
+
+
+def fp8_fp4_paged_mqa_topk(
+    q: tuple[torch.Tensor, torch.Tensor | None],
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    schedule_meta: torch.Tensor,
+    max_context_len: int,
+    topk: int = 2048,
+    logits_dtype: torch.dtype = torch.float32,
+    indices: torch.Tensor | None = None,
+    *,
+    return_values: bool = False,
+    out: torch.Tensor | None = None,
+    chunk_k: int | None = None,
+):
+    """The ``topk`` best tokens of every decode row under :func:`tilefuse.fp8_fp4_paged_mqa_logits`.
+
+    Args:
+        q, kv_cache, weights, context_lens, block_table, max_context_len, logits_dtype,
+            indices: as for :func:`tilefuse.fp8_fp4_paged_mqa_logits` (1-D or 2-D lengths).
+        schedule_meta: ``get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms)``;
+            its row count sets the workers of each chunk's metadata; the result does not
+            depend on it.
+        topk: positions per row (1 to 65536).
+        return_values: also return each position's logit (``-inf`` at ``-1``; ``-0.0`` comes
+            back as ``+0.0``).
+        out: int32 ``[B * next_n, topk]`` to write the indices into (last stride 1).
+        chunk_k: token columns per chunk, a multiple of the page size ``block_kv`` (default:
+            :func:`default_chunk_k`).
+
+    Returns:
+        int32 ``[B * next_n, topk]``: token indices within the request, row ``b * next_n + t``,
+        by (logit descending, position ascending) over the row's valid tokens, then ``-1``;
+        with ``return_values`` ``(indices, values)``.
+
+    Raises:
+        TypeError, ValueError: the logits op's errors for its arguments; a bad ``topk``,
+        ``chunk_k``, ``out``, ``context_lens`` or ``schedule_meta``. Bad lengths (negative,
+        over ``max_context_len``, longer than the block table) raise
+        :class:`tilefuse.DeviceValueError` at the next call or ``tilefuse.check_errors()``.
+    """
+    if not isinstance(q, (tuple, list)) or len(q) != 2:
+        raise TypeError("q: expected a tuple (values, sf); sf is None for FP8")
+    q_values, q_sf = q
+    for name, t in (("q", q_values), ("kv_cache", kv_cache), ("context_lens", context_lens),
+                    ("block_table", block_table), ("schedule_meta", schedule_meta)):
+        expect_tensor(t, name)
+    check_kernel_device(q_values, "q")
+    expect(q_values.dim() == 4, ValueError, f"q: expected [B, next_n, H, D], got shape {tuple(q_values.shape)}")
+    expect(kv_cache.dim() == 4, ValueError,
+           f"kv_cache: expected [num_blocks, block_kv, 1, width], got shape {tuple(kv_cache.shape)}")
+    b, next_n = q_values.shape[:2]
+    expect(context_lens.dtype == torch.int32, TypeError, f"context_lens: expected int32, got {context_lens.dtype}")
+    expect(tuple(context_lens.shape) in ((b,), (b, next_n)) and context_lens.stride(-1) == 1, ValueError,
+           f"context_lens: expected [{b}] or [{b}, {next_n}] with unit last stride, got shape "
+           f"{tuple(context_lens.shape)}")
+    expect(block_table.dim() == 2, ValueError, f"block_table: expected [B, max_blocks], got {tuple(block_table.shape)}")
+    expect(schedule_meta.dtype == torch.int32 and schedule_meta.dim() == 2 and schedule_meta.shape[0] >= 2, ValueError,
+           f"schedule_meta: expected int32 [num_sms + 1, 2] from get_paged_mqa_logits_metadata, got "
+           f"{schedule_meta.dtype} {tuple(schedule_meta.shape)}")
+    expect_int(max_context_len, "max_context_len", 0)
+    expect(max_context_len <= _MAX_POSITION + 1, ValueError,
+           f"max_context_len: at most {_MAX_POSITION + 1}, got {max_context_len}")
+    expect(logits_dtype in (torch.float32, torch.bfloat16), TypeError,
+           f"logits_dtype: expected float32 or bfloat16, got {logits_dtype}")
+    block_kv = kv_cache.shape[1]
+    _check_topk_args(topk, chunk_k, max(1, block_kv), b * next_n, out, q_values.device, return_values)
+    raise_pending(q_values.device)
+    chunk = chunk_k or default_chunk_k(topk, max(1, block_kv))
+    out, values = _outputs(b * next_n, topk, logits_dtype, q_values.device, out, return_values)
+    _paged_mqa_topk(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta.shape[0] - 1,
+                    max_context_len, logits_dtype, indices, topk, chunk, out, values)
+    return (out, values) if return_values else out

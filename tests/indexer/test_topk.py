@@ -1,0 +1,446 @@
+"""Indexer top-k (prefill and decode) against the contract, bit for bit: the unfused logits op's
+logits, ranked by the reference (value descending, position ascending over the valid window,
+then -1). Chunks are forced small so the merge path runs many times per row; ties, -inf and
+NaN logits, empty rows, windows not aligned to any chunk, ``topk`` larger than the window,
+every format, both APIs, ``out=``, reruns, device-side value errors and bad arguments.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilefuse
+from tilefuse import formats as F
+from tilefuse import reference as R
+from tilefuse.bench.suites import topk as suite
+from tilefuse.indexer import _topk_kernel as kern
+from tilefuse.indexer import paged, topk
+from tilefuse.indexer import windows as W
+
+from ..conftest import DEVICE, ON_GPU
+
+NUM_SMS = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else 3
+
+
+def shapes(cpu, gpu):
+    return gpu if ON_GPU else cpu
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise, NaN included (-0.0 and +0.0 are equal: the values come back as +0.0)."""
+    return a.dtype == b.dtype and a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+# ---------------------------------------------------------------------------------------
+# The reference's order, by hand
+# ---------------------------------------------------------------------------------------
+def test_reference_order_by_hand():
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([
+        [1.0, 3.0, 3.0, -0.0, 0.0, nan, -inf, 2.0],
+        [nan, 5.0, -inf, nan, 4.0, 4.0, 1.0, 0.0],
+    ])
+    valid = torch.tensor([
+        [True, True, True, True, True, True, True, False],  # the 2.0 is outside the window
+        [True, False, True, True, True, True, False, False],
+    ])
+    idx, val = R.topk_of_logits(logits, valid, 8)
+    assert idx.tolist() == [[1, 2, 0, 3, 4, 6, 5, -1], [4, 5, 2, 0, 3, -1, -1, -1]]
+    assert _equal(val[0, :7], torch.tensor([3.0, 3.0, 1.0, 0.0, 0.0, -inf, nan]))
+    assert val[1, 5:].isneginf().all()
+    idx3, _ = R.topk_of_logits(logits, valid, 3)
+    assert torch.equal(idx3, idx[:, :3])
+
+
+# ---------------------------------------------------------------------------------------
+# Prefill
+# ---------------------------------------------------------------------------------------
+def prefill_inputs(s_q, s_k, h, d, fmt, seed, weights_dtype=torch.float32, distinct_keys=None):
+    """Quantised op inputs; with ``distinct_keys`` only that many different key rows (repeated:
+    many rows of exactly equal logits)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s_q, h, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(s_k, d, generator=g).to(torch.bfloat16)
+    if distinct_keys:
+        k = k[torch.arange(s_k) % distinct_keys]
+    w = torch.randn(s_q, h, generator=g).to(weights_dtype)
+    qq = tuple(None if t is None else t.to(DEVICE) for t in F.quantize_q(q, fmt))
+    kk = tuple(t.to(DEVICE) for t in F.quantize_k(k, fmt))
+    return qq, kk, w.to(DEVICE)
+
+
+def expected_prefill(qq, kk, w, ks, ke, k_top, logits_dtype=torch.float32):
+    """The unfused pair: the logits op, then the reference's ranking over the windows."""
+    logits = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, clean_logits=True, logits_dtype=logits_dtype)
+    return R.topk_of_logits(logits, R.window_mask(ks, ke, kk[0].shape[0]), k_top)
+
+
+def check_prefill(qq, kk, w, ks, ke, k_top, chunk_k, logits_dtype=torch.float32):
+    ref_idx, ref_val = expected_prefill(qq, kk, w, ks, ke, k_top, logits_dtype)
+    out = torch.full((ks.shape[0], k_top), 12345, dtype=torch.int32, device=DEVICE)  # poisoned
+    idx, val = tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k_top, logits_dtype, return_values=True, out=out,
+                                         chunk_k=chunk_k)
+    tilefuse.check_errors()
+    assert idx is out
+    assert torch.equal(idx, ref_idx), "indices differ from the unfused logits' top-k"
+    assert _equal(val, ref_val), "values differ from the unfused logits"
+    return idx
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+def test_prefill_formats_windows_and_chunks(fmt):
+    """Random windows (empty rows, ke past S_k) cutting across 256-key chunks."""
+    s_q, s_k = shapes((16, 600), (512, 20000))
+    qq, kk, w = prefill_inputs(s_q, s_k, 4, 64, fmt, seed=len(fmt))
+    g = torch.Generator().manual_seed(3)
+    ks, ke = W.random_windows(s_q, s_k, g, DEVICE, empty_fraction=0.2, overhang=40)
+    ks[0], ke[0] = 0, s_k + 40  # the whole row, ke past S_k
+    ks[1], ke[1] = 255, 257  # two keys on both sides of a chunk boundary
+    idx = check_prefill(qq, kk, w, ks, ke, 16, chunk_k=256)
+    assert (idx[ks == ke] == -1).all()
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_prefill_ties_from_repeated_keys(logits_dtype):
+    """Seven distinct key rows: every logit value repeats ~100 times in a row; the order among
+    equal logits is by position, across chunks."""
+    s_q, s_k = shapes((8, 768), (256, 16384))
+    qq, kk, w = prefill_inputs(s_q, s_k, 4, 32, "fp8", seed=5, distinct_keys=7)
+    ks, ke = W.causal_tail(s_q, s_k, DEVICE)
+    idx = check_prefill(qq, kk, w, ks, ke, 64, chunk_k=256, logits_dtype=logits_dtype)
+    if logits_dtype == torch.float32:  # (bf16 may round two key rows to one value)
+        # All 64 ranks hold the best key row's positions (>= 108 in every window), ascending.
+        assert (idx.diff(dim=1) == 7).all()
+
+
+def test_prefill_all_zero_inputs_and_negative_weights():
+    """All logits 0 (+0.0 and -0.0 from negative weights): the order is the window's positions."""
+    s_q, s_k = 8, 300
+    qq, kk, w = prefill_inputs(s_q, s_k, 4, 32, "fp8", seed=6)
+    qq = (torch.zeros_like(qq[0]), None)
+    w = -w.abs()
+    ks, ke = W.random_windows(s_q, s_k, torch.Generator().manual_seed(6), DEVICE)
+    idx = check_prefill(qq, kk, w, ks, ke, 32, chunk_k=256)
+    for i in range(s_q):
+        n = min(32, int(ke[i] - ks[i]))
+        assert idx[i, :n].tolist() == list(range(int(ks[i]), int(ks[i]) + n))
+
+
+def test_prefill_topk_larger_than_every_window():
+    s_q, s_k = 16, 520
+    qq, kk, w = prefill_inputs(s_q, s_k, 4, 32, "fp8", seed=7)
+    ks = torch.randint(0, 480, (s_q,), generator=torch.Generator().manual_seed(7), dtype=torch.int32).to(DEVICE)
+    ke = (ks + torch.arange(s_q, device=DEVICE) * 3).to(torch.int32)  # 0 to 45 keys
+    idx = check_prefill(qq, kk, w, ks, ke, 64, chunk_k=256)
+    lengths = (ke.clamp(max=s_k) - ks).long()
+    assert torch.equal((idx >= 0).sum(dim=1), lengths)
+    assert torch.equal(idx >= 0, torch.arange(64, device=DEVICE)[None, :] < lengths[:, None])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on inf * 0 in the interpreter
+def test_prefill_inf_and_nan_logits():
+    """Infinite weights: +inf, -inf and NaN (inf * relu(s) with s <= 0) logits in the windows."""
+    s_q, s_k = 8, 400
+    qq, kk, w = prefill_inputs(s_q, s_k, 4, 32, "fp8", seed=8)
+    w[0, 0] = float("inf")
+    w[1, 0] = float("-inf")
+    w[2, :2] = torch.tensor([float("inf"), float("-inf")])
+    ks, ke = W.full(s_q, s_k, DEVICE)
+    logits = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke)
+    assert logits[:3].isnan().any() and logits[:2].isinf().any()
+    idx = check_prefill(qq, kk, w, ks, ke, 256, chunk_k=256)
+    # Row 0 holds +inf and NaN only: the +inf first, then the NaN, each by position.
+    n_inf = int(logits[0].isposinf().sum())
+    assert 0 < n_inf < 256 and int(logits[0].isnan().sum()) == s_k - n_inf
+    assert torch.equal(idx[0, :n_inf], logits[0].isposinf().nonzero().flatten().to(torch.int32))
+    assert torch.equal(idx[0, n_inf:], logits[0].isnan().nonzero().flatten()[: 256 - n_inf].to(torch.int32))
+
+
+def test_prefill_bitwise_reruns_and_chunk_sizes():
+    """One chunk (the default size) and 256: the same bits; no keys: all -1; no rows: empty."""
+    s_q, s_k = 8, 600
+    qq, kk, w = prefill_inputs(s_q, s_k, 4, 32, "fp8", seed=9)
+    ks, ke = W.causal_tail(s_q, s_k, DEVICE)
+    first = tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, 24, chunk_k=256)
+    for chunk_k in (256, None):
+        assert torch.equal(tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, 24, chunk_k=chunk_k), first)
+    assert torch.equal(first, expected_prefill(qq, kk, w, ks, ke, 24)[0])
+    none = tilefuse.fp8_fp4_mqa_topk(qq, (kk[0][:0], kk[1][:0]), w, ks, ke, 8)
+    assert torch.equal(none, torch.full((s_q, 8), -1, dtype=torch.int32, device=DEVICE))
+    tilefuse.check_errors()
+    empty = tilefuse.fp8_fp4_mqa_topk((qq[0][:0], None), kk, w[:0], ks[:0], ke[:0], 8)
+    assert empty.shape == (0, 8)
+
+
+def test_prefill_many_rows_use_the_row_tile(record_launches):
+    """64 query rows (the 64-row tile, not heads_on_n): still the unfused op's ranking; one merge
+    launch per chunk, 64 rows a program at topk 8."""
+    s_q, s_k = 64, 512
+    qq, kk, w = prefill_inputs(s_q, s_k, 4, 32, "fp8", seed=10, weights_dtype=torch.bfloat16)
+    launched = record_launches(kern, "topk_merge_chunk_kernel")
+    ks, ke = W.zigzag(s_q, s_k, DEVICE)
+    check_prefill(qq, kk, w, ks, ke, 8, chunk_k=256)
+    assert launched == [(1,), (1,)]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_prefill_row_blocks(fmt):
+    """Row blocks of 128: the last block of 12 rows keeps the 140-row launch configuration
+    (not the few-rows one), so the bits stay the unfused op's; error rows count from row 0."""
+    s_q, s_k = 140, 300
+    qq, kk, w = prefill_inputs(s_q, s_k, 4, 64, fmt, seed=20)
+    ks, ke = W.random_windows(s_q, s_k, torch.Generator().manual_seed(20), DEVICE, empty_fraction=0.1, overhang=9)
+    ref_idx, ref_val = expected_prefill(qq, kk, w, ks, ke, 8)
+    idx, val = tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, 8, return_values=True, chunk_k=256, chunk_q=128)
+    tilefuse.check_errors()
+    assert torch.equal(idx, ref_idx) and _equal(val, ref_val)
+    ks[133] = ke[133] + 1
+    tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, 8, chunk_k=256, chunk_q=128)
+    with pytest.raises(tilefuse.DeviceValueError, match="row 133"):
+        tilefuse.check_errors()
+
+
+# ---------------------------------------------------------------------------------------
+# Decode
+# ---------------------------------------------------------------------------------------
+class PagedCase:
+    def __init__(self, fmt="fp8", lens=(70, 0, 129, 200), next_n=2, h=8, d=64, block_kv=32, ctx_2d=False,
+                 seed=0, extra_cols=5, distinct_keys=None):
+        g = torch.Generator().manual_seed(seed)
+        lens = torch.tensor(lens, dtype=torch.int32)
+        b, s = lens.shape[0], max(1, int(lens.max()))
+        q = torch.randn(b, next_n, h, d, generator=g).to(torch.bfloat16)
+        k = torch.randn(b, s, d, generator=g).to(torch.bfloat16)
+        if distinct_keys:
+            k = k[:, torch.arange(s) % distinct_keys]
+        self.w = torch.randn(b * next_n, h, generator=g).to(DEVICE)
+        if ctx_2d:
+            ctx = (lens[:, None] * torch.rand(b, next_n, generator=g)).to(torch.int32)
+            ctx[:, -1] = lens
+        else:
+            ctx = lens
+        self.cache, self.table = paged.make_paged_kv_cache(k.to(DEVICE), lens.to(DEVICE), block_kv, fmt,
+                                                           generator=g)
+        self.qq = tuple(None if t is None else t.to(DEVICE) for t in F.quantize_q(q, fmt))
+        self.ctx = ctx.to(DEVICE)
+        self.next_n, self.block_kv = next_n, block_kv
+        self.max_context_len = s + extra_cols
+        self.meta = tilefuse.get_paged_mqa_logits_metadata(self.ctx, block_kv, NUM_SMS)
+
+    def args(self):
+        return (self.qq, self.cache, self.w, self.ctx, self.table, self.meta, self.max_context_len)
+
+    def expected(self, k_top, logits_dtype=torch.float32):
+        logits = tilefuse.fp8_fp4_paged_mqa_logits(*self.args(), True, logits_dtype)
+        valid = R.paged_valid_mask(self.ctx, self.next_n, self.max_context_len)
+        return R.topk_of_logits(logits, valid, k_top)
+
+    def check(self, k_top, chunk_k, logits_dtype=torch.float32):
+        ref_idx, ref_val = self.expected(k_top, logits_dtype)
+        rows = self.w.shape[0]
+        out = torch.full((rows, k_top), 12345, dtype=torch.int32, device=DEVICE)
+        idx, val = tilefuse.fp8_fp4_paged_mqa_topk(*self.args(), k_top, logits_dtype, return_values=True, out=out,
+                                                   chunk_k=chunk_k)
+        tilefuse.check_errors()
+        assert idx is out
+        assert torch.equal(idx, ref_idx), "indices differ from the unfused logits' top-k"
+        assert _equal(val, ref_val), "values differ from the unfused logits"
+        return idx
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+@pytest.mark.parametrize("ctx_2d", [False, True])
+def test_decode_formats_and_length_modes(fmt, ctx_2d):
+    """Lengths not a multiple of the page or the chunk, a zero-length request, chunks of two pages."""
+    case = PagedCase(fmt, lens=shapes((70, 0, 129, 200), (5000, 0, 8193, 12000)), next_n=2, ctx_2d=ctx_2d,
+                     seed=len(fmt) + 3 * ctx_2d)
+    idx = case.check(16, chunk_k=shapes(64, 2048))
+    assert (idx[2:4] == -1).all()  # request 1 is empty
+
+
+def test_decode_ties_wide_output_and_topk_past_the_lengths():
+    """Repeated keys (equal logits), max_context_len far past every length, topk > some lengths,
+    next_n = 3 with 1-D lengths (causal rows)."""
+    case = PagedCase("fp8", lens=(40, 97, 5), next_n=3, block_kv=16, seed=11, extra_cols=300, distinct_keys=5)
+    idx = case.check(48, chunk_k=32)
+    valid = R.paged_valid_mask(case.ctx, 3, case.max_context_len).sum(dim=1)
+    assert torch.equal((idx >= 0).sum(dim=1), valid.clamp(max=48))
+
+
+def test_decode_bf16_logits_and_rerun():
+    case = PagedCase("mxfp4", lens=(150, 33), next_n=1, block_kv=64, seed=12)
+    first = case.check(32, chunk_k=64, logits_dtype=torch.bfloat16)
+    again = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 32, torch.bfloat16, chunk_k=128)
+    assert torch.equal(first, again)
+    varlen = torch.arange(2, dtype=torch.int32, device=DEVICE)  # request id per token (next_n = 1)
+    assert torch.equal(tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 32, torch.bfloat16, varlen, chunk_k=64), first)
+
+
+def test_decode_empty_batch_and_zero_columns():
+    case = PagedCase("fp8", lens=(0, 0), next_n=2, seed=13, extra_cols=0)
+    out = tilefuse.fp8_fp4_paged_mqa_topk(*case.args()[:-1], 0, 8)
+    assert torch.equal(out, torch.full((4, 8), -1, dtype=torch.int32, device=DEVICE))
+    case = PagedCase("fp8", lens=(10,), next_n=1, seed=14)
+    empty = tilefuse.fp8_fp4_paged_mqa_topk((case.qq[0][:0], None), case.cache, case.w[:0], case.ctx[:0],
+                                            case.table[:0], case.meta, case.max_context_len, 8)
+    assert empty.shape == (0, 8)
+
+
+# ---------------------------------------------------------------------------------------
+# Custom ops, bytes, bad input
+# ---------------------------------------------------------------------------------------
+def test_custom_ops_fake_and_torch_compile():
+    s_q, s_k = 8, 300
+    qq, kk, w = prefill_inputs(s_q, s_k, 4, 32, "fp8", seed=15)
+    ks, ke = W.causal_tail(s_q, s_k, DEVICE)
+    real = tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, 16, chunk_k=256)
+
+    def select(qv, k, ks_, ke_, w_):
+        return tilefuse.fp8_fp4_mqa_topk((qv, None), (k, kk[1]), w_, ks_, ke_, 16, chunk_k=256)
+
+    compiled = torch.compile(select, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(qq[0], kk[0], ks, ke, w), real)
+
+    case = PagedCase("fp8", lens=(40, 90), next_n=2, seed=16)
+    real = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 8, chunk_k=32)
+
+    def decode(qv, cache, w_, ctx, table, meta):
+        return tilefuse.fp8_fp4_paged_mqa_topk((qv, None), cache, w_, ctx, table, meta, case.max_context_len, 8,
+                                               chunk_k=32)
+
+    compiled = torch.compile(decode, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(case.qq[0], case.cache, case.w, case.ctx, case.table, case.meta), real)
+
+
+def test_bytes_moved_and_default_chunks():
+    moved = topk.topk_bytes_moved(8192, 131072, 2048, 16384, chunk_q=512)
+    assert moved["unfused"] == 2 * 8192 * 131072 * 4 + 8192 * 2048 * 4
+    assert moved["chunked_total"] == moved["unfused"] + 8192 * 2048 * 8 * 2 * 7
+    assert moved["chunked_workspace_bytes"] == 512 * (16384 * 4 + 2048 * 8)
+    assert moved["chunked_hbm_if_l2_resident"] < moved["unfused"] / 4
+    assert topk.topk_bytes_moved(4, 100, 8, 256)["chunked_hbm_if_l2_resident"] == 4 * 8 * 4
+    assert topk.default_chunk_k(2048, 256) == 16384 and topk.default_chunk_k(8, 256) == 2048
+    assert topk.default_chunk_k(64, 48) == 2064  # whole pages of 48 tokens
+    assert topk.default_chunk_q(16384, torch.float32) == 512
+    assert topk.default_chunk_q(65536, torch.float32) == 128
+    assert topk.state_width(2048) == 2048 and topk.state_width(3) == 16
+
+
+def _prefill_args():
+    qq, kk, w = prefill_inputs(8, 300, 4, 32, "fp8", seed=17)
+    ks, ke = W.causal_tail(8, 300, DEVICE)
+    return dict(q=qq, kv=kk, weights=w, cu_seq_len_k_start=ks, cu_seq_len_k_end=ke, topk=8)
+
+
+PREFILL_BAD = {
+    "q-not-tuple": (TypeError, "q:", dict(q=lambda q: q[0])),
+    "ks-dtype": (TypeError, "cu_seq_len_k_start", dict(cu_seq_len_k_start=lambda t: t.long())),
+    "ke-rows": (ValueError, "cu_seq_len_k_end", dict(cu_seq_len_k_end=lambda t: t[:-1])),
+    "weights-dtype": (TypeError, "weights", dict(weights=lambda w: w.half())),
+    "topk-zero": (ValueError, "topk", dict(topk=lambda n: 0)),
+    "topk-huge": (ValueError, "topk", dict(topk=lambda n: 1 << 20)),
+    "chunk-unaligned": (ValueError, "chunk_k", dict(chunk_k=lambda n: 300)),
+    "rows-unaligned": (ValueError, "chunk_q", dict(chunk_q=lambda n: 100)),
+    "out-dtype": (TypeError, "out", dict(out=lambda o: torch.zeros(8, 8, dtype=torch.int64, device=DEVICE))),
+    "out-shape": (ValueError, "out", dict(out=lambda o: torch.zeros(8, 9, dtype=torch.int32, device=DEVICE))),
+    "meta-dtype": (ValueError, "schedule_meta", dict(schedule_meta=lambda m: torch.zeros(2, 2, device=DEVICE))),
+    "values-flag": (TypeError, "return_values", dict(return_values=lambda v: 1)),
+}
+
+
+@pytest.mark.parametrize("name", list(PREFILL_BAD))
+def test_prefill_bad_inputs_raise(name):
+    exc, text, changes = PREFILL_BAD[name]
+    args = _prefill_args()
+    for key, fn in changes.items():
+        args[key] = fn(args.get(key))
+    with pytest.raises(exc, match=text):
+        tilefuse.fp8_fp4_mqa_topk(**args)
+
+
+PAGED_BAD = {
+    "ctx-dtype": (TypeError, "context_lens", dict(context_lens=lambda c: c.long())),
+    "ctx-shape": (ValueError, "context_lens", dict(context_lens=lambda c: torch.stack([c, c, c], 1))),
+    "meta-shape": (ValueError, "schedule_meta", dict(schedule_meta=lambda m: m[:1])),
+    "max-context-len": (ValueError, "max_context_len", dict(max_context_len=lambda n: -1)),
+    "chunk-not-pages": (ValueError, "chunk_k", dict(chunk_k=lambda n: 40)),
+    "cache-width": (ValueError, "kv_cache", dict(kv_cache=lambda c: c[..., :-1])),
+}
+
+
+@pytest.mark.parametrize("name", list(PAGED_BAD))
+def test_decode_bad_inputs_raise(name):
+    case = PagedCase("fp8", lens=(60, 100), next_n=2, seed=18)
+    exc, text, changes = PAGED_BAD[name]
+    args = dict(zip(("q", "kv_cache", "weights", "context_lens", "block_table", "schedule_meta", "max_context_len"),
+                    case.args()), topk=8)
+    for key, fn in changes.items():
+        args[key] = fn(args.get(key))
+    with pytest.raises(exc, match=text):
+        tilefuse.fp8_fp4_paged_mqa_topk(**args)
+
+
+def test_bad_values_are_found_on_the_device():
+    """Windows and lengths are checked by the merge kernel, without a host sync: the error is
+    raised by check_errors (or the next call), and nothing is read out of bounds meanwhile."""
+    args = _prefill_args()
+    ke = args["cu_seq_len_k_end"].clone()
+    ke[3] = -5  # ks > ke
+    args["cu_seq_len_k_end"] = ke
+    tilefuse.fp8_fp4_mqa_topk(**args)
+    with pytest.raises(tilefuse.DeviceValueError, match="row 3"):
+        tilefuse.check_errors()
+    case = PagedCase("fp8", lens=(60, 100), next_n=2, seed=19)
+    too_long = case.ctx.clone()
+    too_long[1] = case.max_context_len + 7
+    tilefuse.fp8_fp4_paged_mqa_topk(case.qq, case.cache, case.w, too_long, case.table, case.meta,
+                                    case.max_context_len, 8)
+    with pytest.raises(tilefuse.DeviceValueError, match="max_context_len"):
+        tilefuse.check_errors()
+    tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 8)
+    tilefuse.check_errors()
+
+
+def test_bench_suite_rows_and_checks():
+    """The suite's rows parse and build lazily; its checks fail on a wrong answer."""
+    assert suite.parse_shapes(["2048x32768,64x2x8192"]) == ([(2048, 32768)], [(64, 2, 8192)])
+    with pytest.raises(ValueError, match="--shapes"):
+        suite.parse_shapes(["64x"])
+    rows = suite.cases(on_gpu=True, device="cpu", shapes=([(2048, 32768)], [(64, 2, 8192)]))
+    assert [c.params["api"] for c in rows] == ["prefill", "decode"]
+    assert rows[0].params["chunk_k_used"] == 16384 and rows[0].params["bytes_moved"]["unfused"] > 0
+    chunk_k, chunk_q = suite.parse_chunks("8192,16384", "chunk-k"), suite.parse_chunks("256", "chunk-q")
+    sweep = suite.cases(on_gpu=True, device="cpu", shapes=([(2048, 32768)], []), chunk_k=chunk_k, chunk_q=chunk_q)
+    assert [(c.params["chunk_k_used"], c.params["chunk_q_used"]) for c in sweep] == [(8192, 256), (16384, 256)]
+    with pytest.raises(ValueError, match="--chunk-k"):
+        suite.parse_chunks("8k", "chunk-k")
+    logits = torch.randn(5, 300)
+    logits[1, 7:9] = 9.0  # a tie at the top
+    valid = torch.ones(5, 300, dtype=torch.bool)
+    valid[3, 20:] = False
+    check_fused, check_pair = suite.make_checks(logits, valid, 16, torch.arange(5))
+    good, _ = R.topk_of_logits(logits, valid, 16)
+    assert check_fused(good)["passed"]
+    swapped = good.clone()
+    swapped[1, :2] = swapped[1, :2].flip(0)  # right set, wrong order among equal logits
+    assert not check_fused(swapped)["passed"]
+    masked = logits.masked_fill(~valid, float("-inf"))
+    assert check_pair(torch.topk(masked, 16, dim=1))["passed"]
+    assert not check_pair(torch.topk(-masked, 16, dim=1))["passed"]
+
+
+def test_merge_kernel_compiles_for_hopper_without_spills():
+    """The merge kernel as the ops launch it, compiled for sm_90a (the interpreter runs things a
+    real compile rejects, e.g. a constexpr reassigned in a static loop)."""
+    from tilefuse.kernelcheck.compile import compile_many
+    from tilefuse.kernelcheck.variants import tracing, variant_of
+
+    qq, kk, w = prefill_inputs(37, 300, 4, 32, "fp8", seed=21)
+    ks, ke = W.causal_tail(37, 300, DEVICE)
+    with tracing("tilefuse.indexer._topk_kernel:topk_merge_chunk_kernel") as launches:
+        tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, 2048, return_values=True, chunk_k=256)
+    variants = [variant_of(launches[0], "indexer.topk", "first"), variant_of(launches[-1], "indexer.topk", "final")]
+    for report in compile_many([(v, "sm_90a") for v in variants], sass=False):
+        assert report.ok, report.error
+        assert report.spill_stores == 0 and report.spill_loads == 0
