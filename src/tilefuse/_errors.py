@@ -99,13 +99,31 @@ def _raise_from(record: torch.Tensor) -> None:
                            + " (found on the device by an earlier call; its outputs for those rows are not valid)")
 
 
+# Nonzero while an op runs other ops as its parts (:func:`deferred`).
+_deferring = 0
+
+
+@contextlib.contextmanager
+def deferred():
+    """Inside: the ops called as parts of a composite op raise nothing pending, so what one
+    part recorded surfaces at the composite op's next call or :func:`check_errors`, as for any op."""
+    global _deferring
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+
+
 def raise_pending(device: torch.device | str) -> None:
     """Raise what kernels on ``device`` have recorded so far; never synchronises.
 
     A host-visible record is read as it stands (a kernel still running may report later); a
-    record in device memory is left to :func:`check_errors`. Inside CUDA-graph capture and
-    torch.compile tracing nothing is read.
+    record in device memory is left to :func:`check_errors`. Inside CUDA-graph capture,
+    torch.compile tracing and :func:`deferred` nothing is read.
     """
+    if _deferring:
+        return
     record = _records.get(_key(device))
     if record is None or record.device.type == "cuda":
         return
@@ -172,6 +190,8 @@ _CLEAN = bytes(2 * NUM_CODES * 4)
 def raise_pending_fast(device: torch.device) -> None:
     """:func:`raise_pending` for a tensor's own device (``tensor.device``, index included):
     the same errors raised, at the cost of one comparison while nothing is recorded."""
+    if _deferring:
+        return
     view = _byte_views.get(device, False)
     if view is False:
         record = error_record(device)

@@ -41,7 +41,7 @@ import triton
 
 import tilefuse
 from tilefuse._device import capability_major
-from tilefuse._errors import error_record, raise_pending
+from tilefuse._errors import deferred, error_record, raise_pending
 from tilefuse._validate import check_kernel_device, expect, expect_int, expect_tensor
 from tilefuse.formats import format_of
 from tilefuse.indexer import _topk_kernel as kern
@@ -190,21 +190,22 @@ def _mqa_topk(
     cfg = prefill.resolve_config(fmt, q.shape[1], head_dim, s_q, None, logits_dtype, capability_major(q.device))
     chunks = _chunks(s_k, chunk_k)
     state = _state_buffer(min(s_q, chunk_q), topk, len(chunks), q.device)
-    for r0 in range(0, max(s_q, 1), chunk_q):
-        r1 = min(r0 + chunk_q, s_q)
-        rows = slice(r0, r1)
-        ks_r, ke_r = ks[rows], ke[rows]
-        for c, (lo, hi) in enumerate(chunks):
-            width = hi - lo
-            ks_c = (ks_r - lo).clamp(0, width)
-            ke_c = torch.maximum((ke_r - lo).clamp(0, width), ks_c)
-            logits = tilefuse.fp8_fp4_mqa_logits(
-                (q[rows], None if q_sf is None else q_sf[rows]), (k[lo:hi], k_scale[lo:hi]), weights[rows], ks_c, ke_c,
-                clean_logits=False, logits_dtype=logits_dtype, config=cfg)
-            if r1 > r0:
-                _merge(logits, state, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out[rows],
-                       None if values is None else values[rows], topk, kern.WIN_PREFILL,
-                       first=c == 0, final=c == len(chunks) - 1)
+    with deferred():  # a chunk's errors surface at the next call, not the next chunk
+        for r0 in range(0, max(s_q, 1), chunk_q):
+            r1 = min(r0 + chunk_q, s_q)
+            rows = slice(r0, r1)
+            ks_r, ke_r = ks[rows], ke[rows]
+            for c, (lo, hi) in enumerate(chunks):
+                width = hi - lo
+                ks_c = (ks_r - lo).clamp(0, width)
+                ke_c = torch.maximum((ke_r - lo).clamp(0, width), ks_c)
+                q_rows = (q[rows], None if q_sf is None else q_sf[rows])
+                logits = tilefuse.fp8_fp4_mqa_logits(q_rows, (k[lo:hi], k_scale[lo:hi]), weights[rows], ks_c, ke_c,
+                                                     clean_logits=False, logits_dtype=logits_dtype, config=cfg)
+                if r1 > r0:
+                    _merge(logits, state, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out[rows],
+                           None if values is None else values[rows], topk, kern.WIN_PREFILL,
+                           first=c == 0, final=c == len(chunks) - 1)
 
 
 @_mqa_topk.register_fake
@@ -328,16 +329,17 @@ def _paged_mqa_topk(
     ctx_stride = context_lens.stride(0) if context_lens.dim() == 2 else 1
     chunks = _chunks(covered, chunk_k)
     state = _state_buffer(b * next_n, topk, len(chunks), q.device)
-    for c, (lo, hi) in enumerate(chunks):
-        width = hi - lo
-        lens_c = (ends - lo).clamp(0, width).contiguous()
-        table_c = block_table[:, lo // block_kv: triton.cdiv(hi, block_kv)]
-        meta_c = tilefuse.get_paged_mqa_logits_metadata(lens_c, block_kv, num_workers)
-        logits = tilefuse.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, lens_c, table_c, meta_c, width,
-                                                   False, logits_dtype, indices, config=cfg)
-        if b:
-            _merge(logits, state, lo, width, context_lens, context_lens, max_context_len, covered, next_n,
-                   ctx_stride, 0, out, values, topk, mode, first=c == 0, final=c == len(chunks) - 1)
+    with deferred():  # a chunk's errors surface at the next call, not the next chunk
+        for c, (lo, hi) in enumerate(chunks):
+            width = hi - lo
+            lens_c = (ends - lo).clamp(0, width).contiguous()
+            table_c = block_table[:, lo // block_kv: triton.cdiv(hi, block_kv)]
+            meta_c = tilefuse.get_paged_mqa_logits_metadata(lens_c, block_kv, num_workers)
+            logits = tilefuse.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, lens_c, table_c, meta_c, width,
+                                                       False, logits_dtype, indices, config=cfg)
+            if b:
+                _merge(logits, state, lo, width, context_lens, context_lens, max_context_len, covered, next_n,
+                       ctx_stride, 0, out, values, topk, mode, first=c == 0, final=c == len(chunks) - 1)
 
 
 @_paged_mqa_topk.register_fake
