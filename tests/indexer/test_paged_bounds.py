@@ -55,8 +55,9 @@ def _gather_per_tile(src_ptr, out_ptr, tiles, CLAMP: tl.constexpr, NUM_STAGES: t
 @needs_interpreter
 def test_checker_catches_a_store_past_the_end():
     x = torch.zeros(8)
-    with checked_bounds(), pytest.raises(Exception, match="stores 1 of 9 lanes outside every argument"):
+    with checked_bounds(), pytest.raises(Exception, match="stores 1 of 9 lanes outside every argument") as err:
         _store_one_past[(1,)](x, 8, BLOCK=16)
+    assert isinstance(err.value.__cause__, OutOfBounds)  # wrapped by the interpreter
     with checked_bounds() as state:
         _store_one_past[(1,)](x, 7, BLOCK=16)
     assert state.accesses == 7 + 8
