@@ -79,7 +79,7 @@ def _key_extent(ctx_ptr, stride_ctx, b, NEXT_N: tl.constexpr, NEXT_N_P: tl.const
 
 @triton.jit(do_not_specialize=DYNAMIC_ARGS)
 def paged_logits_kernel(
-    q_ptr, q_sf_ptr, kv_ptr, kv_sf_ptr, w_ptr, ctx_ptr, bt_ptr, idx_ptr, out_ptr, err_ptr,
+    q_ptr, q_sf_ptr, kv_cache_ptr, w_ptr, ctx_ptr, bt_ptr, idx_ptr, out_ptr, err_ptr,
     batch, max_context_len, max_blocks, num_blocks, chunk_pages, chunks_per_request,
     stride_qb, stride_qt, stride_qh,
     stride_sfb, stride_sft,
@@ -93,6 +93,9 @@ def paged_logits_kernel(
     DQ: tl.constexpr = D // 2 if FMT == 2 else D  # value bytes per token
     SF_OFFSET: tl.constexpr = BLOCK_KV * DQ // 4  # first scale of a page, in 4-byte words
     NC: tl.constexpr = ROWS * HEADS_P  # dot columns: (query row, head) pairs
+    # One uint8 buffer: values as E4M3 (or packed FP4 bytes), scales as 4-byte words.
+    kv_ptr = kv_cache_ptr.to(tl.pointer_type(tl.int8 if FMT == 2 else tl.float8e4nv), bitcast=True)
+    kv_sf_ptr = kv_cache_ptr.to(tl.pointer_type(tl.float32 if FMT == 0 else tl.int32), bitcast=True)
     pid = tl.program_id(0)
     pid_g = pid % G
     unit = pid // G

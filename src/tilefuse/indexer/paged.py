@@ -612,8 +612,9 @@ def _make_plan(fmt, b, next_n, h, d, block_kv, kv_cache, context_lens, indices, 
 
 
 def _layout(t):
-    if not isinstance(t, torch.Tensor):
-        return None if t is None else type(t)  # the checks reject it
+    if t.__class__ is not torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            return None if t is None else type(t)  # the checks reject it
     return t.shape, t.stride(), t.dtype, t.device
 
 
@@ -667,15 +668,11 @@ def _launch(plan: _Plan, q, q_sf, kv_cache, weights, context_lens, block_table, 
     if out.numel() == 0:
         return
     b = plan.batch
-    fmt = plan.fmt
-    # Byte views of one buffer: values as E4M3 (or packed FP4 bytes), scales as 4-byte words.
-    kv_values = kv_cache.view(torch.int8 if fmt == "mxfp4" else FP8_DTYPE)
-    kv_scales = kv_cache.view(torch.float32 if fmt == "fp8" else torch.int32)
     chunks_per_request = triton.cdiv(max_context_len, plan.chunk_pages * plan.block_kv)
     grid = (plan.groups * b * chunks_per_request,)
     cfg = plan.cfg
     kern.paged_logits_kernel[grid](
-        q, q_sf if q_sf is not None else context_lens, kv_values, kv_scales, weights, context_lens, block_table,
+        q, q_sf if q_sf is not None else context_lens, kv_cache, weights, context_lens, block_table,
         indices if indices is not None else context_lens, out, error_record(q.device),
         b, max_context_len, block_table.shape[1], kv_cache.shape[0], plan.chunk_pages, chunks_per_request,
         q.stride(0), q.stride(1), q.stride(2),
