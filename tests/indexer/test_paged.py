@@ -265,6 +265,17 @@ def test_bitwise_reruns_whatever_the_metadata(fmt):
         assert torch.equal(base.view(torch.int32), case.run(clean=True, config=cfg).view(torch.int32)), cfg
 
 
+@pytest.mark.parametrize("fmt,next_n,h,clean,ctx_2d", [("fp8", 1, 64, True, False), ("fp8", 3, 32, False, True),
+                                                        ("mxfp4", 2, 8, True, True), ("mxfp8", 4, 16, True, False)])
+def test_head_sum_on_the_tensor_cores(fmt, next_n, h, clean, ctx_2d, poisoned):
+    """The option that runs the weighted head sum as a tf32 dot: same contract."""
+    case = Case(fmt, lens=(70, 0, 129), next_n=next_n, h=h, d=64, block_kv=32, ctx_2d=ctx_2d, seed=40 + next_n)
+    base = paged.resolve_paged_config(fmt, next_n, h, 64, 32)
+    for cfg in (paged.PagedConfig(**{**base.__dict__, "head_sum_mma": True}),
+                paged.PagedConfig(block_n=64, rows=1, chunk=64, head_sum_mma=True)):
+        case.check(case.run(clean=clean, config=cfg), clean)
+
+
 def _worker_pages(meta: torch.Tensor, pages: torch.Tensor) -> list[int]:
     """Pages each worker covers, walking its [start, end) range in (request, page) order."""
     starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(pages, 0)])
@@ -394,7 +405,7 @@ def test_custom_op_fake_and_torch_compile():
                                               case.meta)]
         out = mode.from_tensor(torch.empty_like(real))
         assert torch.ops.tilefuse.paged_mqa_logits(*args, None, out, case.max_context_len, True,
-                                                   [64, 1, 0, 4, 3, 1024]) is None
+                                                   [64, 1, 0, 4, 3, 1024, 0]) is None
 
     def decode(qv, qs, cache, w, ctx, table, out):
         meta = tilefuse.get_paged_mqa_logits_metadata(ctx, 32, 3)
@@ -417,7 +428,7 @@ def test_custom_op_takes_the_config_as_its_fields_in_order():
     want = case.run(clean=True, config=cfg)
     out = torch.full_like(want, float("nan"))
     torch.ops.tilefuse.paged_mqa_logits(case.qq[0], None, case.cache, case.w, case.ctx, case.table, case.meta, None,
-                                        out, case.max_context_len, True, list(dataclasses.astuple(cfg)))
+                                        out, case.max_context_len, True, [int(v) for v in dataclasses.astuple(cfg)])
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
     assert torch.ops.tilefuse.paged_mqa_logits.default._schema.arguments[-1].name == "config"
 

@@ -18,7 +18,10 @@ request's queries and weights once, then per tile of ``BLOCK_N`` keys: gather th
 scales), one ``tl.dot`` of ``[BLOCK_N, D] x [D, ROWS * HEADS_P]``, ReLU, the weighted head sum
 of each query row (a reshape to ``[BLOCK_N, ROWS, HEADS_P]`` and one reduction) and a store
 of ``[BLOCK_N, ROWS]``. A program scores ``ROWS`` of the request's ``next_n`` query rows (all
-heads) in one dot, so ``G = ceil(next_n / ROWS)``.
+heads) in one dot, so ``G = ceil(next_n / ROWS)``. ``HEAD_SUM_MMA`` (an option) runs the head
+sum on the tensor cores instead: ``relu(S) [BLOCK_N, ROWS * HEADS_P]`` times a selection matrix
+holding each row's weights ``[ROWS * HEADS_P, OUT_P]`` in one tf32 dot (``OUT_P`` = ROWS padded
+to the dot's smallest side), leaving the ReLU as the only per-element CUDA-core work.
 Formats (``FMT``): 0 = FP8 (E4M3 dot, per-key fp32 scale after the head sum), 1 = MXFP8,
 2 = MXFP4; MX operands are dequantised to bf16 in registers (exact) and run a bf16 dot, as
 Hopper has no block-scaled MMA.
@@ -89,10 +92,13 @@ def paged_logits_kernel(
     D: tl.constexpr, BLOCK_KV: tl.constexpr, FMT: tl.constexpr, CTX_2D: tl.constexpr, CLEAN: tl.constexpr,
     HAS_INDICES: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, MAX_CHUNK_PAGES: tl.constexpr,
     PAGE_UNIT: tl.constexpr, BLOCK_FILL: tl.constexpr, NUM_STAGES: tl.constexpr, G: tl.constexpr,
+    HEAD_SUM_MMA: tl.constexpr,
 ):
     DQ: tl.constexpr = D // 2 if FMT == 2 else D  # value bytes per token
     SF_OFFSET: tl.constexpr = BLOCK_KV * DQ // 4  # first scale of a page, in 4-byte words
     NC: tl.constexpr = ROWS * HEADS_P  # dot columns: (query row, head) pairs
+    # Output columns per program: the rows, padded to a dot's side when the head sum is a dot.
+    OUT_P: tl.constexpr = (ROWS if ROWS >= 16 else 16) if HEAD_SUM_MMA else ROWS
     # One uint8 buffer: values as E4M3 (or packed FP4 bytes), scales as 4-byte words.
     kv_ptr = kv_cache_ptr.to(tl.pointer_type(tl.int8 if FMT == 2 else tl.float8e4nv), bitcast=True)
     kv_sf_ptr = kv_cache_ptr.to(tl.pointer_type(tl.float32 if FMT == 0 else tl.int32), bitcast=True)
@@ -103,7 +109,9 @@ def paged_logits_kernel(
     chunk_idx = unit % chunks_per_request
     chunk = chunk_pages * BLOCK_KV
     chunk_lo = chunk_idx * chunk
-    t_rows = pid_g * ROWS + tl.arange(0, ROWS)
+    r_out = tl.arange(0, OUT_P)
+    t_rows = pid_g * ROWS + r_out
+    row_ok = (r_out < ROWS) & (t_rows < NEXT_N)
     out_rows = out_ptr + (b64 * NEXT_N + t_rows) * stride_out
     # The chunk's page ids, read once: a key tile's address then depends on registers only,
     # so its load is issued as many stages ahead as there are buffers (a block-table load
@@ -140,7 +148,7 @@ def paged_logits_kernel(
         dq = tl.arange(0, DQ)
         # Exclusive end of each of this program's query rows.
         if CTX_2D:
-            row_end = tl.load(ctx_ptr + b64 * stride_ctx + t_rows, mask=t_rows < NEXT_N, other=0)
+            row_end = tl.load(ctx_ptr + b64 * stride_ctx + t_rows, mask=row_ok, other=0)
         else:
             row_end = tl.load(ctx_ptr + b64 * stride_ctx) - NEXT_N + 1 + t_rows
         # Queries and weights of this request's rows.
@@ -152,6 +160,9 @@ def paged_logits_kernel(
             q_sf = tl.load(q_sf_ptr + b64 * stride_sfb + c_t * stride_sft + c_h, mask=c_ok, other=0)
             q_op = _dequant_tile(q_raw, q_sf, NC, D, FMT)
         w = tl.load(w_ptr + (b64 * NEXT_N + c_t) * stride_w + c_h, mask=c_ok, other=0.0).to(tl.float32)
+        if HEAD_SUM_MMA:
+            # Column r of the selection holds row r's weights at its own heads, 0 elsewhere.
+            w_sel = tl.where((c // HEADS_P)[:, None] == r_out[None, :], w[:, None], 0.0)
         page_bytes = page_units.to(tl.int64) * PAGE_UNIT
 
         for tile in tl.range(chunk_lo // BLOCK_N, tl.cdiv(hi_tok, BLOCK_N), num_stages=NUM_STAGES):
@@ -175,12 +186,16 @@ def paged_logits_kernel(
                 k_op = k_raw
             else:
                 k_op = _dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT)
-            # ReLU, weights, then the head sum of each query row: logits [BLOCK_N, ROWS].
-            x = tl.maximum(tl.dot(k_op, tl.trans(q_op)), 0.0) * w[None, :]
-            if ROWS == 1:
-                logits = tl.sum(x, axis=1)[:, None]
+            # ReLU, weights, then the head sum of each query row: logits [BLOCK_N, OUT_P].
+            if HEAD_SUM_MMA:
+                relu = tl.maximum(tl.dot(k_op, tl.trans(q_op)), 0.0)
+                logits = tl.dot(relu, w_sel, input_precision="tf32")
             else:
-                logits = tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HEADS_P)), axis=2)
+                x = tl.maximum(tl.dot(k_op, tl.trans(q_op)), 0.0) * w[None, :]
+                if ROWS == 1:
+                    logits = tl.sum(x, axis=1)[:, None]
+                else:
+                    logits = tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HEADS_P)), axis=2)
             if FMT == 0:
                 logits = logits * k_sf[:, None]
             if CLEAN:
@@ -189,15 +204,15 @@ def paged_logits_kernel(
             # NaN, never a read out of bounds.
             logits = tl.where(page_ok[:, None], logits, float("nan"))
             tl.store(out_rows[None, :] + j[:, None], logits.to(out_rows.dtype.element_ty),
-                     mask=j_ok[:, None] & (t_rows < NEXT_N)[None, :])
+                     mask=j_ok[:, None] & row_ok[None, :])
     if CLEAN:
         # -inf in this chunk's columns past the request's key extent (the tiles wrote the rest).
         f = tl.arange(0, BLOCK_FILL)
-        fill = tl.full((ROWS, BLOCK_FILL), float("-inf"), tl.float32).to(out_rows.dtype.element_ty)
+        fill = tl.full((OUT_P, BLOCK_FILL), float("-inf"), tl.float32).to(out_rows.dtype.element_ty)
         fill_hi = tl.minimum(chunk_lo + chunk, max_context_len)
         for c0 in range(tl.maximum(chunk_lo, key_len), fill_hi, BLOCK_FILL):
             col = c0 + f
-            tl.store(out_rows[:, None] + col[None, :], fill, mask=(t_rows < NEXT_N)[:, None] & (col < fill_hi)[None, :])
+            tl.store(out_rows[:, None] + col[None, :], fill, mask=row_ok[:, None] & (col < fill_hi)[None, :])
 
 
 @triton.jit(do_not_specialize=("batch", "stride_ctx", "num_sms"))

@@ -3,8 +3,9 @@
 Public ops (names, argument order and defaults as DeepGEMM):
 
 * :func:`get_paged_mqa_logits_metadata` — DeepGEMM's balanced split of the pages over
-  ``num_sms`` workers (checked against the lengths; the kernel schedules by request and chunk
-  of keys, see ``_paged_kernel.py``, so the logits do not depend on it);
+  ``num_sms`` workers, one small kernel (the logits op checks its shape only: the kernel
+  schedules by request and chunk of keys, see ``_paged_kernel.py``, so the logits do not
+  depend on it);
 * :func:`fp8_paged_mqa_logits` — FP8 queries, fp32 logits;
 * :func:`fp8_fp4_paged_mqa_logits` — FP8, MXFP8 or MXFP4 (format chosen by the query tuple),
   fp32 or bf16 logits.
@@ -29,8 +30,16 @@ row-major ``[block_kv, D]`` E4M3 (MXFP4: ``[block_kv, D/2]`` packed nibbles), th
 ``block_kv`` 4-byte scales (fp32 for FP8, packed UE8M0 int32 for MX). The page stride
 (``kv_cache.stride(0)``, bytes) may be larger than ``block_kv * width``.
 
-The logits ops are ``torch.library`` custom ops (``tilefuse::paged_mqa_logits``) with fake
-implementations, so they trace under ``torch.compile`` without graph breaks.
+As a serving engine calls them: the host checks read shapes, dtypes, strides and devices only
+(once per argument layout, then a dict lookup); value errors (lengths, page ids, request ids)
+are found by the kernel and raised at the next call or by ``tilefuse.check_errors()``, with no
+host sync and nothing read out of bounds (:func:`set_checked_mode` checks them on the host
+instead, with a sync); ``out=`` takes a caller-owned logits buffer; one compile per model
+configuration serves every batch, length and table width (:func:`warmup_calls` runs them).
+
+Under ``torch.compile`` the logits ops trace as the ``torch.library`` custom op
+``tilefuse::paged_mqa_logits`` (it writes the ``out`` it is given), without graph breaks;
+eager calls launch directly.
 """
 
 from __future__ import annotations
@@ -72,6 +81,8 @@ class PagedConfig:
         (a runtime value: no compile per batch).
     num_warps, num_stages: as in Triton; stages pipeline the key-tile loads.
     block_fill: columns per store of the ``-inf`` tail when cleaning.
+    head_sum_mma: the weighted head sum as a second (tf32) dot on the tensor cores instead of
+        a CUDA-core reduction (an option to measure; see ``_paged_kernel.py``).
     """
 
     block_n: int = 128
@@ -80,6 +91,7 @@ class PagedConfig:
     num_warps: int = 4
     num_stages: int = 3
     block_fill: int = 1024
+    head_sum_mma: bool = False
 
 
 register_config("paged", PagedConfig)
@@ -115,7 +127,7 @@ def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
     block_n = 128 if columns <= 64 and fmt == "fp8" else 64
     wide = columns >= _WIDE_DOT
     return PagedConfig(block_n=block_n, rows=rows, chunk=0, num_warps=8 if wide else 4,
-                       num_stages=3 if block_n == 128 or wide else 4, block_fill=1024)
+                       num_stages=3 if block_n == 128 or wide else 4, block_fill=1024, head_sum_mma=False)
 
 
 def _pages_for(keys: int, block_kv: int, block_n: int) -> int:
@@ -606,7 +618,7 @@ def _make_plan(fmt, b, next_n, h, d, block_kv, kv_cache, context_lens, indices, 
         BLOCK_KV=block_kv, FMT=_FORMAT_CODE[fmt], CTX_2D=context_lens.dim() == 2, CLEAN=bool(clean_logits),
         HAS_INDICES=indices is not None, ROWS=cfg.rows, BLOCK_N=cfg.block_n,
         MAX_CHUNK_PAGES=triton.next_power_of_2(max_chunk_pages), PAGE_UNIT=page_unit, BLOCK_FILL=cfg.block_fill,
-        NUM_STAGES=cfg.num_stages, G=groups,
+        NUM_STAGES=cfg.num_stages, G=groups, HEAD_SUM_MMA=cfg.head_sum_mma,
     )
     return _Plan(fmt, b, next_n, h, d, block_kv, cfg, chunk_pages, groups, page_unit, consts)
 
@@ -698,7 +710,7 @@ def _paged_mqa_logits(
     clean_logits: bool,
     config: list[int],
 ) -> None:
-    cfg = PagedConfig(*config)
+    cfg = PagedConfig(*config[:-1], head_sum_mma=bool(config[-1]))
     plan = _plan_for(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
                      clean_logits, out.dtype, indices, out, cfg)
     _launch(plan, q, q_sf, kv_cache, weights, context_lens, block_table, indices, out, max_context_len)
@@ -794,7 +806,7 @@ def fp8_fp4_paged_mqa_logits(
         out = _new_out(plan.batch * plan.next_n, max_context_len, logits_dtype, q_values.device)
     if torch.compiler.is_compiling():
         _paged_mqa_logits(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, indices, out,
-                          max_context_len, bool(clean_logits), list(dataclasses.astuple(plan.cfg)))
+                          max_context_len, bool(clean_logits), [int(v) for v in dataclasses.astuple(plan.cfg)])
     else:  # eager: the launch without the dispatcher's cost
         _launch(plan, q_values, q_sf, kv_cache, weights, context_lens, block_table, indices, out, max_context_len)
     return out
