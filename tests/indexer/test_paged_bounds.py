@@ -161,11 +161,14 @@ def _traced_variant(batch, max_len, width_extra, q_pad, out_pad, page_pad=0, len
     pages = -(-max_len // block_kv) + width_extra
     width = paged.paged_kv_cache_width(d, fmt)
     cache = paged.new_paged_kv_cache(batch * pages + 1, block_kv, d, fmt, page_stride=block_kv * width + page_pad)
-    table = torch.zeros(batch, pages + 3, dtype=torch.int32)[:, :pages]  # a row stride wider than the width
+    # Slices of larger buffers at odd offsets, as an engine's preallocated ones: a row stride
+    # wider than the width, a first row past the start.
+    table = torch.zeros(batch + 1, pages + 3, dtype=torch.int32)[1:, :pages]
     big_q = torch.zeros(batch + q_pad, next_n, h, d, dtype=torch.float8_e4m3fn)
     q = big_q[q_pad:]
-    w = torch.zeros(batch * next_n, h)
-    out = torch.empty(batch * next_n, max_len + out_pad)[:, :max_len]
+    w = torch.zeros(batch * next_n + 1, h)[1:]
+    lens = torch.cat([lens.new_zeros(1), lens])[1:]
+    out = torch.empty(batch * next_n, max_len + out_pad + 1)[:, 1:max_len + 1]
     meta = paged._schedule(lens, block_kv, 132)
     path = f"{kern.__name__}:paged_logits_kernel"
     with V.tracing(path) as launches:

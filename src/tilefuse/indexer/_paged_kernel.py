@@ -34,8 +34,9 @@ program the bad page ids it meets, into the error record (``tilefuse._errors``).
 ``clean_logits``: the tiles write ``-inf`` outside each row's window up to the request's key
 extent; each chunk then fills its columns past that extent.
 
-Integer arguments that change from call to call (lengths, widths, counts, strides) are not
-specialised (``do_not_specialize``), so one compile per model configuration serves every batch.
+Integer arguments that change from call to call (lengths, widths, counts, strides), and the
+alignment of the small tensors' pointers, are not specialised (``do_not_specialize``), so one
+compile per model configuration serves every batch and every slice of an engine's buffers.
 The page stride is passed in units of ``PAGE_UNIT`` bytes (16 when it is a multiple of 16), so
 the key loads keep their 16-byte vectorisation without specialising on the stride's value.
 """
@@ -59,10 +60,13 @@ _ERR_LEN_PAST_TABLE = tl.constexpr(E.CONTEXT_LEN_PAST_TABLE)
 _ERR_PAGE_ID = tl.constexpr(E.PAGE_ID_OUT_OF_RANGE)
 _ERR_INDEX = tl.constexpr(E.INDEX_OUT_OF_RANGE)
 
-# Runtime integers of paged_logits_kernel that must not select a compile.
+# Runtime arguments of paged_logits_kernel that must not select a compile: the integers, and
+# the pointers whose alignment changes with the caller's slicing and whose accesses are scalar
+# (the queries' and the cache's stay specialised: their loads are vectorised).
 DYNAMIC_ARGS = ("batch", "max_context_len", "max_blocks", "num_blocks", "chunk_pages", "chunks_per_request",
                 "stride_qb", "stride_qt", "stride_qh", "stride_sfb", "stride_sft", "stride_w", "stride_ctx",
-                "stride_bt", "page_units", "stride_out")
+                "stride_bt", "page_units", "stride_out",
+                "q_sf_ptr", "w_ptr", "ctx_ptr", "bt_ptr", "idx_ptr", "out_ptr", "err_ptr")
 
 
 @triton.jit
@@ -215,7 +219,7 @@ def paged_logits_kernel(
             tl.store(out_rows[:, None] + col[None, :], fill, mask=row_ok[:, None] & (col < fill_hi)[None, :])
 
 
-@triton.jit(do_not_specialize=("batch", "stride_ctx", "num_sms"))
+@triton.jit(do_not_specialize=("ctx_ptr", "meta_ptr", "batch", "stride_ctx", "num_sms"))
 def paged_schedule_kernel(ctx_ptr, meta_ptr, batch, stride_ctx, num_sms,
                           NEXT_N: tl.constexpr, NEXT_N_P: tl.constexpr, CTX_2D: tl.constexpr,
                           BLOCK_KV: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr):

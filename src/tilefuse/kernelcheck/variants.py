@@ -167,7 +167,8 @@ def _unspecialised_params(fn) -> set[str]:
 
 def _specialise(name: str, value, constexpr: bool, specialised: bool = True):
     """(kind, type-or-value, aligned) of one argument, as Triton's launcher specialises it
-    (``specialised=False``: declared ``do_not_specialize``, an int keeps its type only)."""
+    (``specialised=False``: declared ``do_not_specialize``, an int keeps its type only, a
+    pointer drops its alignment)."""
     import torch
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -186,7 +187,7 @@ def _specialise(name: str, value, constexpr: bool, specialised: bool = True):
     if isinstance(value, float):
         return "arg", "fp32", False
     if isinstance(value, torch.Tensor):
-        return "arg", "*" + _dtype_name(value.dtype), value.data_ptr() % 16 == 0
+        return "arg", "*" + _dtype_name(value.dtype), specialised and value.data_ptr() % 16 == 0
     if isinstance(value, TensorDescriptor):
         return "arg", f"tensordesc<{_dtype_name(value.base.dtype)}{list(value.block_shape)}>", False
     if hasattr(value, "__mangle__") and hasattr(value, "layout"):  # a Gluon descriptor: its type names the layout
