@@ -503,11 +503,8 @@ def _check_values(context_lens, block_table, schedule_meta, indices, num_blocks:
 class _Plan:
     """What one argument layout launches: checked once, then reused for every call with it."""
 
-    fmt: str
     batch: int
     next_n: int
-    num_heads: int
-    head_dim: int
     block_kv: int
     cfg: PagedConfig
     chunk_pages: int
@@ -620,7 +617,7 @@ def _make_plan(fmt, b, next_n, h, d, block_kv, kv_cache, context_lens, indices, 
         MAX_CHUNK_PAGES=triton.next_power_of_2(max_chunk_pages), PAGE_UNIT=page_unit, BLOCK_FILL=cfg.block_fill,
         NUM_STAGES=cfg.num_stages, G=groups, HEAD_SUM_MMA=cfg.head_sum_mma,
     )
-    return _Plan(fmt, b, next_n, h, d, block_kv, cfg, chunk_pages, groups, page_unit, consts)
+    return _Plan(b, next_n, block_kv, cfg, chunk_pages, groups, page_unit, consts)
 
 
 def _layout(t):
