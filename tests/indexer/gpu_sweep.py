@@ -99,64 +99,66 @@ def run_case(case: SweepCase, seed: int, lens=None, chunk: int | None = None) ->
     c.check(got, case.clean, case.logits_dtype, own_out=False)
 
 
-def run_large_cache(fmt: str = "fp8", block_kv: int = 64, head_dim: int = 128) -> None:
-    """A cache over 4 GiB: the request's pages are the last ones (byte offsets past 2^32)."""
+def run_large_cache(min_bytes: int = 4 * 2**30 + 2**20, device: str = "cuda", fmt: str = "fp8",
+                    block_kv: int = 64, head_dim: int = 128) -> None:
+    """A cache over ``min_bytes`` (4 GiB): the request's pages are the last ones, in reverse
+    (byte offsets past 2^32)."""
     from tilefuse import formats as F
     from tilefuse import reference as R
     from tilefuse.indexer import paged
 
     width = paged.paged_kv_cache_width(head_dim, fmt)
-    num_blocks = (4 * 2**30) // (block_kv * width) + 64
-    cache = paged.new_paged_kv_cache(num_blocks, block_kv, head_dim, fmt, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    length = 40 * block_kv + 7
+    num_blocks = -(-min_bytes // (block_kv * width))
+    cache = paged.new_paged_kv_cache(num_blocks, block_kv, head_dim, fmt, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    length = 5 * block_kv + 7
     pages = -(-length // block_kv)
-    table = torch.arange(num_blocks - pages, num_blocks, dtype=torch.int32, device="cuda").flip(0)[None]
-    keys = torch.randn(length, head_dim, generator=g, device="cuda").to(torch.bfloat16)
-    tok = torch.arange(length, device="cuda")
+    table = torch.arange(num_blocks - pages, num_blocks, dtype=torch.int32, device=device).flip(0)[None]
+    keys = torch.randn(length, head_dim, generator=g, device=device).to(torch.bfloat16)
+    tok = torch.arange(length, device=device)
     paged.write_paged_kv_cache(cache, keys, table[0, tok // block_kv].long() * block_kv + tok % block_kv, fmt)
-    q = torch.randn(1, 2, 64, head_dim, generator=g, device="cuda").to(torch.bfloat16)
+    q = torch.randn(1, 2, 16, head_dim, generator=g, device=device).to(torch.bfloat16)
     qq = F.quantize_q(q, fmt)
-    w = torch.randn(2, 64, generator=g, device="cuda")
-    ctx = torch.tensor([length], dtype=torch.int32, device="cuda")
+    w = torch.randn(2, 16, generator=g, device=device)
+    ctx = torch.tensor([length], dtype=torch.int32, device=device)
     meta = paged.get_paged_mqa_logits_metadata(ctx, block_kv, 132)
     out = paged.fp8_fp4_paged_mqa_logits(qq, cache, w, ctx, table, meta, length, True)
     ref = R.fp8_fp4_paged_mqa_logits_ref(qq, cache, w, ctx, table, length)
+    assert cache.shape[0] * cache.stride(0) >= min_bytes
     assert torch.equal(torch.isneginf(out), torch.isneginf(ref)), "large cache: -inf mask"
     diff = R.calc_diff(out, ref)
     assert diff < 5e-6, f"large cache: diff {diff}"
-    torch.cuda.synchronize()
 
 
-def run_large_logits(logits_dtype: torch.dtype = torch.bfloat16) -> None:
-    """Logits over 2^31 elements: the last request's rows start past element 2^31."""
+def run_large_logits(min_elements: int = 2**31 + 2**20, device: str = "cuda", width: int = 131_072 + 64,
+                     logits_dtype: torch.dtype = torch.bfloat16) -> None:
+    """Logits over ``min_elements`` (2^31) elements: the last request's rows start past it,
+    every other request is empty (its rows all ``-inf``)."""
     from tilefuse import formats as F
     from tilefuse import reference as R
     from tilefuse.indexer import paged
 
     block_kv, d, h, next_n = 64, 128, 16, 8
-    width = 131_072 + 64
-    batch = -(-(2**31 + 2**20) // (next_n * width))
+    batch = -(-min_elements // (next_n * width)) + 1
     length = 3 * block_kv + 5
-    g = torch.Generator(device="cuda").manual_seed(1)
-    keys = torch.randn(1, length, d, generator=g, device="cuda").to(torch.bfloat16)
-    ctx_one = torch.tensor([length], dtype=torch.int32, device="cuda")
+    g = torch.Generator(device=device).manual_seed(1)
+    keys = torch.randn(1, length, d, generator=g, device=device).to(torch.bfloat16)
+    ctx_one = torch.tensor([length], dtype=torch.int32, device=device)
     cache, table_one = paged.make_paged_kv_cache(keys, ctx_one, block_kv, "fp8")
-    ctx = torch.zeros(batch, dtype=torch.int32, device="cuda")
+    ctx = torch.zeros(batch, dtype=torch.int32, device=device)
     ctx[-1] = length
     table = table_one.expand(batch, -1).contiguous()
-    q = torch.randn(batch, next_n, h, d, generator=g, device="cuda").to(torch.bfloat16)
+    q = torch.randn(batch, next_n, h, d, generator=g, device=device).to(torch.bfloat16)
     qq = F.quantize_q(q, "fp8")
-    w = torch.randn(batch * next_n, h, generator=g, device="cuda")
+    w = torch.randn(batch * next_n, h, generator=g, device=device)
     meta = paged.get_paged_mqa_logits_metadata(ctx, block_kv, 132)
     out = paged.fp8_fp4_paged_mqa_logits(qq, cache, w, ctx, table, meta, width, True, logits_dtype)
-    assert out.shape[0] * out.stride(0) > 2**31
+    assert (batch - 1) * next_n * out.stride(0) >= min_elements  # the last request's first row
     last = out[-next_n:].float()
     ref = R.fp8_fp4_paged_mqa_logits_ref((qq[0][-1:], None), cache, w[-next_n:], ctx[-1:], table[-1:], width)
     assert torch.equal(torch.isneginf(last), torch.isneginf(ref)), "large logits: -inf mask"
     assert R.calc_diff(last, ref) < 3e-5, "large logits: values"
     assert torch.isneginf(out[:next_n].float()).all(), "large logits: empty rows not cleaned"
-    torch.cuda.synchronize()
 
 
 def main(argv=None) -> int:
@@ -181,6 +183,7 @@ def main(argv=None) -> int:
         for fn in (run_large_cache, run_large_logits):
             try:
                 fn()
+                torch.cuda.synchronize()
                 print(f"ok    {fn.__name__}", flush=True)
             except Exception as e:  # report every failure, then exit nonzero
                 failed.append(fn.__name__)

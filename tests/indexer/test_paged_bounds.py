@@ -109,6 +109,15 @@ def test_contract_sample_in_bounds(case, poisoned):
 
 
 @needs_interpreter
+def test_large_offset_cases_at_small_sizes():
+    """The sweep's >4 GiB cache and >2^31-element logits cases, scaled down to run here."""
+    with checked_bounds() as state:
+        gpu_sweep.run_large_cache(min_bytes=1 << 20, device=DEVICE)
+        gpu_sweep.run_large_logits(min_elements=1 << 16, device=DEVICE, width=1024)
+    assert state.accesses > 0
+
+
+@needs_interpreter
 def test_garbage_values_stay_in_bounds():
     """Negative and huge lengths, page ids and request ids: nothing outside the tensors."""
     case = Case("fp8", lens=(60, 100, 33), next_n=1, block_kv=32, seed=32)
