@@ -109,9 +109,10 @@ def _run_bench(suite: str, args) -> int:
         from tilefuse.bench.suites import paged as mod
 
         fmts = tuple(f.strip() for f in args.formats.split(",") if f.strip())
-        cases = mod.cases(on_gpu=gpu, device=device, shapes=mod.parse_shapes(args.shapes), fmts=fmts)
-        extra = {"formats": list(fmts)}
-        name = "paged"
+        cases = mod.cases(on_gpu=gpu, device=device, shapes=mod.parse_shapes(args.shapes), fmts=fmts,
+                          sweep=args.sweep)
+        extra = {"formats": list(fmts), "sweep": args.sweep}
+        name = "paged-sweep" if args.sweep else "paged"
     progress = report.Progress(len(cases), enabled=not args.quiet)
     if not gpu:
         progress.note("no CUDA device: tiny shapes through the Triton interpreter (not performance numbers)")
@@ -194,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = bsub.add_parser("paged", help="paged decode logits")
     _add_bench_options(p, "only these BxNEXT_NxMEAN_CTX rows, e.g. 64x1x8192 256x2x32768")
     p.add_argument("--formats", default="fp8", help="comma-separated formats (fp8, mxfp8, mxfp4)")
+    p.add_argument("--sweep", action="store_true",
+                   help="the decode sweep grid (B x mean ctx x next_n x H x page size x logits dtype) beside DeepGEMM")
     p.set_defaults(func=lambda a: _run_bench("paged", a))
     bsub.add_parser("serving", help="the indexer in an engine's step loop; options: tilefuse bench serving --help")
     p = bsub.add_parser("topk", help="indexer logits + top-k, fused and unfused")

@@ -23,19 +23,7 @@ from ..conftest import DEVICE, ON_GPU
 BF16_THRESHOLD = {"fp8": 1e-3, "mxfp8": 0.02, "mxfp4": 0.02}
 NUM_SMS = torch.cuda.get_device_properties(0).multi_processor_count if ON_GPU else 3
 
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Every fresh allocation starts as NaN, so an element the kernel skips shows up."""
-    real = torch.empty_strided
-
-    def nan_filled(*args, **kwargs):
-        t = real(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty_strided", nan_filled)
+pytestmark = pytest.mark.usefixtures("no_pending_errors")
 
 
 class Case:
@@ -83,13 +71,14 @@ class Case:
                                                  self.meta if meta is None else meta, self.max_context_len,
                                                  clean, logits_dtype, **kw)
 
-    def check(self, out, clean, logits_dtype=torch.float32):
-        """The §5 rules: both references, exact -inf masks, every element written."""
+    def check(self, out, clean, logits_dtype=torch.float32, own_out=True):
+        """The §5 rules: both references, exact -inf masks, every element written (``own_out``:
+        the op allocated ``out``, with its padded row stride)."""
         rows = self.q.shape[0] * self.next_n
         ref = R.fp8_fp4_paged_mqa_logits_ref(self.qq, self.cache, self.w, self.ctx, self.table,
                                              self.max_context_len)
         assert out.shape == (rows, self.max_context_len) and out.stride(1) == 1 and out.dtype == logits_dtype
-        assert out.stride(0) >= self.max_context_len and out.stride(0) % 16 == 0
+        assert out.stride(0) >= self.max_context_len and (out.stride(0) % 16 == 0 or not own_out)
         inside = ~torch.isneginf(ref)
         assert torch.equal(inside, R.paged_valid_mask(self.ctx, self.next_n, self.max_context_len))
         out32 = out.float()
@@ -276,6 +265,17 @@ def test_bitwise_reruns_whatever_the_metadata(fmt):
         assert torch.equal(base.view(torch.int32), case.run(clean=True, config=cfg).view(torch.int32)), cfg
 
 
+@pytest.mark.parametrize("fmt,next_n,h,clean,ctx_2d", [("fp8", 1, 64, True, False), ("fp8", 3, 32, False, True),
+                                                        ("mxfp4", 2, 8, True, True), ("mxfp8", 4, 16, True, False)])
+def test_head_sum_on_the_tensor_cores(fmt, next_n, h, clean, ctx_2d, poisoned):
+    """The option that runs the weighted head sum as a tf32 dot: same contract."""
+    case = Case(fmt, lens=(70, 0, 129), next_n=next_n, h=h, d=64, block_kv=32, ctx_2d=ctx_2d, seed=40 + next_n)
+    base = paged.resolve_paged_config(fmt, next_n, h, 64, 32)
+    for cfg in (paged.PagedConfig(**{**base.__dict__, "head_sum_mma": True}),
+                paged.PagedConfig(block_n=64, rows=1, chunk=64, head_sum_mma=True)):
+        case.check(case.run(clean=clean, config=cfg), clean)
+
+
 def _worker_pages(meta: torch.Tensor, pages: torch.Tensor) -> list[int]:
     """Pages each worker covers, walking its [start, end) range in (request, page) order."""
     starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(pages, 0)])
@@ -403,18 +403,34 @@ def test_custom_op_fake_and_torch_compile():
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         args = [mode.from_tensor(t) for t in (case.qq[0], case.qq[1], case.cache, case.w, case.ctx, case.table,
                                               case.meta)]
-        fake = torch.ops.tilefuse.paged_mqa_logits(*args, case.max_context_len, True, torch.bfloat16,
-                                                   64, 1, 512, 4, 3, 1024)
-    assert fake.shape == real.shape and fake.stride() == real.stride() and fake.dtype == real.dtype
+        out = mode.from_tensor(torch.empty_like(real))
+        assert torch.ops.tilefuse.paged_mqa_logits(*args, None, out, case.max_context_len, True,
+                                                   [64, 1, 0, 4, 3, 1024, 0]) is None
 
-    def decode(qv, qs, cache, w, ctx, table):
+    def decode(qv, qs, cache, w, ctx, table, out):
         meta = tilefuse.get_paged_mqa_logits_metadata(ctx, 32, 3)
         return tilefuse.fp8_fp4_paged_mqa_logits((qv, qs), cache, w, ctx, table, meta, case.max_context_len,
-                                                 True, torch.bfloat16)
+                                                 True, torch.bfloat16, out=out)
 
     compiled = torch.compile(decode, fullgraph=True, backend="aot_eager")
-    got = compiled(case.qq[0], case.qq[1], case.cache, case.w, case.ctx, case.table)
-    assert torch.equal(got.view(torch.int16), real.view(torch.int16))
+    for out in (None, torch.full_like(real, float("nan"))):
+        got = compiled(case.qq[0], case.qq[1], case.cache, case.w, case.ctx, case.table, out)
+        assert torch.equal(got.view(torch.int16), real.view(torch.int16))
+        assert out is None or got.data_ptr() == out.data_ptr()
+
+
+def test_custom_op_takes_the_config_as_its_fields_in_order():
+    """Under torch.compile the op gets ``dataclasses.astuple(config)`` as its last argument."""
+    import dataclasses
+
+    case = Case("fp8", lens=(40, 90), next_n=2, block_kv=32, seed=30)
+    cfg = paged.PagedConfig(block_n=64, rows=1, chunk=64, num_warps=4, num_stages=2, block_fill=16)
+    want = case.run(clean=True, config=cfg)
+    out = torch.full_like(want, float("nan"))
+    torch.ops.tilefuse.paged_mqa_logits(case.qq[0], None, case.cache, case.w, case.ctx, case.table, case.meta, None,
+                                        out, case.max_context_len, True, [int(v) for v in dataclasses.astuple(cfg)])
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    assert torch.ops.tilefuse.paged_mqa_logits.default._schema.arguments[-1].name == "config"
 
 
 # ---------------------------------------------------------------------------------------
@@ -442,14 +458,9 @@ def _bad_cases():
         "ctx-next-n": (ValueError, "next_n", dict(context_lens=lambda c: torch.stack([c, c, c], 1))),
         "ctx-dtype": (TypeError, "context_lens", dict(context_lens=lambda c: c.long())),
         "ctx-batch": (ValueError, "context_lens", dict(context_lens=lambda c: c[:1])),
-        "ctx-negative": (ValueError, "context_lens", dict(context_lens=lambda c: c - 100)),
-        "ctx-too-long": (ValueError, "max_context_len", dict(context_lens=lambda c: c + 50)),
-        "table-too-short": (ValueError, "block_table: too short", dict(block_table=lambda t: t[:, :1])),
-        "table-page-ids": (ValueError, "block_table: a page id", dict(block_table=lambda t: t + 1000)),
         "table-dtype": (TypeError, "block_table", dict(block_table=lambda t: t.long())),
         "meta-shape": (ValueError, "schedule_meta", dict(schedule_meta=lambda m: m[:, :1])),
         "meta-dtype": (ValueError, "schedule_meta", dict(schedule_meta=lambda m: m.long())),
-        "meta-stale": (ValueError, "schedule_meta: does not match", dict(schedule_meta=lambda m: m.flip(0))),
         "max-context-len": (ValueError, "max_context_len", dict(max_context_len=lambda n: -1)),
     }
 
@@ -483,17 +494,157 @@ def test_bad_modes_raise():
         tilefuse.set_config_override("paged", block_z=3)
 
 
-def test_unchecked_missing_pages_read_as_nan(monkeypatch):
-    """With value checks off (as under CUDA graphs), a length past the block table gives NaN
-    logits for the missing keys and correct ones elsewhere, never an out-of-bounds read."""
-    monkeypatch.setenv("TILEFUSE_CHECK_WINDOWS", "0")
+# Bad values: found on the device (raised at the next call or by check_errors, no host sync), or
+# on the host at once in the checked mode; never a read out of bounds.
+BAD_VALUES = {
+    "ctx-negative": ("context_lens: lengths must be >= 0", "context_lens: lengths must be >= 0 .request 0.",
+                     dict(context_lens=lambda c: c - torch.tensor([100, 0], dtype=torch.int32, device=c.device))),
+    "ctx-too-long": ("a length exceeds max_context_len", "max_context_len: smaller than the context of request",
+                     dict(context_lens=lambda c: c + 50)),
+    "table-too-short": ("block_table: too short", "longer than its block_table row holds",
+                        dict(block_table=lambda t: t[:, :1])),
+    "table-page-ids": ("block_table: a page id", "block_table: page id 1[0-9][0-9] is outside",
+                       dict(block_table=lambda t: t + 100)),
+    "table-huge-page-id": ("block_table: a page id", "block_table: page id 10000000",
+                           dict(block_table=lambda t: torch.full_like(t, 10_000_000))),
+    "meta-stale": ("schedule_meta: does not match", None, dict(schedule_meta=lambda m: m.flip(0))),
+}
+
+
+@pytest.fixture
+def checked():
+    paged.set_checked_mode(True)
+    yield
+    paged.set_checked_mode(False)
+
+
+@pytest.mark.parametrize("name", list(BAD_VALUES))
+def test_bad_values_raise_in_checked_mode(name, checked):
+    case = Case("fp8", lens=(60, 100), next_n=2, block_kv=32, seed=17)
+    text, _, changes = BAD_VALUES[name]
+    args = _args(case)
+    for key, fn in changes.items():
+        args[key] = fn(args[key])
+    with pytest.raises(ValueError, match=text):
+        tilefuse.fp8_fp4_paged_mqa_logits(**args)
+
+
+@pytest.mark.parametrize("name", list(BAD_VALUES))
+def test_bad_values_are_found_on_the_device(name):
+    """Default mode: the call returns (no host sync); the error is raised by check_errors and,
+    on CPU where the record is host memory, at the next call; in bounds whatever the values."""
+    from .bounds import checked_bounds
+
+    case = Case("fp8", lens=(60, 100), next_n=2, block_kv=32, seed=17)
+    _, text, changes = BAD_VALUES[name]
+    args = _args(case)
+    for key, fn in changes.items():
+        args[key] = fn(args[key])
+    with checked_bounds() as state:
+        tilefuse.fp8_fp4_paged_mqa_logits(**args, clean_logits=True)
+    assert state.accesses > 0
+    if text is None:  # metadata is checked by shape only on this path
+        tilefuse.check_errors()
+        return
+    if not ON_GPU:
+        with pytest.raises(tilefuse.DeviceValueError, match=text):
+            case.run()
+        case.run()  # raised once, then cleared
+    else:
+        with pytest.raises(tilefuse.DeviceValueError, match=text):
+            tilefuse.check_errors()
+    tilefuse.check_errors()
+
+
+def test_unchecked_missing_pages_read_as_nan():
+    """A length past the block table gives NaN logits for the keys without a page and correct
+    ones elsewhere (never an out-of-bounds read), and the error is reported."""
     case = Case("fp8", lens=(60, 100), next_n=1, block_kv=32, seed=19)
     short = case.table[:, :2].contiguous()
     out = tilefuse.fp8_fp4_paged_mqa_logits(case.qq, case.cache, case.w, case.ctx, short, case.meta,
                                             case.max_context_len, True)
+    with pytest.raises(tilefuse.DeviceValueError, match="request 1 is longer than its block_table row"):
+        tilefuse.check_errors()
     full = case.run(clean=True)
     assert out[1, 64:100].isnan().all()
     assert torch.equal(out[:, :64], full[:, :64]) and torch.equal(out[0], full[0])
+
+
+def test_bad_page_ids_read_nothing_and_score_nan():
+    """Page ids outside the cache (negative, huge) on some pages: those keys score NaN, the
+    others are exact, and the error names a bad id."""
+    case = Case("fp8", lens=(60, 100), next_n=1, block_kv=32, seed=21)
+    good = case.run(clean=True)
+    table = case.table.clone()
+    table[0, 1] = -5
+    table[1, 2] = 10_000_000
+    out = tilefuse.fp8_fp4_paged_mqa_logits(case.qq, case.cache, case.w, case.ctx, table, case.meta,
+                                            case.max_context_len, True)
+    with pytest.raises(tilefuse.DeviceValueError, match="block_table: page id (-5|10000000) is outside"):
+        tilefuse.check_errors()
+    assert out[0, 32:60].isnan().all() and out[1, 64:96].isnan().all()
+    keep = torch.ones_like(out, dtype=torch.bool)
+    keep[0, 32:64] = False
+    keep[1, 64:96] = False
+    assert torch.equal(out[keep].view(torch.int32), good[keep].view(torch.int32))
+
+
+def test_bad_request_ids_in_indices():
+    base = Case("fp8", lens=(120, 0, 75), next_n=1, block_kv=32, seed=8)
+    indices = torch.tensor([0, 3, 1], dtype=torch.int32, device=DEVICE)
+    tilefuse.fp8_fp4_paged_mqa_logits(base.qq, base.cache, base.w, base.ctx, base.table, base.meta,
+                                      base.max_context_len, True, indices=indices)
+    with pytest.raises(tilefuse.DeviceValueError, match="indices: request id 3 is outside the batch"):
+        tilefuse.check_errors()
+    paged.set_checked_mode(True)
+    try:
+        with pytest.raises(ValueError, match="indices: a request id"):
+            tilefuse.fp8_fp4_paged_mqa_logits(base.qq, base.cache, base.w, base.ctx, base.table, base.meta,
+                                              base.max_context_len, True, indices=indices)
+    finally:
+        paged.set_checked_mode(False)
+
+
+def test_cpu_tensors_without_the_interpreter_raise(monkeypatch):
+    case = Case("fp8", lens=(40, 90), next_n=1, block_kv=32, seed=22)
+    if ON_GPU:
+        pytest.skip("CPU tensors are checked where the tests run on CPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    paged._plans.clear()
+    with pytest.raises(ValueError, match="q: tilefuse kernels need a CUDA tensor"):
+        case.run()
+    with pytest.raises(ValueError, match="context_lens: tilefuse kernels need a CUDA tensor"):
+        tilefuse.get_paged_mqa_logits_metadata(case.ctx, 32, 3)
+
+
+# ---------------------------------------------------------------------------------------
+# out=: a caller-owned buffer
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_out_buffer_is_written_and_reused(logits_dtype):
+    case = Case("fp8", lens=(70, 0, 129), next_n=2, block_kv=32, seed=24)
+    rows = 3 * 2
+    # A wider row stride than the op's own, poisoned, reused for two different batches' worth.
+    buf = torch.full((rows, case.max_context_len + 40), float("nan"), dtype=logits_dtype, device=DEVICE)
+    out = buf[:, 3:3 + case.max_context_len]
+    for clean in (True, False):
+        got = case.run(clean=clean, logits_dtype=logits_dtype, out=out)
+        assert got is out
+        case.check(got, clean, logits_dtype, own_out=False)
+    assert buf[:, :3].isnan().all() and buf[:, 3 + case.max_context_len:].isnan().all(), "wrote outside out"
+
+
+def test_out_buffer_bad_layouts_raise():
+    case = Case("fp8", lens=(70, 129), next_n=1, block_kv=32, seed=25)
+    good = torch.empty(2, case.max_context_len, device=DEVICE)
+    for bad, exc, text in [
+        (good.bfloat16(), TypeError, "out: expected torch.float32"),
+        (good[:1], ValueError, "out: expected"),
+        (torch.empty(case.max_context_len, 2, device=DEVICE).t(), ValueError, "out: expected unit last stride"),
+        ("x", TypeError, "out: expected a torch.Tensor"),
+    ]:
+        with pytest.raises(exc, match=text):
+            case.run(out=bad)
 
 
 # ---------------------------------------------------------------------------------------
@@ -511,12 +662,3 @@ def test_decode_shapes_on_gpu(batch, next_n, mean, fmt, ctx_2d, poisoned):
     case.check(case.run(clean=True), True)
     if not ctx_2d:
         case.check(case.run(clean=False), False)
-
-
-def test_custom_op_takes_the_config_fields_in_their_order():
-    """The public op passes ``dataclasses.astuple(config)`` after the fixed arguments."""
-    import dataclasses
-
-    names = [a.name for a in torch.ops.tilefuse.paged_mqa_logits.default._schema.arguments]
-    fields = [f.name for f in dataclasses.fields(paged.PagedConfig)]
-    assert names[-len(fields):] == fields

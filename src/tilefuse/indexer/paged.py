@@ -3,8 +3,9 @@
 Public ops (names, argument order and defaults as DeepGEMM):
 
 * :func:`get_paged_mqa_logits_metadata` — DeepGEMM's balanced split of the pages over
-  ``num_sms`` workers (checked against the lengths; the kernel schedules by request and chunk
-  of keys, see ``_paged_kernel.py``, so the logits do not depend on it);
+  ``num_sms`` workers, one small kernel (the logits op checks its shape only: the kernel
+  schedules by request and chunk of keys, see ``_paged_kernel.py``, so the logits do not
+  depend on it);
 * :func:`fp8_paged_mqa_logits` — FP8 queries, fp32 logits;
 * :func:`fp8_fp4_paged_mqa_logits` — FP8, MXFP8 or MXFP4 (format chosen by the query tuple),
   fp32 or bf16 logits.
@@ -29,8 +30,16 @@ row-major ``[block_kv, D]`` E4M3 (MXFP4: ``[block_kv, D/2]`` packed nibbles), th
 ``block_kv`` 4-byte scales (fp32 for FP8, packed UE8M0 int32 for MX). The page stride
 (``kv_cache.stride(0)``, bytes) may be larger than ``block_kv * width``.
 
-The logits ops are ``torch.library`` custom ops (``tilefuse::paged_mqa_logits``) with fake
-implementations, so they trace under ``torch.compile`` without graph breaks.
+As a serving engine calls them: the host checks read shapes, dtypes, strides and devices only
+(once per argument layout, then a dict lookup); value errors (lengths, page ids, request ids)
+are found by the kernel and raised at the next call or by ``tilefuse.check_errors()``, with no
+host sync and nothing read out of bounds (:func:`set_checked_mode` checks them on the host
+instead, with a sync); ``out=`` takes a caller-owned logits buffer; one compile per model
+configuration serves every batch, length and table width (:func:`warmup_calls` runs them).
+
+Under ``torch.compile`` the logits ops trace as the ``torch.library`` custom op
+``tilefuse::paged_mqa_logits`` (it writes the ``out`` it is given), without graph breaks;
+eager calls launch directly.
 """
 
 from __future__ import annotations
@@ -40,12 +49,12 @@ import dataclasses
 import torch
 import triton
 
-from tilefuse import formats
+from tilefuse import _config, _validate, formats
 from tilefuse._config import apply_override, register_config
+from tilefuse._errors import error_record, raise_pending
 from tilefuse._validate import expect, expect_int, expect_tensor
 from tilefuse.formats import FP8_DTYPE, format_of
 from tilefuse.indexer import _paged_kernel as kern
-from tilefuse.indexer.prefill import _window_checks_enabled
 
 _FORMAT_CODE = {"fp8": kern.FMT_FP8, "mxfp8": kern.FMT_MXFP8, "mxfp4": kern.FMT_MXFP4}
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16)
@@ -55,10 +64,6 @@ _SCALE_BYTES = 4
 _ROW_ALIGN = 16
 # The smallest tl.dot side: the (row, head) columns are padded up to it.
 _MIN_DOT = 16
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 # ---------------------------------------------------------------------------------------
@@ -71,78 +76,96 @@ class PagedConfig:
     block_n: keys per tile (a power of two >= 16; independent of the page size).
     rows: query rows (of ``next_n``) scored per program in one dot of ``rows * heads``
         columns (a power of two); ``ceil(next_n / rows)`` programs share each key tile.
-    chunk: keys per program: one program per (request, chunk), the grid sized from
-        ``max_context_len``; a multiple of ``block_n`` and a power-of-two number of pages.
+    chunk: keys per program (one program per request and chunk), a multiple of ``block_n``
+        and a power-of-two number of pages; 0 (the default) picks it per call from the batch
+        (a runtime value: no compile per batch).
     num_warps, num_stages: as in Triton; stages pipeline the key-tile loads.
     block_fill: columns per store of the ``-inf`` tail when cleaning.
+    head_sum_mma: the weighted head sum as a second (tf32) dot on the tensor cores instead of
+        a CUDA-core reduction (an option to measure; see ``_paged_kernel.py``).
     """
 
     block_n: int = 128
     rows: int = 1
-    chunk: int = 1024
+    chunk: int = 0
     num_warps: int = 4
     num_stages: int = 3
     block_fill: int = 1024
+    head_sum_mma: bool = False
 
 
 register_config("paged", PagedConfig)
 
-# Programs the chunk size aims for: about 16 per SM on a 132-SM H200, so that programs
-# starting their pipeline overlap others streaming (measured: 512-key chunks at B = 64 / 8K,
-# 1024 at B = 256 / 8K; NOTES.md).
+# Programs the per-call chunk aims for: about 16 per SM on a 132-SM H200, so that programs
+# starting their pipeline overlap others streaming (benchmarks/NOTES.md, paged rounds).
 _TARGET_PROGRAMS = 2048
+# Chunk sizes the per-call choice moves between, in keys.
+_MIN_CHUNK, _MAX_CHUNK = 512, 2048
+# Dot columns (query rows x padded heads) one program takes at most, and from which size it
+# runs on 8 warps (two warpgroups share the accumulator).
+_MAX_DOT_COLUMNS = 256
+_WIDE_DOT = 256
 
 
-def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, block_kv: int,
-                         batch: int = 64, max_context_len: int = 8192) -> PagedConfig:
-    """The defaults, by shape, measured on the H200 (``benchmarks/NOTES.md``, paged rounds;
-    ``TILEFUSE_PAGED_CONFIG`` overrides single fields for measurements).
+def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, block_kv: int) -> PagedConfig:
+    """The defaults for one model configuration (measured on the H200: ``benchmarks/NOTES.md``,
+    paged rounds; the rules are stated here, the numbers live there).
 
-    * ``rows``: as many query rows as fit 128 dot columns (``rows * next_pow2(H) <= 128``), so
-      next_n = 2 at H = 64 reads each key tile once (rows = 1 there: 1.27-1.35x slower).
-    * FP8 with <= 64 dot columns: 128-key tiles, 3 stages (two tiles in flight per program);
-      otherwise 64-key tiles, 4 stages. Deeper pipelines were slower at every target row.
-    * ``chunk``: the largest power of two in [512, 2048] that still gives about
-      ``_TARGET_PROGRAMS`` programs over the batch, in whole pages (a power of two of them).
+    * ``rows``: every query row of a request in one program while ``rows * next_pow2(H)`` fits
+      ``_MAX_DOT_COLUMNS`` dot columns, so each key tile is read once for next_n 1, 2 and 4 at
+      H = 64; 8 warps at 256 columns.
+    * FP8 with <= 64 dot columns: 128-key tiles, 3 stages; otherwise 64-key tiles, 4 stages
+      (3 at 256 columns).
+    * ``chunk`` = 0: chosen per call by :func:`chunk_pages_for` (a runtime value).
     """
-    del head_dim
-    heads_p = _next_pow2(num_heads)
-    rows = min(_next_pow2(next_n), max(1, 128 // heads_p))
+    del head_dim, block_kv
+    heads_p = triton.next_power_of_2(num_heads)
+    rows = min(triton.next_power_of_2(next_n), max(1, _MAX_DOT_COLUMNS // heads_p))
+    columns = rows * heads_p
     # 128-key tiles where the accumulator stays small (<= 64 dot columns) and the keys need no
     # bf16 dequantisation in registers; otherwise 64 (128 spills there, on sm_100a too).
-    block_n = 128 if rows * heads_p <= 64 and fmt == "fp8" else 64
-    keys = max(1, batch) * max(1, max_context_len)
-    target = 512
-    while target < 2048 and keys // (2 * target) >= _TARGET_PROGRAMS:
-        target *= 2
-    # Whole pages, a power of two of them (any page size), and whole tiles.
-    pages = _next_pow2(max(1, target // block_kv))
+    block_n = 128 if columns <= 64 and fmt == "fp8" else 64
+    wide = columns >= _WIDE_DOT
+    return PagedConfig(block_n=block_n, rows=rows, chunk=0, num_warps=8 if wide else 4,
+                       num_stages=3 if block_n == 128 or wide else 4, block_fill=1024, head_sum_mma=False)
+
+
+def _pages_for(keys: int, block_kv: int, block_n: int) -> int:
+    """Pages in a chunk of about ``keys`` keys: a power of two of them, whole ``block_n`` tiles."""
+    pages = triton.next_power_of_2(max(1, keys // block_kv))
     while (pages * block_kv) % block_n:
         pages *= 2
-    chunk = pages * block_kv
-    return PagedConfig(block_n=block_n, rows=rows, chunk=chunk, num_warps=4, num_stages=3 if block_n == 128 else 4,
-                       block_fill=1024)
+    return pages
+
+
+def chunk_pages_for(batch: int, max_context_len: int, block_kv: int, block_n: int) -> int:
+    """Pages per program for this call: the largest chunk in [512, 2048] keys that still gives
+    about ``_TARGET_PROGRAMS`` programs over the batch (whole pages, a power of two of them)."""
+    keys = max(1, batch) * max(1, max_context_len)
+    target = _MIN_CHUNK
+    while target < _MAX_CHUNK and keys // (2 * target) >= _TARGET_PROGRAMS:
+        target *= 2
+    return _pages_for(target, block_kv, block_n)
 
 
 def resolve_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, block_kv: int,
-                         config: PagedConfig | None = None, batch: int = 64,
-                         max_context_len: int = 8192) -> PagedConfig:
+                         config: PagedConfig | None = None) -> PagedConfig:
     """``config`` if given, else the default; then the fields set by
     ``tilefuse.set_config_override("paged", ...)`` (or ``TILEFUSE_PAGED_CONFIG`` at import)."""
-    cfg = config or default_paged_config(fmt, next_n, num_heads, head_dim, block_kv, batch, max_context_len)
+    cfg = config or default_paged_config(fmt, next_n, num_heads, head_dim, block_kv)
     cfg = apply_override(cfg, "paged")
     for name in ("block_n", "rows", "block_fill"):
         v = getattr(cfg, name)
         expect(v >= 1 and v & (v - 1) == 0, ValueError, f"PagedConfig.{name} must be a power of two, got {v}")
     expect(cfg.block_n >= _MIN_DOT, ValueError, f"PagedConfig.block_n must be >= {_MIN_DOT}, got {cfg.block_n}")
     expect(cfg.num_warps >= 1 and cfg.num_stages >= 1, ValueError,
-            f"PagedConfig: num_warps and num_stages must be >= 1, got {cfg}")
+           f"PagedConfig: num_warps and num_stages must be >= 1, got {cfg}")
     pages = cfg.chunk // block_kv
-    expect(cfg.chunk > 0 and cfg.chunk % cfg.block_n == 0 and cfg.chunk % block_kv == 0 and pages & (pages - 1) == 0,
-            ValueError, f"PagedConfig.chunk must be a multiple of block_n = {cfg.block_n} and a power-of-two number "
-            f"of {block_kv}-token pages, got {cfg.chunk}")
+    expect(cfg.chunk == 0 or (cfg.chunk > 0 and cfg.chunk % cfg.block_n == 0 and cfg.chunk % block_kv == 0
+                              and pages & (pages - 1) == 0),
+           ValueError, f"PagedConfig.chunk must be 0 (per call) or a multiple of block_n = {cfg.block_n} and a "
+           f"power-of-two number of {block_kv}-token pages, got {cfg.chunk}")
     return cfg
-
 
 # ---------------------------------------------------------------------------------------
 # Cache helpers
@@ -319,6 +342,10 @@ def make_paged_kv_cache(keys: torch.Tensor, context_lens: torch.Tensor, block_kv
 # ---------------------------------------------------------------------------------------
 # Schedule metadata
 # ---------------------------------------------------------------------------------------
+# Workers per program and lengths per step of the metadata kernel.
+_META_BLOCK_W, _META_BLOCK_B = 32, 256
+
+
 def _key_extent(context_lens: torch.Tensor) -> torch.Tensor:
     """Keys each request reads: its length (1-D) or its longest row (2-D), at least 0 (int64)."""
     lens = context_lens.long()
@@ -328,7 +355,8 @@ def _key_extent(context_lens: torch.Tensor) -> torch.Tensor:
 
 
 def _schedule(context_lens: torch.Tensor, block_kv: int, num_sms: int) -> torch.Tensor:
-    """Worker ``w`` starts at page ``w * P // num_sms`` of the batch's ``P`` pages, as (request, page)."""
+    """The split in torch ops (what ``paged_schedule_kernel`` computes): traced under
+    torch.compile, and the checked mode's reference for stale metadata."""
     pages = (_key_extent(context_lens) + block_kv - 1) // block_kv
     dev = context_lens.device
     if pages.numel() == 0:
@@ -347,16 +375,16 @@ def _check_context_lens(context_lens, name: str = "context_lens") -> None:
     expect_tensor(context_lens, name)
     expect(context_lens.dtype == torch.int32, TypeError, f"{name}: expected int32, got {context_lens.dtype}")
     expect(context_lens.dim() in (1, 2), ValueError,
-            f"{name}: expected [B] or [B, next_n], got shape {tuple(context_lens.shape)}")
+           f"{name}: expected [B] or [B, next_n], got shape {tuple(context_lens.shape)}")
     expect(context_lens.stride(-1) == 1 or context_lens.shape[-1] <= 1, ValueError,
-            f"{name}: last dim must be contiguous, got strides {context_lens.stride()}")
+           f"{name}: last dim must be contiguous, got strides {context_lens.stride()}")
 
 
 def _check_indices(indices, n: int, next_n: int, device) -> None:
     expect_tensor(indices, "indices")
     expect(indices.dtype == torch.int32, TypeError, f"indices: expected int32, got {indices.dtype}")
-    expect(tuple(indices.shape) == (n,), ValueError,
-            f"indices: expected [{n}] (one request id per token), got shape {tuple(indices.shape)}")
+    expect(tuple(indices.shape) == (n,) and (indices.stride(0) == 1 or n <= 1), ValueError,
+           f"indices: expected a contiguous [{n}] (one request id per token), got shape {tuple(indices.shape)}")
     expect(next_n == 1, ValueError, f"indices: varlen batches need next_n == 1, got next_n = {next_n}")
     expect(indices.device == device, ValueError, f"indices: expected device {device}, got {indices.device}")
 
@@ -365,16 +393,16 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
                                   indices: torch.Tensor | None = None) -> torch.Tensor:
     """DeepGEMM's work split of the paged decode over ``num_sms`` workers.
 
-    :func:`fp8_fp4_paged_mqa_logits` checks that it matches the lengths; its default schedule,
-    one program per (request, chunk of keys), measured 10-30% faster on the H200 than the first
-    kernel's walk over these ranges (``benchmarks/NOTES.md``) and does not read it.
+    :func:`fp8_fp4_paged_mqa_logits` checks its shape only and does not read it: its schedule
+    is one program per (request, chunk of keys) (``_paged_kernel.py``), so the logits do not
+    depend on it. It is computed for engines that hold it in a fixed buffer per step.
 
     The batch's pages (``ceil(len_b / block_kv)`` per request; the longest row with 2-D
     lengths) are laid end to end and cut into ``num_sms`` ranges of equal size (within one
     page). Row ``w`` is ``(request, page)`` where worker ``w`` starts; row ``num_sms`` is
     ``(B, 0)``. Zero-length requests get no pages; an all-zero batch gives empty ranges.
-    Computed with device ops only (no host sync, CUDA-graph safe); the logits do not depend
-    on ``num_sms`` (bitwise).
+    One small kernel (no host sync, CUDA-graph safe); the logits do not depend on ``num_sms``
+    (bitwise).
 
     Args:
         context_lens: int32 ``[B]`` or ``[B, next_n]``, as passed to the logits op.
@@ -388,7 +416,8 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
 
     Raises:
         TypeError: a non-tensor or wrong dtype.
-        ValueError: a bad shape, ``block_kv`` or ``num_sms`` < 1, ``indices`` with next_n > 1.
+        ValueError: a bad shape, ``block_kv`` or ``num_sms`` < 1, ``indices`` with next_n > 1,
+            a CPU tensor without Triton's interpreter.
     """
     _check_context_lens(context_lens)
     expect_int(block_kv, "block_kv", 1)
@@ -396,35 +425,107 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
     if indices is not None:
         next_n = context_lens.shape[1] if context_lens.dim() == 2 else 1
         _check_indices(indices, context_lens.shape[0], next_n, context_lens.device)
-    return _schedule(context_lens, block_kv, num_sms)
+    if torch.compiler.is_compiling():
+        return _schedule(context_lens, block_kv, num_sms)
+    _validate.check_kernel_device(context_lens, "context_lens")
+    meta = torch.empty((num_sms + 1, 2), dtype=torch.int32, device=context_lens.device)
+    ctx_2d = context_lens.dim() == 2
+    next_n = context_lens.shape[1] if ctx_2d else 1
+    kern.paged_schedule_kernel[(triton.cdiv(num_sms + 1, _META_BLOCK_W),)](
+        context_lens, meta, context_lens.shape[0], context_lens.stride(0), num_sms,
+        NEXT_N=next_n, NEXT_N_P=triton.next_power_of_2(max(1, next_n)), CTX_2D=ctx_2d, BLOCK_KV=block_kv,
+        BLOCK_B=_META_BLOCK_B, BLOCK_W=_META_BLOCK_W, num_warps=4)
+    return meta
 
 
 # ---------------------------------------------------------------------------------------
-# Validation
+# Checked mode
+# ---------------------------------------------------------------------------------------
+_checked = False
+
+
+def set_checked_mode(enabled: bool) -> None:
+    """Checked mode: every call also checks the values of the lengths, block table and
+    metadata on the host (one reduction and one host sync per call) and raises at once.
+
+    Off by default: the kernel finds the same errors on the device and they are raised at the
+    next call of an op on that device or by ``tilefuse.check_errors()``, with no sync. Never
+    in effect inside CUDA-graph capture or torch.compile tracing (nothing can be read there).
+    """
+    global _checked
+    expect(isinstance(enabled, bool), TypeError, f"enabled: expected a bool, got {enabled!r}")
+    _checked = enabled
+
+
+def checked_mode() -> bool:
+    """Whether :func:`set_checked_mode` is on."""
+    return _checked
+
+
+def _host_checks_possible() -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _check_values(context_lens, block_table, schedule_meta, indices, num_blocks: int, block_kv: int,
+                  max_context_len: int) -> None:
+    """The checked mode's value checks: one small reduction and one host sync."""
+    if context_lens.numel() == 0:
+        return
+    lens = context_lens.long()
+    extent = _key_extent(context_lens)
+    pages = (extent + block_kv - 1) // block_kv
+    used = torch.arange(block_table.shape[1], device=lens.device)[None, :] < pages[:, None]
+    bad_page = used & ((block_table < 0) | (block_table >= num_blocks))
+    expected_meta = _schedule(context_lens, block_kv, schedule_meta.shape[0] - 1)
+    bad_index = ((indices < 0) | (indices >= lens.shape[0])).any() if indices is not None else lens.new_zeros(())
+    flags = torch.stack([
+        (lens < 0).any(), (extent > max_context_len).any(), (pages > block_table.shape[1]).any(),
+        bad_page.any(), (expected_meta != schedule_meta).any(), bad_index,
+    ]).tolist()
+    negative, too_long, short_table, bad_ids, stale_meta, bad_request = flags
+    expect(not negative, ValueError, "context_lens: lengths must be >= 0")
+    expect(not too_long, ValueError, f"context_lens: a length exceeds max_context_len = {max_context_len}")
+    expect(not short_table, ValueError,
+           f"block_table: too short for a length ({block_table.shape[1]} pages of {block_kv} tokens per row)")
+    expect(not bad_ids, ValueError, f"block_table: a page id used by a request lies outside [0, {num_blocks})")
+    expect(not stale_meta, ValueError,
+           "schedule_meta: does not match context_lens and the cache's block_kv; build it with "
+           "get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms)")
+    expect(not bad_request, ValueError, f"indices: a request id lies outside [0, {lens.shape[0]})")
+
+
+# ---------------------------------------------------------------------------------------
+# Validation and the per-shape launch plan
 # ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class _Problem:
-    fmt: str
+class _Plan:
+    """What one argument layout launches: checked once, then reused for every call with it."""
+
     batch: int
     next_n: int
-    num_heads: int
-    head_dim: int
     block_kv: int
+    cfg: PagedConfig
+    chunk_pages: int
+    groups: int
+    page_unit: int
+    consts: dict
 
 
 def _check_inputs(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-                  logits_dtype, indices) -> _Problem:
-    """Shapes, dtypes, strides and devices (no data read)."""
+                  logits_dtype, indices, out):
+    """Shapes, dtypes, strides and devices (no data read); returns (fmt, B, next_n, H, D, block_kv)."""
     expect_tensor(q, "q")
     if q_sf is not None:
         expect_tensor(q_sf, "q[1] (query scales)")
     if q_sf is None:
         expect(q.dtype == FP8_DTYPE, TypeError,
-                f"q: FP8 queries (no scales) must be {FP8_DTYPE}, got {q.dtype}"
-                + ("; MXFP4 queries need their scales" if q.dtype == torch.int8 else ""))
+               f"q: FP8 queries (no scales) must be {FP8_DTYPE}, got {q.dtype}"
+               + ("; MXFP4 queries need their scales" if q.dtype == torch.int8 else ""))
     else:
         expect(q.dtype in (FP8_DTYPE, torch.int8), TypeError,
-                f"q: MX queries must be {FP8_DTYPE} (MXFP8) or int8 packed (MXFP4), got {q.dtype}")
+               f"q: MX queries must be {FP8_DTYPE} (MXFP8) or int8 packed (MXFP4), got {q.dtype}")
     fmt = format_of(q, q_sf)
     expect(q.dim() == 4, ValueError, f"q: expected [B, next_n, H, D], got shape {tuple(q.shape)}")
     b, next_n, h, dq = q.shape
@@ -438,9 +539,9 @@ def _check_inputs(q, q_sf, kv_cache, weights, context_lens, block_table, schedul
     expect(q.stride(3) == 1, ValueError, f"q: head dim must be contiguous, got strides {q.stride()}")
     if q_sf is not None:
         expect(q_sf.dtype == torch.int32, TypeError,
-                f"q[1]: query scales must be int32 (packed UE8M0), got {q_sf.dtype}")
+               f"q[1]: query scales must be int32 (packed UE8M0), got {q_sf.dtype}")
         expect(tuple(q_sf.shape) == (b, next_n, h) and q_sf.stride(2) == 1, ValueError,
-                f"q[1]: expected [{b}, {next_n}, {h}] with unit last stride, got shape {tuple(q_sf.shape)}")
+               f"q[1]: expected [{b}, {next_n}, {h}] with unit last stride, got shape {tuple(q_sf.shape)}")
 
     _check_cache(kv_cache, _value_bytes(d, fmt))
     block_kv = kv_cache.shape[1]
@@ -448,115 +549,150 @@ def _check_inputs(q, q_sf, kv_cache, weights, context_lens, block_table, schedul
     expect_tensor(weights, "weights")
     expect(weights.dtype in _WEIGHT_DTYPES, TypeError, f"weights: expected fp32 or bf16, got {weights.dtype}")
     expect(tuple(weights.shape) == (b * next_n, h) and weights.stride(1) == 1, ValueError,
-            f"weights: expected [B * next_n, H] = [{b * next_n}, {h}] with unit last stride, got shape "
-            f"{tuple(weights.shape)} strides {weights.stride()}")
+           f"weights: expected [B * next_n, H] = [{b * next_n}, {h}] with unit last stride, got shape "
+           f"{tuple(weights.shape)} strides {weights.stride()}")
 
     _check_context_lens(context_lens)
     if context_lens.dim() == 1:
         expect(context_lens.shape[0] == b, ValueError,
-                f"context_lens: expected [{b}], got {tuple(context_lens.shape)}")
+               f"context_lens: expected [{b}], got {tuple(context_lens.shape)}")
     else:
         expect(tuple(context_lens.shape) == (b, next_n), ValueError,
-                f"context_lens: 2-D lengths must be [B, next_n] = [{b}, {next_n}] (next_n of q), "
-                f"got {tuple(context_lens.shape)}")
+               f"context_lens: 2-D lengths must be [B, next_n] = [{b}, {next_n}] (next_n of q), "
+               f"got {tuple(context_lens.shape)}")
 
     expect_tensor(block_table, "block_table")
     expect(block_table.dtype == torch.int32, TypeError, f"block_table: expected int32, got {block_table.dtype}")
     expect(block_table.dim() == 2 and block_table.shape[0] == b, ValueError,
-            f"block_table: expected [{b}, max_blocks], got shape {tuple(block_table.shape)}")
+           f"block_table: expected [{b}, max_blocks], got shape {tuple(block_table.shape)}")
     expect(block_table.stride(1) == 1 or block_table.shape[1] <= 1, ValueError,
-            f"block_table: last dim must be contiguous, got strides {block_table.stride()}")
+           f"block_table: last dim must be contiguous, got strides {block_table.stride()}")
 
     expect_tensor(schedule_meta, "schedule_meta")
     expect(schedule_meta.dtype == torch.int32 and schedule_meta.dim() == 2 and schedule_meta.shape[1] == 2
-            and schedule_meta.shape[0] >= 2 and schedule_meta.is_contiguous(), ValueError,
-            f"schedule_meta: expected contiguous int32 [num_sms + 1, 2] from get_paged_mqa_logits_metadata, "
-            f"got {schedule_meta.dtype} {tuple(schedule_meta.shape)}")
+           and schedule_meta.shape[0] >= 2 and schedule_meta.is_contiguous(), ValueError,
+           f"schedule_meta: expected contiguous int32 [num_sms + 1, 2] from get_paged_mqa_logits_metadata, "
+           f"got {schedule_meta.dtype} {tuple(schedule_meta.shape)}")
     expect_int(max_context_len, "max_context_len", 0)
     expect(logits_dtype in _LOGITS_DTYPES, TypeError,
-            f"logits_dtype: expected float32 or bfloat16, got {logits_dtype}")
+           f"logits_dtype: expected float32 or bfloat16, got {logits_dtype}")
     if indices is not None:
         _check_indices(indices, b, next_n, q.device)
+    if out is not None:
+        expect_tensor(out, "out")
+        expect(out.dtype == logits_dtype, TypeError, f"out: expected {logits_dtype} like logits_dtype, got {out.dtype}")
+        rows = b * next_n
+        expect(out.dim() == 2 and tuple(out.shape) == (rows, max_context_len), ValueError,
+               f"out: expected [B * next_n, max_context_len] = [{rows}, {max_context_len}], got {tuple(out.shape)}")
+        expect((out.stride(1) == 1 or max_context_len <= 1) and (out.stride(0) >= max_context_len or rows <= 1),
+               ValueError, f"out: expected unit last stride and a row stride >= {max_context_len}, got strides "
+               f"{out.stride()}")
 
     tensors = {"kv_cache": kv_cache, "weights": weights, "context_lens": context_lens, "block_table": block_table,
                "schedule_meta": schedule_meta}
     if q_sf is not None:
         tensors["q[1]"] = q_sf
+    if out is not None:
+        tensors["out"] = out
     for name, t in tensors.items():
         expect(t.device == q.device, ValueError, f"{name}: expected device {q.device} like q, got {t.device}")
-    return _Problem(fmt, b, next_n, h, d, block_kv)
+    _validate.check_kernel_device(q, "q")
+    return fmt, b, next_n, h, d, block_kv
 
 
-def _check_values(context_lens, block_table, schedule_meta, num_blocks: int, block_kv: int,
-                  max_context_len: int) -> None:
-    """Checks that read the lengths and tables: one small reduction and one host sync.
+def _make_plan(fmt, b, next_n, h, d, block_kv, kv_cache, context_lens, indices, clean_logits, max_context_len,
+               config) -> _Plan:
+    cfg = resolve_paged_config(fmt, next_n, h, d, block_kv, config)
+    chunk_pages = cfg.chunk // block_kv if cfg.chunk else chunk_pages_for(b, max_context_len, block_kv, cfg.block_n)
+    # Constexpr size of the page-id vector: the largest chunk any call picks, so the per-call
+    # choice never compiles.
+    max_chunk_pages = max(chunk_pages, _pages_for(_MAX_CHUNK, block_kv, cfg.block_n))
+    page_unit = 16 if kv_cache.stride(0) % 16 == 0 else _SCALE_BYTES
+    heads_p = max(triton.next_power_of_2(h), _MIN_DOT // cfg.rows)
+    groups = triton.cdiv(next_n, cfg.rows)
+    consts = dict(
+        NEXT_N=next_n, NEXT_N_P=triton.next_power_of_2(next_n), NUM_HEADS=h, HEADS_P=heads_p, D=d,
+        BLOCK_KV=block_kv, FMT=_FORMAT_CODE[fmt], CTX_2D=context_lens.dim() == 2, CLEAN=bool(clean_logits),
+        HAS_INDICES=indices is not None, ROWS=cfg.rows, BLOCK_N=cfg.block_n,
+        MAX_CHUNK_PAGES=triton.next_power_of_2(max_chunk_pages), PAGE_UNIT=page_unit, BLOCK_FILL=cfg.block_fill,
+        NUM_STAGES=cfg.num_stages, G=groups, HEAD_SUM_MMA=cfg.head_sum_mma,
+    )
+    return _Plan(b, next_n, block_kv, cfg, chunk_pages, groups, page_unit, consts)
 
-    Skipped under CUDA-graph capture, torch.compile tracing and ``TILEFUSE_CHECK_WINDOWS=0``
-    (then a key past the block table's width reads as NaN, never out of bounds).
-    """
-    if context_lens.numel() == 0 or not _window_checks_enabled():
-        return
-    lens = context_lens.long()
-    extent = _key_extent(context_lens)
-    pages = (extent + block_kv - 1) // block_kv
-    used = torch.arange(block_table.shape[1], device=lens.device)[None, :] < pages[:, None]
-    bad_page = used & ((block_table < 0) | (block_table >= num_blocks))
-    expected_meta = _schedule(context_lens, block_kv, schedule_meta.shape[0] - 1)
-    flags = torch.stack([
-        (lens < 0).any(), (extent > max_context_len).any(), (pages > block_table.shape[1]).any(),
-        bad_page.any(), (expected_meta != schedule_meta).any(),
-    ]).tolist()
-    negative, too_long, short_table, bad_ids, stale_meta = flags
-    expect(not negative, ValueError, "context_lens: lengths must be >= 0")
-    expect(not too_long, ValueError, f"context_lens: a length exceeds max_context_len = {max_context_len}")
-    expect(not short_table, ValueError,
-            f"block_table: too short for a length ({block_table.shape[1]} pages of {block_kv} tokens per row)")
-    expect(not bad_ids, ValueError, f"block_table: a page id used by a request lies outside [0, {num_blocks})")
-    expect(not stale_meta, ValueError,
-            "schedule_meta: does not match context_lens and the cache's block_kv; build it with "
-            "get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms)")
+
+def _layout(t):
+    if t.__class__ is not torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            return None if t is None else type(t)  # the checks reject it
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+# Launch plans by argument layout (shapes, strides, dtypes, devices, scalars, overrides): the
+# checks and the heuristics run once per layout, a dict lookup afterwards.
+_plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096
+
+
+def _plan_for(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits,
+              logits_dtype, indices, out, config) -> _Plan:
+    compiling = torch.compiler.is_compiling()
+    key = None
+    if not compiling:
+        overrides = _config._overrides.get("paged")
+        offset = kv_cache.storage_offset() % _SCALE_BYTES if isinstance(kv_cache, torch.Tensor) else None
+        key = (_layout(q), _layout(q_sf), _layout(kv_cache), offset,
+               _layout(weights), _layout(context_lens), _layout(block_table), _layout(schedule_meta),
+               _layout(indices), _layout(out), max_context_len, bool(clean_logits), logits_dtype, config,
+               tuple(sorted(overrides.items())) if overrides else None)
+        plan = _plans.get(key)
+        if plan is not None:
+            return plan
+    fmt, b, next_n, h, d, block_kv = _check_inputs(q, q_sf, kv_cache, weights, context_lens, block_table,
+                                                   schedule_meta, max_context_len, logits_dtype, indices, out)
+    plan = _make_plan(fmt, b, next_n, h, d, block_kv, kv_cache, context_lens, indices, clean_logits,
+                      max_context_len, config)
+    if key is not None:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
 
 
 # ---------------------------------------------------------------------------------------
-# The custom op
+# The launch and the custom op
 # ---------------------------------------------------------------------------------------
 def _out_layout(rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]:
     stride = max(_ROW_ALIGN, triton.cdiv(cols, _ROW_ALIGN) * _ROW_ALIGN)
     return (rows, cols), (stride, 1)
 
 
-def _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, out, clean_logits: bool,
-                 cfg: PagedConfig) -> tuple[tuple[int, int, int], tuple, dict]:
-    """Grid, positional arguments and constexprs of one kernel launch (``out`` already allocated)."""
-    fmt = format_of(q, q_sf)
-    b, next_n, h, dq = q.shape
-    # Byte views of one buffer: values as E4M3 (or packed FP4 bytes), scales as 4-byte words.
-    kv_values = kv_cache.view(torch.int8 if fmt == "mxfp4" else FP8_DTYPE)
-    kv_scales = kv_cache.view(torch.float32 if fmt == "fp8" else torch.int32)
-    groups = triton.cdiv(next_n, cfg.rows)
-    chunks_per_request = triton.cdiv(out.shape[1], cfg.chunk)
-    grid = (groups * b * chunks_per_request,)
-    args = (
-        q, q_sf if q_sf is not None else context_lens, kv_values, kv_scales, weights, context_lens, block_table, out,
-        out.shape[1], block_table.shape[1], chunks_per_request,
+def _new_out(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+    shape, stride = _out_layout(rows, cols)
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+
+def _launch(plan: _Plan, q, q_sf, kv_cache, weights, context_lens, block_table, indices, out,
+            max_context_len: int) -> None:
+    """One kernel launch into ``out`` (already checked)."""
+    if out.numel() == 0:
+        return
+    b = plan.batch
+    chunks_per_request = triton.cdiv(max_context_len, plan.chunk_pages * plan.block_kv)
+    grid = (plan.groups * b * chunks_per_request,)
+    cfg = plan.cfg
+    kern.paged_logits_kernel[grid](
+        q, q_sf if q_sf is not None else context_lens, kv_cache, weights, context_lens, block_table,
+        indices if indices is not None else context_lens, out, error_record(q.device),
+        b, max_context_len, block_table.shape[1], kv_cache.shape[0], plan.chunk_pages, chunks_per_request,
         q.stride(0), q.stride(1), q.stride(2),
         q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
         weights.stride(0), context_lens.stride(0), block_table.stride(0),
-        kv_cache.stride(0), kv_cache.stride(0) // _SCALE_BYTES,
-        out.stride(0),
+        kv_cache.stride(0) // plan.page_unit, out.stride(0),
+        **plan.consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    # Dot columns per head group: the rows share the dot, which has at least _MIN_DOT columns.
-    heads_p = max(_next_pow2(h), _MIN_DOT // cfg.rows)
-    consts = dict(
-        NEXT_N=next_n, NEXT_N_P=_next_pow2(next_n), NUM_HEADS=h, HEADS_P=heads_p,
-        D=dq * 2 if fmt == "mxfp4" else dq, BLOCK_KV=kv_cache.shape[1], FMT=_FORMAT_CODE[fmt],
-        CTX_2D=context_lens.dim() == 2, CLEAN=clean_logits, ROWS=cfg.rows, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk,
-        BLOCK_FILL=cfg.block_fill, NUM_STAGES=cfg.num_stages, G=groups,
-    )
-    return grid, args, consts
 
 
-@torch.library.custom_op("tilefuse::paged_mqa_logits", mutates_args=())
+@torch.library.custom_op("tilefuse::paged_mqa_logits", mutates_args=("out",))
 def _paged_mqa_logits(
     q: torch.Tensor,
     q_sf: torch.Tensor | None,
@@ -565,31 +701,22 @@ def _paged_mqa_logits(
     context_lens: torch.Tensor,
     block_table: torch.Tensor,
     schedule_meta: torch.Tensor,
+    indices: torch.Tensor | None,
+    out: torch.Tensor,
     max_context_len: int,
     clean_logits: bool,
-    logits_dtype: torch.dtype,
-    block_n: int,
-    rows: int,
-    chunk: int,
-    num_warps: int,
-    num_stages: int,
-    block_fill: int,
-) -> torch.Tensor:
-    shape, stride = _out_layout(q.shape[0] * q.shape[1], max_context_len)
-    out = torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
-    if out.numel() == 0:
-        return out
-    cfg = PagedConfig(block_n, rows, chunk, num_warps, num_stages, block_fill)
-    grid, args, consts = _launch_spec(q, q_sf, kv_cache, weights, context_lens, block_table, out, clean_logits, cfg)
-    kern.paged_logits_kernel[grid](*args, **consts, num_warps=num_warps, num_stages=num_stages)
-    return out
+    config: list[int],
+) -> None:
+    cfg = PagedConfig(*config[:-1], head_sum_mma=bool(config[-1]))
+    plan = _plan_for(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+                     clean_logits, out.dtype, indices, out, cfg)
+    _launch(plan, q, q_sf, kv_cache, weights, context_lens, block_table, indices, out, max_context_len)
 
 
 @_paged_mqa_logits.register_fake
-def _paged_mqa_logits_fake(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-                           clean_logits, logits_dtype, block_n, rows, chunk, num_warps, num_stages, block_fill):
-    shape, stride = _out_layout(q.shape[0] * q.shape[1], max_context_len)
-    return torch.empty_strided(shape, stride, dtype=logits_dtype, device=q.device)
+def _paged_mqa_logits_fake(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, indices, out,
+                           max_context_len, clean_logits, config):
+    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -607,6 +734,7 @@ def fp8_fp4_paged_mqa_logits(
     logits_dtype: torch.dtype = torch.float32,
     indices: torch.Tensor | None = None,
     *,
+    out: torch.Tensor | None = None,
     config: PagedConfig | None = None,
 ) -> torch.Tensor:
     """Indexer decode logits of ``next_n`` query rows per request against its paged keys.
@@ -626,9 +754,9 @@ def fp8_fp4_paged_mqa_logits(
         block_table: int32 ``[B, max_blocks]``: token ``j`` of request ``b`` is slot
             ``j % block_kv`` of page ``block_table[b, j // block_kv]``; entries past a
             request's length may be read but are never used as page ids.
-        schedule_meta: ``get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms)``
-            for these lengths (checked); the result is bitwise identical for every
-            ``num_sms``.
+        schedule_meta: ``get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms)``,
+            checked by shape (its values are not read: the result is bitwise identical for
+            every ``num_sms``).
         max_context_len: columns of the output.
         clean_logits: write ``-inf`` to every column outside each row's window (both length
             modes; DeepGEMM supports 1-D only). Without it those columns are unspecified.
@@ -636,36 +764,49 @@ def fp8_fp4_paged_mqa_logits(
         indices: int32 ``[B]``, request id of each token of a varlen batch (next_n = 1).
             Each token still reads its keys through its own block-table row and length, so
             the result does not depend on it; accepted for DeepGEMM compatibility.
+        out: a caller-owned ``[B * next_n, max_context_len]`` buffer of ``logits_dtype`` with
+            unit last stride (any row stride >= the width) to write into and return, reused
+            across calls; checked by shape and strides only.
         config: launch configuration override (see :class:`PagedConfig`).
 
     Returns:
-        ``[B * next_n, max_context_len]`` logits, last stride 1, row stride padded to a
-        multiple of 16 elements (read ``logits.stride(0)``).
+        ``[B * next_n, max_context_len]`` logits, last stride 1 (``out`` if given; else a new
+        tensor whose row stride is padded to a multiple of 16 elements: read ``stride(0)``).
 
     Raises:
         TypeError: a non-tensor argument or a wrong dtype (q, q[1], kv_cache, weights,
-            context_lens, block_table, indices, logits_dtype).
+            context_lens, block_table, indices, out, logits_dtype).
         ValueError: a wrong shape (a cache width for another D or format, 2-D lengths or
-            weights that do not match next_n), an unsupported H, D or next_n, non-contiguous
-            last dims, a bad page stride, mixed devices, negative lengths, a length over
-            ``max_context_len``, a block table too short for a length or with page ids out of
-            range, or ``schedule_meta`` built for other lengths or page size. The checks that
-            read values cost one host sync; they are skipped under CUDA-graph capture,
-            ``torch.compile`` and ``TILEFUSE_CHECK_WINDOWS=0``, where a key past the block
-            table's width gives NaN logits instead (page ids must then be valid: they are
-            read as given).
+            weights that do not match next_n, ``out`` of another shape), an unsupported H, D
+            or next_n, non-contiguous last dims, a bad page stride, mixed devices, CPU tensors
+            without Triton's interpreter.
+        tilefuse.DeviceValueError: raised by this or a later call on the device (or by
+            ``tilefuse.check_errors()``) when the kernel found bad values: a negative length,
+            a length over ``max_context_len`` or past the block table's width, a page id
+            outside the cache, a request id in ``indices`` outside the batch. The rows it
+            names are not valid; nothing is read or written out of bounds (keys without a
+            page score NaN). With :func:`set_checked_mode` these (and ``schedule_meta`` made
+            for other lengths) are checked on the host before the launch and raised as
+            ``ValueError`` at once, at the cost of a host sync.
     """
     if not isinstance(q, (tuple, list)) or len(q) != 2:
         raise TypeError("q: expected a tuple (values, sf); sf is None for FP8")
     q_values, q_sf = q
-    p = _check_inputs(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
-                      max_context_len, logits_dtype, indices)
-    cfg = resolve_paged_config(p.fmt, p.next_n, p.num_heads, p.head_dim, p.block_kv, config, p.batch,
-                               max_context_len)
-    _check_values(context_lens, block_table, schedule_meta, kv_cache.shape[0], p.block_kv, max_context_len)
-    return _paged_mqa_logits(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
-                             max_context_len, bool(clean_logits), logits_dtype,
-                             *dataclasses.astuple(cfg))  # the op takes the config's fields in their order
+    if isinstance(q_values, torch.Tensor):
+        raise_pending(q_values.device)
+    plan = _plan_for(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+                     clean_logits, logits_dtype, indices, out, config)
+    if _checked and _host_checks_possible():
+        _check_values(context_lens, block_table, schedule_meta, indices, kv_cache.shape[0], plan.block_kv,
+                      max_context_len)
+    if out is None:
+        out = _new_out(plan.batch * plan.next_n, max_context_len, logits_dtype, q_values.device)
+    if torch.compiler.is_compiling():
+        _paged_mqa_logits(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, indices, out,
+                          max_context_len, bool(clean_logits), [int(v) for v in dataclasses.astuple(plan.cfg)])
+    else:  # eager: the launch without the dispatcher's cost
+        _launch(plan, q_values, q_sf, kv_cache, weights, context_lens, block_table, indices, out, max_context_len)
+    return out
 
 
 def fp8_paged_mqa_logits(
@@ -679,6 +820,7 @@ def fp8_paged_mqa_logits(
     clean_logits: bool = False,
     indices: torch.Tensor | None = None,
     *,
+    out: torch.Tensor | None = None,
     config: PagedConfig | None = None,
 ) -> torch.Tensor:
     """FP8 decode logits with DeepGEMM's ``fp8_paged_mqa_logits`` signature: ``q`` is a bare
@@ -688,4 +830,52 @@ def fp8_paged_mqa_logits(
     """
     expect_tensor(q, "q")
     return fp8_fp4_paged_mqa_logits((q, None), kv_cache, weights, context_lens, block_table, schedule_meta,
-                                    max_context_len, clean_logits, torch.float32, indices, config=config)
+                                    max_context_len, clean_logits, torch.float32, indices, out=out, config=config)
+
+
+# ---------------------------------------------------------------------------------------
+# Warm-up
+# ---------------------------------------------------------------------------------------
+def warmup_calls(fmt: str, num_heads: int, head_dim: int, block_kv: int, next_n: int,
+                 weights_dtype: torch.dtype, logits_dtype: torch.dtype, clean_logits: bool,
+                 device) -> list:
+    """Callables that each run the decode op (or its metadata) once at a tiny shape, for every
+    kernel variant the launch can pick for this model configuration: 1-D and 2-D lengths (and
+    ``indices`` when next_n == 1), and the metadata for both length modes. After they ran, any
+    batch, lengths, ``max_context_len``, table width and strides compile nothing (the page
+    stride compiles once more if a cache's is not a multiple of 16 bytes).
+
+    Raises:
+        ValueError / TypeError: a configuration the op does not support (as the op would).
+    """
+    paged_kv_cache_width(head_dim, fmt)
+    expect_int(block_kv, "block_kv", 1)
+    expect(weights_dtype in _WEIGHT_DTYPES, TypeError, f"weights_dtype: expected fp32 or bf16, got {weights_dtype}")
+    expect(logits_dtype in _LOGITS_DTYPES, TypeError, f"logits_dtype: expected fp32 or bf16, got {logits_dtype}")
+    device = torch.device(device)
+    batch, length = 2, block_kv + 1
+
+    def inputs():
+        pages = triton.cdiv(length, block_kv)
+        cache = new_paged_kv_cache(batch * pages, block_kv, head_dim, fmt, device=device)
+        table = torch.arange(batch * pages, dtype=torch.int32, device=device).view(batch, pages)
+        dq = head_dim // 2 if fmt == "mxfp4" else head_dim
+        values = torch.zeros(batch, next_n, num_heads, dq, dtype=torch.int8 if fmt == "mxfp4" else FP8_DTYPE,
+                             device=device)
+        sf = None if fmt == "fp8" else torch.zeros(batch, next_n, num_heads, dtype=torch.int32, device=device)
+        w = torch.zeros(batch * next_n, num_heads, dtype=weights_dtype, device=device)
+        return (values, sf), cache, w, table
+
+    def one(ctx_2d: bool, with_indices: bool):
+        def run():
+            qq, cache, w, table = inputs()
+            lens = torch.full((batch, next_n) if ctx_2d else (batch,), length, dtype=torch.int32, device=device)
+            idx = torch.arange(batch, dtype=torch.int32, device=device) if with_indices else None
+            meta = get_paged_mqa_logits_metadata(lens, block_kv, 1, idx)
+            fp8_fp4_paged_mqa_logits(qq, cache, w, lens, table, meta, length, clean_logits, logits_dtype, idx)
+        return run
+
+    calls = [one(False, False), one(True, False)]
+    if next_n == 1:
+        calls.append(one(False, True))
+    return calls

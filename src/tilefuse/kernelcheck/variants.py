@@ -156,8 +156,19 @@ def _dtype_name(dtype) -> str:
     return names[dtype]
 
 
-def _specialise(name: str, value, constexpr: bool):
-    """(kind, type-or-value, aligned) of one argument, as Triton's launcher specialises it."""
+def _unspecialised_params(fn) -> set[str]:
+    """Names of the parameters a JIT or interpreted kernel declares ``do_not_specialize``."""
+    if hasattr(fn, "params"):
+        return {p.name for p in fn.params if p.do_not_specialize}
+    names = list(inspect.signature(fn.fn).parameters)
+    declared = getattr(fn, "kwargs", {}).get("do_not_specialize") or ()
+    return {names[i] if isinstance(i, int) else i for i in declared}
+
+
+def _specialise(name: str, value, constexpr: bool, specialised: bool = True):
+    """(kind, type-or-value, aligned) of one argument, as Triton's launcher specialises it
+    (``specialised=False``: declared ``do_not_specialize``, an int keeps its type only, a
+    pointer drops its alignment)."""
     import torch
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -167,6 +178,8 @@ def _specialise(name: str, value, constexpr: bool):
         return "const", value, False
     if isinstance(value, bool):
         return "arg", "u1", False
+    if isinstance(value, int) and not specialised:
+        return "arg", "i32" if -(2**31) <= value < 2**31 else "i64", False
     if isinstance(value, int):
         if value == 1:
             return "const", 1, False
@@ -174,7 +187,7 @@ def _specialise(name: str, value, constexpr: bool):
     if isinstance(value, float):
         return "arg", "fp32", False
     if isinstance(value, torch.Tensor):
-        return "arg", "*" + _dtype_name(value.dtype), value.data_ptr() % 16 == 0
+        return "arg", "*" + _dtype_name(value.dtype), specialised and value.data_ptr() % 16 == 0
     if isinstance(value, TensorDescriptor):
         return "arg", f"tensordesc<{_dtype_name(value.base.dtype)}{list(value.block_shape)}>", False
     if hasattr(value, "__mangle__") and hasattr(value, "layout"):  # a Gluon descriptor: its type names the layout
@@ -186,10 +199,11 @@ def variant_of(launch: Launch, kernel: str, name: str, origin: str = "default",
                targets: tuple[str, ...] = TARGETS_ALL) -> Variant:
     """The compile a recorded launch needs."""
     module, _, attr = launch.function.partition(":")
-    constexpr = _constexpr_params(getattr(importlib.import_module(module), attr))
+    fn = getattr(importlib.import_module(module), attr)
+    constexpr, unspecialised = _constexpr_params(fn), _unspecialised_params(fn)
     sig, const, aligned = {}, {}, []
     for arg, value in launch.arguments.items():
-        kind, ty, align = _specialise(arg, value, arg in constexpr)
+        kind, ty, align = _specialise(arg, value, arg in constexpr, arg not in unspecialised)
         if kind == "const":
             const[arg] = ty
         else:
@@ -498,8 +512,11 @@ def paged_variants() -> list[Variant]:
 
     Every (format, D) at next_n 1 and 2 (H = 64, 64-token pages, 1-D lengths, fp32, not
     cleaned: DeepGEMM's defaults); for FP8 at D = 128 also H = 8 and 128, next_n = 4 and 8,
-    32- and 128-token pages, 2-D lengths, cleaning, bf16 weights + logits; for MXFP4 at
-    D = 128 H = 128, next_n = 4, 2-D lengths and cleaning.
+    32- and 128-token pages, 2-D lengths, cleaning, bf16 weights + logits, varlen ``indices``,
+    a page stride that is not a multiple of 16 bytes, and DeepGEMM's matrix case that faulted
+    (32-token pages, next_n 6, bf16 weights + logits, 2-D lengths); for MXFP4 at D = 128
+    H = 128, next_n = 4, 2-D lengths and cleaning; the tensor-core head sum (an option) for FP8
+    D = 128 at next_n 1, 2 and 4.
     """
     import torch
 
@@ -510,33 +527,63 @@ def paged_variants() -> list[Variant]:
     batch, max_len = 3, 301
     out = []
 
-    def one(fmt, d, h=64, next_n=1, block_kv=64, ctx_2d=False, clean=False, w_dtype=f32, out_dtype=f32):
+    def one(fmt, d, h=64, next_n=1, block_kv=64, ctx_2d=False, clean=False, w_dtype=f32, out_dtype=f32,
+            indices=False, page_pad=0, head_sum_mma=False):
         lens = torch.tensor([37, max_len, 150], dtype=torch.int32)
         ctx = torch.stack([lens - next_n + 1 + t for t in range(next_n)], dim=1) if ctx_2d else lens
         pages = -(-max_len // block_kv)
-        cache = paged.new_paged_kv_cache(batch * pages, block_kv, d, fmt)
+        width = paged.paged_kv_cache_width(d, fmt)
+        cache = paged.new_paged_kv_cache(batch * pages, block_kv, d, fmt,
+                                         page_stride=block_kv * width + page_pad)
         table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
         q = (_values((batch, next_n, h, d), fmt), None if fmt == "fp8" else _scales((batch, next_n, h), fmt))
-        meta = paged.get_paged_mqa_logits_metadata(ctx, block_kv, 5)
+        idx = torch.arange(batch, dtype=torch.int32) if indices else None
+        meta = paged._schedule(ctx, block_kv, 5)  # the op reads its shape only
+        cfg = None
+        if head_sum_mma:
+            cfg = dataclasses.replace(paged.default_paged_config(fmt, next_n, h, d, block_kv), head_sum_mma=True)
         with tracing(path) as launches:
             paged.fp8_fp4_paged_mqa_logits(q, cache, _weights(batch * next_n, h, w_dtype), ctx, table, meta, max_len,
-                                           clean, out_dtype)
+                                           clean, out_dtype, idx, config=cfg)
         (launch,) = launches
         c = launch.arguments
         extras = [x for x, on in (("ctx2d", ctx_2d), ("clean", clean), (f"w={_short(w_dtype)}", w_dtype != f32),
-                                  (f"out={_short(out_dtype)}", out_dtype != f32)) if on]
+                                  (f"out={_short(out_dtype)}", out_dtype != f32), ("indices", indices),
+                                  (f"page+{page_pad}", page_pad), ("head_sum_mma", head_sum_mma)) if on]
         name = (f"{fmt} D{d} H{h} next_n{next_n} kv{block_kv} rows{c['ROWS']}x{c['HEADS_P']} n{c['BLOCK_N']} "
                 f"w{launch.options['num_warps']}s{launch.options['num_stages']}" + "".join(" " + x for x in extras))
-        out.append(variant_of(launch, "indexer.paged", name))
+        out.append(variant_of(launch, "indexer.paged", name, origin="option" if head_sum_mma else "default"))
 
     for fmt, d in _FMT_D:
         for next_n in (1, 2):
             one(fmt, d, next_n=next_n)
     for kw in ({"h": 8}, {"h": 128}, {"next_n": 4}, {"next_n": 8}, {"block_kv": 32}, {"block_kv": 128},
-               {"ctx_2d": True, "next_n": 2}, {"clean": True}, {"w_dtype": bf16, "out_dtype": bf16}):
+               {"ctx_2d": True, "next_n": 2}, {"clean": True}, {"w_dtype": bf16, "out_dtype": bf16},
+               {"indices": True}, {"page_pad": 4},
+               {"block_kv": 32, "next_n": 6, "ctx_2d": True, "w_dtype": bf16, "out_dtype": bf16}):
         one("fp8", 128, **kw)
     for kw in ({"h": 128}, {"next_n": 4}, {"ctx_2d": True, "next_n": 2}, {"clean": True}):
         one("mxfp4", 128, **kw)
+    for next_n in (1, 2, 4):  # the tensor-core head sum (an option)
+        one("fp8", 128, next_n=next_n, head_sum_mma=True)
+    return _unique(out)
+
+
+def paged_schedule_variants() -> list[Variant]:
+    """``paged_schedule_kernel`` as ``get_paged_mqa_logits_metadata`` launches it: 1-D and 2-D
+    lengths."""
+    import torch
+
+    from tilefuse.indexer import paged
+
+    out = []
+    schedule = f"{paged.kern.__name__}:paged_schedule_kernel"
+    for ctx in (torch.tensor([37, 301, 0], dtype=torch.int32), torch.tensor([[36, 37], [300, 301], [0, 0]],
+                                                                             dtype=torch.int32)):
+        with tracing(schedule) as launches:
+            paged.get_paged_mqa_logits_metadata(ctx, 64, 132)
+        (launch,) = launches
+        out.append(variant_of(launch, "indexer.paged_schedule", f"schedule ctx{ctx.dim()}d"))
     return _unique(out)
 
 
@@ -756,6 +803,7 @@ KERNELS: dict[str, tuple[Callable[[], list[Variant]], str]] = {
     "indexer.prefill_sm100": (prefill_sm100_variants, "tilefuse.indexer._prefill_kernel_sm100"),
     "indexer.prefill_gluon": (prefill_gluon_variants, "tilefuse.indexer._prefill_kernel_gluon"),
     "indexer.paged": (paged_variants, "tilefuse.indexer._paged_kernel"),
+    "indexer.paged_schedule": (paged_schedule_variants, "tilefuse.indexer._paged_kernel"),
     "tp.gemm": (tp_gemm_variants, "tilefuse.tp._gemm_core"),
     "tp.comm": (tp_comm_variants, "tilefuse.tp._comm_kernels"),
     "tp.rs_gluon": (tp_rs_gluon_variants, "tilefuse.tp._gemm_rs_gluon"),

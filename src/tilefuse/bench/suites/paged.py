@@ -7,6 +7,13 @@ order; H=64, D=128; 2-D context lengths (``[B, next_n]``, row ``t`` of request `
 beside DeepGEMM (when ``import deep_gemm`` works, FP8) and an eager torch implementation. On
 a CPU machine the rows run at tiny shapes through the Triton interpreter, labelled.
 
+``--sweep`` (GPU): the decode sweep grid, tilefuse beside DeepGEMM in the same run on the same
+inputs: B in {1, 8, 32, 64, 128, 256, 1024} x mean context in {1K, 4K, 8K, 32K, 64K, 128K}
+(rows up to 32M cached tokens, DeepGEMM's own test pool) x next_n in {1, 2, 4} x H in {32, 64}
+x pages of 64 and 32 tokens x fp32 and bf16 logits; no torch eager row, and the torch
+references only where they fit (``SWEEP_REFERENCE_KEYS``; past it each output is checked
+against the other implementation's).
+
 Bytes = the KV pages read (whole pages of ``block_kv * (D + 4)`` bytes; MXFP4 ``D/2 + 4``)
 plus the logits written (the valid entries of each row); the ratio is to the device copy
 bandwidth (read + written) measured in the same run.
@@ -22,6 +29,7 @@ from tilefuse import formats
 from tilefuse.bench import ceilings as ceil
 from tilefuse.bench.runner import Case, Impl
 from tilefuse.bench.suites.indexer import (
+    DEQUANT_LIMIT_BF16,
     DEQUANT_LIMIT_FP32,
     EAGER_BYTES_LIMIT,
     EAGER_SAMPLES,
@@ -32,6 +40,15 @@ from tilefuse.bench.suites.indexer import (
 
 GPU_ROWS = [(b, n, c) for b in (1, 64, 256) for n in (1, 2) for c in (8192, 32768, 65536)]
 CPU_ROWS = [(1, 1, 512), (4, 1, 256), (4, 2, 256)]
+SWEEP_BATCH = (1, 8, 32, 64, 128, 256, 1024)
+SWEEP_CTX = (1024, 4096, 8192, 32768, 65536, 131072)
+SWEEP_NEXT_N = (1, 2, 4)
+SWEEP_HEADS = (32, 64)
+SWEEP_BLOCK_KV = (64, 32)
+SWEEP_LOGITS = ("float32", "bfloat16")
+SWEEP_MAX_TOKENS = 32 << 20
+# Keys x heads x rows past which the sweep does not run the torch references.
+SWEEP_REFERENCE_KEYS = 1 << 31
 GPU_HEADS, CPU_HEADS = 64, 16
 HEAD_DIM = 128
 BLOCK_KV = 64
@@ -48,6 +65,8 @@ class Spec:
     heads: int
     head_dim: int = HEAD_DIM
     block_kv: int = BLOCK_KV
+    logits_dtype: str = "float32"
+    references: bool = True
 
     @property
     def shape(self) -> str:
@@ -55,7 +74,8 @@ class Spec:
 
     @property
     def name(self) -> str:
-        return f"{self.fmt} H{self.heads} D{self.head_dim} {self.shape} block{self.block_kv}"
+        tail = "" if self.logits_dtype == "float32" else f" {self.logits_dtype}"
+        return f"{self.fmt} H{self.heads} D{self.head_dim} {self.shape} block{self.block_kv}{tail}"
 
     def params(self) -> dict:
         return {
@@ -69,7 +89,7 @@ class Spec:
             "block_kv": self.block_kv,
             "context_lens": "2-D",
             "clean_logits": False,
-            "logits_dtype": "float32",
+            "logits_dtype": self.logits_dtype,
         }
 
 
@@ -103,7 +123,7 @@ def bytes_moved(spec: Spec, lens: torch.Tensor, lens2d: torch.Tensor) -> int:
     width = spec.head_dim // 2 if spec.fmt == "mxfp4" else spec.head_dim
     pages = (lens.long() + spec.block_kv - 1) // spec.block_kv
     kv = int(pages.sum()) * spec.block_kv * (width + 4)
-    logits = int(lens2d.long().sum()) * 4
+    logits = int(lens2d.long().sum()) * (2 if spec.logits_dtype == "bfloat16" else 4)
     return kv + logits
 
 
@@ -155,7 +175,7 @@ def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) 
     def build() -> list[Impl]:
         import tilefuse
         from tilefuse.indexer import paged
-        from tilefuse.reference import fp8_fp4_paged_mqa_logits_ref, paged_mqa_logits_ref
+        from tilefuse.reference import fp8_fp4_paged_mqa_logits_ref, paged_mqa_logits_ref, paged_valid_mask
 
         g = torch.Generator(device=device).manual_seed(1)
         longest = int(lens.max())
@@ -169,36 +189,48 @@ def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) 
                                                  generator=torch.Generator().manual_seed(2))
         qq = formats.quantize_q(q, spec.fmt)
         meta = tilefuse.get_paged_mqa_logits_metadata(ctx, spec.block_kv, _num_workers(device))
-        ref = fp8_fp4_paged_mqa_logits_ref(qq, cache, weights, ctx, table, max_len)
-        ref_orig = paged_mqa_logits_ref(q, keys, weights, ctx, max_len)
+        logits_dtype = getattr(torch, spec.logits_dtype)
+        limit = DEQUANT_LIMIT_FP32 if logits_dtype == torch.float32 else DEQUANT_LIMIT_BF16
+        if spec.references:
+            ref = fp8_fp4_paged_mqa_logits_ref(qq, cache, weights, ctx, table, max_len)
+            ref_orig = paged_mqa_logits_ref(q, keys, weights, ctx, max_len)
         del keys
 
-        def check(out):
-            return check_paged(out, ref, DEQUANT_LIMIT_FP32, ref_orig, ORIGINAL_LIMIT[spec.fmt])
+        def tilefuse_call():
+            return tilefuse.fp8_fp4_paged_mqa_logits(qq, cache, weights, ctx, table, meta, max_len, False,
+                                                     logits_dtype)
 
-        out_bytes = spec.batch * spec.next_n * (-(-max_len // 16) * 16) * 4
-        impls = [
-            Impl(
-                "tilefuse",
-                lambda: tilefuse.fp8_fp4_paged_mqa_logits(qq, cache, weights, ctx, table, meta, max_len),
-                check,
-                out_bytes=out_bytes,
-            )
-        ]
+        if spec.references:
+            def check(out):
+                return check_paged(out, ref, limit, ref_orig, ORIGINAL_LIMIT[spec.fmt])
+        else:  # too large for the torch references: against DeepGEMM's output, or tilefuse's
+            other = {}
+
+            def check(out):
+                if "ref" not in other:
+                    other["ref"] = (peer_call() if peer_call is not None else tilefuse_call()).float()
+                    other["ref"].masked_fill_(~paged_valid_mask(ctx, spec.next_n, max_len), float("-inf"))
+                return check_paged(out, other["ref"], 4 * limit)
+
+        out_bytes = spec.batch * spec.next_n * (-(-max_len // 16) * 16) * logits_dtype.itemsize
+        peer_call = None
+        impls = [Impl("tilefuse", tilefuse_call, check, out_bytes=out_bytes)]
         if peer is None:
             impls.append(Impl("deep_gemm", skipped=peer_skip))
         elif spec.fmt != "fp8":
             impls.append(Impl("deep_gemm", skipped="skipped: DeepGEMM has no MX formats on SM90"))
         else:
             dg_meta = peer.get_paged_mqa_logits_metadata(ctx, spec.block_kv, _num_workers(device))
-            impls.append(
-                Impl(
-                    "deep_gemm",
-                    lambda: peer.fp8_paged_mqa_logits(qq[0], cache, weights, ctx, table, dg_meta, max_len, False),
-                    check,
-                    out_bytes=out_bytes,
-                )
-            )
+
+            def peer_call():
+                if logits_dtype == torch.float32:
+                    return peer.fp8_paged_mqa_logits(qq[0], cache, weights, ctx, table, dg_meta, max_len, False)
+                return peer.fp8_fp4_paged_mqa_logits((qq[0], None), cache, weights, ctx, table, dg_meta, max_len,
+                                                     False, logits_dtype)
+
+            impls.append(Impl("deep_gemm", peer_call, check, out_bytes=out_bytes))
+        if not spec.references:
+            return impls
         pages_bytes = spec.batch * table.shape[1] * spec.block_kv
         eager_bytes = pages_bytes * spec.head_dim * 6 + pages_bytes * spec.next_n * spec.heads * 2
         if eager_bytes > EAGER_BYTES_LIMIT:
@@ -226,12 +258,39 @@ def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) 
     )
 
 
-def cases(*, on_gpu: bool, device: str, shapes=None, fmts=("fp8",)) -> list[Case]:
-    """The cases of ``tilefuse bench paged``."""
+def sweep_specs(fmts=("fp8",), shapes=None) -> list[Spec]:
+    """The ``--sweep`` grid (``shapes``: only these (B, next_n, mean ctx) of it)."""
+    out = []
+    for f in fmts:
+        for b in SWEEP_BATCH:
+            for c in SWEEP_CTX:
+                if b * c > SWEEP_MAX_TOKENS:
+                    continue
+                for n in SWEEP_NEXT_N:
+                    if shapes and (b, n, c) not in shapes:
+                        continue
+                    for h in SWEEP_HEADS:
+                        for bkv in SWEEP_BLOCK_KV:
+                            for dt in SWEEP_LOGITS:
+                                refs = b * int(c * SPREAD[1]) * h * n <= SWEEP_REFERENCE_KEYS
+                                out.append(Spec(f, b, n, c, h, block_kv=bkv, logits_dtype=dt, references=refs))
+    return out
+
+
+def cases(*, on_gpu: bool, device: str, shapes=None, fmts=("fp8",), sweep: bool = False) -> list[Case]:
+    """The cases of ``tilefuse bench paged`` (``sweep``: the sweep grid; on CPU its tiny rows
+    with both page sizes and logits dtypes)."""
     for f in fmts:
         if f not in formats.FORMATS:
             raise ValueError(f"--formats: expected some of {formats.FORMATS}, got {f!r}")
-    rows = shapes or (GPU_ROWS if on_gpu else CPU_ROWS)
-    heads = GPU_HEADS if on_gpu else CPU_HEADS
     peer, skip = deep_gemm_module()
-    return [make_case(Spec(f, b, n, c, heads), device, peer, skip) for f in fmts for b, n, c in rows]
+    if sweep and on_gpu:
+        specs = sweep_specs(fmts, shapes)
+    elif sweep:
+        specs = [Spec(f, b, n, c, CPU_HEADS, block_kv=bkv, logits_dtype=dt) for f in fmts
+                 for b, n, c in (shapes or CPU_ROWS[1:]) for bkv in SWEEP_BLOCK_KV for dt in SWEEP_LOGITS]
+    else:
+        rows = shapes or (GPU_ROWS if on_gpu else CPU_ROWS)
+        heads = GPU_HEADS if on_gpu else CPU_HEADS
+        specs = [Spec(f, b, n, c, heads) for f in fmts for b, n, c in rows]
+    return [make_case(spec, device, peer, skip) for spec in specs]

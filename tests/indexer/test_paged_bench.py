@@ -1,0 +1,41 @@
+"""``tilefuse bench paged --sweep``: the grid, and a tiny run through the interpreter."""
+
+from __future__ import annotations
+
+import pytest
+
+from tilefuse import cli
+from tilefuse.bench import report
+from tilefuse.bench.suites import paged as suite
+
+from ..conftest import ON_GPU
+
+TINY = ["--samples", "2", "--calls", "1", "--quiet", "--no-clocks"]
+
+
+def test_sweep_grid():
+    specs = suite.sweep_specs()
+    rows = {(s.batch, s.next_n, s.mean_ctx) for s in specs}
+    assert {s.batch for s in specs} == set(suite.SWEEP_BATCH) and {s.mean_ctx for s in specs} == set(suite.SWEEP_CTX)
+    assert all(b * c <= suite.SWEEP_MAX_TOKENS for b, _, c in rows)
+    assert (1024, 4, 32768) in rows and (1024, 1, 65536) not in rows
+    # Every row in every combination of heads, page size and logits dtype.
+    assert len(specs) == len(rows) * 2 * 2 * 2
+    big = [s for s in specs if not s.references]
+    assert big and all(s.batch * s.mean_ctx >= 2**20 for s in big)
+    assert len({s.name for s in specs}) == len(specs)
+    only = suite.sweep_specs(shapes=[(64, 2, 8192)])
+    assert len(only) == 8 and {s.logits_dtype for s in only} == {"float32", "bfloat16"}
+
+
+@pytest.mark.skipif(ON_GPU, reason="the tiny run is for the CPU interpreter")
+def test_sweep_runs_tiny_on_cpu(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    rc = cli.main(["bench", "paged", "--sweep", "--shapes", "2x2x96", "--output", str(out), "--mode", "batch", *TINY])
+    assert rc == 0, capsys.readouterr().err
+    res = report.load_result(out)
+    assert res["settings"]["sweep"] is True
+    mine = [r for r in res["rows"] if r["impl"] == "tilefuse"]
+    assert len(mine) == 4 and all(r["status"] == "ok" for r in mine)
+    assert {r["params"]["logits_dtype"] for r in mine} == {"float32", "bfloat16"}
+    assert {r["params"]["block_kv"] for r in mine} == {32, 64}
