@@ -54,8 +54,8 @@ def test_prefill_variants_follow_the_launch(registry):
     dq = 64
     assert v.signature["q_desc"].startswith("tensordesc<i8[") and v.signature["q_desc"].endswith(f", {dq}]>")
     assert v.signature["k_scale_ptr"] == "*i32" and v.signature["out_ptr"] == "*fp32"
-    # S_q = 37 and S_k = 300 are not multiples of 16; the padded row stride is.
-    assert "S_q" not in v.aligned and "S_k" not in v.aligned and "stride_out" in v.aligned
+    # Sizes and strides are runtime values (no compile per shape), however divisible they are.
+    assert not {"S_q", "S_k", "stride_out", "stride_w"} & set(v.aligned)
 
 
 def test_targets_follow_the_dispatch_table(registry):

@@ -315,8 +315,7 @@ def _paged_mqa_topk(
     b, next_n, h, dq = q.shape
     fmt = format_of(q, q_sf)
     block_kv = kv_cache.shape[1]
-    cfg = paged.resolve_paged_config(fmt, next_n, h, dq * 2 if fmt == "mxfp4" else dq, block_kv, None, b,
-                                     max_context_len)
+    cfg = paged.resolve_paged_config(fmt, next_n, h, dq * 2 if fmt == "mxfp4" else dq, block_kv)
     # Keys a row may have: the output's width, and what the block table can address.
     covered = min(max_context_len, block_table.shape[1] * block_kv)
     # Row (b, t) sees [0, ends[b, t]), as 2-D lengths (contiguous, >= 0).
