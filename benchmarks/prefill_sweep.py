@@ -14,13 +14,10 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
 import sys
 import time
 
 import torch
-
-os.environ.setdefault("TILEFUSE_CHECK_WINDOWS", "0")
 
 import tilefuse  # noqa: E402
 from tilefuse import formats as F  # noqa: E402

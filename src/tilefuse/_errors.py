@@ -181,6 +181,13 @@ def checked_mode(on: bool = True):
         _checked = old
 
 
+def host_reads_possible(device: torch.device) -> bool:
+    """Whether a checked op may read device values now (not while tracing or capturing)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
 # The ops' hot path: a byte view of each host-visible record, so that a clean record costs one
 # memory comparison (a torch read of it costs microseconds per call).
 _byte_views: dict[torch.device, memoryview | None] = {}

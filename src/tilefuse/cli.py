@@ -82,7 +82,6 @@ def _run_bench(suite: str, args) -> int:
     from tilefuse.bench import report
     from tilefuse.bench.env import gpu_slug, on_gpu
     from tilefuse.bench.runner import run_suite
-    from tilefuse.bench.suites import no_window_validation
 
     if args.plot:
         import matplotlib  # noqa: F401  (fail before the run, not after it)
@@ -116,8 +115,7 @@ def _run_bench(suite: str, args) -> int:
     progress = report.Progress(len(cases), enabled=not args.quiet)
     if not gpu:
         progress.note("no CUDA device: tiny shapes through the Triton interpreter (not performance numbers)")
-    with no_window_validation():
-        result = run_suite(name, cases, settings, progress=progress, extra_settings=extra)
+    result = run_suite(name, cases, settings, progress=progress, extra_settings=extra)
     if not args.quiet:
         print(report.results_table(result))
     if not args.no_output:

@@ -513,9 +513,8 @@ BAD_VALUES = {
 
 @pytest.fixture
 def checked():
-    paged.set_checked_mode(True)
-    yield
-    paged.set_checked_mode(False)
+    with tilefuse.checked_mode():
+        yield
 
 
 @pytest.mark.parametrize("name", list(BAD_VALUES))
@@ -596,13 +595,9 @@ def test_bad_request_ids_in_indices():
                                       base.max_context_len, True, indices=indices)
     with pytest.raises(tilefuse.DeviceValueError, match="indices: request id 3 is outside the batch"):
         tilefuse.check_errors()
-    paged.set_checked_mode(True)
-    try:
-        with pytest.raises(ValueError, match="indices: a request id"):
-            tilefuse.fp8_fp4_paged_mqa_logits(base.qq, base.cache, base.w, base.ctx, base.table, base.meta,
-                                              base.max_context_len, True, indices=indices)
-    finally:
-        paged.set_checked_mode(False)
+    with tilefuse.checked_mode(), pytest.raises(ValueError, match="indices: a request id"):
+        tilefuse.fp8_fp4_paged_mqa_logits(base.qq, base.cache, base.w, base.ctx, base.table, base.meta,
+                                          base.max_context_len, True, indices=indices)
 
 
 def test_cpu_tensors_without_the_interpreter_raise(monkeypatch):

@@ -33,7 +33,7 @@ row-major ``[block_kv, D]`` E4M3 (MXFP4: ``[block_kv, D/2]`` packed nibbles), th
 As a serving engine calls them: the host checks read shapes, dtypes, strides and devices only
 (once per argument layout, then a dict lookup); value errors (lengths, page ids, request ids)
 are found by the kernel and raised at the next call or by ``tilefuse.check_errors()``, with no
-host sync and nothing read out of bounds (:func:`set_checked_mode` checks them on the host
+host sync and nothing read out of bounds (:func:`tilefuse.set_checked` checks them on the host
 instead, with a sync); ``out=`` takes a caller-owned logits buffer; one compile per model
 configuration serves every batch, length and table width (:func:`warmup_calls` runs them).
 
@@ -49,9 +49,9 @@ import dataclasses
 import torch
 import triton
 
-from tilefuse import _config, _validate, formats
+from tilefuse import _config, _errors, _validate, formats
 from tilefuse._config import apply_override, register_config
-from tilefuse._errors import error_record, raise_pending
+from tilefuse._errors import error_record, raise_pending_fast
 from tilefuse._validate import expect, expect_int, expect_tensor
 from tilefuse.formats import FP8_DTYPE, format_of
 from tilefuse.indexer import _paged_kernel as kern
@@ -438,36 +438,6 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
     return meta
 
 
-# ---------------------------------------------------------------------------------------
-# Checked mode
-# ---------------------------------------------------------------------------------------
-_checked = False
-
-
-def set_checked_mode(enabled: bool) -> None:
-    """Checked mode: every call also checks the values of the lengths, block table and
-    metadata on the host (one reduction and one host sync per call) and raises at once.
-
-    Off by default: the kernel finds the same errors on the device and they are raised at the
-    next call of an op on that device or by ``tilefuse.check_errors()``, with no sync. Never
-    in effect inside CUDA-graph capture or torch.compile tracing (nothing can be read there).
-    """
-    global _checked
-    expect(isinstance(enabled, bool), TypeError, f"enabled: expected a bool, got {enabled!r}")
-    _checked = enabled
-
-
-def checked_mode() -> bool:
-    """Whether :func:`set_checked_mode` is on."""
-    return _checked
-
-
-def _host_checks_possible() -> bool:
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
 def _check_values(context_lens, block_table, schedule_meta, indices, num_blocks: int, block_kv: int,
                   max_context_len: int) -> None:
     """The checked mode's value checks: one small reduction and one host sync."""
@@ -785,7 +755,7 @@ def fp8_fp4_paged_mqa_logits(
             a length over ``max_context_len`` or past the block table's width, a page id
             outside the cache, a request id in ``indices`` outside the batch. The rows it
             names are not valid; nothing is read or written out of bounds (keys without a
-            page score NaN). With :func:`set_checked_mode` these (and ``schedule_meta`` made
+            page score NaN). With :func:`tilefuse.set_checked` these (and ``schedule_meta`` made
             for other lengths) are checked on the host before the launch and raised as
             ``ValueError`` at once, at the cost of a host sync.
     """
@@ -793,10 +763,10 @@ def fp8_fp4_paged_mqa_logits(
         raise TypeError("q: expected a tuple (values, sf); sf is None for FP8")
     q_values, q_sf = q
     if isinstance(q_values, torch.Tensor):
-        raise_pending(q_values.device)
+        raise_pending_fast(q_values.device)
     plan = _plan_for(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
                      clean_logits, logits_dtype, indices, out, config)
-    if _checked and _host_checks_possible():
+    if _errors.checked() and _errors.host_reads_possible(q_values.device):
         _check_values(context_lens, block_table, schedule_meta, indices, kv_cache.shape[0], plan.block_kv,
                       max_context_len)
     if out is None:

@@ -10,7 +10,6 @@ are ``torch.library`` custom ops with fake implementations, so they trace under
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
@@ -242,22 +241,6 @@ def _check_out(out, s_q: int, cols: int, logits_dtype: torch.dtype, device: torc
     if s_q > 1 and out.stride(0) < cols:
         raise ValueError(f"out: rows overlap (row stride {out.stride(0)} < {cols} columns)")
     check_tma_rows(out, "out")
-
-
-def _window_checks_enabled() -> bool:
-    """The paged op's switch for its host-side value checks (``TILEFUSE_CHECK_WINDOWS``), kept
-    for ``paged.py`` until it moves to ``tilefuse.set_checked``; prefill no longer reads it."""
-    if os.environ.get("TILEFUSE_CHECK_WINDOWS", "1") == "0":
-        return False
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
-def _host_reads_possible(device: torch.device) -> bool:
-    if torch.compiler.is_compiling():
-        return False
-    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def _check_windows(ks: torch.Tensor, ke: torch.Tensor, s_k: int, max_seqlen_k: int) -> None:
@@ -590,7 +573,7 @@ def fp8_fp4_mqa_logits(
         _check_out(out, s_q, cols, logits_dtype, device)
     key = _resolved_key(fmt, h, d, s_q, config, logits_dtype, device)
     clean = bool(clean_logits)
-    checked_now = _errors.checked() and _host_reads_possible(device)
+    checked_now = _errors.checked() and _errors.host_reads_possible(device)
     if checked_now:
         _check_windows(ks, ke, s_k, max_seqlen_k)
     if torch.compiler.is_compiling():

@@ -29,8 +29,7 @@ variant would save only the final copy (no option is offered for it).
 These ops add no host synchronisation of their own: window and length errors are found by the
 merge kernel and raised at the next op call or by :func:`tilefuse.check_errors` (see
 ``tilefuse._errors``); each chunk's logits op runs on windows and lengths valid by
-construction (its own eager value checks still run per chunk, skipped under graph capture,
-``torch.compile`` and ``TILEFUSE_CHECK_WINDOWS=0``). The ops are ``torch.library`` custom ops
+construction (their checks are on the device too, so no chunk syncs). The ops are ``torch.library`` custom ops
 with fake implementations and write into ``out=`` if given.
 """
 
