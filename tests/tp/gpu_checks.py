@@ -19,15 +19,17 @@ import sys
 import time
 import traceback
 
-for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+from tilefuse.tp._common import MULTICAST_OFF  # noqa: E402  (imports no torch.distributed state)
+
+for _k, _v in MULTICAST_OFF.items():
     os.environ.setdefault(_k, _v)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import tilefuse.tp as td  # noqa: E402
+from tilefuse.bench.suites.tp import LLM_LAYERS, SEED_SIZES, fused_variants  # noqa: E402
 from tilefuse.reference.comm_gemm import ag_gemm_ref, gemm_rs_ref  # noqa: E402
-from tilefuse.tp.bench import LLM_LAYERS, SEED_SIZES, fused_variants  # noqa: E402
 
 TOL = 1e-2  # ||out - ref|| / ||ref||: bf16 rounding of the output and (gemm_rs) of the partials
 TIMEOUT_S = 5.0
@@ -36,7 +38,7 @@ TIMEOUT_S = 5.0
 # the local shard staged by copy engines; gemm_rs push at W = 2 is the Gluon kernel where chunks
 # are whole tiles, push/x0 the Triton kernel, push/x0/t1 that with the partials loaded by TMA;
 # at other world sizes push is the Triton kernel, push/t1 with TMA partials).
-DESIGNS = {"ag_gemm": ("ce", "ce/r0", "push", "push/cce"), "gemm_rs": ("push", "forward", "push/x0/t1", "push/x0")}
+DESIGNS = {"ag_gemm": ("ce", "ce/r0", "push", "push/cce"), "gemm_rs": ("push", "push/x0/t1", "push/x0")}
 failures: list[str] = []
 dead: set[tuple[str, str]] = set()  # designs that failed once are not retried at other shapes
 
@@ -84,18 +86,20 @@ def inputs(op, m, n, k, dtype=torch.bfloat16, layout="kn", seed=0):
     return a, b
 
 
-def run_op(op, a, b, variant, layout="kn", **kw):
+def run_op(op, a, b, variant, layout="kn", timeout_s=TIMEOUT_S, **call):
+    """One fused call of ``variant`` (the stalled-peer check passes a shorter timeout; ``call``:
+    further keywords of the op, e.g. ``return_gathered``)."""
     world = dist.get_world_size()
     [(_, design, opts)] = fused_variants(op, variant)
-    kw = {**opts, **kw}
-    kw.setdefault("timeout_s", TIMEOUT_S)  # the stalled-peer check passes a shorter one
     if op == "ag_gemm":
         out = torch.full((a.shape[0] * world, b.shape[1] if layout == "kn" else b.shape[0]), float("nan"),
                          device="cuda", dtype=a.dtype)
-        return td.ag_gemm(a, b, out=out, b_layout=layout, path="fused", design=design, **kw)
+        return td.ag_gemm(a, b, out=out, b_layout=layout, path="fused", design=design,
+                          options=td.AgGemmOptions(**opts, timeout_s=timeout_s), **call)
     out = torch.full((a.shape[0] // world, b.shape[1] if layout == "kn" else b.shape[0]), float("nan"),
                      device="cuda", dtype=a.dtype)
-    return td.gemm_rs(a, b, out=out, b_layout=layout, path="fused", design=design, **kw)
+    return td.gemm_rs(a, b, out=out, b_layout=layout, path="fused", design=design,
+                      options=td.GemmRsOptions(**opts, timeout_s=timeout_s), **call)
 
 
 def reference(op, a, b, layout="kn"):
@@ -268,7 +272,7 @@ def main():
                 against_reference(op, d, *((4096, 512, 4096) if op == "ag_gemm" else (4096, 4096, 512)))
 
     if dist.get_world_size() != 2:  # the Gluon kernel (x1) needs one peer: x0 would repeat push
-        DESIGNS["gemm_rs"] = ("push", "forward", "push/t1")
+        DESIGNS["gemm_rs"] = ("push", "push/t1")
     if "--reverse" in sys.argv:  # each op's variants in the opposite order
         for op in DESIGNS:
             DESIGNS[op] = DESIGNS[op][::-1]

@@ -39,19 +39,21 @@ def _worker(rank: int, world: int, port: int) -> None:
         a = torch.randn(mc, k, generator=g).to(torch.bfloat16)
         b = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
         out = torch.full((mc * world, n), float("nan")).to(torch.bfloat16)
-        y, gathered = td.ag_gemm(a, b, out=out, b_layout="nk", return_gathered=True, config=cfg)
+        y, gathered = td.ag_gemm(a, b, out=out, b_layout="nk", return_gathered=True,
+                                 options=td.AgGemmOptions(config=cfg))
         assert y is out
         close(y, ag_gemm_ref(a, b, b_layout="nk"))
         assert torch.equal(gathered[rank * mc : (rank + 1) * mc], a)
 
         a = torch.randn(mc * world, k, generator=g).to(torch.bfloat16)
         b = (torch.randn(k, n, generator=g) / k**0.5).to(torch.bfloat16)
-        close(td.gemm_rs(a, b, config=cfg), gemm_rs_ref(a, b))
+        with td.use_options(td.GemmRsOptions(config=cfg)):
+            close(td.gemm_rs(a, b), gemm_rs_ref(a, b))
 
         dec = td.decide("gemm_rs", mc * world, n, k, world, torch.bfloat16, device_type="cpu")
         assert dec.path == "nccl"
         try:
-            td.gemm_rs(a[: mc * world - 1], b, config=cfg)
+            td.gemm_rs(a[: mc * world - 1], b)
             raise AssertionError("M not divisible by W accepted")
         except ValueError as e:
             assert "divisible by the world size" in str(e)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from tilefuse.tp._common import MULTICAST_OFF
 
 
 @pytest.mark.gpu

@@ -18,8 +18,8 @@ from tilefuse.tp._emulate import emulate_ag_gemm
 from tilefuse.tp._gemm_core import GemmConfig
 from tilefuse.tp.symm import CommTimeoutError, FusedState, describe, emulated_workspaces, raise_recorded
 
-ag = importlib.import_module("tilefuse.tp.ag_gemm")
-rs = importlib.import_module("tilefuse.tp.gemm_rs")
+ag = importlib.import_module("tilefuse.tp._ag_gemm")
+rs = importlib.import_module("tilefuse.tp._gemm_rs")
 CFG = GemmConfig(16, 16, 16, 2, 1, 4)
 
 
@@ -140,18 +140,14 @@ def test_no_store_into_a_peer_after_a_failed_start_barrier():
         peer_before = wss[1].local.clone()
         ag.launch_push(plan, wss[0], shards[0], timeout, barrier=False)
         assert int(wss[0].err[0]) == 1 and torch.equal(wss[1].local, peer_before), local
-    for design in ("push", "forward"):
-        plan = rs.make_plan(design, mc * world, n, k, world, 0, torch.bfloat16, dev, config=CFG, num_programs=4,
-                            comm_programs=2 if design == "forward" else None)
-        wss = emulated_workspaces(world, plan.nbytes)
-        peer_before = wss[1].local.clone()
-        a = torch.randn(mc * world, k, generator=g).to(torch.bfloat16)
-        out = torch.empty(mc, n, dtype=torch.bfloat16)
-        rs.launch_gemm_part(plan, wss[0], a, b, out, "kn", timeout, tile_end=plan.peer_tiles, reset=False,
-                            barrier=False)
-        if design == "forward":  # the GEMM wrote its peer tiles locally; the forwarding kernel waits for go
-            rs.launch_forward(plan, wss[0], timeout, barrier=False)
-        assert int(wss[0].err[0]) == 1 and torch.equal(wss[1].local, peer_before), design
+    plan = rs.make_plan("push", mc * world, n, k, world, 0, torch.bfloat16, dev, config=CFG, num_programs=4)
+    wss = emulated_workspaces(world, plan.nbytes)
+    peer_before = wss[1].local.clone()
+    a = torch.randn(mc * world, k, generator=g).to(torch.bfloat16)
+    out = torch.empty(mc, n, dtype=torch.bfloat16)
+    rs.launch_gemm_part(plan, wss[0], a, b, out, "kn", timeout, tile_end=(world - 1) * plan.tiles_per_chunk,
+                        reset=False, barrier=False)
+    assert int(wss[0].err[0]) == 1 and torch.equal(wss[1].local, peer_before)
 
 
 def test_waits_branch_uniformly_on_a_gpu():

@@ -262,7 +262,8 @@ def rs_push_gluon_kernel(
         _reset_flags(ctl_ptr, flags, n_reset_flags, NUM_PROGRAMS, num_warps)
 
 
-def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+def _nvmma_desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A Gluon descriptor: Gluon's TMA ops need the shared-memory layout in the descriptor."""
     layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPE[t.dtype])
     return TensorDescriptor.from_tensor(t, block, layout)
 
@@ -279,8 +280,9 @@ def launch(a, b, out, recv, peer_recv, *, schedule, rank, config, b_layout, comm
     tile_end = schedule.num_tiles
     programs = max(1, min(num_programs, tile_end))
     args = (
-        _desc(a, [bm, bk]), _desc(b, [bk, bn] if b_layout == "kn" else [bn, bk]), _desc(out, [bm, bn]),
-        _desc(recv, [bm, bn]), _desc(peer_recv, [bm, bn]),
+        _nvmma_desc(a, [bm, bk]), _nvmma_desc(b, [bk, bn] if b_layout == "kn" else [bn, bk]),
+        _nvmma_desc(out, [bm, bn]),
+        _nvmma_desc(recv, [bm, bn]), _nvmma_desc(peer_recv, [bm, bn]),
         schedule.n, a.shape[1], schedule.mc, rank,
         _order_tensor(schedule.order, a.device), schedule.lag_tiles, tile_end,
         comm.ws.data_ptr(), comm.bases, comm.flags_off, comm.n_reset_flags,

@@ -1,7 +1,7 @@
 """Which path runs a TP GEMM: a fused design or NCCL + GEMM, per (op, M, N, K, W, dtype).
 
 The choice comes from a table of measured rows (``policy_table.json`` beside this file, written
-from ``benchmarks/results/<gpu>/`` by ``tilefuse.tp.bench --write-policy``): each row is a
+from ``benchmarks/results/<gpu>/`` by ``tilefuse.bench.suites.tp --write-policy``): each row is a
 shape the benchmark timed, the winner (``"nccl"`` or a fused design) and the times behind it.
 A query takes the row of the same op and world size (else the nearest world size) whose shape
 is nearest in log2(M), log2(N), log2(K), and uses its winner. Rows carry the timing mode they
@@ -12,8 +12,8 @@ by its launch path. A row may also name the options of its winner's fastest vari
 benchmark's syntax, e.g. ``push/p24/b128``); they apply to calls of exactly that shape, where
 the caller left them unset (``Decision.options``). Rules before the table:
 
-1. an explicit ``path=`` / ``design=`` argument, then :func:`override` / :func:`set_override`,
-   then the environment (``TILEFUSE_DIST_PATH=fused|nccl``, ``TILEFUSE_DIST_DESIGN``);
+1. an explicit ``path=`` / ``design=`` argument, then :func:`override` / :func:`set_override`
+   (nothing is read from the environment);
 2. a group spanning more than one node, a world size above 8, or tensors not on a CUDA device
    (no symmetric memory) -> NCCL (the product then runs on the tilefuse GEMM kernel on CPU);
    forcing the fused path there raises ValueError;
@@ -28,7 +28,6 @@ import contextlib
 import functools
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import torch
 OPS = ("ag_gemm", "gemm_rs")
 PATHS = ("fused", "nccl")
 DEFAULT_DESIGN = {"ag_gemm": "ce", "gemm_rs": "push"}
-FUSED_DESIGNS = {"ag_gemm": ("ce", "push"), "gemm_rs": ("push", "forward")}
+FUSED_DESIGNS = {"ag_gemm": ("ce", "push"), "gemm_rs": ("push",)}
 MAX_WORLD = 8
 TABLE_PATH = Path(__file__).with_name("policy_table.json")
 
@@ -167,11 +166,6 @@ def decide(
     if not forced and op in _override:
         path, design = _override[op]["path"], _override[op]["design"]
         forced = True
-    env_path = os.environ.get("TILEFUSE_DIST_PATH") or None
-    env_design = os.environ.get(f"TILEFUSE_DIST_DESIGN_{op.upper()}") or None
-    if not forced and (env_path or env_design):
-        _check_choice(op, env_path, env_design)
-        path, design, forced = env_path, env_design, True
     if path == "nccl":
         return Decision("nccl", None, "forced")
     unavailable = None
@@ -229,14 +223,14 @@ def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
     """Variants in the syntax of the benchmark's ``--designs`` and of the table's ``variant``:
     ``(name, design, options)`` from ``auto`` (design None: the policy's own choice) or
     ``design[/p16+32][/l0+66][/g132][/s4][/csm+ce][/r0+1][/t0+1][/x0+1][/b128+256]`` items, e.g.
-    ``ce,push/p16+32``: ``p`` sets ``comm_programs``, ``l`` gemm_rs's ``lag``, ``g``
-    gemm_rs's ``num_programs``, ``s`` ag_gemm's ``splits``, ``c`` ag_gemm push's ``local_copy``,
+    ``ce,push/p16+32``: ``p`` sets ag_gemm push's ``comm_programs``, ``l`` gemm_rs's ``lag``, ``g``
+    gemm_rs's ``gemm_programs``, ``s`` ag_gemm's ``splits``, ``c`` ag_gemm push's ``local_copy``,
     ``t`` gemm_rs's ``recv_tma`` (0 / 1), ``x`` gemm_rs's ``send_tma`` (0 / 1), ``r`` ag_gemm's
     ``read_local`` (0 / 1), ``b`` the GEMM tile (128x128 / 5 stages or 128x256 /
     3 stages, as ``default_config`` builds them); one variant per combination."""
     import itertools
 
-    keys = {"p": "comm_programs", "l": "lag", "g": "num_programs", "s": "splits", "c": "local_copy",
+    keys = {"p": "comm_programs", "l": "lag", "g": "gemm_programs", "s": "splits", "c": "local_copy",
             "t": "recv_tma", "x": "send_tma", "r": "read_local", "b": "config"}
     words = {"c": ("sm", "ce")}
     flags = {"t", "x", "r"}  # 0 / 1 -> bool

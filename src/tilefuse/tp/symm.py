@@ -151,7 +151,6 @@ class FusedState:
         # Flag bytes [FLAGS_OFFSET, clean_end) are known to be zero: every call resets the flags
         # it used, but a later call with more flags would read an earlier call's data as flags.
         self.clean_end = 0
-        self.loaded: set = set()  # kernel specializations loaded before a concurrent launch
         cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device=device, priority=-1) if cuda else None
         self.copy = torch.cuda.Stream(device=device) if cuda else None  # copy-engine staging beside side

@@ -44,10 +44,10 @@ from pathlib import Path
 
 import torch
 
+from tilefuse.tp._common import MULTICAST_OFF
 from tilefuse.tp.policy import fused_variants
 
 OPS = {"ag-gemm": "ag_gemm", "gemm-rs": "gemm_rs"}
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SEED_SIZES = (4096, 8192, 16384, 32768)
 LLM_TOKENS = (1024, 4096, 8192, 16384)
 # Per-GPU (K, N) of Llama-3 layers at TP = 8 (comm_gemm.md).
@@ -136,7 +136,7 @@ def main(argv: list[str]) -> int:
         return 2
     env = dict(os.environ, **MULTICAST_OFF)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "tilefuse.tp.bench", *argv, "--worker"]
+           "-m", "tilefuse.bench.suites.tp", *argv, "--worker"]
     return subprocess.call(cmd, env=env)
 
 
@@ -218,7 +218,7 @@ class _Case:
                     a, [b], 0, self.group_name)[1][0]
             for name, design, opts in fused:
                 fns[name] = (lambda d=design, o=opts, nm=name: td.ag_gemm(
-                    a, b, out=self.out(nm), **_fused_call(d, o, self.args.timeout)))
+                    a, b, out=self.out(nm), **_fused_call(d, td.AgGemmOptions(**o, timeout_s=self.args.timeout))))
         else:
             fns["nccl"] = lambda: dist.reduce_scatter_tensor(self.coll, self.prod)
 
@@ -234,7 +234,7 @@ class _Case:
                     a, b, "sum", 0, self.group_name)
             for name, design, opts in fused:
                 fns[name] = (lambda d=design, o=opts, nm=name: td.gemm_rs(
-                    a, b, out=self.out(nm), **_fused_call(d, o, self.args.timeout)))
+                    a, b, out=self.out(nm), **_fused_call(d, td.GemmRsOptions(**o, timeout_s=self.args.timeout))))
         return fns
 
     def reference(self) -> torch.Tensor:
@@ -245,10 +245,10 @@ class _Case:
         return gemm_rs_ref(self.a, self.b, self.group)
 
 
-def _fused_call(design: str | None, opts: dict, timeout_s: float) -> dict:
+def _fused_call(design: str | None, options) -> dict:
     """Keyword arguments of a fused variant's call; ``auto`` (design None) leaves the path, the
-    design and the options to the policy."""
-    return dict(path=None if design is None else "fused", design=design, timeout_s=timeout_s, **opts)
+    design and the options but the timeout to the policy."""
+    return dict(path=None if design is None else "fused", design=design, options=options)
 
 
 def _agree(ok: bool) -> bool:
@@ -342,7 +342,9 @@ def _trace(case: _Case, fused, path: Path) -> str | None:
     fn = tdist.ag_gemm if case.op == "ag_gemm" else tdist.gemm_rs
 
     def call(trace):
-        fn(case.a, case.b, out=case.out(name), trace=trace, **_fused_call(design, opts, case.args.timeout))
+        kind = tdist.AgGemmOptions if case.op == "ag_gemm" else tdist.GemmRsOptions
+        fn(case.a, case.b, out=case.out(name), trace=trace,
+           **_fused_call(design, kind(**opts, timeout_s=case.args.timeout)))
 
     tr = Trace()
     graph = None
