@@ -286,3 +286,38 @@ def test_gemm_rs_takes_the_gluon_kernel_where_it_applies(monkeypatch):
     assert not plan(send_tma=False).send_tma
     monkeypatch.setattr(rs, "capability_major", lambda device: 10)
     assert not plan(send_tma=True).send_tma
+
+
+def test_options_are_checked_and_layered():
+    """Options: checked when built; a call's fields over the process-level ones (set_options /
+    use_options, restored after the block), then the policy's measured ones; no environment."""
+    from tilefuse.tp import AgGemmOptions, GemmRsOptions, get_options, set_options, use_options
+    from tilefuse.tp._options import resolve
+
+    for bad, word in ((dict(comm_programs=0), "comm_programs"), (dict(splits=1.5), "splits"),
+                      (dict(local_copy="dma"), "local_copy"), (dict(read_local=1), "read_local"),
+                      (dict(timeout_s=0), "timeout_s"), (dict(timeout_s=True), "timeout_s")):
+        with pytest.raises(ValueError, match=word):
+            AgGemmOptions(**bad)
+    with pytest.raises(TypeError, match="config"):
+        GemmRsOptions(config=(128, 256))
+    for bad, word in ((dict(lag=-1), "lag"), (dict(gemm_programs=0), "gemm_programs"),
+                      (dict(send_tma="yes"), "send_tma"), (dict(recv_tma=0), "recv_tma")):
+        with pytest.raises(ValueError, match=word):
+            GemmRsOptions(**bad)
+    with pytest.raises(TypeError):
+        AgGemmOptions(lag=3)  # gemm_rs's knob
+    with pytest.raises(TypeError, match="AgGemmOptions or GemmRsOptions"):
+        set_options({"comm_programs": 16})
+    with pytest.raises(TypeError, match="AgGemmOptions"):
+        resolve(GemmRsOptions(), AgGemmOptions)
+    assert GemmRsOptions().timeout() == 60.0 and GemmRsOptions(timeout_s=2).timeout() == 2.0
+    cfg = GemmConfig(16, 16, 16, 2, 1, 4)
+    with use_options(AgGemmOptions(comm_programs=8, splits=2), GemmRsOptions(lag=0)):
+        assert get_options(GemmRsOptions) == GemmRsOptions(lag=0)
+        got = resolve(AgGemmOptions(splits=3), AgGemmOptions)
+        assert got == AgGemmOptions(comm_programs=8, splits=3)
+        assert got.with_measured({"comm_programs": 24, "config": cfg, "lag": 5}) == AgGemmOptions(
+            comm_programs=8, splits=3, config=cfg)  # measured fills only what is unset; lag is not ag's
+        assert got.plan_kwargs()["splits"] == 3 and "timeout_s" not in got.plan_kwargs()
+    assert get_options(AgGemmOptions) == AgGemmOptions() and resolve(None, GemmRsOptions) == GemmRsOptions()

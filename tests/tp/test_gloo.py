@@ -67,12 +67,59 @@ def _worker(rank: int, world: int, port: int) -> None:
             raise AssertionError("fused path on CPU accepted")
         except ValueError as e:
             assert "forced but is unavailable" in str(e)
+        _shape_checks(td, dist, rank, world, mc, k, n)
         from tilefuse.tp.trace import clock_offsets
 
         assert clock_offsets() == [0] * world  # no GPU timers to line up
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _expect_value_error(fn, *words):
+    try:
+        fn()
+    except ValueError as e:
+        assert all(w in str(e) for w in words), str(e)
+        return
+    raise AssertionError(f"no ValueError mentioning {words}")
+
+
+def _shape_checks(td, dist, rank, world, mc, k, n):
+    """Shapes that differ between ranks raise on every rank, naming the argument and each rank's
+    shape, before any collective of the op; one shape-agreement collective per new shape key,
+    none for a shape seen before; 0-row shards raise by name."""
+    # (Shapes no rank has passed before: a rank repeating a checked shape does not check again.)
+    b = torch.randn(k, n).to(torch.bfloat16)
+    rows = [mc + 1 + (r == world - 1) for r in range(world)]  # the last rank has one row more
+    sizes = ", ".join(f"rank {r} ({rows[r]}, {k})" for r in range(world))
+    _expect_value_error(lambda: td.ag_gemm(torch.randn(rows[rank], k).to(torch.bfloat16), b), "a_shard", sizes)
+    a = torch.randn(rows[rank] * world, k).to(torch.bfloat16)
+    rs_sizes = ", ".join(f"rank {r} ({rows[r] * world}, {k})" for r in range(world))
+    _expect_value_error(lambda: td.gemm_rs(a, b), "tilefuse.tp.gemm_rs: a must have the same shape", rs_sizes)
+    bw = torch.randn(k, n + 8 * rank).to(torch.bfloat16)  # weights of another width on every rank
+    _expect_value_error(lambda: td.ag_gemm(torch.randn(mc + 7, k).to(torch.bfloat16), bw), "b must have the same")
+    _expect_value_error(lambda: td.ag_gemm(torch.empty(0, k, dtype=torch.bfloat16), b), "a_shard has 0 rows")
+    _expect_value_error(lambda: td.gemm_rs(torch.empty(0, k, dtype=torch.bfloat16), b), "a has 0 rows")
+
+    calls = []
+    real = dist.all_gather_object
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_gather_object = counting
+    try:
+        x = torch.randn(mc + 3, k).to(torch.bfloat16)
+        cfg = td.AgGemmOptions(config=td.GemmConfig(16, 16, 16, 2, 1, 4))
+        first = td.ag_gemm(x, b, options=cfg)
+        assert len(calls) == 1, calls
+        again = td.ag_gemm(x, b, options=cfg)
+        assert len(calls) == 1, "a shape checked before cost another collective"
+        assert torch.equal(first, again)
+    finally:
+        dist.all_gather_object = real
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
