@@ -105,7 +105,7 @@ def test_plans_bad_options_and_layouts():
         rs.make_plan("forward", 64, 64, 64, 2, 0, torch.bfloat16, CPU)
     p = ag.make_plan("push", 4096, 512, 4096, 2, 1, torch.bfloat16, CPU, num_programs=132, comm_programs=32)
     assert (p.gemm_programs, p.pieces, p.bands, p.schedule.order) == (100, 4, 16, (1, 0))
-    assert p.gath_off % 1024 == 0 and p.nbytes == p.gath_off + 4096 * 4096 * 2
+    assert p.n_flags == 2 * 16 and p.data_bytes == 4096 * 4096 * 2
     assert (p.local_copy, p.local_splits, p.read_local) == ("none", 0, True)  # under a wave: reads a_shard
     assert [ag.default_read_local(t, 100) for t in (64, 100, 128, 448, 896, 2048)] == [
         True, True, False, False, True, True]  # 1.28 / 4.48 waves leave 36% / 10.4% idle
@@ -129,7 +129,7 @@ def test_plans_bad_options_and_layouts():
     assert (p.local_copy, p.local_splits, p.read_local) == ("ce", 4, True)  # 32 tiles on 131: under a wave
     p = rs.make_plan("push", 8192, 8192, 1024, 2, 0, torch.bfloat16, CPU, num_programs=132, lag=0)
     assert p.schedule.order == (1, 0) and p.gemm_programs == 132 and p.n_flags == 2 * p.tiles_per_chunk
-    assert p.recv_off % 1024 == 0 and p.nbytes == p.recv_off + 8192 * 8192 * 2 and p.recv_tma
+    assert p.data_bytes == 8192 * 8192 * 2 and p.recv_tma
     big = rs.make_plan("push", 32768, 32768, 4096, 2, 0, torch.bfloat16, CPU, num_programs=132)
     inter = rs.make_plan("push", 16384, 16384, 2048, 2, 0, torch.bfloat16, CPU, num_programs=132)
     assert (big.lag, big.recv_tma) == (0, True) and (inter.lag, inter.recv_tma) == (66, False)

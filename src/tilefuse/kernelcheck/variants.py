@@ -625,7 +625,7 @@ def _tp_variants() -> list[Variant]:
                 m = world * 8 * cfg.block_m
                 plan = ag.make_plan(design, m, 264, k, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS,
                                     local_copy=local)
-                ws = emulated_workspaces(world, plan.nbytes)[0]
+                ws = emulated_workspaces(world, plan.n_flags, plan.data_bytes)[0]
                 a_shard, b = tensors(m // world, 264, k, bf16, "kn")
                 out_t = torch.empty(m, 264, dtype=bf16)
                 with tracing(*paths) as launches:
@@ -650,7 +650,7 @@ def _tp_variants() -> list[Variant]:
                     m = world * rows
                     plan = rs.make_plan(design, m, 264, 64, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS,
                                         recv_tma=tma)
-                    ws = emulated_workspaces(world, plan.nbytes)[0]
+                    ws = emulated_workspaces(world, plan.n_flags, plan.data_bytes)[0]
                     a, b = tensors(m, 264, 64, bf16, "kn")
                     out_t = torch.empty(rows, 264, dtype=bf16)
                     with tracing(*paths) as launches:
@@ -687,7 +687,7 @@ def tp_rs_gluon_variants() -> list[Variant]:
                 rows, n, k = 2 * cfg.block_m, 264, 4 * cfg.block_k
                 plan = rs.make_plan("push", 2 * rows, n, k, 2, 0, bf16, "cpu", config=cfg, num_programs=_SMS)
                 assert plan.send_tma
-                ws = emulated_workspaces(2, plan.nbytes)[0]
+                ws = emulated_workspaces(2, plan.n_flags, plan.data_bytes)[0]
                 a = torch.zeros(2 * rows, k, dtype=bf16)
                 b = torch.zeros((k, n) if b_layout == "kn" else (n, k), dtype=bf16)
                 trace = torch.full((_SMS, 4, TRACE_FIELDS), -1, dtype=torch.int64) if traced else None

@@ -34,7 +34,6 @@ import torch
 from tilefuse.tp import _options
 from tilefuse.tp import _primitives as P
 from tilefuse.tp._comm_kernels import _ag_push_kernel, _barrier_kernel
-from tilefuse.tp._common import align
 from tilefuse.tp._gemm_core import (
     EPI_LOCAL,
     CommArgs,
@@ -93,19 +92,13 @@ class AgPlan:
     gemm_programs: int
     local_copy: str  # who stages the local shard: "sm" (push programs), "ce" (copy engines), "none"
     local_splits: int  # copy-engine pieces of the local shard (0 for "sm")
-    gath_off: int
     n_flags: int
-    nbytes: int
+    data_bytes: int  # the gathered buffer [M, K]
     read_local: bool  # the GEMM reads the own rows from a_shard, not from the gathered buffer
 
     @property
     def mc(self) -> int:
         return self.m // self.world
-
-    @property
-    def flags_end(self) -> int:
-        """End (bytes) of the band flags; the gathered buffer starts after it."""
-        return P.FLAGS_OFFSET + 4 * self.n_flags
 
     @property
     def band_rows(self) -> int:
@@ -179,14 +172,12 @@ def make_plan(
         local_splits = min(sp, tm) if local == "ce" else 0
     bands = cdiv(tm, band_tiles)
     n_flags = world * bands
-    gath_off = align(P.FLAGS_OFFSET + 4 * n_flags)
-    nbytes = gath_off + m * k * item
     return AgPlan(design, m, n, k, world, rank, dtype, cfg, sched, band_tiles, bands, pieces, pcols, comm,
-                  gemm_programs, local, local_splits, gath_off, n_flags, nbytes, read_local)
+                  gemm_programs, local, local_splits, n_flags, m * k * item, read_local)
 
 
 def gathered_view(plan: AgPlan, ws: Workspace) -> torch.Tensor:
-    return ws.view(plan.gath_off, (plan.m, plan.k), plan.dtype)
+    return ws.view(ws.data_off, (plan.m, plan.k), plan.dtype)
 
 
 def flags_view(plan: AgPlan, ws: Workspace) -> torch.Tensor:
@@ -201,7 +192,7 @@ def launch_push(plan: AgPlan, ws: Workspace, a_shard: torch.Tensor, timeout: int
                 trace: torch.Tensor | None = None) -> None:
     programs = plan.comm_programs
     _ag_push_kernel[(programs,)](
-        a_shard, ws.local.data_ptr(), ws.bases_dev, plan.gath_off, P.FLAGS_OFFSET, plan.mc, plan.k,
+        a_shard, ws.local.data_ptr(), ws.bases_dev, ws.data_off, P.FLAGS_OFFSET, plan.mc, plan.k,
         plan.band_rows, plan.bands, plan.pieces, plan.piece_cols, plan.rank,
         ws.err.data_ptr(), timeout, trace if trace is not None else ws.bases_dev,
         W=plan.world, NUM_PROGRAMS=programs, BR=32, BC=512, BARRIER=barrier, TRACE=trace is not None,
@@ -277,7 +268,7 @@ def ce_peer_copies(plan: AgPlan, ws: Workspace) -> None:
     gathered, flags = gathered_view(plan, ws), flags_view(plan, ws)
     for s in range(1, plan.world):
         src = (plan.rank + s) % plan.world
-        remote = ws.peer_view(src, plan.gath_off, (plan.m, plan.k), plan.dtype)
+        remote = ws.peer_view(src, ws.data_off, (plan.m, plan.k), plan.dtype)
         base = src * plan.mc
         for bnd in range(plan.bands):
             lo, hi = _band_rows(plan, bnd)
@@ -393,8 +384,7 @@ def ag_gemm(
     state = get_state(g, "ag_gemm", a_shard.device)
     opts = opts.with_measured(dec.options)
     plan = _make_plan_cached(dec.design, m, n, k, world, rank, a_shard.dtype, a_shard.device, **opts.plan_kwargs())
-    ws = state.ensure(plan.nbytes)
-    state.clear_flags(plan.flags_end)
+    ws = state.ensure(plan.n_flags, plan.data_bytes)
     run_fused(plan, state, ws, a_shard, b, out, b_layout, P.timeout_units(opts.timeout(), a_shard.device.type),
               trace)
     if return_gathered:

@@ -21,6 +21,18 @@ def _poisoned(shape, like: torch.Tensor) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
 
 
+def _check_fits(wss: list[Workspace], plans) -> None:
+    """The workspaces hold the call, and every flag word the call waits on is zero before it
+    starts (a non-zero one would let a wait pass before its data arrived)."""
+    for ws, plan in zip(wss, plans):
+        if not ws.fits(plan.n_flags, plan.data_bytes):
+            raise ValueError(f"rank {ws.rank}: the workspace does not hold {plan.n_flags} flags and "
+                             f"{plan.data_bytes} data bytes")
+        stale = ws.flags()[: plan.n_flags].nonzero().flatten().tolist()
+        if stale:
+            raise RuntimeError(f"rank {ws.rank}: stale flags before the call at words {stale[:8]}")
+
+
 def _set_go(wss: list[Workspace], word) -> None:
     for ws in wss:
         ws.ctl()[word.value] = 1
@@ -29,8 +41,10 @@ def _set_go(wss: list[Workspace], word) -> None:
 def emulate_ag_gemm(shards: list[torch.Tensor], b: torch.Tensor, *, design: str, b_layout: str = "kn",
                     config=None, comm_programs: int | None = None, splits: int | None = None,
                     piece_cols: int | None = None, num_programs: int = 4, spins: int = 200, trace=None,
-                    local_copy: str | None = None, read_local: bool | None = None):
-    """Every rank's ``ag_gemm`` output (poisoned before the launch), workspaces and plans."""
+                    local_copy: str | None = None, read_local: bool | None = None,
+                    wss: list[Workspace] | None = None):
+    """Every rank's ``ag_gemm`` output (poisoned before the launch), workspaces and plans; on
+    ``wss`` (e.g. those of earlier calls) or on fresh workspaces."""
     world = len(shards)
     mc, k = shards[0].shape
     n = b.shape[1] if b_layout == "kn" else b.shape[0]
@@ -39,7 +53,8 @@ def emulate_ag_gemm(shards: list[torch.Tensor], b: torch.Tensor, *, design: str,
                           comm_programs=comm_programs, splits=splits, piece_cols=piece_cols,
                           num_programs=num_programs, local_copy=local_copy, read_local=read_local)
              for r in range(world)]
-    wss = emulated_workspaces(world, max(p.nbytes for p in plans), dev)
+    wss = wss or emulated_workspaces(world, plans[0].n_flags, plans[0].data_bytes, dev)
+    _check_fits(wss, plans)
     timeout = P.timeout_units(1.0, dev.type, spins)
     if design == "push":
         _set_go(wss, P.CTL_GO_COMM)
@@ -65,11 +80,12 @@ def emulate_ag_gemm(shards: list[torch.Tensor], b: torch.Tensor, *, design: str,
 
 def emulate_gemm_rs(a_list: list[torch.Tensor], b_list: list[torch.Tensor], *, design: str = "push",
                     b_layout: str = "kn", config=None, num_programs: int = 4, spins: int = 200,
-                    lag: int | None = None, trace=None, recv_tma: bool | None = None):
-    """Every rank's ``gemm_rs`` output: peer-owned tiles of all ranks first, then the owners'
-    own tiles with the fused reduction. An interleaved
-    order (push, lag > 0) runs in lock-step segments of ``lag`` tile positions, every rank's
-    segment before the next: an own tile needs peer tiles at least ``lag`` positions
+                    lag: int | None = None, trace=None, recv_tma: bool | None = None,
+                    wss: list[Workspace] | None = None):
+    """Every rank's ``gemm_rs`` output, workspaces and plans (on ``wss`` or fresh workspaces):
+    peer-owned tiles of all ranks first, then the owners' own tiles with the fused reduction.
+    An interleaved order (lag > 0) runs in lock-step segments of ``lag`` tile positions, every
+    rank's segment before the next: an own tile needs peer tiles at least ``lag`` positions
     earlier, so they are always in an earlier segment."""
     world = len(a_list)
     m, k = a_list[0].shape
@@ -79,7 +95,8 @@ def emulate_gemm_rs(a_list: list[torch.Tensor], b_list: list[torch.Tensor], *, d
     plans = [rs.make_plan(design, m, n, k, world, r, a_list[0].dtype, dev, config=config,
                           num_programs=num_programs, lag=lag, recv_tma=recv_tma)
              for r in range(world)]
-    wss = emulated_workspaces(world, max(p.nbytes for p in plans), dev)
+    wss = wss or emulated_workspaces(world, plans[0].n_flags, plans[0].data_bytes, dev)
+    _check_fits(wss, plans)
     timeout = P.timeout_units(1.0, dev.type, spins)
     outs = [_poisoned((m // world, n), a_list[0]) for _ in range(world)]
     _set_go(wss, P.CTL_GO_GEMM)

@@ -28,7 +28,6 @@ import torch
 from tilefuse._device import capability_major
 from tilefuse.tp import _options
 from tilefuse.tp import _primitives as P
-from tilefuse.tp._common import align
 from tilefuse.tp._gemm_core import (
     EPI_RS_PUSH,
     CommArgs,
@@ -68,8 +67,7 @@ class RsPlan:
     config: GemmConfig
     schedule: TileSchedule
     gemm_programs: int
-    recv_off: int
-    nbytes: int
+    data_bytes: int  # the receive buffer [W, M/W, N]
     recv_tma: bool  # the owner loads peer partials by TMA (tensor descriptor) in its epilogue
     send_tma: bool  # push at W = 2 by the Gluon kernel: pushed tiles' TMA stores left in flight
 
@@ -90,10 +88,6 @@ class RsPlan:
         """Receive flags: one per (source rank, tile of the own chunk)."""
         return self.world * self.tiles_per_chunk
 
-    @property
-    def flags_end(self) -> int:
-        """End (bytes) of the flag words; the receive buffer starts after it."""
-        return P.FLAGS_OFFSET + 4 * self.n_flags
 
 
 def default_lag(k: int, world: int, programs: int, num_tiles: int, elem_bytes: int = 2) -> int:
@@ -124,7 +118,7 @@ def make_plan(
     recv_tma: bool | None = None,
     send_tma: bool | None = None,
 ) -> RsPlan:
-    """Layout: receive flags ``[W, tiles per chunk]``, then the receive buffer ``[W, M/W, N]``.
+    """Workspace use: receive flags ``[W, tiles per chunk]``, the receive buffer ``[W, M/W, N]``.
     ``num_programs``: the SMs to plan for (default: the device's). The other arguments are
     :class:`GemmRsOptions`' fields (None: the defaults described there)."""
     if design not in DESIGNS:
@@ -149,30 +143,28 @@ def make_plan(
         lag = default_lag(k, world, sms, sched.num_tiles, item)
     if lag and world > 1:
         sched = replace(sched, lag=lag)
-    recv_off = align(P.FLAGS_OFFSET + 4 * world * sched.tiles_per_chunk)
-    nbytes = recv_off + m * n * item
     # TMA partial loads by default where the walk is not interleaved (measured: NOTES).
     tma = sched.lag_tiles == 0 if recv_tma is None else recv_tma
     # The Gluon kernel by default where it runs (measured: NOTES).
     if send_tma is None:
         send_tma = world == 2
     send = send_tma and sched.aligned and capability_major(device) == 9  # Gluon's wgmma/TMA: sm_90
-    return RsPlan(design, m, n, k, world, rank, dtype, cfg, sched, gemm_programs or sms, recv_off, nbytes,
+    return RsPlan(design, m, n, k, world, rank, dtype, cfg, sched, gemm_programs or sms, m * n * item,
                   tma or send, send)
 
 
 def launch_gemm_part(plan: RsPlan, ws: Workspace, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                      b_layout: str, timeout: int, *, tile_begin: int = 0, tile_end: int | None = None,
                      reset: bool = True, barrier: bool = True, trace: torch.Tensor | None = None) -> None:
-    comm = CommArgs(ws.local, ws.bases_dev, ws.err, timeout, flags_off=P.FLAGS_OFFSET, recv_off=plan.recv_off,
+    comm = CommArgs(ws.local, ws.bases_dev, ws.err, timeout, flags_off=P.FLAGS_OFFSET, recv_off=ws.data_off,
                     n_reset_flags=plan.n_flags, reset=reset, barrier=barrier,
-                    recv=ws.view(plan.recv_off, (plan.m, plan.n), plan.dtype) if plan.recv_tma else None)
+                    recv=ws.view(ws.data_off, (plan.m, plan.n), plan.dtype) if plan.recv_tma else None)
     if plan.send_tma:  # the whole walk in one launch
         from tilefuse.tp import _gemm_rs_gluon
 
         if tile_begin != 0 or tile_end not in (None, plan.schedule.num_tiles):
             raise ValueError("the Gluon push kernel runs the whole tile walk in one launch")
-        peer_recv = ws.peer_view(1 - plan.rank, plan.recv_off, (plan.m, plan.n), plan.dtype)
+        peer_recv = ws.peer_view(1 - plan.rank, ws.data_off, (plan.m, plan.n), plan.dtype)
         _gemm_rs_gluon.launch(a, b, out, comm.recv, peer_recv, schedule=plan.schedule, rank=plan.rank,
                               config=plan.config, b_layout=b_layout, comm=comm, num_programs=plan.gemm_programs,
                               trace=trace, op_code=P.OP_CODES["gemm_rs"], use_timer=P.use_timer(a.device.type))
@@ -257,7 +249,6 @@ def gemm_rs(
     state = get_state(g, "gemm_rs", a.device)
     opts = opts.with_measured(dec.options)
     plan = _make_plan_cached(dec.design, m, n, k, world, rank, a.dtype, a.device, **opts.plan_kwargs())
-    ws = state.ensure(plan.nbytes)
-    state.clear_flags(plan.flags_end)
+    ws = state.ensure(plan.n_flags, plan.data_bytes)
     run_fused(plan, ws, a, b, out, b_layout, P.timeout_units(opts.timeout(), a.device.type), trace)
     return out
