@@ -154,8 +154,16 @@ def _dtype_name(dtype) -> str:
     return names[dtype]
 
 
-def _specialise(name: str, value, constexpr: bool):
-    """(kind, type-or-value, aligned) of one argument, as Triton's launcher specialises it."""
+def _unspecialised_params(fn) -> set[str]:
+    """Names of a kernel's ``do_not_specialize`` parameters (JIT or interpreted kernel)."""
+    names = [p.name for p in fn.params] if hasattr(fn, "params") else list(inspect.signature(fn.fn).parameters)
+    given = getattr(fn, "do_not_specialize", None) or getattr(fn, "kwargs", {}).get("do_not_specialize") or ()
+    return {names[x] if isinstance(x, int) else x for x in given}
+
+
+def _specialise(name: str, value, constexpr: bool, specialise: bool = True):
+    """(kind, type-or-value, aligned) of one argument, as Triton's launcher specialises it
+    (``specialise=False``: a ``do_not_specialize`` int, neither a constant 1 nor aligned)."""
     import torch
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -165,6 +173,8 @@ def _specialise(name: str, value, constexpr: bool):
         return "const", value, False
     if isinstance(value, bool):
         return "arg", "u1", False
+    if isinstance(value, int) and not specialise:
+        return "arg", "i32" if -(2**31) <= value < 2**31 else "i64", False
     if isinstance(value, int):
         if value == 1:
             return "const", 1, False
@@ -184,10 +194,11 @@ def variant_of(launch: Launch, kernel: str, name: str, origin: str = "default",
                targets: tuple[str, ...] = TARGETS_ALL) -> Variant:
     """The compile a recorded launch needs."""
     module, _, attr = launch.function.partition(":")
-    constexpr = _constexpr_params(getattr(importlib.import_module(module), attr))
+    fn = getattr(importlib.import_module(module), attr)
+    constexpr, unspecialised = _constexpr_params(fn), _unspecialised_params(fn)
     sig, const, aligned = {}, {}, []
     for arg, value in launch.arguments.items():
-        kind, ty, align = _specialise(arg, value, arg in constexpr)
+        kind, ty, align = _specialise(arg, value, arg in constexpr, arg not in unspecialised)
         if kind == "const":
             const[arg] = ty
         else:

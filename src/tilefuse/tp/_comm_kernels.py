@@ -45,7 +45,7 @@ def _copy_block(src, src_row0, dst, dst_row0, rows, col0, cols, ld, BR: tl.const
             tl.store(dst + (dst_row0 + r + ri)[:, None].to(tl.int64) * ld + cc, v, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Mc", "bands", "rank", "timeout"))  # no compile per M (as _persistent_gemm)
 def _ag_push_kernel(
     a_ptr, ws_addr, bases_ptr, gath_off, flags_off, Mc, K, band_rows, bands, pieces, piece_cols, rank,
     err_addr, timeout, trace_ptr,

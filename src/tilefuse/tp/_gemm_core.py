@@ -182,15 +182,22 @@ def _reduce_own(acc, r_desc, ws_addr, j, col0, tic, tpc, Mc, N, rank, recv_off, 
     return acc
 
 
-@triton.jit
+# Everything that moves with M (rows, tile ranges, programs, lag, flag counts and targets) is a
+# plain runtime int: Triton would otherwise specialise it (== 1, % 16) and compile again as M
+# changes. N and K keep their specialisation: they are a layer's, fixed per layer.
+RUNTIME_INTS = ("M", "Mc", "rank", "lag", "tile_begin", "tile_end", "num_programs", "band_tiles",
+                "bands_per_chunk", "flag_target", "n_reset_flags", "timeout")
+
+
+@triton.jit(do_not_specialize=RUNTIME_INTS)
 def _persistent_gemm(
     a_desc, l_desc, b_desc, c_desc, r_desc, out_ptr,
     M, N, K, Mc, rank,
-    order_ptr, lag, tile_begin, tile_end,
+    order_ptr, lag, tile_begin, tile_end, num_programs,
     ws_addr, bases_ptr, flags_off, band_tiles, bands_per_chunk, flag_target,
     recv_off, n_reset_flags,
     err_addr, timeout, trace_ptr,
-    W: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    W: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     B_KN: tl.constexpr, EPI: tl.constexpr, WAIT_A: tl.constexpr,
     ALIGNED: tl.constexpr, RESET: tl.constexpr, BARRIER: tl.constexpr, TRACE: tl.constexpr,
@@ -212,7 +219,7 @@ def _persistent_gemm(
     dead = 0  # the start barrier failed: no store into a peer's buffers (it may not exist any more)
     pend = tl.full([], 0, tl.int64)  # address of a peer flag whose tile has not been released
     ev = 0
-    for t in tl.range(tile_begin + pid, tile_end, NUM_PROGRAMS, flatten=FLATTEN):
+    for t in tl.range(tile_begin + pid, tile_end, num_programs, flatten=FLATTEN):
         chunk, j, col = _decode_tile(t, Mc, N, order_ptr, lag, W, BM, BN, GROUP_M)
         if TRACE:  # the clock is read only for traces (a volatile read per tile hinders FLATTEN)
             t_start = P.now_ns(USE_TIMER)
@@ -277,7 +284,7 @@ def _persistent_gemm(
     if pend != 0:
         P.set_flag(pend.to(tl.pointer_type(tl.int32)), 1)
     if RESET:
-        P.finish_program(ctl_ptr, P.CTL_DONE_GEMM, P.CTL_GO_GEMM, NUM_PROGRAMS,
+        P.finish_program(ctl_ptr, P.CTL_DONE_GEMM, P.CTL_GO_GEMM, num_programs,
                          P.as_ptr(ws_addr + flags_off, tl.int32), n_reset_flags, 1024)
 
 
@@ -368,13 +375,13 @@ def launch_gemm(
     args = (
         a_desc, l_desc, b_desc, c_desc, r_desc, out,
         a.shape[0], n, k, schedule.mc, rank,
-        order, schedule.lag_tiles, tile_begin, tile_end,
+        order, schedule.lag_tiles, tile_begin, tile_end, programs,
         c["ws_addr"], c["bases"], c["flags_off"], c["band_tiles"], c["bands_per_chunk"], c["flag_target"],
         c["recv_off"], c["n_reset"],
         c["err_addr"], c["timeout"], trace if trace is not None else _dummy(device),
     )
     kwargs = dict(
-        W=schedule.world, NUM_PROGRAMS=programs,
+        W=schedule.world,
         BM=bm, BN=bn, BK=bk, GROUP_M=schedule.group_m,
         B_KN=b_layout == "kn", EPI=epilogue, WAIT_A=wait_a,
         ALIGNED=schedule.aligned, RESET=c["reset"], BARRIER=c["barrier"],
