@@ -42,7 +42,7 @@ def test_rules_before_the_table(table):
 def test_table_lookup_nearest_row(table):
     d = policy.decide("ag_gemm", 2048, 7168, 8192, 2)
     assert d.path == "nccl" and d.row["m"] == 1024 and "NCCL + GEMM was faster" in d.reason
-    d = policy.decide("ag_gemm", 32768, 4096, 32768, 2)
+    d = policy.decide("ag_gemm", 8192, 4096, 16384, 2)
     assert (d.path, d.design) == ("fused", "ce") and d.row["m"] == 16384
     # world sizes without rows use the nearest measured world size (ties: the larger)
     for w in (3, 4):
@@ -121,7 +121,8 @@ def test_policy_rows_from_results(tmp_path):
     saved = policy.table()
     try:
         out = write_policy([str(src)], str(tmp_path / "table.json"))
-        assert len(out) == 2 and all(r["timing"] == "batch" for r in out)
+        assert len(out) == 2 and all(r["timing"] == "batch" and r["source"] == "r.json" for r in out)
+        assert "table.json row 0 from r.json" in policy.decide("ag_gemm", 4096, 512, 4096, 2).reason
         assert policy.decide("gemm_rs", 1024, 4096, 1792, 2).path == "nccl"
     finally:
         policy.load_table(saved)
@@ -176,3 +177,45 @@ def test_measured_variant_options_apply_at_their_exact_shape():
                                                                  config=GemmConfig(128, 128, 64, 8, 5, 8))
     finally:
         policy.load_table(saved)
+
+
+def test_outside_the_measured_range_answers_nccl(table):
+    """Decode-sized M (below the smallest measured M = 1024 of ag_gemm W = 2) and M, N or K
+    beyond the measured range go to NCCL + GEMM, saying so; inside the range the nearest row
+    answers and the reason cites it by table row."""
+    for m in (2, 64, 256, 1023):
+        d = policy.decide("ag_gemm", m, 7168, 8192, 2)
+        assert d.path == "nccl" and d.row is None
+        assert f"M = {m} is outside the measured M = 1024..16384 of ag_gemm W=2" in d.reason
+    assert "M = 32768 is outside" in policy.decide("ag_gemm", 32768, 4096, 16384, 2).reason
+    assert "K = 65536 is outside" in policy.decide("ag_gemm", 8192, 4096, 65536, 2).reason
+    assert "N = 16 is outside" in policy.decide("ag_gemm", 8192, 16, 8192, 2).reason
+    d = policy.decide("ag_gemm", 8192, 4096, 16384, 2)
+    assert "ag_gemm M=16384 N=2048 K=16384 W=2 (batch timing; the rows given to load_table row 1)" in d.reason
+    # a forced path still forces (the range decides only what the table answers)
+    assert policy.decide("ag_gemm", 64, 7168, 8192, 2, path="fused").design == "push"
+
+
+def test_shipped_table_sends_decode_sizes_to_nccl():
+    rows = policy.load_table()
+    smallest = min(r["m"] for r in rows if r["op"] == "gemm_rs" and r["world"] == 2)
+    for m in (2, 16, 256):
+        assert m < smallest
+        d = policy.decide("gemm_rs", m, 8192, 3584, 2, torch.bfloat16, capturing=True)
+        assert d.path == "nccl" and "outside the measured M" in d.reason, d.reason
+    d = policy.decide("gemm_rs", 8192, 8192, 3584, 2, torch.bfloat16, capturing=True)
+    assert "policy_table.json row " in d.reason and d.row is not None
+
+
+def test_decisions_are_cached_until_the_table_or_overrides_change(table, monkeypatch):
+    calls = []
+    real = policy._decide
+    monkeypatch.setattr(policy, "_decide", lambda *a: calls.append(a) or real(*a))
+    first = policy.decide("ag_gemm", 2048, 7168, 8192, 2, capturing=False)
+    assert policy.decide("ag_gemm", 2048, 7168, 8192, 2, capturing=False) is first and len(calls) == 1
+    with policy.override("ag_gemm", path="fused"):
+        assert policy.decide("ag_gemm", 2048, 7168, 8192, 2, capturing=False).path == "fused"
+    assert policy.decide("ag_gemm", 2048, 7168, 8192, 2, capturing=False) == first and len(calls) == 3
+    policy.load_table(ROWS[:2])
+    policy.decide("ag_gemm", 2048, 7168, 8192, 2, capturing=False)
+    assert len(calls) == 4

@@ -3,8 +3,11 @@
 The choice comes from a table of measured rows (``policy_table.json`` beside this file, written
 from ``benchmarks/results/<gpu>/`` by ``tilefuse.bench.suites.tp --write-policy``): each row is a
 shape the benchmark timed, the winner (``"nccl"`` or a fused design) and the times behind it.
-A query takes the row of the same op and world size (else the nearest world size) whose shape
-is nearest in log2(M), log2(N), log2(K), and uses its winner. Rows carry the timing mode they
+A query takes the rows of the same op and world size (else the nearest world size); if its M,
+N or K lies outside the range those rows cover, nothing measured speaks for it and the answer
+is NCCL + GEMM (e.g. decode-sized M below the smallest measured M); inside, the row whose
+shape is nearest in log2(M), log2(N), log2(K) gives the winner. The reason names the row (its
+index in the table, its result file where the row records one). Rows carry the timing mode they
 were measured in: ``graph`` (CUDA-graph replay, no host work per call) answers calls made
 while a CUDA graph is being captured, ``batch`` (back-to-back eager calls, host launch cost
 included) answers eager calls; the two differ at small M, where an eager fused call is bound
@@ -54,15 +57,20 @@ class Decision:
 
 _override: dict[str, dict] = {}
 _table: list[dict] | None = None
+_table_name = TABLE_PATH.name  # what reasons cite rows of
+# decide() per call arguments -> Decision; emptied whenever the overrides or the table change.
+_decisions: dict[tuple, Decision] = {}
 
 
 def load_table(rows: list[dict] | str | Path | None = None) -> list[dict]:
     """Replace the measured table (rows, or a JSON file); ``None`` reloads the shipped file."""
-    global _table
+    global _table, _table_name
     if rows is None:
-        rows = json.loads(TABLE_PATH.read_text())["rows"] if TABLE_PATH.exists() else []
+        rows, name = (json.loads(TABLE_PATH.read_text())["rows"] if TABLE_PATH.exists() else []), TABLE_PATH.name
     elif isinstance(rows, (str, Path)):
-        rows = json.loads(Path(rows).read_text())["rows"]
+        rows, name = json.loads(Path(rows).read_text())["rows"], Path(rows).name
+    else:
+        name = "the rows given to load_table"
     for i, r in enumerate(rows):
         missing = {"op", "m", "n", "k", "world", "winner"} - set(r)
         if missing:
@@ -71,7 +79,8 @@ def load_table(rows: list[dict] | str | Path | None = None) -> list[dict]:
             raise ValueError(f"policy row {i}: op must be one of {OPS}, got {r['op']!r}")
         if r["winner"] != "nccl" and r["winner"] not in FUSED_DESIGNS[r["op"]]:
             raise ValueError(f"policy row {i}: winner {r['winner']!r} is neither 'nccl' nor a design of {r['op']}")
-    _table = list(rows)
+    _table, _table_name = list(rows), name
+    _decisions.clear()
     return _table
 
 
@@ -83,6 +92,7 @@ def table() -> list[dict]:
 def set_override(op: str | None = None, *, path: str | None = None, design: str | None = None) -> None:
     """Force ``path`` (and ``design``) for ``op`` (both ops when None); all None clears."""
     ops = OPS if op is None else (op,)
+    _decisions.clear()
     for o in ops:
         _check_op(o)
         if path is None and design is None:
@@ -102,6 +112,7 @@ def override(op: str | None = None, *, path: str | None = None, design: str | No
     finally:
         _override.clear()
         _override.update(saved)
+        _decisions.clear()
 
 
 def _check_op(op: str) -> None:
@@ -120,14 +131,13 @@ def _distance(r: dict, m: int, n: int, k: int) -> float:
     return sum(abs(math.log2(max(a, 1)) - math.log2(max(b, 1))) for a, b in ((r["m"], m), (r["n"], n), (r["k"], k)))
 
 
-def lookup(op: str, m: int, n: int, k: int, world: int, dtype: torch.dtype | None = None,
-           timing: str | None = None) -> dict | None:
-    """The table row nearest to the query (same op; rows of the timing mode ``graph`` or
-    ``batch`` preferred; nearest world size; nearest log-shape; rows of the query's dtype
-    preferred)."""
+def _candidates(op: str, world: int, dtype: torch.dtype | None, timing: str | None) -> list[dict]:
+    """The rows a query is answered from: same op; rows of the timing mode ``graph`` or
+    ``batch`` preferred; the nearest world size (ties: the larger); rows of the query's dtype
+    preferred."""
     rows = [r for r in table() if r["op"] == op]
     if not rows:
-        return None
+        return []
     if timing is not None:
         rows = [r for r in rows if r.get("timing", "batch") == timing] or rows
     best_w = min({r["world"] for r in rows}, key=lambda w: (abs(w - world), -w))
@@ -136,7 +146,37 @@ def lookup(op: str, m: int, n: int, k: int, world: int, dtype: torch.dtype | Non
         name = str(dtype).replace("torch.", "")
         same = [r for r in rows if r.get("dtype", name) == name]
         rows = same or rows
-    return min(rows, key=lambda r: _distance(r, m, n, k))
+    return rows
+
+
+def lookup(op: str, m: int, n: int, k: int, world: int, dtype: torch.dtype | None = None,
+           timing: str | None = None) -> dict | None:
+    """The candidate row (``_candidates``) nearest to the query in log-shape."""
+    rows = _candidates(op, world, dtype, timing)
+    return min(rows, key=lambda r: _distance(r, m, n, k)) if rows else None
+
+
+def outside_measured(op: str, m: int, n: int, k: int, world: int, dtype: torch.dtype | None = None,
+                     timing: str | None = None) -> str | None:
+    """Why the query lies outside the range of M, N or K its candidate rows cover (None when
+    inside, or when there are no rows)."""
+    rows = _candidates(op, world, dtype, timing)
+    for dim, value in (("m", m), ("n", n), ("k", k)):
+        if not rows:
+            break
+        lo, hi = min(r[dim] for r in rows), max(r[dim] for r in rows)
+        if not lo <= value <= hi:
+            return (f"{dim.upper()} = {value} is outside the measured {dim.upper()} = {lo}..{hi} of {op} "
+                    f"W={rows[0]['world']} ({rows[0].get('timing', 'batch')} timing)")
+    return None
+
+
+def _cite(row: dict) -> str:
+    """The row as reasons name it: the shape, the timing mode, where the row is."""
+    index = next((i for i, r in enumerate(_table or []) if r is row), None)
+    where = f"{_table_name} row {index}" + (f" from {row['source']}" if row.get("source") else "")
+    return (f"measured row {row['op']} M={row['m']} N={row['n']} K={row['k']} W={row['world']} "
+            f"({row.get('timing', 'batch')} timing; {where})")
 
 
 def decide(
@@ -155,7 +195,19 @@ def decide(
 ) -> Decision:
     """Pick the path for one call (see the module docstring for the order of the rules).
     ``capturing``: whether the call is being captured into a CUDA graph (picks the table's
-    ``graph`` rows); None asks torch for the current stream."""
+    ``graph`` rows); None asks torch for the current stream. The answer is cached per
+    arguments until the overrides or the table change."""
+    if capturing is None:
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    key = (op, m, n, k, world, dtype, device_type, nodes, path, design, capturing)
+    dec = _decisions.get(key)
+    if dec is None:
+        dec = _decide(op, m, n, k, world, dtype, device_type, nodes, path, design, capturing)
+        _decisions[key] = dec
+    return dec
+
+
+def _decide(op, m, n, k, world, dtype, device_type, nodes, path, design, capturing) -> Decision:
     _check_op(op)
     _check_choice(op, path, design)
     if world < 1:
@@ -179,8 +231,6 @@ def decide(
         if forced:
             raise ValueError(f"{op}: the fused path was forced but is unavailable ({unavailable}); use path='nccl'")
         return Decision("nccl", None, unavailable)
-    if capturing is None:
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     timing = "graph" if capturing else "batch"
     if forced:
         return Decision("fused", design or _table_design(op, m, n, k, world, dtype, timing) or DEFAULT_DESIGN[op],
@@ -188,8 +238,10 @@ def decide(
     row = lookup(op, m, n, k, world, dtype, timing)
     if row is None:
         return Decision("fused", DEFAULT_DESIGN[op], "no measured rows: default fused design")
-    where = (f"nearest measured row {row['op']} M={row['m']} N={row['n']} K={row['k']} W={row['world']} "
-             f"({row.get('timing', 'batch')} timing)")
+    outside = outside_measured(op, m, n, k, world, dtype, timing)
+    if outside is not None:
+        return Decision("nccl", None, f"{outside}: nothing measured there, NCCL + GEMM")
+    where = f"nearest {_cite(row)}"
     if row["winner"] == "nccl":
         return Decision("nccl", None, f"{where}: NCCL + GEMM was faster", row)
     variant = row.get("variant") or row["winner"]

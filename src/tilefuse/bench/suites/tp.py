@@ -639,12 +639,13 @@ def write_policy(results: list[str], path: str, tie: float = 0.03) -> list[dict]
     for p in results:
         with open(p) as f:
             for r in policy_rows(json.load(f), tie):
+                r["source"] = os.path.basename(p)  # the result file the row was measured in
                 rows[(r["op"], r["m"], r["n"], r["k"], r["world"], r["dtype"], r["timing"])] = r
     out = sorted(rows.values(), key=lambda r: (r["op"], r["timing"], r["world"], r["m"], r["n"], r["k"]))
     with open(path, "w") as f:
         json.dump({"source": [os.path.basename(p) for p in results], "rows": out}, f, indent=1)
         f.write("\n")
-    importlib.import_module("tilefuse.tp.policy").load_table(out)
+    importlib.import_module("tilefuse.tp.policy").load_table(path)  # reasons then cite this file
     return out
 
 
