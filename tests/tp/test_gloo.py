@@ -68,6 +68,8 @@ def _worker(rank: int, world: int, port: int) -> None:
         except ValueError as e:
             assert "forced but is unavailable" in str(e)
         _shape_checks(td, dist, rank, world, mc, k, n)
+        if world == 2:
+            _compiled_tp_layer(td, dist, rank, world)
         from tilefuse.tp.trace import clock_offsets
 
         assert clock_offsets() == [0] * world  # no GPU timers to line up
@@ -120,6 +122,33 @@ def _shape_checks(td, dist, rank, world, mc, k, n):
         assert torch.equal(first, again)
     finally:
         dist.all_gather_object = real
+
+
+def _compiled_tp_layer(td, dist, rank, world):
+    """A column-parallel + row-parallel pair under torch.compile(fullgraph=True): one graph,
+    both custom ops in it, the result equal to the eager ops'."""
+    import torch._dynamo.testing
+
+    cfg = td.GemmConfig(16, 16, 16, 2, 1, 4)
+    group_name = dist.group.WORLD.group_name
+    mc, k, hidden, n = 8, 32, 16, 24
+    g = torch.Generator().manual_seed(50 + rank)
+    x = torch.randn(mc, k, generator=g).to(torch.bfloat16)
+    w_up = (torch.randn(hidden, k, generator=g) / k**0.5).to(torch.bfloat16)  # nn.Linear [N, K]
+    w_down = (torch.randn(hidden, n, generator=g) / hidden**0.5).to(torch.bfloat16)
+
+    def layer(x, w_up, w_down):
+        h = torch.ops.tilefuse.ag_gemm(x, w_up, group_name, "nk")
+        return torch.ops.tilefuse.gemm_rs(torch.relu(h), w_down, group_name, "kn")
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    with td.use_options(td.AgGemmOptions(config=cfg), td.GemmRsOptions(config=cfg)):
+        y = torch.compile(layer, backend=counter, fullgraph=True)(x, w_up, w_down)
+        eager = td.gemm_rs(torch.relu(td.ag_gemm(x, w_up, b_layout="nk")), w_down)
+    assert counter.frame_count == 1 and y.shape == (mc, n)
+    targets = {str(node.target) for gm in counter.graphs for node in gm.graph.nodes}
+    assert {"tilefuse.ag_gemm", "tilefuse.gemm_rs"} <= targets, targets
+    assert torch.equal(y, eager)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

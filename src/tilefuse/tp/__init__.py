@@ -11,11 +11,15 @@
 * :class:`Trace` — per-program activity, exported to Chrome/Perfetto JSON; :func:`chrome_trace`
   merges several ranks' events on one time axis with :func:`clock_offsets`.
 
+Under ``torch.compile`` call ``torch.ops.tilefuse.ag_gemm`` / ``torch.ops.tilefuse.gemm_rs``
+(custom ops with fake implementations; the group named by its ``group_name``).
+
 Run under ``torchrun`` with one process per GPU and an NCCL process group; symmetric memory
 comes from ``torch.distributed._symmetric_memory``; NVLink multicast is never used.
 See ``docs/tp.md``.
 """
 
+from tilefuse.tp import _library  # noqa: F401  (registers torch.ops.tilefuse.ag_gemm / gemm_rs)
 from tilefuse.tp._ag_gemm import ag_gemm
 from tilefuse.tp._gemm_core import GemmConfig, default_config, gemm
 from tilefuse.tp._gemm_rs import gemm_rs
