@@ -321,3 +321,14 @@ def test_options_are_checked_and_layered():
             comm_programs=8, splits=3, config=cfg)  # measured fills only what is unset; lag is not ag's
         assert got.plan_kwargs()["splits"] == 3 and "timeout_s" not in got.plan_kwargs()
     assert get_options(AgGemmOptions) == AgGemmOptions() and resolve(None, GemmRsOptions) == GemmRsOptions()
+
+
+def test_host_cost_bench_runs_tiny(capsys, tmp_path):
+    """The eager host-cost benchmark (GPU numbers later) runs on CPU at a tiny shape."""
+    from tilefuse.bench.suites.tp import main
+
+    out = tmp_path / "host.jsonl"
+    assert main(["host", "--m", "32", "--n", "32", "--k", "32", "--calls", "2", "--json", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["variant"] == "tilefuse_gemm" and rows[0]["host_us"] > 0
+    assert "tilefuse_gemm" in capsys.readouterr().out

@@ -463,17 +463,24 @@ def gemm(
     """``a @ b`` (or ``a @ b.T`` for ``b_layout='nk'``) by the persistent kernel alone: the
     engine of the fused ops, benchmarked on its own against cuBLAS. ``chunks``/``order``/``rank``/
     ``lag`` select the tile order the fused ops use (``_schedule``)."""
-    from tilefuse.tp._schedule import chunk_order, chunk_rows
-
     k, n = check_operands(a, b, b_layout)
     m = a.shape[0]
-    cfg = config or default_config(m, n, k, num_sms(a.device))
     if out is None:
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     elif out.shape != (m, n) or out.dtype != a.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {a.dtype} tensor of shape {(m, n)}")
-    sched = TileSchedule(chunk_rows(m, chunks), n, chunks, cfg.block_m, cfg.block_n, cfg.group_m,
-                         tuple(chunk_order(order, rank, chunks)), lag)
+    cfg, sched = _gemm_plan(m, n, k, a.device, config, chunks, order, rank, lag)
     launch_gemm(a, b, out, schedule=sched, rank=rank, config=cfg, b_layout=b_layout,
                 num_programs=num_programs, trace=trace)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _gemm_plan(m, n, k, device, config, chunks, order, rank, lag) -> tuple[GemmConfig, TileSchedule]:
+    """The tile config and the schedule of a plain GEMM (per shape: not rebuilt every call)."""
+    from tilefuse.tp._schedule import chunk_order, chunk_rows
+
+    cfg = config or default_config(m, n, k, num_sms(device))
+    sched = TileSchedule(chunk_rows(m, chunks), n, chunks, cfg.block_m, cfg.block_n, cfg.group_m,
+                         tuple(chunk_order(order, rank, chunks)), lag)
+    return cfg, sched

@@ -115,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    """Entry point of ``tilefuse bench ag-gemm|gemm-rs`` (``argv`` starts with the op)."""
+    """Entry point of ``tilefuse bench ag-gemm|gemm-rs`` (``argv`` starts with the op; ``host``:
+    :func:`host_main`)."""
+    if argv[:1] == ["host"]:
+        return host_main(argv[1:])
     args = build_parser().parse_args(argv)
     op = OPS[args.op]
     if args.write_policy:
@@ -138,6 +141,109 @@ def main(argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "-m", "tilefuse.bench.suites.tp", *argv, "--worker"]
     return subprocess.call(cmd, env=env)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host cost per eager call
+
+
+def _per_call_us(fn, calls: int, device: torch.device) -> tuple[float, float]:
+    """(host µs to issue one call, device µs per call) over ``calls`` back-to-back calls: the
+    host time is the wall time of the issuing loop alone (nothing waits for the device inside
+    it), the device time the wall time until the device has finished them all."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    sync()
+    t2 = time.perf_counter()
+    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
+
+
+def _host_pair(op: str, a: torch.Tensor, b: torch.Tensor, m: int, world: int):
+    """(NCCL + cuBLAS, fused call) of ``op`` on these operands."""
+    import torch.distributed as dist
+
+    import tilefuse.tp as td
+
+    if op == "ag_gemm":
+        gathered = torch.empty(m, a.shape[1], device=a.device, dtype=a.dtype)
+
+        def seq():
+            dist.all_gather_into_tensor(gathered, a)
+            return torch.matmul(gathered, b)
+
+        return seq, lambda: td.ag_gemm(a, b, path="fused")
+    part = torch.empty(m // world, b.shape[1], device=a.device, dtype=a.dtype)
+
+    def seq():
+        dist.reduce_scatter_tensor(part, torch.matmul(a, b))
+        return part
+
+    return seq, lambda: td.gemm_rs(a, b, path="fused")
+
+
+def host_main(argv: list[str]) -> int:
+    """``python -m tilefuse.bench.suites.tp host [--m 4096 --n 4096 --k 1024] [--world W]``:
+    eager cost per call. One process: ``tilefuse.tp.gemm`` against ``torch.matmul`` (cuBLAS) on
+    one GPU (on CPU, tiny shapes: the interpreter, a check that it runs). With ``--world`` >= 2
+    (torchrun): per op, a fused call (``path="fused"``) against NCCL + cuBLAS. Prints one JSON
+    line per row (``--json`` also writes them to a file)."""
+    p = argparse.ArgumentParser(prog="python -m tilefuse.bench.suites.tp host")
+    p.add_argument("--m", type=int, default=4096)
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--k", type=int, default=1024)
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--json", default=None)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.world > 1 and not args.worker:
+        env = dict(os.environ, **MULTICAST_OFF)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world}",
+               "-m", "tilefuse.bench.suites.tp", "host", *argv, "--worker"]
+        return subprocess.call(cmd, env=env)
+    import tilefuse.tp as td
+
+    on_gpu = torch.cuda.is_available()
+    rows = []
+    if not args.worker:
+        dev = torch.device("cuda" if on_gpu else "cpu")
+        a = torch.randn(args.m, args.k, device=dev).to(torch.bfloat16)
+        b = torch.randn(args.k, args.n, device=dev).to(torch.bfloat16)
+        out = torch.empty(args.m, args.n, device=dev, dtype=torch.bfloat16)
+        fns = {"tilefuse_gemm": lambda: td.gemm(a, b, out)}
+        if on_gpu:
+            fns["cublas"] = lambda: torch.matmul(a, b, out=out)
+        for name, fn in fns.items():
+            host, device = _per_call_us(fn, args.calls, dev)
+            rows.append({"variant": name, "m": args.m, "n": args.n, "k": args.k, "host_us": host, "call_us": device})
+    else:
+        import torch.distributed as dist
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        world, dev = dist.get_world_size(), torch.device("cuda", local)
+        for op in OPS.values():
+            rows_a = args.m // world if op == "ag_gemm" else args.m
+            a = torch.randn(rows_a, args.k, device=dev).to(torch.bfloat16)
+            b = (torch.randn(args.k, args.n, device=dev) * args.k**-0.5).to(torch.bfloat16)
+            seq, fused = _host_pair(op, a, b, args.m, world)
+            for name, fn in (("nccl+cublas", seq), ("fused", fused)):
+                host, device = _per_call_us(fn, args.calls, dev)
+                rows.append({"op": op, "variant": name, "m": args.m, "n": args.n, "k": args.k, "world": world,
+                             "rank": dist.get_rank(), "host_us": host, "call_us": device})
+        dist.destroy_process_group()
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
