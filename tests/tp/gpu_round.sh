@@ -33,7 +33,7 @@ for step in $STEPS; do
             --designs "${AG_DESIGNS:-auto,ce,push}" --json "$OUT/ag_gemm.json" --trace "$OUT" \
             --trace-shapes "${AG_TRACE:-8192x1024x8192}" "${BENCH[@]}" ;;
     bench-rs) run bench-rs "${BENCH_S:-110}" python3 -m tilefuse.bench.suites.tp gemm-rs --world "$NPROC" --shapes "${RS_SHAPES:-seed,llm}" \
-            --designs "${RS_DESIGNS:-auto,push,forward}" --json "$OUT/gemm_rs.json" --trace "$OUT" \
+            --designs "${RS_DESIGNS:-auto,push}" --json "$OUT/gemm_rs.json" --trace "$OUT" \
             --trace-shapes "${RS_TRACE:-8192x8192x1024}" "${BENCH[@]}" ;;
     *) echo "unknown step $step" | tee -a "$LOG" ;;
     esac

@@ -246,6 +246,10 @@ def test_bench_arguments():
         fused_variants("gemm_rs", "ce")
     with pytest.raises(ValueError, match="variant option"):
         fused_variants("gemm_rs", "push/q3")
+    with pytest.raises(ValueError, match="gemm_rs takes l, g, t, x, b"):
+        fused_variants("gemm_rs", "push/p16")  # ag_gemm's push programs
+    with pytest.raises(ValueError, match="ag_gemm takes"):
+        fused_variants("ag_gemm", "push/l3")
 
 
 def test_bench_entry_without_gpus(tmp_path, capsys):

@@ -41,6 +41,8 @@ PATHS = ("fused", "nccl")
 DEFAULT_DESIGN = {"ag_gemm": "ce", "gemm_rs": "push"}
 FUSED_DESIGNS = {"ag_gemm": ("ce", "push"), "gemm_rs": ("push",)}
 MAX_WORLD = 8
+# The variant syntax's option letters each op takes (``fused_variants``).
+OP_OPTION_KEYS = {"ag_gemm": ("p", "s", "c", "r", "b"), "gemm_rs": ("l", "g", "t", "x", "b")}
 TABLE_PATH = Path(__file__).with_name("policy_table.json")
 
 
@@ -306,6 +308,8 @@ def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
             if not ok:
                 raise ValueError(f"variant option {opt!r} in {item!r}: expected p, l, g, s, t, x, r or b and "
                                  "<int>[+<int>...], or c and sm / ce")
+            if key not in OP_OPTION_KEYS[op]:
+                raise ValueError(f"variant option {opt!r} in {item!r}: {op} takes {', '.join(OP_OPTION_KEYS[op])}")
             if key in flags and not all(v in ("0", "1") for v in values):
                 raise ValueError(f"variant option {opt!r} in {item!r}: {key} takes 0 or 1")
             if key == "b" and not all(v in ("128", "256") for v in values):
