@@ -3,7 +3,7 @@
 
 The fused ag_gemm / gemm_rs live on this kernel; #6 asks >= 0.95 of cuBLAS alone at every
 shape they run. Shapes: the per-GPU GEMMs of both ops at W = 2 (seed and LLM families of
-``tilefuse.tp.bench``), bf16, B in [K, N]. Every config's output is checked against cuBLAS
+``tilefuse.bench.suites.tp``), bf16, B in [K, N]. Every config's output is checked against cuBLAS
 (relative error) before it is timed. The outcome goes to ``benchmarks/NOTES.md`` and the
 winners into ``tilefuse.tp._gemm_core.default_config``.
 
@@ -21,7 +21,7 @@ import sys
 import torch
 
 from tilefuse.bench import env, timing
-from tilefuse.tp import bench as dist_bench
+from tilefuse.bench.suites import tp as tp_bench
 from tilefuse.tp._gemm_core import GemmConfig, default_config, gemm, num_sms
 
 CONFIGS = [
@@ -35,7 +35,7 @@ def gemm_shapes(world: int = 2) -> list[tuple[int, int, int]]:
     """(M, N, K) each rank multiplies: ag_gemm all of M, gemm_rs all of M (its partials)."""
     out = []
     for op in ("ag_gemm", "gemm_rs"):
-        for m, n, k, _ in dist_bench.shapes(op, "seed,llm"):
+        for m, n, k, _ in tp_bench.shapes(op, "seed,llm"):
             out.append((m, n, k))
     return sorted(set(out))
 

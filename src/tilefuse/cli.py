@@ -4,7 +4,7 @@
     tilefuse bench indexer [--reproduce] [...]    prefill logits at the reference shapes
     tilefuse bench paged [...]                    paged decode logits
     tilefuse bench serving [...]                  the indexer in an engine's step loop
-    tilefuse bench ag-gemm|gemm-rs [...]          fused tensor-parallel GEMMs (tilefuse.tp.bench)
+    tilefuse bench ag-gemm|gemm-rs [...]          fused tensor-parallel GEMMs (tilefuse.bench.suites.tp)
     tilefuse compare before.json after.json       per-row speedups; exit 1 on a regression of a tilefuse row
     tilefuse plot results.json [-o out.png]       PNG of a result file (default: results.png beside it)
     tilefuse kernels [...]                        kernel checks (tilefuse.kernelcheck.cli)
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     _use_interpreter_without_cuda()
     # Delegated commands take their own options: hand them the rest of the line untouched.
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in _DELEGATED_BENCH:
-        return _delegate("tilefuse.tp.bench", "main", [argv[1], *argv[2:]], f"bench {argv[1]}")
+        return _delegate("tilefuse.bench.suites.tp", "main", [argv[1], *argv[2:]], f"bench {argv[1]}")
     if argv[:2] == ["bench", "serving"]:
         return _delegate("tilefuse.bench.suites.serving", "main", argv[2:], "bench serving")
     if argv and argv[0] == "kernels":

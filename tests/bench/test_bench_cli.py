@@ -150,8 +150,8 @@ def test_bad_usage_exits_2(tmp_path, capsys):
     assert e.value.code == 2
 
 
-@pytest.mark.parametrize("argv,module", [(["bench", "ag-gemm", "--m", "4096"], "tilefuse.tp.bench"),
-                                         (["bench", "gemm-rs"], "tilefuse.tp.bench"),
+@pytest.mark.parametrize("argv,module", [(["bench", "ag-gemm", "--m", "4096"], "tilefuse.bench.suites.tp"),
+                                         (["bench", "gemm-rs"], "tilefuse.bench.suites.tp"),
                                          (["kernels", "list"], "tilefuse.kernelcheck.cli")])
 def test_delegated_commands(monkeypatch, capsys, argv, module):
     monkeypatch.setitem(sys.modules, module, None)  # not installed

@@ -6,7 +6,8 @@
 Both ops and every fused design against the sequential reference (all_gather_into_tensor +
 matmul; matmul + reduce_scatter_tensor) at the seed and LLM shapes of comm_gemm.md, odd M,
 nn.Linear layout, fp16, bitwise ag_gemm == tilefuse GEMM of the gathered rows, repeated calls,
-determinism, CUDA-graph capture, and last a stalled peer that must raise, not hang. Every
+determinism, CUDA-graph capture, captures / eager calls / replays of other shapes interleaved,
+no compile per M after a warm-up, and last a stalled peer that must raise, not hang. Every
 output buffer is poisoned (NaN) first. Prints one PASS/FAIL line per check (rank 0) and exits
 non-zero if any check failed on any rank. ``tests/tp/test_gpu.py`` runs it under pytest.
 """
@@ -19,15 +20,17 @@ import sys
 import time
 import traceback
 
-for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+from tilefuse.tp._common import MULTICAST_OFF  # noqa: E402  (imports no torch.distributed state)
+
+for _k, _v in MULTICAST_OFF.items():
     os.environ.setdefault(_k, _v)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import tilefuse.tp as td  # noqa: E402
+from tilefuse.bench.suites.tp import LLM_LAYERS, SEED_SIZES, fused_variants  # noqa: E402
 from tilefuse.reference.comm_gemm import ag_gemm_ref, gemm_rs_ref  # noqa: E402
-from tilefuse.tp.bench import LLM_LAYERS, SEED_SIZES, fused_variants  # noqa: E402
 
 TOL = 1e-2  # ||out - ref|| / ||ref||: bf16 rounding of the output and (gemm_rs) of the partials
 TIMEOUT_S = 5.0
@@ -36,7 +39,7 @@ TIMEOUT_S = 5.0
 # the local shard staged by copy engines; gemm_rs push at W = 2 is the Gluon kernel where chunks
 # are whole tiles, push/x0 the Triton kernel, push/x0/t1 that with the partials loaded by TMA;
 # at other world sizes push is the Triton kernel, push/t1 with TMA partials).
-DESIGNS = {"ag_gemm": ("ce", "ce/r0", "push", "push/cce"), "gemm_rs": ("push", "forward", "push/x0/t1", "push/x0")}
+DESIGNS = {"ag_gemm": ("ce", "ce/r0", "push", "push/cce"), "gemm_rs": ("push", "push/x0/t1", "push/x0")}
 failures: list[str] = []
 dead: set[tuple[str, str]] = set()  # designs that failed once are not retried at other shapes
 
@@ -84,18 +87,20 @@ def inputs(op, m, n, k, dtype=torch.bfloat16, layout="kn", seed=0):
     return a, b
 
 
-def run_op(op, a, b, variant, layout="kn", **kw):
+def run_op(op, a, b, variant, layout="kn", timeout_s=TIMEOUT_S, **call):
+    """One fused call of ``variant`` (the stalled-peer check passes a shorter timeout; ``call``:
+    further keywords of the op, e.g. ``return_gathered``)."""
     world = dist.get_world_size()
     [(_, design, opts)] = fused_variants(op, variant)
-    kw = {**opts, **kw}
-    kw.setdefault("timeout_s", TIMEOUT_S)  # the stalled-peer check passes a shorter one
     if op == "ag_gemm":
         out = torch.full((a.shape[0] * world, b.shape[1] if layout == "kn" else b.shape[0]), float("nan"),
                          device="cuda", dtype=a.dtype)
-        return td.ag_gemm(a, b, out=out, b_layout=layout, path="fused", design=design, **kw)
+        return td.ag_gemm(a, b, out=out, b_layout=layout, path="fused", design=design,
+                          options=td.AgGemmOptions(**opts, timeout_s=timeout_s), **call)
     out = torch.full((a.shape[0] // world, b.shape[1] if layout == "kn" else b.shape[0]), float("nan"),
                      device="cuda", dtype=a.dtype)
-    return td.gemm_rs(a, b, out=out, b_layout=layout, path="fused", design=design, **kw)
+    return td.gemm_rs(a, b, out=out, b_layout=layout, path="fused", design=design,
+                      options=td.GemmRsOptions(**opts, timeout_s=timeout_s), **call)
 
 
 def reference(op, a, b, layout="kn"):
@@ -220,6 +225,76 @@ def graphs():
             check(f"{op}/{d} CUDA graph capture + replays", body)
 
 
+def graph_eager_interleavings():
+    """The issue-21 race: capture A, eager B with more flags (larger M), replay A, eager B again,
+    replay A, eager C: every output right. With flags in the data region of an earlier shape a
+    wait of B could pass on A's data and read partials before they arrived."""
+    for op in DESIGNS:
+        for d in DESIGNS[op]:
+            def body(op=op, d=d):
+                n, k = (1024, 2048) if op == "ag_gemm" else (2048, 1024)
+                big_a, big_b = inputs(op, 8192, n, k, seed=40)
+                run_op(op, big_a, big_b, d)  # warm-up at the largest shape: the workspace holds every call
+                a, b = inputs(op, 1024, n, k, seed=41)
+                run_op(op, a, b, d)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    y = run_op(op, a, b, d)
+                for step in range(3):
+                    m_eager = (8192, 4096, 2048)[step]
+                    ea, eb = inputs(op, m_eager, n, k, seed=50 + step)
+                    err = rel_err(run_op(op, ea, eb, d), reference(op, ea, eb))
+                    assert err < TOL, f"eager M = {m_eager} after {step} replays: relative error {err:.3g}"
+                    a2, b2 = inputs(op, 1024, n, k, seed=60 + step)
+                    a.copy_(a2)
+                    b.copy_(b2)
+                    y.fill_(float("nan"))
+                    g.replay()
+                    torch.cuda.synchronize()
+                    err = rel_err(y, reference(op, a, b))
+                    assert err < TOL, f"replay {step} after eager M = {m_eager}: relative error {err:.3g}"
+                td.check_errors()
+
+            check(f"{op}/{d} capture / eager / replay interleavings", body)
+
+
+def compile_counts():
+    """No compile per M: over a random sequence of M at one layer shape, the fused ops compile
+    their kernels once per class (GEMM tile from default_config x chunk alignment x ag_gemm's
+    own-rows launch), none after one call of each class."""
+    import random
+
+    from tilefuse.tp import _comm_kernels, _gemm_core, _gemm_rs_gluon
+
+    kernels = (_gemm_core._persistent_gemm, _comm_kernels._ag_push_kernel, _gemm_rs_gluon.rs_push_gluon_kernel)
+
+    def compiled():
+        dev = torch.cuda.current_device()
+        return sum(len(kern.device_caches[dev][0]) for kern in kernels)
+
+    world = dist.get_world_size()
+    rng = random.Random(21)  # the same sequence on every rank
+    ms = [world * rng.choice((1, 3, 8, 64, 100, 128, 500, 1024, 2048)) for _ in range(24)]
+    for op in DESIGNS:
+        for d in DESIGNS[op]:
+            def body(op=op, d=d):
+                n, k = (3584, 4096) if op == "ag_gemm" else (4096, 1792)
+                for m in ms:  # warm-up: every M once
+                    a, b = inputs(op, m, n, k)
+                    run_op(op, a, b, d)
+                torch.cuda.synchronize()
+                before = compiled()
+                for m in rng.sample(ms, len(ms)):
+                    a, b = inputs(op, m, n, k, seed=m)
+                    err = rel_err(run_op(op, a, b, d), reference(op, a, b))
+                    assert err < TOL, f"M = {m}: relative error {err:.3g}"
+                assert compiled() == before, f"{compiled() - before} compiles after the warm-up"
+                return f"{before} kernels compiled for {len(set(ms))} values of M"
+
+            check(f"{op}/{d} no compile per M", body)
+
+
 def stalled_peer():
     rank = dist.get_rank()
     for op in DESIGNS:
@@ -268,11 +343,12 @@ def main():
                 against_reference(op, d, *((4096, 512, 4096) if op == "ag_gemm" else (4096, 4096, 512)))
 
     if dist.get_world_size() != 2:  # the Gluon kernel (x1) needs one peer: x0 would repeat push
-        DESIGNS["gemm_rs"] = ("push", "forward", "push/t1")
+        DESIGNS["gemm_rs"] = ("push", "push/t1")
     if "--reverse" in sys.argv:  # each op's variants in the opposite order
         for op in DESIGNS:
             DESIGNS[op] = DESIGNS[op][::-1]
-    parts = [graphs, odd_shapes, bitwise_and_repeat, lambda: seed_and_llm(quick)]
+    parts = [graphs, graph_eager_interleavings, compile_counts, odd_shapes, bitwise_and_repeat,
+             lambda: seed_and_llm(quick)]
     if "--stalled-only" in sys.argv:
         parts = [stalled_peer]
     else:

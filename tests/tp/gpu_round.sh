@@ -29,11 +29,11 @@ for step in $STEPS; do
             nvidia-smi topo -m; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())"' ;;
     checks) run checks "${CHECKS_S:-150}" python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
             tests/tp/gpu_checks.py ${CHECKS_ARGS:-} ;;
-    bench-ag) run bench-ag "${BENCH_S:-110}" python3 -m tilefuse.tp.bench ag-gemm --world "$NPROC" --shapes "${AG_SHAPES:-seed,llm}" \
+    bench-ag) run bench-ag "${BENCH_S:-110}" python3 -m tilefuse.bench.suites.tp ag-gemm --world "$NPROC" --shapes "${AG_SHAPES:-seed,llm}" \
             --designs "${AG_DESIGNS:-auto,ce,push}" --json "$OUT/ag_gemm.json" --trace "$OUT" \
             --trace-shapes "${AG_TRACE:-8192x1024x8192}" "${BENCH[@]}" ;;
-    bench-rs) run bench-rs "${BENCH_S:-110}" python3 -m tilefuse.tp.bench gemm-rs --world "$NPROC" --shapes "${RS_SHAPES:-seed,llm}" \
-            --designs "${RS_DESIGNS:-auto,push,forward}" --json "$OUT/gemm_rs.json" --trace "$OUT" \
+    bench-rs) run bench-rs "${BENCH_S:-110}" python3 -m tilefuse.bench.suites.tp gemm-rs --world "$NPROC" --shapes "${RS_SHAPES:-seed,llm}" \
+            --designs "${RS_DESIGNS:-auto,push}" --json "$OUT/gemm_rs.json" --trace "$OUT" \
             --trace-shapes "${RS_TRACE:-8192x8192x1024}" "${BENCH[@]}" ;;
     *) echo "unknown step $step" | tee -a "$LOG" ;;
     esac

@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
+from tilefuse.bench.suites.tp import fused_variants, shapes
 from tilefuse.tp import GemmConfig, Trace, default_config, gemm
-from tilefuse.tp.bench import fused_variants, shapes
 from tilefuse.tp.trace import chrome_trace
 
-ag = importlib.import_module("tilefuse.tp.ag_gemm")
-rs = importlib.import_module("tilefuse.tp.gemm_rs")
+ag = importlib.import_module("tilefuse.tp._ag_gemm")
+rs = importlib.import_module("tilefuse.tp._gemm_rs")
 CPU = torch.device("cpu")
 
 
@@ -101,11 +101,11 @@ def test_plans_bad_options_and_layouts():
         ag.make_plan("ce", 64, 64, 64, 2, 0, torch.bfloat16, CPU, splits=0)
     with pytest.raises(ValueError, match="divisible"):
         rs.make_plan("push", 63, 64, 64, 2, 0, torch.bfloat16, CPU)
-    with pytest.raises(ValueError, match="comm_programs"):
-        rs.make_plan("forward", 64, 64, 64, 2, 0, torch.bfloat16, CPU, comm_programs=0)
+    with pytest.raises(ValueError, match="design"):
+        rs.make_plan("forward", 64, 64, 64, 2, 0, torch.bfloat16, CPU)
     p = ag.make_plan("push", 4096, 512, 4096, 2, 1, torch.bfloat16, CPU, num_programs=132, comm_programs=32)
     assert (p.gemm_programs, p.pieces, p.bands, p.schedule.order) == (100, 4, 16, (1, 0))
-    assert p.gath_off % 1024 == 0 and p.nbytes == p.gath_off + 4096 * 4096 * 2
+    assert p.n_flags == 2 * 16 and p.data_bytes == 4096 * 4096 * 2
     assert (p.local_copy, p.local_splits, p.read_local) == ("none", 0, True)  # under a wave: reads a_shard
     assert [ag.default_read_local(t, 100) for t in (64, 100, 128, 448, 896, 2048)] == [
         True, True, False, False, True, True]  # 1.28 / 4.48 waves leave 36% / 10.4% idle
@@ -127,10 +127,9 @@ def test_plans_bad_options_and_layouts():
     p = ag.make_plan("ce", 4096, 512, 4096, 2, 0, torch.bfloat16, CPU, num_programs=132, splits=4)
     assert (p.gemm_programs, p.band_tiles, p.bands, p.pieces) == (131, 4, 4, 1)
     assert (p.local_copy, p.local_splits, p.read_local) == ("ce", 4, True)  # 32 tiles on 131: under a wave
-    p = rs.make_plan("forward", 8192, 8192, 1024, 2, 0, torch.bfloat16, CPU, num_programs=132)
-    assert p.schedule.order == (1, 0) and p.peer_tiles == p.tiles_per_chunk and p.gemm_programs == 116
-    assert p.part_off == p.recv_off + 8192 * 8192 * 2 and p.nbytes == p.part_off + 8192 * 8192 * 2
-    assert p.lag == 0 and not p.recv_tma  # forward: per-thread partial loads
+    p = rs.make_plan("push", 8192, 8192, 1024, 2, 0, torch.bfloat16, CPU, num_programs=132, lag=0)
+    assert p.schedule.order == (1, 0) and p.gemm_programs == 132 and p.n_flags == 2 * p.tiles_per_chunk
+    assert p.data_bytes == 8192 * 8192 * 2 and p.recv_tma
     big = rs.make_plan("push", 32768, 32768, 4096, 2, 0, torch.bfloat16, CPU, num_programs=132)
     inter = rs.make_plan("push", 16384, 16384, 2048, 2, 0, torch.bfloat16, CPU, num_programs=132)
     assert (big.lag, big.recv_tma) == (0, True) and (inter.lag, inter.recv_tma) == (66, False)
@@ -148,13 +147,11 @@ def test_gemm_rs_push_lag_defaults_and_checks():
     assert lag(16384, 16384, 2048) == 66
     assert lag(32768, 32768, 4096) == lag(8192, 8192, 3584) == 0  # the link keeps up
     assert lag(1024, 4096, 1792) == lag(1024, 8192, 3584) == 0  # one or two waves
-    assert lag(8192, 8192, 1024, "forward") == 0 and lag(8192, 8192, 1024, lag=0) == 0
+    assert lag(8192, 8192, 1024, lag=0) == 0
     assert lag(8192, 8192, 1024, lag=500) == 500
     assert rs.default_lag(1024, 8, 132, 10**6) == 17 and rs.default_lag(1024, 1, 132, 10**6) == 0
     with pytest.raises(ValueError, match="lag"):
         lag(8192, 8192, 1024, lag=-1)
-    with pytest.raises(ValueError, match="forward"):
-        lag(8192, 8192, 1024, "forward", lag=3)
 
 
 def test_gemm_rs_push_programs():
@@ -165,8 +162,6 @@ def test_gemm_rs_push_programs():
     assert plan(8192, 8192, 1024, gemm_programs=131).gemm_programs == 131
     with pytest.raises(ValueError, match="gemm_programs"):
         plan(8192, 8192, 1024, gemm_programs=133)
-    with pytest.raises(ValueError, match="gemm_programs"):
-        plan(8192, 8192, 1024, "forward", gemm_programs=100)
 
 
 def test_trace_export(tmp_path):
@@ -220,8 +215,11 @@ def test_bench_arguments():
     assert fused_variants("ag_gemm", "ce,push/p16+32") == [
         ("fused:ce", "ce", {}), ("fused:push/p16", "push", {"comm_programs": 16}),
         ("fused:push/p32", "push", {"comm_programs": 32})]
-    assert [v[0] for v in fused_variants("gemm_rs", "push/l0+198,forward/p16,push/l66/g131+132")] == [
-        "fused:push/l0", "fused:push/l198", "fused:forward/p16", "fused:push/l66/g131", "fused:push/l66/g132"]
+    assert [v[0] for v in fused_variants("gemm_rs", "push/l0+198,push/l66/g131+132")] == [
+        "fused:push/l0", "fused:push/l198", "fused:push/l66/g131", "fused:push/l66/g132"]
+    assert fused_variants("gemm_rs", "push/g131")[0][2] == {"gemm_programs": 131}
+    with pytest.raises(ValueError, match="design"):
+        fused_variants("gemm_rs", "forward/p16")
     assert fused_variants("gemm_rs", "push/l0")[0][2] == {"lag": 0}
     assert fused_variants("ag_gemm", "push/csm+ce/s8") == [
         ("fused:push/csm/s8", "push", {"local_copy": "sm", "splits": 8}),
@@ -236,9 +234,8 @@ def test_bench_arguments():
     # send_tma is the Gluon kernel (sm_90 GPUs): elsewhere the plan keeps the Triton kernel.
     cpu_plan = rs.make_plan("push", 256, 64, 64, 2, 0, torch.bfloat16, CPU, send_tma=True)
     assert cpu_plan.schedule.aligned and not cpu_plan.send_tma
-    for design, world in (("forward", 2), ("push", 4)):
-        with pytest.raises(ValueError, match="send_tma"):
-            rs.make_plan(design, 64, 64, 64, world, 0, torch.bfloat16, CPU, send_tma=True)
+    with pytest.raises(ValueError, match="send_tma"):
+        rs.make_plan("push", 64, 64, 64, 4, 0, torch.bfloat16, CPU, send_tma=True)
     [(name, _, opts)] = fused_variants("ag_gemm", "push/b128")
     assert name == "fused:push/b128" and opts["config"] == GemmConfig(128, 128, 64, 8, 5, 8)
     with pytest.raises(ValueError, match="x takes 0 or 1"):
@@ -249,10 +246,14 @@ def test_bench_arguments():
         fused_variants("gemm_rs", "ce")
     with pytest.raises(ValueError, match="variant option"):
         fused_variants("gemm_rs", "push/q3")
+    with pytest.raises(ValueError, match="gemm_rs takes l, g, t, x, b"):
+        fused_variants("gemm_rs", "push/p16")  # ag_gemm's push programs
+    with pytest.raises(ValueError, match="ag_gemm takes"):
+        fused_variants("ag_gemm", "push/l3")
 
 
 def test_bench_entry_without_gpus(tmp_path, capsys):
-    from tilefuse.tp.bench import main
+    from tilefuse.bench.suites.tp import main
 
     if torch.cuda.device_count() >= 2:
         pytest.skip("has GPUs: the launcher would start a real run")
@@ -285,7 +286,53 @@ def test_gemm_rs_takes_the_gluon_kernel_where_it_applies(monkeypatch):
     monkeypatch.setattr(rs, "capability_major", lambda device: 9)
     assert plan().send_tma and plan().recv_tma
     assert not plan(m=2 * 200).send_tma  # 200-row chunks: not whole 128-row tiles
-    assert not plan(world=4).send_tma and not plan(design="forward").send_tma
+    assert not plan(world=4).send_tma
     assert not plan(send_tma=False).send_tma
     monkeypatch.setattr(rs, "capability_major", lambda device: 10)
     assert not plan(send_tma=True).send_tma
+
+
+def test_options_are_checked_and_layered():
+    """Options: checked when built; a call's fields over the process-level ones (set_options /
+    use_options, restored after the block), then the policy's measured ones; no environment."""
+    from tilefuse.tp import AgGemmOptions, GemmRsOptions, get_options, set_options, use_options
+    from tilefuse.tp._options import resolve
+
+    for bad, word in ((dict(comm_programs=0), "comm_programs"), (dict(splits=1.5), "splits"),
+                      (dict(local_copy="dma"), "local_copy"), (dict(read_local=1), "read_local"),
+                      (dict(timeout_s=0), "timeout_s"), (dict(timeout_s=True), "timeout_s")):
+        with pytest.raises(ValueError, match=word):
+            AgGemmOptions(**bad)
+    with pytest.raises(TypeError, match="config"):
+        GemmRsOptions(config=(128, 256))
+    for bad, word in ((dict(lag=-1), "lag"), (dict(gemm_programs=0), "gemm_programs"),
+                      (dict(send_tma="yes"), "send_tma"), (dict(recv_tma=0), "recv_tma")):
+        with pytest.raises(ValueError, match=word):
+            GemmRsOptions(**bad)
+    with pytest.raises(TypeError):
+        AgGemmOptions(lag=3)  # gemm_rs's knob
+    with pytest.raises(TypeError, match="AgGemmOptions or GemmRsOptions"):
+        set_options({"comm_programs": 16})
+    with pytest.raises(TypeError, match="AgGemmOptions"):
+        resolve(GemmRsOptions(), AgGemmOptions)
+    assert GemmRsOptions().timeout() == 60.0 and GemmRsOptions(timeout_s=2).timeout() == 2.0
+    cfg = GemmConfig(16, 16, 16, 2, 1, 4)
+    with use_options(AgGemmOptions(comm_programs=8, splits=2), GemmRsOptions(lag=0)):
+        assert get_options(GemmRsOptions) == GemmRsOptions(lag=0)
+        got = resolve(AgGemmOptions(splits=3), AgGemmOptions)
+        assert got == AgGemmOptions(comm_programs=8, splits=3)
+        assert got.with_measured({"comm_programs": 24, "config": cfg, "lag": 5}) == AgGemmOptions(
+            comm_programs=8, splits=3, config=cfg)  # measured fills only what is unset; lag is not ag's
+        assert got.plan_kwargs()["splits"] == 3 and "timeout_s" not in got.plan_kwargs()
+    assert get_options(AgGemmOptions) == AgGemmOptions() and resolve(None, GemmRsOptions) == GemmRsOptions()
+
+
+def test_host_cost_bench_runs_tiny(capsys, tmp_path):
+    """The eager host-cost benchmark (GPU numbers later) runs on CPU at a tiny shape."""
+    from tilefuse.bench.suites.tp import main
+
+    out = tmp_path / "host.jsonl"
+    assert main(["host", "--m", "32", "--n", "32", "--k", "32", "--calls", "2", "--json", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["variant"] == "tilefuse_gemm" and rows[0]["host_us"] > 0
+    assert "tilefuse_gemm" in capsys.readouterr().out

@@ -30,8 +30,8 @@ def assert_clean(wss, n_flags):
         assert ctl[: P.CTL_WORDS].abs().sum() == 0, f"rank {ws.rank} control words not reset: {ctl.tolist()}"
         sig = ws.view(P.SIG_OFFSET.value, (ws.world,), torch.int32)
         assert sig.abs().sum() == 0
-        flags = ws.view(P.FLAGS_OFFSET, (n_flags,), torch.int32)
-        assert flags.abs().sum() == 0, f"rank {ws.rank} flags not reset"
+        assert ws.flag_words >= n_flags
+        assert ws.flags().abs().sum() == 0, f"rank {ws.rank} flags not reset"
 
 
 def make_ag(world, mc, k, n, layout, dtype=torch.bfloat16, seed=0):
@@ -70,7 +70,7 @@ def test_ag_gemm_data_path(world, design, mc, layout, extra):
         assert not out.isnan().any(), f"rank {r}: unwritten output"
         assert rel(out, ref) < 1e-2
         assert torch.equal(out, same_kernel), f"rank {r}: not bitwise equal to gemm(gathered)"
-        g = wss[r].view(plans[r].gath_off, (mc * world, k), shards[0].dtype)
+        g = wss[r].view(wss[r].data_off, (mc * world, k), shards[0].dtype)
         staged = [c for c in range(world) if c != r or plans[r].local_copy != "none"]  # none: own rows unread
         for c in staged:
             rows = slice(c * mc, (c + 1) * mc)
@@ -86,11 +86,9 @@ def test_ag_gemm_data_path(world, design, mc, layout, extra):
     "world,design,mc,layout,dtype",
     [
         (2, "push", 40, "kn", torch.bfloat16),
-        (2, "forward", 32, "nk", torch.float16),
+        (2, "push", 32, "nk", torch.float16),
         (4, "push", 24, "nk", torch.bfloat16),
-        (4, "forward", 24, "kn", torch.bfloat16),
         (8, "push", 16, "kn", torch.float16),
-        (8, "forward", 16, "kn", torch.bfloat16),
     ],
 )
 def test_gemm_rs_data_path(world, design, mc, layout, dtype):
@@ -99,16 +97,15 @@ def test_gemm_rs_data_path(world, design, mc, layout, dtype):
     a_list = [torch.randn(mc * world, k, generator=g).to(dtype) for _ in range(world)]
     shape = (k, n) if layout == "kn" else (n, k)
     b_list = [(torch.randn(*shape, generator=g) / k**0.5).to(dtype) for _ in range(world)]
-    outs, wss, plans = emulate_gemm_rs(a_list, b_list, design=design, b_layout=layout, config=CFG,
-                                       comm_programs=2)
+    outs, wss, plans = emulate_gemm_rs(a_list, b_list, design=design, b_layout=layout, config=CFG)
     refs = gemm_rs_emulated(a_list, b_list, layout)
     for r, (out, ref) in enumerate(zip(outs, refs)):
         assert out.shape == (mc, n)
         assert not out.isnan().any(), f"rank {r}: unwritten output"
         assert rel(out, ref) < 1e-2, f"rank {r}: {rel(out, ref)}"
-    assert_clean(wss, 2 * world * plans[0].tiles_per_chunk)  # receive flags and local tile flags
+    assert_clean(wss, plans[0].n_flags)
     if world == 2:
-        outs2, _, _ = emulate_gemm_rs(a_list, b_list, design=design, b_layout=layout, config=CFG, comm_programs=2)
+        outs2, _, _ = emulate_gemm_rs(a_list, b_list, design=design, b_layout=layout, config=CFG)
         assert all(torch.equal(x, y) for x, y in zip(outs, outs2))
 
 
@@ -127,7 +124,7 @@ def test_gemm_rs_push_interleaved_order(world, lag, mc):
     for r in range(world):
         assert rel(outs[r], refs[r]) < 1e-2, f"rank {r}"
         assert torch.equal(outs[r], base[r]), f"rank {r}: interleaving changed the bits"
-    assert_clean(wss, 2 * world * plans[0].tiles_per_chunk)
+    assert_clean(wss, plans[0].n_flags)
 
 
 def test_gemm_rs_reduces_in_rank_order():
@@ -159,13 +156,12 @@ def _assert_option_keeps_bits(option: str, world: int, mc: int, seed: int, what:
     for r in range(world):
         assert not outs[r].isnan().any(), f"rank {r}: unwritten output"
         assert torch.equal(outs[r], base[r]), f"rank {r}: {what} changed the bits"
-    assert_clean(wss, 2 * world * plans[0].tiles_per_chunk)
+    assert_clean(wss, plans[0].n_flags)
 
 
-@pytest.mark.parametrize("world,design,mc,lag", [(2, "push", 48, 3), (3, "forward", 32, 0), (2, "push", 40, 0)])
-def test_gemm_rs_partials_by_tma(world, design, mc, lag):
+@pytest.mark.parametrize("world,mc,lag", [(2, 48, 3), (3, 32, 0), (2, 40, 0)])
+def test_gemm_rs_partials_by_tma(world, mc, lag):
     """The owner's partials loaded through the receive buffer's tensor descriptor: the same bits
     as per-thread loads (aligned chunks; mc = 40 is not a multiple of the 16-row tile, so the
     option falls back to per-thread loads there)."""
-    _assert_option_keeps_bits("recv_tma", world, mc, 300 + world, "TMA loads", design=design, comm_programs=2,
-                              lag=lag)
+    _assert_option_keeps_bits("recv_tma", world, mc, 300 + world, "TMA loads", lag=lag)

@@ -8,14 +8,24 @@ from tilefuse.tp._gemm_core import GemmConfig
 from tilefuse.tp._schedule import (
     CHUNK_ORDERS,
     TileSchedule,
-    band_of_tile,
     cdiv,
     chunk_order,
     chunk_rows,
-    push_items,
 )
 
 WORLDS = range(2, 9)
+
+
+def tile_rows(s: TileSchedule, chunk: int, j: int) -> tuple[int, int]:
+    """Global rows ``[lo, hi)`` of tile row ``j`` of ``chunk``."""
+    lo = chunk * s.mc + j * s.block_m
+    return lo, min(lo + s.block_m, (chunk + 1) * s.mc)
+
+
+def program_tiles(s: TileSchedule, pid: int, num_programs: int, begin: int = 0, end: int | None = None):
+    """Tiles visited by persistent program ``pid`` of ``num_programs``, in visit order."""
+    end = s.num_tiles if end is None else end
+    return [s.decode(t) for t in range(begin + pid, end, num_programs)]
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -25,7 +35,6 @@ def test_chunk_orders_are_permutations_with_the_right_ends(world):
             order = chunk_order(kind, rank, world)
             assert sorted(order) == list(range(world)), (kind, rank, order)
         assert chunk_order("natural", rank, world) == list(range(world))
-        assert chunk_order("local_first", rank, world)[0] == rank
         arrival = chunk_order("arrival", rank, world)
         assert arrival == [(rank + s) % world for s in range(world)]
         owner_last = chunk_order("owner_last", rank, world)
@@ -55,7 +64,7 @@ def test_decode_visits_every_tile_once_in_chunk_order(world, mc, block_m, group_
         positions = [order.index(c) for c, _, _ in tiles]
         assert positions == sorted(positions)  # whole chunks, in the given order
         for c, j, col in tiles:
-            lo, hi = s.rows(c, j)
+            lo, hi = tile_rows(s, c, j)
             assert c * mc <= lo < hi <= (c + 1) * mc  # no tile straddles chunks
             assert 0 <= col < s.tile_cols
         assert s.aligned == (mc % block_m == 0)
@@ -125,17 +134,13 @@ def test_schedule_bad_arguments():
         TileSchedule(64, 64, 1, 32, 32, 1, (0,)).decode(4)
 
 
-def test_program_tiles_and_push_items():
+def test_program_tiles():
     s = TileSchedule(64, 64, 2, 32, 32, 2, (1, 0))
-    assert s.program_tiles(0, 3) == [s.decode(0), s.decode(3), s.decode(6)]
-    assert s.program_tiles(1, 3, begin=4) == [s.decode(5)]
-    assert band_of_tile(5, 2) == 2
-    items = push_items(1, 4, bands=2, pieces=2)
-    assert items[:2] == [(0, 2, 0), (0, 2, 1)] and items[-1] == (1, 0, 1)
-    assert len(items) == 2 * 3 * 2 and all(peer != 1 for _, peer, _ in items)
+    assert program_tiles(s, 0, 3) == [s.decode(0), s.decode(3), s.decode(6)]
+    assert program_tiles(s, 1, 3, begin=4) == [s.decode(5)]
 
 
-@pytest.mark.parametrize("world,order,lag", [(2, "arrival", 0), (4, "owner_last", 0), (8, "local_first", 0),
+@pytest.mark.parametrize("world,order,lag", [(2, "arrival", 0), (4, "owner_last", 0), (8, "arrival", 0),
                                              (3, "natural", 0), (2, "owner_last", 2), (4, "owner_last", 1),
                                              (3, "owner_last", 50)])
 def test_kernel_visits_tiles_in_the_python_order(world, order, lag):
@@ -154,5 +159,5 @@ def test_kernel_visits_tiles_in_the_python_order(world, order, lag):
     for e in tr.events():
         seen.setdefault(e["program"], []).append((e["seq"], (e["chunk"], e["tile_row"], e["tile_col"])))
     for p in range(programs):
-        assert [t for _, t in sorted(seen[p])] == s.program_tiles(p, programs)
+        assert [t for _, t in sorted(seen[p])] == program_tiles(s, p, programs)
     torch.testing.assert_close(out.float(), a.float() @ b.float(), rtol=2e-2, atol=2e-2)

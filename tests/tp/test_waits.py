@@ -18,8 +18,8 @@ from tilefuse.tp._emulate import emulate_ag_gemm
 from tilefuse.tp._gemm_core import GemmConfig
 from tilefuse.tp.symm import CommTimeoutError, FusedState, describe, emulated_workspaces, raise_recorded
 
-ag = importlib.import_module("tilefuse.tp.ag_gemm")
-rs = importlib.import_module("tilefuse.tp.gemm_rs")
+ag = importlib.import_module("tilefuse.tp._ag_gemm")
+rs = importlib.import_module("tilefuse.tp._gemm_rs")
 CFG = GemmConfig(16, 16, 16, 2, 1, 4)
 
 
@@ -28,7 +28,7 @@ def signals(ws):
 
 
 def test_barrier_with_arrived_peers_signals_and_consumes():
-    wss = emulated_workspaces(3, 1 << 16)
+    wss = emulated_workspaces(3, 64, 1 << 16)
     me = wss[1]
     signals(me)[0] = 1  # ranks 0 and 2 have arrived at rank 1
     signals(me)[2] = 1
@@ -40,7 +40,7 @@ def test_barrier_with_arrived_peers_signals_and_consumes():
 
 
 def test_barrier_with_a_missing_peer_records_and_raises():
-    wss = emulated_workspaces(4, 1 << 16)
+    wss = emulated_workspaces(4, 64, 1 << 16)
     me = wss[2]
     for peer in (0, 1):
         signals(me)[peer] = 1  # rank 3 never arrives
@@ -60,7 +60,7 @@ def test_missing_chunk_times_out_in_the_gemm_naming_the_chunk():
     b = torch.randn(k, n).to(torch.bfloat16)
     plans = [ag.make_plan("ce", mc * world, n, k, world, r, torch.bfloat16, torch.device("cpu"), config=CFG,
                           num_programs=4) for r in range(world)]
-    wss = emulated_workspaces(world, plans[0].nbytes)
+    wss = emulated_workspaces(world, plans[0].n_flags, plans[0].data_bytes)
     ag.ce_local_copies(plans[0], wss[0], shards[0])  # rank 0's own rows only
     out = torch.full((mc * world, n), float("nan")).to(torch.bfloat16)
     ag.launch_gemm_part(plans[0], wss[0], shards[0], b, out, "kn", P.timeout_units(1.0, "cpu", 20))
@@ -80,7 +80,7 @@ def test_gemm_rs_missing_partial_times_out():
     b = torch.randn(k, n).to(torch.bfloat16)
     plan = rs.make_plan("push", mc * world, n, k, world, 1, torch.bfloat16, torch.device("cpu"), config=CFG,
                         num_programs=2)
-    wss = emulated_workspaces(world, plan.nbytes)
+    wss = emulated_workspaces(world, plan.n_flags, plan.data_bytes)
     wss[1].ctl()[P.CTL_GO_GEMM.value] = 1
     out = torch.empty(mc, n, dtype=torch.bfloat16)
     rs.launch_gemm_part(plan, wss[1], a, b, out, "kn", P.timeout_units(1.0, "cpu", 20), barrier=False)
@@ -91,7 +91,7 @@ def test_gemm_rs_missing_partial_times_out():
 
 def test_state_check_raises_once_recorded_and_stays_broken():
     st = FusedState(None, "gemm_rs", torch.device("cpu"))
-    st.ws = emulated_workspaces(2, 1 << 16)[0]
+    st.ws = emulated_workspaces(2, 64, 1 << 16)[0]
     st.check()  # nothing recorded
     st.ws.err.copy_(torch.tensor([1, 0, 2, 1, 1, -1, 0, 1], dtype=torch.int32))
     with pytest.raises(CommTimeoutError, match="rank 0 timed out"):
@@ -115,7 +115,7 @@ def test_emulation_without_go_words_times_out_in_push():
     b = torch.randn(k, n).to(torch.bfloat16)
     plan = ag.make_plan("push", mc * world, n, k, world, 0, torch.bfloat16, torch.device("cpu"), config=CFG,
                         comm_programs=1, num_programs=2)
-    wss = emulated_workspaces(world, plan.nbytes)
+    wss = emulated_workspaces(world, plan.n_flags, plan.data_bytes)
     ag.launch_push(plan, wss[0], shards[0], P.timeout_units(1.0, "cpu", 20), barrier=False)
     rec = wss[0].err.tolist()
     assert rec[:5] == [1, 0, P.OP_CODES["ag_gemm"], P.ROLE_PUSH.value, 1]
@@ -136,22 +136,18 @@ def test_no_store_into_a_peer_after_a_failed_start_barrier():
     for local in (None, "sm", "ce"):  # None: nothing stages the own rows (read_local)
         plan = ag.make_plan("push", mc * world, n, k, world, 0, torch.bfloat16, dev, config=CFG, comm_programs=2,
                             num_programs=4, local_copy=local)
-        wss = emulated_workspaces(world, plan.nbytes)
+        wss = emulated_workspaces(world, plan.n_flags, plan.data_bytes)
         peer_before = wss[1].local.clone()
         ag.launch_push(plan, wss[0], shards[0], timeout, barrier=False)
         assert int(wss[0].err[0]) == 1 and torch.equal(wss[1].local, peer_before), local
-    for design in ("push", "forward"):
-        plan = rs.make_plan(design, mc * world, n, k, world, 0, torch.bfloat16, dev, config=CFG, num_programs=4,
-                            comm_programs=2 if design == "forward" else None)
-        wss = emulated_workspaces(world, plan.nbytes)
-        peer_before = wss[1].local.clone()
-        a = torch.randn(mc * world, k, generator=g).to(torch.bfloat16)
-        out = torch.empty(mc, n, dtype=torch.bfloat16)
-        rs.launch_gemm_part(plan, wss[0], a, b, out, "kn", timeout, tile_end=plan.peer_tiles, reset=False,
-                            barrier=False)
-        if design == "forward":  # the GEMM wrote its peer tiles locally; the forwarding kernel waits for go
-            rs.launch_forward(plan, wss[0], timeout, barrier=False)
-        assert int(wss[0].err[0]) == 1 and torch.equal(wss[1].local, peer_before), design
+    plan = rs.make_plan("push", mc * world, n, k, world, 0, torch.bfloat16, dev, config=CFG, num_programs=4)
+    wss = emulated_workspaces(world, plan.n_flags, plan.data_bytes)
+    peer_before = wss[1].local.clone()
+    a = torch.randn(mc * world, k, generator=g).to(torch.bfloat16)
+    out = torch.empty(mc, n, dtype=torch.bfloat16)
+    rs.launch_gemm_part(plan, wss[0], a, b, out, "kn", timeout, tile_end=(world - 1) * plan.tiles_per_chunk,
+                        reset=False, barrier=False)
+    assert int(wss[0].err[0]) == 1 and torch.equal(wss[1].local, peer_before)
 
 
 def test_waits_branch_uniformly_on_a_gpu():

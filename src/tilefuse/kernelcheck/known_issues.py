@@ -51,7 +51,6 @@ _ENTRIES = [
     # epilogues hold the accumulator while loading every peer's partial.
     ("tp.gemm", "sm_100a", "gemm * unaligned*", 100, "masked epilogue of an unaligned chunk"),
     ("tp.gemm", "*", "gemm_rs*", 2600, "reduce-scatter epilogue: accumulator plus peer partials"),
-    ("tp.comm", "*", "_rs_forward_kernel * BN=128 *", 16, "forwarding copy of 128-column tiles"),
 ]
 KNOWN_SPILLS = [KnownSpill(*e) for e in _ENTRIES]
 

@@ -608,15 +608,16 @@ def _gemm_configs(core) -> list:
 def _tp_variants() -> list[Variant]:
     import torch
 
+    from tilefuse.tp import _ag_gemm as ag
     from tilefuse.tp import _gemm_core as core
+    from tilefuse.tp import _gemm_rs as rs
     from tilefuse.tp import _primitives as P
+    from tilefuse.tp._common import DEFAULT_TIMEOUT_S
     from tilefuse.tp.symm import emulated_workspaces
 
-    ag = importlib.import_module("tilefuse.tp.ag_gemm")  # the package rebinds the names to functions
-    rs = importlib.import_module("tilefuse.tp.gemm_rs")
     paths = {f"{core.__name__}:_persistent_gemm": "tp.gemm", f"{ag.__name__}:_ag_push_kernel": "tp.comm",
-             f"{ag.__name__}:_barrier_kernel": "tp.comm", f"{rs.__name__}:_rs_forward_kernel": "tp.comm"}
-    timeout = int(ag.DEFAULT_TIMEOUT_S * 1e9)  # ns, as on a GPU
+             f"{ag.__name__}:_barrier_kernel": "tp.comm"}
+    timeout = int(DEFAULT_TIMEOUT_S * 1e9)  # ns, as on a GPU
     bf16, fp16 = torch.bfloat16, torch.float16
     cfgs = _gemm_configs(core)
     out: list[Variant] = []
@@ -626,7 +627,7 @@ def _tp_variants() -> list[Variant]:
             kernel = paths[launch.function]
             c, o = launch.arguments, launch.options
             if kernel == "tp.gemm":
-                epi = {0: "local", 1: "rs-push", 2: "rs-local"}[c["EPI"]]
+                epi = {0: "local", 1: "rs-push"}[c["EPI"]]
                 name = (f"{label} {c['BM']}x{c['BN']}x{c['BK']} w{o['num_warps']}s{o.get('num_stages', 3)} "
                         f"epi={epi}{' wait_a' if c['WAIT_A'] else ''}{'' if c['ALIGNED'] else ' unaligned'}"
                         f"{' barrier' if c['BARRIER'] else ''}{' recv_tma' if c.get('RECV_TMA') else ''}"
@@ -678,7 +679,7 @@ def _tp_variants() -> list[Variant]:
                 m = world * 8 * cfg.block_m
                 plan = ag.make_plan(design, m, 264, k, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS,
                                     local_copy=local)
-                ws = emulated_workspaces(world, plan.nbytes)[0]
+                ws = emulated_workspaces(world, plan.n_flags, plan.data_bytes)[0]
                 a_shard, b = tensors(m // world, 264, k, bf16, "kn")
                 out_t = torch.empty(m, 264, dtype=bf16)
                 with tracing(*paths) as launches:
@@ -689,8 +690,8 @@ def _tp_variants() -> list[Variant]:
                     ag.launch_gemm_part(plan, ws, a_shard, b, out_t, "kn", timeout, trace=trace_buf(_SMS, traced))
                 record(f"ag_gemm[{design}{'' if local is None else '/' + local}] W{world} bf16 kn", launches)
 
-        # gemm_rs: both designs at 2 and 8 ranks, every tile; unaligned chunks once; the owner's
-        # partials by TMA on the wide tile; traced at 8 with the plan's own choices (None).
+        # gemm_rs push at 2 and 8 ranks, every tile; unaligned chunks once; the owner's partials
+        # by TMA on the wide tile; traced at 8 with the plan's own choices (None).
         for cfg in cfgs:
             for design in rs.DESIGNS:
                 for world, rows, tma, traced in (
@@ -703,13 +704,11 @@ def _tp_variants() -> list[Variant]:
                     m = world * rows
                     plan = rs.make_plan(design, m, 264, 64, world, 0, bf16, "cpu", config=cfg, num_programs=_SMS,
                                         recv_tma=tma)
-                    ws = emulated_workspaces(world, plan.nbytes)[0]
+                    ws = emulated_workspaces(world, plan.n_flags, plan.data_bytes)[0]
                     a, b = tensors(m, 264, 64, bf16, "kn")
                     out_t = torch.empty(rows, 264, dtype=bf16)
                     with tracing(*paths) as launches:
                         rs.launch_gemm_part(plan, ws, a, b, out_t, "kn", timeout, trace=trace_buf(_SMS, traced))
-                        if design == "forward":
-                            rs.launch_forward(plan, ws, timeout, trace=trace_buf(_SMS, traced))
                     record(f"gemm_rs[{design}] W{world} bf16 kn", launches)
     return out
 
@@ -721,15 +720,15 @@ def tp_rs_gluon_variants() -> list[Variant]:
     import torch
 
     from tilefuse.tp import _gemm_core as core
+    from tilefuse.tp import _gemm_rs as rs
     from tilefuse.tp import _gemm_rs_gluon as gk
     from tilefuse.tp import _primitives as P
+    from tilefuse.tp._common import DEFAULT_TIMEOUT_S
     from tilefuse.tp.symm import emulated_workspaces
     from tilefuse.tp.trace import TRACE_FIELDS
 
-    ag = importlib.import_module("tilefuse.tp.ag_gemm")
-    rs = importlib.import_module("tilefuse.tp.gemm_rs")
     path = f"{gk.__name__}:rs_push_gluon_kernel"
-    timeout = int(ag.DEFAULT_TIMEOUT_S * 1e9)  # ns, as on a GPU
+    timeout = int(DEFAULT_TIMEOUT_S * 1e9)  # ns, as on a GPU
     bf16 = torch.bfloat16
     cfgs = _gemm_configs(core)
     out = []
@@ -742,7 +741,7 @@ def tp_rs_gluon_variants() -> list[Variant]:
                 rows, n, k = 2 * cfg.block_m, 264, 4 * cfg.block_k
                 plan = rs.make_plan("push", 2 * rows, n, k, 2, 0, bf16, "cpu", config=cfg, num_programs=_SMS)
                 assert plan.send_tma
-                ws = emulated_workspaces(2, plan.nbytes)[0]
+                ws = emulated_workspaces(2, plan.n_flags, plan.data_bytes)[0]
                 a = torch.zeros(2 * rows, k, dtype=bf16)
                 b = torch.zeros((k, n) if b_layout == "kn" else (n, k), dtype=bf16)
                 trace = torch.full((_SMS, 4, TRACE_FIELDS), -1, dtype=torch.int64) if traced else None
@@ -764,15 +763,15 @@ def tp_gemm_variants() -> list[Variant]:
     """``_persistent_gemm`` as ``gemm``, ``ag_gemm`` and ``gemm_rs`` launch it (their launch
     functions, on emulated workspaces, with the GPU's timer and timeout): every tile
     ``default_config`` picks; the GEMM alone in bf16 with B as [K, N] (chunks aligned to the
-    tile or not) and [N, K], and in fp16; ag_gemm's two designs at 8 ranks; gemm_rs's two
-    epilogues at 8 ranks, and the push epilogue also at 2 ranks (the reduction is unrolled
-    over the ranks) and with unaligned chunks."""
+    tile or not) and [N, K], and in fp16; ag_gemm's two designs at 8 ranks; gemm_rs's push
+    epilogue at 8 and 2 ranks (the reduction is unrolled over the ranks) and with unaligned
+    chunks."""
     return _unique(v for v in _tp_all() if v.kernel == "tp.gemm")
 
 
 def tp_comm_variants() -> list[Variant]:
     """The communication kernels (no dot) launched beside those GEMMs: ag_gemm's push and
-    barrier kernels, gemm_rs's forwarding kernel."""
+    barrier kernels."""
     return _unique(v for v in _tp_all() if v.kernel == "tp.comm")
 
 

@@ -8,9 +8,6 @@
   ``LOCAL`` is off: then copy engines stage it) and add one to that band's flag on the
   destination; the destination's GEMM waits for ``pieces`` per band.
   Program 0 runs the start barrier first; programs wait for its go word before a remote store.
-* ``_rs_forward_kernel``: gemm_rs with communication programs. Each peer-owned tile the local
-  GEMM finished (local flag) is copied into the owner's receive slot, then the owner's tile flag
-  is raised; the owner's GEMM adds it in its epilogue.
 
 Each kernel's last program resets the flags it consumed and its go word (``finish_program``).
 """
@@ -21,7 +18,6 @@ import triton
 import triton.language as tl
 
 from tilefuse.tp import _primitives as P
-from tilefuse.tp._gemm_core import _decode_tile
 
 
 @triton.jit
@@ -49,7 +45,7 @@ def _copy_block(src, src_row0, dst, dst_row0, rows, col0, cols, ld, BR: tl.const
             tl.store(dst + (dst_row0 + r + ri)[:, None].to(tl.int64) * ld + cc, v, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Mc", "bands", "rank", "timeout"))  # no compile per M (as _persistent_gemm)
 def _ag_push_kernel(
     a_ptr, ws_addr, bases_ptr, gath_off, flags_off, Mc, K, band_rows, bands, pieces, piece_cols, rank,
     err_addr, timeout, trace_ptr,
@@ -100,50 +96,3 @@ def _ag_push_kernel(
         ev += 1
     P.finish_program(ctl_ptr, P.CTL_DONE_COMM, P.CTL_GO_COMM, NUM_PROGRAMS,
                      P.as_ptr(ws_addr + flags_off, tl.int32), 0, 16)
-
-
-@triton.jit
-def _rs_forward_kernel(
-    ws_addr, bases_ptr, order_ptr, part_off, part_flags_off, recv_off, flags_off, Mc, N, n_items, rank,
-    err_addr, timeout, trace_ptr,
-    DTYPE: tl.constexpr, W: tl.constexpr, NUM_PROGRAMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    GROUP_M: tl.constexpr, BR: tl.constexpr, BARRIER: tl.constexpr, TRACE: tl.constexpr,
-    MAX_EVENTS: tl.constexpr, USE_TIMER: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    ctl_ptr = ws_addr.to(tl.pointer_type(tl.int32))
-    err_ptr = err_addr.to(tl.pointer_type(tl.int32))
-    part = P.as_ptr(ws_addr + part_off, DTYPE)
-    part_flags = P.as_ptr(ws_addr + part_flags_off, tl.int32)
-    if BARRIER:
-        if pid == 0:
-            P.barrier_all(bases_ptr, ctl_ptr, err_ptr, timeout, rank, 2, W, USE_TIMER)
-            tl.atomic_xchg(ctl_ptr + P.CTL_GO_COMM, 1, sem="release", scope="gpu")
-    tn = tl.cdiv(N, BN)
-    tpc = tl.cdiv(Mc, BM) * tn
-    go_ok = 0
-    dead = 0  # the start barrier failed: no store into a peer's buffers
-    ev = 0
-    for it in range(pid, n_items, NUM_PROGRAMS):
-        chunk, j, col = _decode_tile(it, Mc, N, order_ptr, 0, W, BM, BN, GROUP_M)
-        tic = j * tn + col
-        t_start = P.now_ns(USE_TIMER)
-        P.wait_geq(part_flags + chunk * tpc + tic, 1, ctl_ptr, err_ptr, timeout, rank, 2, P.ROLE_FORWARD, chunk,
-                   chunk * tpc + tic, USE_TIMER)
-        if go_ok == 0:
-            P.wait_geq(ctl_ptr + P.CTL_GO_COMM, 1, ctl_ptr, err_ptr, timeout, rank, 2, P.ROLE_GO, chunk, -1,
-                       USE_TIMER)
-            go_ok = 1
-            dead = P.read_word(ctl_ptr + P.CTL_ABORT)
-        t_waited = P.now_ns(USE_TIMER)
-        if dead == 0:
-            dst = P.peer_ptr(bases_ptr, chunk, recv_off, DTYPE)
-            _copy_block(part, chunk * Mc + j * BM, dst, rank * Mc + j * BM, tl.minimum(BM, Mc - j * BM),
-                        col * BN, tl.minimum(BN, N - col * BN), N, BR, BN)
-            P.set_flag(P.peer_ptr(bases_ptr, chunk, flags_off, tl.int32) + rank * tpc + tic, 1)
-        if TRACE:
-            info = (chunk.to(tl.int64) << 40) | (j.to(tl.int64) << 20) | col.to(tl.int64)
-            P.trace_event(trace_ptr, pid, ev, MAX_EVENTS, t_start, t_waited, P.now_ns(USE_TIMER), t_waited - t_start,
-                          info)
-        ev += 1
-    P.finish_program(ctl_ptr, P.CTL_DONE_COMM, P.CTL_GO_COMM, NUM_PROGRAMS, part_flags, W * tpc, 1024)

@@ -1,10 +1,29 @@
-"""Argument checks and the NCCL + GEMM path shared by ag_gemm and gemm_rs."""
+"""What ag_gemm and gemm_rs share: constants, argument checks, the NCCL + GEMM path."""
 
 from __future__ import annotations
 
-import torch
+import threading
 
-from tilefuse.tp._gemm_core import GemmConfig, gemm
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+# Data regions of a workspace start on this many bytes (TMA wants 16; 1 KiB keeps them apart
+# from the flag words' cache lines).
+ALIGN = 1024
+# Keeps NCCL and PyTorch's symmetric memory off NVLink multicast (tilefuse never uses it); the
+# environment of every process the benchmark and the GPU checks start.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+DEFAULT_TIMEOUT_S = 60.0  # bound of every cross-GPU wait unless the options say otherwise
+
+
+def align(nbytes: int) -> int:
+    """``nbytes`` rounded up to ``ALIGN``."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def tensor_desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """Host tensor descriptor (TMA on Hopper) of a row-major 2-D tensor."""
+    return TensorDescriptor.from_tensor(t, block)
 
 
 def resolve_group(group):
@@ -34,17 +53,10 @@ def check_out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tens
     return out
 
 
-def check_options(config, comm_programs, timeout_s) -> None:
-    if config is not None and not isinstance(config, GemmConfig):
-        raise TypeError(f"config must be a tilefuse.tp.GemmConfig or None, got {type(config).__name__}")
-    if comm_programs is not None and (not isinstance(comm_programs, int) or comm_programs < 1):
-        raise ValueError(f"comm_programs must be a positive int or None, got {comm_programs!r}")
-    if timeout_s is not None and (not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
-        raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
-
-
 def matmul(x: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_layout: str, config=None) -> torch.Tensor:
     """The GEMM of the NCCL path: cuBLAS on a GPU, the tilefuse kernel (interpreter) on CPU."""
+    from tilefuse.tp._gemm_core import gemm
+
     if x.device.type == "cuda":
         return torch.matmul(x, b if b_layout == "kn" else b.t(), out=out)
     return gemm(x, b, out, b_layout=b_layout, config=config)
@@ -68,12 +80,32 @@ def gemm_rs_nccl(a, b, out, group, b_layout, config=None):
     return out
 
 
-def with_measured_options(given: dict, measured: dict) -> dict:
-    """The call's options: what the caller passed, else what the policy measured fastest for
-    this exact shape (``Decision.options``), else None (the plan's defaults). Options the op
-    does not take are ignored (a row measured with another design's options)."""
-    out = dict(given)
-    for key, value in measured.items():
-        if key in out and out[key] is None:
-            out[key] = value
-    return out
+_CHECKED_SHAPES: set = set()
+_CHECKED_LOCK = threading.Lock()
+
+
+def check_same_shapes(group, world: int, op: str, shapes: dict[str, tuple[int, ...]], device: torch.device) -> None:
+    """ValueError naming the argument and every rank's shape when the ranks of ``group`` pass
+    different shapes (a collective would otherwise hang or return a wrong-sized result on
+    some ranks). Costs one collective per new (group, op, shapes) key on each rank, none after
+    (cached); skipped inside CUDA-graph capture, where no host-synchronising collective may run.
+    A rank that repeats a checked shape while a peer passes a new one is not caught."""
+    import torch.distributed as dist
+
+    if world < 2:
+        return
+    key = (group.group_name, op, tuple(shapes.items()))
+    if key in _CHECKED_SHAPES:
+        return
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    every: list = [None] * world
+    dist.all_gather_object(every, shapes, group=group)
+    for name in shapes:
+        seen = [tuple(r[name]) for r in every]
+        if len(set(seen)) > 1:
+            sizes = ", ".join(f"rank {r} {s}" for r, s in enumerate(seen))
+            raise ValueError(f"tilefuse.tp.{op}: {name} must have the same shape on every rank of the group, "
+                             f"got {sizes}")
+    with _CHECKED_LOCK:
+        _CHECKED_SHAPES.add(key)

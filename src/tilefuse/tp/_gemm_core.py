@@ -10,8 +10,7 @@ One kernel, specialised by constexprs:
 * epilogue: ``EPI_LOCAL`` stores to the output; ``EPI_RS_PUSH`` stores peer-owned tiles into the
   owner's receive buffer and raises the owner's per-tile flag one tile later (so the remote
   stores drain while the next tile computes), then reduces its own tiles with the received
-  partials; ``EPI_RS_LOCAL`` writes peer-owned tiles to a local buffer with a local flag for a
-  forwarding kernel, and reduces its own tiles the same way.
+  partials.
 
 Operands come through host tensor descriptors (TMA on Hopper); ``b`` may be ``[K, N]`` or
 nn.Linear's ``[N, K]``. Accumulation is fp32.
@@ -25,14 +24,13 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilefuse.tp import _primitives as P
+from tilefuse.tp._common import tensor_desc as _desc
 from tilefuse.tp._schedule import TileSchedule, cdiv
 
 EPI_LOCAL = tl.constexpr(0)
 EPI_RS_PUSH = tl.constexpr(1)
-EPI_RS_LOCAL = tl.constexpr(2)
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,7 @@ class GemmConfig:
             raise ValueError(f"invalid GemmConfig {self}")
 
 
-# The two tiles ``default_config`` chooses between (the measurements are in its docstring).
+# The two tiles ``default_config`` chooses between.
 WIDE_TILE = GemmConfig(128, 256, 64, 8, 3, 8, flatten=True)
 NARROW_TILE = GemmConfig(128, 128, 64, 8, 5, 8)
 
@@ -70,15 +68,10 @@ def _wave_efficiency(tiles: int, num_sms: int) -> float:
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = 132) -> GemmConfig:
-    """Tiles measured on H200 against cuBLAS (``benchmarks/gemm_sweep.py``,
-    ``results/h200/dist-gemm-core-sweep-1.json``): 128x256x64 / 3 stages / 8 warps, the best
-    tile at 20 of 22 shapes, unless 128x128 tiles fill the last wave clearly better, then
-    128x128x64 / 5 stages / 8 warps: 4096x512x4096 (64 wide tiles on 132 SMs: 0.58 against
-    0.97) and 4096x3584x4096 (448 tiles, 3.4 waves: 0.92 against 1.02). Where the two fill
-    alike the wide tile wins even below one wave (1024x3584x4096: 0.98 against 0.87 for the
-    128x128 / 4-stage tile this table used to pick there). The wide tile runs flattened
-    (``sweep-2-flatten``: 4096x4096x512 0.89 -> 0.99, 8192x8192x1024 0.91 -> 1.01 of cuBLAS);
-    the narrow one does not (flattened it lost 0.08-0.15)."""
+    """The 128x256x64 tile (3 stages, 8 warps, flattened tile and K loops) unless 128x128 tiles
+    fill the last wave of ``num_sms`` programs clearly better (by more than 0.1 of the SM-slots),
+    then 128x128x64 (5 stages, 8 warps, nested loops). Measured on H200 against cuBLAS with
+    ``benchmarks/gemm_sweep.py``; the numbers are in ``benchmarks/NOTES.md``."""
     del k
     wide = _wave_efficiency(cdiv(m, 128) * cdiv(n, 256), num_sms)
     narrow = _wave_efficiency(cdiv(m, 128) * cdiv(n, 128), num_sms)
@@ -189,15 +182,22 @@ def _reduce_own(acc, r_desc, ws_addr, j, col0, tic, tpc, Mc, N, rank, recv_off, 
     return acc
 
 
-@triton.jit
+# Everything that moves with M (rows, tile ranges, programs, lag, flag counts and targets) is a
+# plain runtime int: Triton would otherwise specialise it (== 1, % 16) and compile again as M
+# changes. N and K keep their specialisation: they are a layer's, fixed per layer.
+RUNTIME_INTS = ("M", "Mc", "rank", "lag", "tile_begin", "tile_end", "num_programs", "band_tiles",
+                "bands_per_chunk", "flag_target", "n_reset_flags", "timeout")
+
+
+@triton.jit(do_not_specialize=RUNTIME_INTS)
 def _persistent_gemm(
     a_desc, l_desc, b_desc, c_desc, r_desc, out_ptr,
     M, N, K, Mc, rank,
-    order_ptr, lag, tile_begin, tile_end,
+    order_ptr, lag, tile_begin, tile_end, num_programs,
     ws_addr, bases_ptr, flags_off, band_tiles, bands_per_chunk, flag_target,
-    recv_off, part_off, part_flags_off, n_reset_flags,
+    recv_off, n_reset_flags,
     err_addr, timeout, trace_ptr,
-    W: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    W: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     B_KN: tl.constexpr, EPI: tl.constexpr, WAIT_A: tl.constexpr,
     ALIGNED: tl.constexpr, RESET: tl.constexpr, BARRIER: tl.constexpr, TRACE: tl.constexpr,
@@ -219,7 +219,7 @@ def _persistent_gemm(
     dead = 0  # the start barrier failed: no store into a peer's buffers (it may not exist any more)
     pend = tl.full([], 0, tl.int64)  # address of a peer flag whose tile has not been released
     ev = 0
-    for t in tl.range(tile_begin + pid, tile_end, NUM_PROGRAMS, flatten=FLATTEN):
+    for t in tl.range(tile_begin + pid, tile_end, num_programs, flatten=FLATTEN):
         chunk, j, col = _decode_tile(t, Mc, N, order_ptr, lag, W, BM, BN, GROUP_M)
         if TRACE:  # the clock is read only for traces (a volatile read per tile hinders FLATTEN)
             t_start = P.now_ns(USE_TIMER)
@@ -257,23 +257,17 @@ def _persistent_gemm(
                 P.set_flag(pend.to(tl.pointer_type(tl.int32)), 1)
                 pend = pend * 0
             if remote:
-                if EPI == EPI_RS_PUSH:
-                    if go_ok == 0:
-                        w0 = P.now_ns(USE_TIMER)
-                        P.wait_geq(ctl_ptr + P.CTL_GO_GEMM, 1, ctl_ptr, err_ptr, timeout, rank, OP, P.ROLE_GO,
-                                   chunk, -1, USE_TIMER)
-                        go_ok = 1
-                        dead = P.read_word(ctl_ptr + P.CTL_ABORT)  # the wait may have ended by abort
-                        wait_ns += P.now_ns(USE_TIMER) - w0
-                    if dead == 0:
-                        dst = P.peer_ptr(bases_ptr, chunk, recv_off, OUT_DTYPE)
-                        _store_rows(dst, rank * Mc + j * BM, rows_valid, col * BN, N, acc.to(OUT_DTYPE), BM, BN)
-                        pend = tl.load(bases_ptr + chunk) + flags_off + (rank * tpc + tic) * 4
-                else:
-                    part = P.as_ptr(ws_addr + part_off, OUT_DTYPE)
-                    _store_rows(part, chunk * Mc + j * BM, rows_valid, col * BN, N, acc.to(OUT_DTYPE), BM, BN)
-                    pflag = P.as_ptr(ws_addr + part_flags_off, tl.int32) + chunk * tpc + tic
-                    P.set_flag(pflag, 1)
+                if go_ok == 0:
+                    w0 = P.now_ns(USE_TIMER)
+                    P.wait_geq(ctl_ptr + P.CTL_GO_GEMM, 1, ctl_ptr, err_ptr, timeout, rank, OP, P.ROLE_GO,
+                               chunk, -1, USE_TIMER)
+                    go_ok = 1
+                    dead = P.read_word(ctl_ptr + P.CTL_ABORT)  # the wait may have ended by abort
+                    wait_ns += P.now_ns(USE_TIMER) - w0
+                if dead == 0:
+                    dst = P.peer_ptr(bases_ptr, chunk, recv_off, OUT_DTYPE)
+                    _store_rows(dst, rank * Mc + j * BM, rows_valid, col * BN, N, acc.to(OUT_DTYPE), BM, BN)
+                    pend = tl.load(bases_ptr + chunk) + flags_off + (rank * tpc + tic) * 4
             else:
                 w0 = P.now_ns(USE_TIMER)
                 acc = _reduce_own(acc, r_desc, ws_addr, j, col * BN, tic, tpc, Mc, N, rank, recv_off, flags_off,
@@ -290,7 +284,7 @@ def _persistent_gemm(
     if pend != 0:
         P.set_flag(pend.to(tl.pointer_type(tl.int32)), 1)
     if RESET:
-        P.finish_program(ctl_ptr, P.CTL_DONE_GEMM, P.CTL_GO_GEMM, NUM_PROGRAMS,
+        P.finish_program(ctl_ptr, P.CTL_DONE_GEMM, P.CTL_GO_GEMM, num_programs,
                          P.as_ptr(ws_addr + flags_off, tl.int32), n_reset_flags, 1024)
 
 
@@ -311,8 +305,6 @@ class CommArgs:
     bands_per_chunk: int = 1
     flag_target: int = 1
     recv_off: int = 0
-    part_off: int = 0
-    part_flags_off: int = 0
     n_reset_flags: int = 0
     recv: torch.Tensor | None = None  # the receive buffer [W * Mc, N]: partials loaded by TMA
     reset: bool = True
@@ -320,10 +312,6 @@ class CommArgs:
 
 
 _B_LAYOUTS = ("kn", "nk")
-
-
-def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(t, block)
 
 
 def launch_gemm(
@@ -372,13 +360,12 @@ def launch_gemm(
         dummy = _dummy(device)
         # Unused by a plain GEMM; real addresses keep the argument types (int64) stable.
         comm_vals = dict(ws_addr=dummy.data_ptr(), bases=dummy, flags_off=0, band_tiles=1, bands_per_chunk=1,
-                         flag_target=1, recv_off=0, part_off=0, part_flags_off=0, n_reset=0,
+                         flag_target=1, recv_off=0, n_reset=0,
                          err_addr=dummy.data_ptr(), timeout=1, reset=False, barrier=False)
     else:
         comm_vals = dict(ws_addr=comm.ws.data_ptr(), bases=comm.bases, flags_off=comm.flags_off,
                          band_tiles=comm.band_tiles, bands_per_chunk=comm.bands_per_chunk,
-                         flag_target=comm.flag_target, recv_off=comm.recv_off, part_off=comm.part_off,
-                         part_flags_off=comm.part_flags_off, n_reset=comm.n_reset_flags,
+                         flag_target=comm.flag_target, recv_off=comm.recv_off, n_reset=comm.n_reset_flags,
                          err_addr=comm.err.data_ptr(), timeout=comm.timeout, reset=comm.reset,
                          barrier=comm.barrier)
     max_events = trace.shape[1] if trace is not None else 1
@@ -388,13 +375,13 @@ def launch_gemm(
     args = (
         a_desc, l_desc, b_desc, c_desc, r_desc, out,
         a.shape[0], n, k, schedule.mc, rank,
-        order, schedule.lag_tiles, tile_begin, tile_end,
+        order, schedule.lag_tiles, tile_begin, tile_end, programs,
         c["ws_addr"], c["bases"], c["flags_off"], c["band_tiles"], c["bands_per_chunk"], c["flag_target"],
-        c["recv_off"], c["part_off"], c["part_flags_off"], c["n_reset"],
+        c["recv_off"], c["n_reset"],
         c["err_addr"], c["timeout"], trace if trace is not None else _dummy(device),
     )
     kwargs = dict(
-        W=schedule.world, NUM_PROGRAMS=programs,
+        W=schedule.world,
         BM=bm, BN=bn, BK=bk, GROUP_M=schedule.group_m,
         B_KN=b_layout == "kn", EPI=epilogue, WAIT_A=wait_a,
         ALIGNED=schedule.aligned, RESET=c["reset"], BARRIER=c["barrier"],
@@ -476,17 +463,24 @@ def gemm(
     """``a @ b`` (or ``a @ b.T`` for ``b_layout='nk'``) by the persistent kernel alone: the
     engine of the fused ops, benchmarked on its own against cuBLAS. ``chunks``/``order``/``rank``/
     ``lag`` select the tile order the fused ops use (``_schedule``)."""
-    from tilefuse.tp._schedule import chunk_order, chunk_rows
-
     k, n = check_operands(a, b, b_layout)
     m = a.shape[0]
-    cfg = config or default_config(m, n, k, num_sms(a.device))
     if out is None:
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     elif out.shape != (m, n) or out.dtype != a.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {a.dtype} tensor of shape {(m, n)}")
-    sched = TileSchedule(chunk_rows(m, chunks), n, chunks, cfg.block_m, cfg.block_n, cfg.group_m,
-                         tuple(chunk_order(order, rank, chunks)), lag)
+    cfg, sched = _gemm_plan(m, n, k, a.device, config, chunks, order, rank, lag)
     launch_gemm(a, b, out, schedule=sched, rank=rank, config=cfg, b_layout=b_layout,
                 num_programs=num_programs, trace=trace)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _gemm_plan(m, n, k, device, config, chunks, order, rank, lag) -> tuple[GemmConfig, TileSchedule]:
+    """The tile config and the schedule of a plain GEMM (per shape: not rebuilt every call)."""
+    from tilefuse.tp._schedule import chunk_order, chunk_rows
+
+    cfg = config or default_config(m, n, k, num_sms(device))
+    sched = TileSchedule(chunk_rows(m, chunks), n, chunks, cfg.block_m, cfg.block_n, cfg.group_m,
+                         tuple(chunk_order(order, rank, chunks)), lag)
+    return cfg, sched

@@ -93,12 +93,12 @@ def _publish(pend, USE_TIMER: gl.constexpr):
 
 
 @gluon.jit
-def _reset_flags(ctl_ptr, flags_ptr, n_flags, NUM_PROGRAMS: gl.constexpr, num_warps: gl.constexpr):
+def _reset_flags(ctl_ptr, flags_ptr, n_flags, num_programs, num_warps: gl.constexpr):
     """``P.finish_program`` with a laid-out zero block (Gluon tensors carry their layout)."""
     ZERO_BLOCK: gl.constexpr = 1024
     blocked: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
     prev = gl.atomic_add(ctl_ptr + P.CTL_DONE_GEMM, 1, sem="acq_rel", scope="gpu")
-    if prev == NUM_PROGRAMS - 1:
+    if prev == num_programs - 1:
         offs = gl.arange(0, ZERO_BLOCK, layout=blocked)
         for start in range(0, n_flags, ZERO_BLOCK):
             gl.store(flags_ptr + start + offs, gl.zeros([ZERO_BLOCK], gl.int32, layout=blocked),
@@ -107,14 +107,15 @@ def _reset_flags(ctl_ptr, flags_ptr, n_flags, NUM_PROGRAMS: gl.constexpr, num_wa
         gl.atomic_xchg(ctl_ptr + P.CTL_DONE_GEMM, 0, sem="release", scope="gpu")
 
 
-@gluon.jit
+# As in _persistent_gemm: what moves with M is a plain runtime int (no compile per M).
+@gluon.jit(do_not_specialize=("Mc", "rank", "lag", "tile_end", "num_programs", "n_reset_flags", "timeout"))
 def rs_push_gluon_kernel(
     a_desc, b_desc, c_desc, r_desc, p_desc,
     N, K, Mc, rank,
-    order_ptr, lag, tile_end,
+    order_ptr, lag, tile_end, num_programs,
     ws_addr, bases_ptr, flags_off, n_reset_flags,
     err_addr, timeout, trace_ptr,
-    W: gl.constexpr, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    W: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     B_KN: gl.constexpr, RESET: gl.constexpr, BARRIER: gl.constexpr, TRACE: gl.constexpr,
     MAX_EVENTS: gl.constexpr, USE_TIMER: gl.constexpr, OP: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -167,7 +168,7 @@ def rs_push_gluon_kernel(
             t_start = gl.full([], 0, gl.int64)
         wait_ns = t_start - t_start
         # Decoded now: the order table's load completes under the main loop, not in the epilogue.
-        t_next = t + NUM_PROGRAMS
+        t_next = t + num_programs
         n_chunk, n_j, n_col, n_row = _tile_rows(t_next, Mc, N, order_ptr, lag, W, BM, BN, GROUP_M)
         acc = gl.zeros((BM, BN), gl.float32, layout=mma)
         for kt in range(k_steps):
@@ -259,10 +260,11 @@ def rs_push_gluon_kernel(
     mbarrier.invalidate(r_bar)
     if RESET:
         _cta_sync()
-        _reset_flags(ctl_ptr, flags, n_reset_flags, NUM_PROGRAMS, num_warps)
+        _reset_flags(ctl_ptr, flags, n_reset_flags, num_programs, num_warps)
 
 
-def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+def _nvmma_desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A Gluon descriptor: Gluon's TMA ops need the shared-memory layout in the descriptor."""
     layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPE[t.dtype])
     return TensorDescriptor.from_tensor(t, block, layout)
 
@@ -279,15 +281,16 @@ def launch(a, b, out, recv, peer_recv, *, schedule, rank, config, b_layout, comm
     tile_end = schedule.num_tiles
     programs = max(1, min(num_programs, tile_end))
     args = (
-        _desc(a, [bm, bk]), _desc(b, [bk, bn] if b_layout == "kn" else [bn, bk]), _desc(out, [bm, bn]),
-        _desc(recv, [bm, bn]), _desc(peer_recv, [bm, bn]),
+        _nvmma_desc(a, [bm, bk]), _nvmma_desc(b, [bk, bn] if b_layout == "kn" else [bn, bk]),
+        _nvmma_desc(out, [bm, bn]),
+        _nvmma_desc(recv, [bm, bn]), _nvmma_desc(peer_recv, [bm, bn]),
         schedule.n, a.shape[1], schedule.mc, rank,
-        _order_tensor(schedule.order, a.device), schedule.lag_tiles, tile_end,
+        _order_tensor(schedule.order, a.device), schedule.lag_tiles, tile_end, programs,
         comm.ws.data_ptr(), comm.bases, comm.flags_off, comm.n_reset_flags,
         comm.err.data_ptr(), comm.timeout, trace if trace is not None else _dummy(a.device),
     )
     rs_push_gluon_kernel[(programs,)](
-        *args, W=schedule.world, NUM_PROGRAMS=programs, GROUP_M=schedule.group_m, STAGES=cfg.num_stages,
+        *args, W=schedule.world, GROUP_M=schedule.group_m, STAGES=cfg.num_stages,
         B_KN=b_layout == "kn", RESET=comm.reset, BARRIER=comm.barrier, TRACE=trace is not None,
         MAX_EVENTS=trace.shape[1] if trace is not None else 1, USE_TIMER=use_timer, OP=op_code,
         num_warps=cfg.num_warps,

@@ -41,8 +41,7 @@ ROLE_BARRIER = tl.constexpr(1)
 ROLE_GEMM = tl.constexpr(2)  # a GEMM tile waiting for its rows (ag_gemm) or peer partials (gemm_rs)
 ROLE_GO = tl.constexpr(3)  # a kernel waiting for the start barrier of its call
 ROLE_PUSH = tl.constexpr(4)  # the ag_gemm push kernel waiting for the start barrier
-ROLE_FORWARD = tl.constexpr(5)  # the gemm_rs forwarding kernel waiting for a local tile
-ROLE_NAMES = {1: "barrier", 2: "gemm", 3: "go", 4: "push", 5: "forward"}
+ROLE_NAMES = {1: "barrier", 2: "gemm", 3: "go", 4: "push"}
 # Spins between two looks at the clock and the abort word: each look costs two CTA barriers
 # and an L2 round trip that would otherwise delay noticing the flag.
 EXPIRY_EVERY = tl.constexpr(4)

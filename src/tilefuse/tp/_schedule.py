@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CHUNK_ORDERS = ("natural", "local_first", "arrival", "owner_last")
+CHUNK_ORDERS = ("natural", "arrival", "owner_last")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -35,7 +35,6 @@ def chunk_order(kind: str, rank: int, world: int) -> list[int]:
     """The order in which a rank computes the row chunks.
 
     * ``natural``: ``0 .. W-1`` (a plain GEMM);
-    * ``local_first``: own chunk, then the others ascending;
     * ``arrival``: own chunk, then ``rank+1, rank+2, ...`` (mod W): the order in which the
       gathers of ag_gemm deliver peer chunks, so a tile never waits behind a later chunk;
     * ``owner_last``: ``rank+1, ..., rank-1`` then own chunk: gemm_rs sends peer rows first
@@ -47,8 +46,6 @@ def chunk_order(kind: str, rank: int, world: int) -> list[int]:
         raise ValueError(f"rank must be in [0, {world}), got {rank}")
     if kind == "natural":
         return list(range(world))
-    if kind == "local_first":
-        return [rank] + [c for c in range(world) if c != rank]
     if kind == "arrival":
         return [(rank + s) % world for s in range(world)]
     if kind == "owner_last":
@@ -142,30 +139,3 @@ class TileSchedule:
         else:  # the tail: own tiles only
             return w - 1, t - head - w * (tpc - lag) + tpc - lag
         return slot % (w - 1), slot // (w - 1)
-
-    def tile_in_chunk(self, j: int, col: int) -> int:
-        """Index of a tile inside its chunk's flag array (row-major over the chunk's tiles)."""
-        return j * self.tile_cols + col
-
-    def rows(self, chunk: int, j: int) -> tuple[int, int]:
-        """Global rows ``[lo, hi)`` of tile row ``j`` of ``chunk``."""
-        lo = chunk * self.mc + j * self.block_m
-        return lo, min(lo + self.block_m, (chunk + 1) * self.mc)
-
-    def program_tiles(self, pid: int, num_programs: int, begin: int = 0, end: int | None = None):
-        """Tiles visited by persistent program ``pid`` of ``num_programs``, in visit order."""
-        end = self.num_tiles if end is None else end
-        return [self.decode(t) for t in range(begin + pid, end, num_programs)]
-
-
-def band_of_tile(j: int, band_tiles: int) -> int:
-    """ag_gemm flag band of tile row ``j`` (a band is ``band_tiles`` tile rows of one chunk)."""
-    return j // band_tiles
-
-
-def push_items(rank: int, world: int, bands: int, pieces: int) -> list[tuple[int, int, int]]:
-    """ag_gemm SM-push work list ``(band, peer, piece)``: band-major so early rows land first,
-    peers interleaved so every peer's first band arrives at the same time."""
-    return [
-        (b, (rank + s) % world, q) for b in range(bands) for s in range(1, world) for q in range(pieces)
-    ]

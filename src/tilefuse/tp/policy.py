@@ -1,10 +1,13 @@
 """Which path runs a TP GEMM: a fused design or NCCL + GEMM, per (op, M, N, K, W, dtype).
 
 The choice comes from a table of measured rows (``policy_table.json`` beside this file, written
-from ``benchmarks/results/<gpu>/`` by ``tilefuse.tp.bench --write-policy``): each row is a
+from ``benchmarks/results/<gpu>/`` by ``tilefuse.bench.suites.tp --write-policy``): each row is a
 shape the benchmark timed, the winner (``"nccl"`` or a fused design) and the times behind it.
-A query takes the row of the same op and world size (else the nearest world size) whose shape
-is nearest in log2(M), log2(N), log2(K), and uses its winner. Rows carry the timing mode they
+A query takes the rows of the same op and world size (else the nearest world size); if its M,
+N or K lies outside the range those rows cover, nothing measured speaks for it and the answer
+is NCCL + GEMM (e.g. decode-sized M below the smallest measured M); inside, the row whose
+shape is nearest in log2(M), log2(N), log2(K) gives the winner. The reason names the row (its
+index in the table, its result file where the row records one). Rows carry the timing mode they
 were measured in: ``graph`` (CUDA-graph replay, no host work per call) answers calls made
 while a CUDA graph is being captured, ``batch`` (back-to-back eager calls, host launch cost
 included) answers eager calls; the two differ at small M, where an eager fused call is bound
@@ -12,8 +15,8 @@ by its launch path. A row may also name the options of its winner's fastest vari
 benchmark's syntax, e.g. ``push/p24/b128``); they apply to calls of exactly that shape, where
 the caller left them unset (``Decision.options``). Rules before the table:
 
-1. an explicit ``path=`` / ``design=`` argument, then :func:`override` / :func:`set_override`,
-   then the environment (``TILEFUSE_DIST_PATH=fused|nccl``, ``TILEFUSE_DIST_DESIGN``);
+1. an explicit ``path=`` / ``design=`` argument, then :func:`override` / :func:`set_override`
+   (nothing is read from the environment);
 2. a group spanning more than one node, a world size above 8, or tensors not on a CUDA device
    (no symmetric memory) -> NCCL (the product then runs on the tilefuse GEMM kernel on CPU);
    forcing the fused path there raises ValueError;
@@ -28,7 +31,6 @@ import contextlib
 import functools
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,8 +39,10 @@ import torch
 OPS = ("ag_gemm", "gemm_rs")
 PATHS = ("fused", "nccl")
 DEFAULT_DESIGN = {"ag_gemm": "ce", "gemm_rs": "push"}
-FUSED_DESIGNS = {"ag_gemm": ("ce", "push"), "gemm_rs": ("push", "forward")}
+FUSED_DESIGNS = {"ag_gemm": ("ce", "push"), "gemm_rs": ("push",)}
 MAX_WORLD = 8
+# The variant syntax's option letters each op takes (``fused_variants``).
+OP_OPTION_KEYS = {"ag_gemm": ("p", "s", "c", "r", "b"), "gemm_rs": ("l", "g", "t", "x", "b")}
 TABLE_PATH = Path(__file__).with_name("policy_table.json")
 
 
@@ -55,15 +59,20 @@ class Decision:
 
 _override: dict[str, dict] = {}
 _table: list[dict] | None = None
+_table_name = TABLE_PATH.name  # what reasons cite rows of
+# decide() per call arguments -> Decision; emptied whenever the overrides or the table change.
+_decisions: dict[tuple, Decision] = {}
 
 
 def load_table(rows: list[dict] | str | Path | None = None) -> list[dict]:
     """Replace the measured table (rows, or a JSON file); ``None`` reloads the shipped file."""
-    global _table
+    global _table, _table_name
     if rows is None:
-        rows = json.loads(TABLE_PATH.read_text())["rows"] if TABLE_PATH.exists() else []
+        rows, name = (json.loads(TABLE_PATH.read_text())["rows"] if TABLE_PATH.exists() else []), TABLE_PATH.name
     elif isinstance(rows, (str, Path)):
-        rows = json.loads(Path(rows).read_text())["rows"]
+        rows, name = json.loads(Path(rows).read_text())["rows"], Path(rows).name
+    else:
+        name = "the rows given to load_table"
     for i, r in enumerate(rows):
         missing = {"op", "m", "n", "k", "world", "winner"} - set(r)
         if missing:
@@ -72,7 +81,8 @@ def load_table(rows: list[dict] | str | Path | None = None) -> list[dict]:
             raise ValueError(f"policy row {i}: op must be one of {OPS}, got {r['op']!r}")
         if r["winner"] != "nccl" and r["winner"] not in FUSED_DESIGNS[r["op"]]:
             raise ValueError(f"policy row {i}: winner {r['winner']!r} is neither 'nccl' nor a design of {r['op']}")
-    _table = list(rows)
+    _table, _table_name = list(rows), name
+    _decisions.clear()
     return _table
 
 
@@ -84,6 +94,7 @@ def table() -> list[dict]:
 def set_override(op: str | None = None, *, path: str | None = None, design: str | None = None) -> None:
     """Force ``path`` (and ``design``) for ``op`` (both ops when None); all None clears."""
     ops = OPS if op is None else (op,)
+    _decisions.clear()
     for o in ops:
         _check_op(o)
         if path is None and design is None:
@@ -103,6 +114,7 @@ def override(op: str | None = None, *, path: str | None = None, design: str | No
     finally:
         _override.clear()
         _override.update(saved)
+        _decisions.clear()
 
 
 def _check_op(op: str) -> None:
@@ -121,14 +133,13 @@ def _distance(r: dict, m: int, n: int, k: int) -> float:
     return sum(abs(math.log2(max(a, 1)) - math.log2(max(b, 1))) for a, b in ((r["m"], m), (r["n"], n), (r["k"], k)))
 
 
-def lookup(op: str, m: int, n: int, k: int, world: int, dtype: torch.dtype | None = None,
-           timing: str | None = None) -> dict | None:
-    """The table row nearest to the query (same op; rows of the timing mode ``graph`` or
-    ``batch`` preferred; nearest world size; nearest log-shape; rows of the query's dtype
-    preferred)."""
+def _candidates(op: str, world: int, dtype: torch.dtype | None, timing: str | None) -> list[dict]:
+    """The rows a query is answered from: same op; rows of the timing mode ``graph`` or
+    ``batch`` preferred; the nearest world size (ties: the larger); rows of the query's dtype
+    preferred."""
     rows = [r for r in table() if r["op"] == op]
     if not rows:
-        return None
+        return []
     if timing is not None:
         rows = [r for r in rows if r.get("timing", "batch") == timing] or rows
     best_w = min({r["world"] for r in rows}, key=lambda w: (abs(w - world), -w))
@@ -137,7 +148,37 @@ def lookup(op: str, m: int, n: int, k: int, world: int, dtype: torch.dtype | Non
         name = str(dtype).replace("torch.", "")
         same = [r for r in rows if r.get("dtype", name) == name]
         rows = same or rows
-    return min(rows, key=lambda r: _distance(r, m, n, k))
+    return rows
+
+
+def lookup(op: str, m: int, n: int, k: int, world: int, dtype: torch.dtype | None = None,
+           timing: str | None = None) -> dict | None:
+    """The candidate row (``_candidates``) nearest to the query in log-shape."""
+    rows = _candidates(op, world, dtype, timing)
+    return min(rows, key=lambda r: _distance(r, m, n, k)) if rows else None
+
+
+def outside_measured(op: str, m: int, n: int, k: int, world: int, dtype: torch.dtype | None = None,
+                     timing: str | None = None) -> str | None:
+    """Why the query lies outside the range of M, N or K its candidate rows cover (None when
+    inside, or when there are no rows)."""
+    rows = _candidates(op, world, dtype, timing)
+    for dim, value in (("m", m), ("n", n), ("k", k)):
+        if not rows:
+            break
+        lo, hi = min(r[dim] for r in rows), max(r[dim] for r in rows)
+        if not lo <= value <= hi:
+            return (f"{dim.upper()} = {value} is outside the measured {dim.upper()} = {lo}..{hi} of {op} "
+                    f"W={rows[0]['world']} ({rows[0].get('timing', 'batch')} timing)")
+    return None
+
+
+def _cite(row: dict) -> str:
+    """The row as reasons name it: the shape, the timing mode, where the row is."""
+    index = next((i for i, r in enumerate(_table or []) if r is row), None)
+    where = f"{_table_name} row {index}" + (f" from {row['source']}" if row.get("source") else "")
+    return (f"measured row {row['op']} M={row['m']} N={row['n']} K={row['k']} W={row['world']} "
+            f"({row.get('timing', 'batch')} timing; {where})")
 
 
 def decide(
@@ -156,7 +197,19 @@ def decide(
 ) -> Decision:
     """Pick the path for one call (see the module docstring for the order of the rules).
     ``capturing``: whether the call is being captured into a CUDA graph (picks the table's
-    ``graph`` rows); None asks torch for the current stream."""
+    ``graph`` rows); None asks torch for the current stream. The answer is cached per
+    arguments until the overrides or the table change."""
+    if capturing is None:
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    key = (op, m, n, k, world, dtype, device_type, nodes, path, design, capturing)
+    dec = _decisions.get(key)
+    if dec is None:
+        dec = _decide(op, m, n, k, world, dtype, device_type, nodes, path, design, capturing)
+        _decisions[key] = dec
+    return dec
+
+
+def _decide(op, m, n, k, world, dtype, device_type, nodes, path, design, capturing) -> Decision:
     _check_op(op)
     _check_choice(op, path, design)
     if world < 1:
@@ -167,11 +220,6 @@ def decide(
     if not forced and op in _override:
         path, design = _override[op]["path"], _override[op]["design"]
         forced = True
-    env_path = os.environ.get("TILEFUSE_DIST_PATH") or None
-    env_design = os.environ.get(f"TILEFUSE_DIST_DESIGN_{op.upper()}") or None
-    if not forced and (env_path or env_design):
-        _check_choice(op, env_path, env_design)
-        path, design, forced = env_path, env_design, True
     if path == "nccl":
         return Decision("nccl", None, "forced")
     unavailable = None
@@ -185,8 +233,6 @@ def decide(
         if forced:
             raise ValueError(f"{op}: the fused path was forced but is unavailable ({unavailable}); use path='nccl'")
         return Decision("nccl", None, unavailable)
-    if capturing is None:
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     timing = "graph" if capturing else "batch"
     if forced:
         return Decision("fused", design or _table_design(op, m, n, k, world, dtype, timing) or DEFAULT_DESIGN[op],
@@ -194,8 +240,10 @@ def decide(
     row = lookup(op, m, n, k, world, dtype, timing)
     if row is None:
         return Decision("fused", DEFAULT_DESIGN[op], "no measured rows: default fused design")
-    where = (f"nearest measured row {row['op']} M={row['m']} N={row['n']} K={row['k']} W={row['world']} "
-             f"({row.get('timing', 'batch')} timing)")
+    outside = outside_measured(op, m, n, k, world, dtype, timing)
+    if outside is not None:
+        return Decision("nccl", None, f"{outside}: nothing measured there, NCCL + GEMM")
+    where = f"nearest {_cite(row)}"
     if row["winner"] == "nccl":
         return Decision("nccl", None, f"{where}: NCCL + GEMM was faster", row)
     variant = row.get("variant") or row["winner"]
@@ -229,14 +277,14 @@ def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
     """Variants in the syntax of the benchmark's ``--designs`` and of the table's ``variant``:
     ``(name, design, options)`` from ``auto`` (design None: the policy's own choice) or
     ``design[/p16+32][/l0+66][/g132][/s4][/csm+ce][/r0+1][/t0+1][/x0+1][/b128+256]`` items, e.g.
-    ``ce,push/p16+32``: ``p`` sets ``comm_programs``, ``l`` gemm_rs's ``lag``, ``g``
-    gemm_rs's ``num_programs``, ``s`` ag_gemm's ``splits``, ``c`` ag_gemm push's ``local_copy``,
+    ``ce,push/p16+32``: ``p`` sets ag_gemm push's ``comm_programs``, ``l`` gemm_rs's ``lag``, ``g``
+    gemm_rs's ``gemm_programs``, ``s`` ag_gemm's ``splits``, ``c`` ag_gemm push's ``local_copy``,
     ``t`` gemm_rs's ``recv_tma`` (0 / 1), ``x`` gemm_rs's ``send_tma`` (0 / 1), ``r`` ag_gemm's
     ``read_local`` (0 / 1), ``b`` the GEMM tile (128x128 / 5 stages or 128x256 /
     3 stages, as ``default_config`` builds them); one variant per combination."""
     import itertools
 
-    keys = {"p": "comm_programs", "l": "lag", "g": "num_programs", "s": "splits", "c": "local_copy",
+    keys = {"p": "comm_programs", "l": "lag", "g": "gemm_programs", "s": "splits", "c": "local_copy",
             "t": "recv_tma", "x": "send_tma", "r": "read_local", "b": "config"}
     words = {"c": ("sm", "ce")}
     flags = {"t", "x", "r"}  # 0 / 1 -> bool
@@ -260,6 +308,8 @@ def fused_variants(op: str, spec: str) -> list[tuple[str, str, dict]]:
             if not ok:
                 raise ValueError(f"variant option {opt!r} in {item!r}: expected p, l, g, s, t, x, r or b and "
                                  "<int>[+<int>...], or c and sm / ce")
+            if key not in OP_OPTION_KEYS[op]:
+                raise ValueError(f"variant option {opt!r} in {item!r}: {op} takes {', '.join(OP_OPTION_KEYS[op])}")
             if key in flags and not all(v in ("0", "1") for v in values):
                 raise ValueError(f"variant option {opt!r} in {item!r}: {key} takes 0 or 1")
             if key == "b" and not all(v in ("128", "256") for v in values):

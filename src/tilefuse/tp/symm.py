@@ -1,19 +1,30 @@
-"""Symmetric-memory workspaces of the fused TP ops: allocation, reuse, errors.
+"""Symmetric-memory workspaces of the fused TP ops: allocation, reuse, errors, flag protocol.
 
 One workspace per (process group, op): a byte buffer from
 ``torch.distributed._symmetric_memory`` that every rank of the group can address, laid out as
 
-    [control words | barrier slots (written by peers) | flags | data regions]
+    [control words | barrier slots (written by peers) | flags (flag_words) | data]
 
-(offsets in ``_primitives``; the data layout is the op's). It is allocated on first use, reused
-by every later call, grown (collectively: every rank asks for the same size) only outside
-CUDA-graph capture, and size-checked on every call. NVLink multicast is never used.
+The flag region has a fixed size per workspace, chosen when it is allocated, and no call ever
+uses its bytes as data: whatever shapes run on the workspace, and in whatever order eager
+calls, graph captures and replays come, one call's data never lands in another call's flag
+words. Every flag a call's kernels wait on starts at zero: a workspace is allocated zeroed,
+and the last program of each call's GEMM zeroes every flag word of that call after all of them
+have been seen (``_primitives.finish_program``), so the next call on the stream starts clean;
+the host never clears flags (a graph replay never reaches the host). Peers raise a rank's
+flags only after that rank has entered the call's start barrier. Calls of one op on one group
+must therefore be stream-ordered on each rank (as NCCL calls are).
+
+The workspace is allocated on first use, reused by every later call, and grown (collectively:
+every rank asks for the same size) only outside CUDA-graph capture; the workspace it replaces
+stays allocated (graphs captured on it still address it) until ``reset_group``. NVLink
+multicast is never used.
 
 A wait that times out in a kernel writes an error record into pinned host memory (the device
 writes it through the same address); every later call on the workspace, and
 ``check_errors()``, turns it into :class:`CommTimeoutError` naming the rank, the op, the role
 and the chunk. After such an error the group's workspaces are marked broken until
-``reset_group()``.
+``reset_group()`` (their flags may be half-set).
 
 For CPU tests, ``emulated_workspaces`` gives W workspaces in one process whose peer addresses
 point at each other, so the kernels' data path runs through Triton's interpreter.
@@ -25,10 +36,13 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
+from triton import next_power_of_2
 
 from tilefuse.tp import _primitives as P
+from tilefuse.tp._common import align
 
-_MIN_BYTES = 1 << 20
+_DATA_QUANTUM = 1 << 20  # data regions grow in MiB
+MIN_FLAG_WORDS = 1 << 14  # 64 KiB of flags at least; a larger call grows it (powers of two)
 
 
 class CommTimeoutError(RuntimeError):
@@ -45,6 +59,7 @@ class Workspace:
 
     rank: int
     world: int
+    flag_words: int  # int32 flags from FLAGS_OFFSET on; data from ``data_off``
     local: torch.Tensor  # uint8 [nbytes]
     bases: list[int]  # every rank's base address
     bases_dev: torch.Tensor  # the same, int64 on the workspace's device
@@ -55,6 +70,22 @@ class Workspace:
     @property
     def nbytes(self) -> int:
         return self.local.numel()
+
+    @property
+    def data_off(self) -> int:
+        """Byte offset of the data region (the same on every rank)."""
+        return data_offset(self.flag_words)
+
+    @property
+    def data_bytes(self) -> int:
+        return self.nbytes - self.data_off
+
+    def fits(self, n_flags: int, data_bytes: int) -> bool:
+        return n_flags <= self.flag_words and data_bytes <= self.data_bytes
+
+    def flags(self) -> torch.Tensor:
+        """The whole flag region (int32)."""
+        return self.view(P.FLAGS_OFFSET, (self.flag_words,), torch.int32)
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A typed view of this rank's bytes ``[offset, offset + numel * itemsize)``."""
@@ -86,18 +117,24 @@ def _typed(buf: torch.Tensor, offset: int, shape, dtype) -> torch.Tensor:
     return buf[offset : offset + numel * item].view(dtype).view(shape)
 
 
+def data_offset(flag_words: int) -> int:
+    return align(P.FLAGS_OFFSET + 4 * flag_words)
+
+
 def _error_record(device: torch.device) -> torch.Tensor:
     pin = device.type == "cuda"
     return torch.zeros(P.ERR_WORDS, dtype=torch.int32, pin_memory=pin)
 
 
-def emulated_workspaces(world: int, nbytes: int, device: str | torch.device = "cpu") -> list[Workspace]:
+def emulated_workspaces(world: int, flag_words: int, data_bytes: int,
+                        device: str | torch.device = "cpu") -> list[Workspace]:
     """``world`` workspaces in one process, each able to address the others (CPU tests)."""
     device = torch.device(device)
+    nbytes = data_offset(flag_words) + data_bytes
     bufs = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world)]
     bases = [b.data_ptr() for b in bufs]
     wss = [
-        Workspace(r, world, bufs[r], bases, torch.tensor(bases, dtype=torch.int64, device=device),
+        Workspace(r, world, flag_words, bufs[r], bases, torch.tensor(bases, dtype=torch.int64, device=device),
                   _error_record(device))
         for r in range(world)
     ]
@@ -106,8 +143,8 @@ def emulated_workspaces(world: int, nbytes: int, device: str | torch.device = "c
     return wss
 
 
-def _round_up(n: int, quantum: int = 1 << 20) -> int:
-    return max(_MIN_BYTES, -(-n // quantum) * quantum)
+def _round_up(n: int, quantum: int = _DATA_QUANTUM) -> int:
+    return max(quantum, -(-n // quantum) * quantum)
 
 
 def _device_barrier(group, device: torch.device) -> None:
@@ -120,12 +157,12 @@ def _device_barrier(group, device: torch.device) -> None:
     torch.cuda.synchronize(device)
 
 
-def allocate_workspace(group, nbytes: int, device: torch.device) -> Workspace:
-    """Allocate and rendezvous a zeroed symmetric workspace of ``nbytes`` (collective)."""
+def allocate_workspace(group, flag_words: int, data_bytes: int, device: torch.device) -> Workspace:
+    """Allocate and rendezvous a zeroed symmetric workspace (collective)."""
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
-    buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    buf = symm_mem.empty(data_offset(flag_words) + data_bytes, dtype=torch.uint8, device=device)
     buf.zero_()
     torch.cuda.synchronize(device)
     handle = symm_mem.rendezvous(buf, group)
@@ -135,7 +172,7 @@ def allocate_workspace(group, nbytes: int, device: torch.device) -> Workspace:
     delta = buf.data_ptr() - handle.buffer_ptrs[rank]
     bases = [int(p) + delta for p in handle.buffer_ptrs]
     _device_barrier(group, device)
-    return Workspace(rank, world, buf, bases, torch.tensor(bases, dtype=torch.int64, device=device),
+    return Workspace(rank, world, flag_words, buf, bases, torch.tensor(bases, dtype=torch.int64, device=device),
                      _error_record(device), handle)
 
 
@@ -147,11 +184,8 @@ class FusedState:
         self.op = op
         self.device = device
         self.ws: Workspace | None = None
+        self.retired: list[Workspace] = []  # replaced workspaces that captured graphs may still address
         self.broken: str | None = None
-        # Flag bytes [FLAGS_OFFSET, clean_end) are known to be zero: every call resets the flags
-        # it used, but a later call with more flags would read an earlier call's data as flags.
-        self.clean_end = 0
-        self.loaded: set = set()  # kernel specializations loaded before a concurrent launch
         cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device=device, priority=-1) if cuda else None
         self.copy = torch.cuda.Stream(device=device) if cuda else None  # copy-engine staging beside side
@@ -159,40 +193,27 @@ class FusedState:
         self.end_event = torch.cuda.Event() if cuda else None
         self.copy_event = torch.cuda.Event() if cuda else None
 
-    def ensure(self, nbytes: int) -> Workspace:
-        """The workspace, grown to at least ``nbytes`` if needed (never inside graph capture)."""
+    def ensure(self, n_flags: int, data_bytes: int) -> Workspace:
+        """The workspace, grown to hold ``n_flags`` flags and ``data_bytes`` of data if needed
+        (never inside graph capture). Every rank asks for the same sizes (the shapes agree)."""
         self.check()
-        if self.ws is not None and self.ws.nbytes >= nbytes:
+        if self.ws is not None and self.ws.fits(n_flags, data_bytes):
             return self.ws
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            have = 0 if self.ws is None else self.ws.nbytes
+            have = "no workspace" if self.ws is None else (
+                f"a workspace of {self.ws.flag_words} flags and {self.ws.data_bytes} data bytes")
             raise RuntimeError(
-                f"tilefuse.tp.{self.op}: the symmetric workspace holds {have} bytes, this call needs "
-                f"{nbytes}; it cannot grow inside CUDA-graph capture: run the op once with this shape "
-                "(or a larger one) before capturing"
+                f"tilefuse.tp.{self.op}: this call needs {n_flags} flags and {data_bytes} data bytes, there is "
+                f"{have}; it cannot grow inside CUDA-graph capture: run the op once with this shape (or a "
+                "larger one) before capturing"
             )
+        flag_words, data = max(MIN_FLAG_WORDS, next_power_of_2(n_flags)), _round_up(data_bytes)
         if self.ws is not None:  # peers may still read the old one: everyone idle first
             _device_barrier(self.group, self.device)
-        self.ws = allocate_workspace(self.group, _round_up(nbytes), self.device)
-        self.clean_end = self.ws.nbytes
+            flag_words, data = max(flag_words, self.ws.flag_words), max(data, self.ws.data_bytes)
+            self.retired.append(self.ws)
+        self.ws = allocate_workspace(self.group, flag_words, data, self.device)
         return self.ws
-
-    def clear_flags(self, flags_end: int) -> None:
-        """Make the flag bytes ``[FLAGS_OFFSET, flags_end)`` of this call zero, on the current
-        stream before the call's kernels. Only the part an earlier call may have used as data
-        is cleared; peers write this rank's flags only after the call's start barrier, so the
-        clearing cannot race with them. Inside graph capture the whole range is cleared (the
-        replays may follow calls of any shape)."""
-        if self.ws is None:
-            raise RuntimeError("clear_flags before the workspace exists")
-        start = P.FLAGS_OFFSET
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            self.ws.local[start:flags_end].zero_()
-            self.clean_end = min(self.clean_end, flags_end)
-            return
-        if flags_end > self.clean_end:
-            self.ws.local[max(start, self.clean_end):flags_end].zero_()
-        self.clean_end = flags_end  # this call's data regions start after its flags
 
     def check(self) -> None:
         """Raise CommTimeoutError for a timeout recorded by an earlier call (no device sync)."""
@@ -282,5 +303,6 @@ def reset_group(group=None) -> None:
     for (k, _, _), st in list(_STATES.items()):
         if k == key:
             st.ws = None
+            st.retired.clear()
             st.broken = None
     dist.barrier(group=g)

@@ -1,7 +1,7 @@
 """Activity traces of the fused TP kernels, exported as Chrome / Perfetto trace JSON.
 
 Pass ``trace=Trace()`` to ``ag_gemm`` / ``gemm_rs``: every program of every kernel of the call
-records, per work item (a GEMM tile, a pushed band piece, a forwarded tile), its start, split
+records, per work item (a GEMM tile, a pushed band piece), its start, split
 and end ``%globaltimer`` (ns) and the time it spent in bounded waits. The split parts a GEMM
 tile into its head (waits for rows, main loop) and its tail (epilogue: stores, pushes, the
 owner's reduction), and a copied item into its waits and the copy. After the call, ``events()``
@@ -25,7 +25,7 @@ from tilefuse.tp._primitives import TRACE_FIELDS as _TRACE_FIELDS
 
 TRACE_FIELDS = _TRACE_FIELDS.value  # a constexpr for the kernels, an int here
 
-_ROLE_ITEM = {"gemm": "tile", "push": "band", "forward": "tile"}
+_ROLE_ITEM = {"gemm": "tile", "push": "band"}
 
 
 @dataclass

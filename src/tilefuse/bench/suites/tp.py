@@ -44,10 +44,10 @@ from pathlib import Path
 
 import torch
 
+from tilefuse.tp._common import MULTICAST_OFF
 from tilefuse.tp.policy import fused_variants
 
 OPS = {"ag-gemm": "ag_gemm", "gemm-rs": "gemm_rs"}
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SEED_SIZES = (4096, 8192, 16384, 32768)
 LLM_TOKENS = (1024, 4096, 8192, 16384)
 # Per-GPU (K, N) of Llama-3 layers at TP = 8 (comm_gemm.md).
@@ -115,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    """Entry point of ``tilefuse bench ag-gemm|gemm-rs`` (``argv`` starts with the op)."""
+    """Entry point of ``tilefuse bench ag-gemm|gemm-rs`` (``argv`` starts with the op; ``host``:
+    :func:`host_main`)."""
+    if argv[:1] == ["host"]:
+        return host_main(argv[1:])
     args = build_parser().parse_args(argv)
     op = OPS[args.op]
     if args.write_policy:
@@ -136,8 +139,111 @@ def main(argv: list[str]) -> int:
         return 2
     env = dict(os.environ, **MULTICAST_OFF)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "tilefuse.tp.bench", *argv, "--worker"]
+           "-m", "tilefuse.bench.suites.tp", *argv, "--worker"]
     return subprocess.call(cmd, env=env)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host cost per eager call
+
+
+def _per_call_us(fn, calls: int, device: torch.device) -> tuple[float, float]:
+    """(host µs to issue one call, device µs per call) over ``calls`` back-to-back calls: the
+    host time is the wall time of the issuing loop alone (nothing waits for the device inside
+    it), the device time the wall time until the device has finished them all."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    sync()
+    t2 = time.perf_counter()
+    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
+
+
+def _host_pair(op: str, a: torch.Tensor, b: torch.Tensor, m: int, world: int):
+    """(NCCL + cuBLAS, fused call) of ``op`` on these operands."""
+    import torch.distributed as dist
+
+    import tilefuse.tp as td
+
+    if op == "ag_gemm":
+        gathered = torch.empty(m, a.shape[1], device=a.device, dtype=a.dtype)
+
+        def seq():
+            dist.all_gather_into_tensor(gathered, a)
+            return torch.matmul(gathered, b)
+
+        return seq, lambda: td.ag_gemm(a, b, path="fused")
+    part = torch.empty(m // world, b.shape[1], device=a.device, dtype=a.dtype)
+
+    def seq():
+        dist.reduce_scatter_tensor(part, torch.matmul(a, b))
+        return part
+
+    return seq, lambda: td.gemm_rs(a, b, path="fused")
+
+
+def host_main(argv: list[str]) -> int:
+    """``python -m tilefuse.bench.suites.tp host [--m 4096 --n 4096 --k 1024] [--world W]``:
+    eager cost per call. One process: ``tilefuse.tp.gemm`` against ``torch.matmul`` (cuBLAS) on
+    one GPU (on CPU, tiny shapes: the interpreter, a check that it runs). With ``--world`` >= 2
+    (torchrun): per op, a fused call (``path="fused"``) against NCCL + cuBLAS. Prints one JSON
+    line per row (``--json`` also writes them to a file)."""
+    p = argparse.ArgumentParser(prog="python -m tilefuse.bench.suites.tp host")
+    p.add_argument("--m", type=int, default=4096)
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--k", type=int, default=1024)
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--json", default=None)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.world > 1 and not args.worker:
+        env = dict(os.environ, **MULTICAST_OFF)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world}",
+               "-m", "tilefuse.bench.suites.tp", "host", *argv, "--worker"]
+        return subprocess.call(cmd, env=env)
+    import tilefuse.tp as td
+
+    on_gpu = torch.cuda.is_available()
+    rows = []
+    if not args.worker:
+        dev = torch.device("cuda" if on_gpu else "cpu")
+        a = torch.randn(args.m, args.k, device=dev).to(torch.bfloat16)
+        b = torch.randn(args.k, args.n, device=dev).to(torch.bfloat16)
+        out = torch.empty(args.m, args.n, device=dev, dtype=torch.bfloat16)
+        fns = {"tilefuse_gemm": lambda: td.gemm(a, b, out)}
+        if on_gpu:
+            fns["cublas"] = lambda: torch.matmul(a, b, out=out)
+        for name, fn in fns.items():
+            host, device = _per_call_us(fn, args.calls, dev)
+            rows.append({"variant": name, "m": args.m, "n": args.n, "k": args.k, "host_us": host, "call_us": device})
+    else:
+        import torch.distributed as dist
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        world, dev = dist.get_world_size(), torch.device("cuda", local)
+        for op in OPS.values():
+            rows_a = args.m // world if op == "ag_gemm" else args.m
+            a = torch.randn(rows_a, args.k, device=dev).to(torch.bfloat16)
+            b = (torch.randn(args.k, args.n, device=dev) * args.k**-0.5).to(torch.bfloat16)
+            seq, fused = _host_pair(op, a, b, args.m, world)
+            for name, fn in (("nccl+cublas", seq), ("fused", fused)):
+                host, device = _per_call_us(fn, args.calls, dev)
+                rows.append({"op": op, "variant": name, "m": args.m, "n": args.n, "k": args.k, "world": world,
+                             "rank": dist.get_rank(), "host_us": host, "call_us": device})
+        dist.destroy_process_group()
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +324,7 @@ class _Case:
                     a, [b], 0, self.group_name)[1][0]
             for name, design, opts in fused:
                 fns[name] = (lambda d=design, o=opts, nm=name: td.ag_gemm(
-                    a, b, out=self.out(nm), **_fused_call(d, o, self.args.timeout)))
+                    a, b, out=self.out(nm), **_fused_call(d, td.AgGemmOptions(**o, timeout_s=self.args.timeout))))
         else:
             fns["nccl"] = lambda: dist.reduce_scatter_tensor(self.coll, self.prod)
 
@@ -234,7 +340,7 @@ class _Case:
                     a, b, "sum", 0, self.group_name)
             for name, design, opts in fused:
                 fns[name] = (lambda d=design, o=opts, nm=name: td.gemm_rs(
-                    a, b, out=self.out(nm), **_fused_call(d, o, self.args.timeout)))
+                    a, b, out=self.out(nm), **_fused_call(d, td.GemmRsOptions(**o, timeout_s=self.args.timeout))))
         return fns
 
     def reference(self) -> torch.Tensor:
@@ -245,10 +351,10 @@ class _Case:
         return gemm_rs_ref(self.a, self.b, self.group)
 
 
-def _fused_call(design: str | None, opts: dict, timeout_s: float) -> dict:
+def _fused_call(design: str | None, options) -> dict:
     """Keyword arguments of a fused variant's call; ``auto`` (design None) leaves the path, the
-    design and the options to the policy."""
-    return dict(path=None if design is None else "fused", design=design, timeout_s=timeout_s, **opts)
+    design and the options but the timeout to the policy."""
+    return dict(path=None if design is None else "fused", design=design, options=options)
 
 
 def _agree(ok: bool) -> bool:
@@ -342,7 +448,9 @@ def _trace(case: _Case, fused, path: Path) -> str | None:
     fn = tdist.ag_gemm if case.op == "ag_gemm" else tdist.gemm_rs
 
     def call(trace):
-        fn(case.a, case.b, out=case.out(name), trace=trace, **_fused_call(design, opts, case.args.timeout))
+        kind = tdist.AgGemmOptions if case.op == "ag_gemm" else tdist.GemmRsOptions
+        fn(case.a, case.b, out=case.out(name), trace=trace,
+           **_fused_call(design, kind(**opts, timeout_s=case.args.timeout)))
 
     tr = Trace()
     graph = None
@@ -637,12 +745,13 @@ def write_policy(results: list[str], path: str, tie: float = 0.03) -> list[dict]
     for p in results:
         with open(p) as f:
             for r in policy_rows(json.load(f), tie):
+                r["source"] = os.path.basename(p)  # the result file the row was measured in
                 rows[(r["op"], r["m"], r["n"], r["k"], r["world"], r["dtype"], r["timing"])] = r
     out = sorted(rows.values(), key=lambda r: (r["op"], r["timing"], r["world"], r["m"], r["n"], r["k"]))
     with open(path, "w") as f:
         json.dump({"source": [os.path.basename(p) for p in results], "rows": out}, f, indent=1)
         f.write("\n")
-    importlib.import_module("tilefuse.tp.policy").load_table(out)
+    importlib.import_module("tilefuse.tp.policy").load_table(path)  # reasons then cite this file
     return out
 
 

@@ -20,17 +20,18 @@ tiles wait for nothing. (push then stages nothing locally; ``ce`` still copies t
 the gathered buffer, for the peers to pull.)
 
 Both: the GEMM visits chunks in arrival order (own rows first, ``_schedule.chunk_order``), so
-a tile never waits behind data that arrives later. Every wait is bounded (``timeout_s``).
+a tile never waits behind data that arrives later. Every wait is bounded (``timeout_s``). The
+measurements behind every default are in ``benchmarks/NOTES.md`` (fused TP GEMM rounds).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
+from tilefuse.tp import _options
 from tilefuse.tp import _primitives as P
 from tilefuse.tp._comm_kernels import _ag_push_kernel, _barrier_kernel
 from tilefuse.tp._gemm_core import (
@@ -42,26 +43,18 @@ from tilefuse.tp._gemm_core import (
     launch_gemm,
     num_sms,
 )
+from tilefuse.tp._options import LOCAL_COPIES, AgGemmOptions
 from tilefuse.tp._schedule import TileSchedule, cdiv, chunk_order, chunk_rows
 from tilefuse.tp.symm import Workspace
 
 DESIGNS = ("ce", "push")
-LOCAL_COPIES = ("sm", "ce")
-# push's local staging by copy engines from this shard size on (2 x H200, graph mode,
-# results/h200x2/ag_gemm-8-local-copy.json): at 32-64 MiB "ce" won (8192x1024x8192 0.316 against
-# 0.357 ms, 4096x7168x8192 0.939 / 0.972, 8192x3584x4096 0.447 / 0.464), at <= 16 MiB the copy
-# engines' launch latency loses (4096x512x4096 0.095 / 0.093, 1024x3584x4096 0.118 / 0.104).
+# push stages its local shard by copy engines from this shard size on: below it the copy
+# engines' launch latency costs more than the push programs' local stores.
 PUSH_CE_STAGING_MIN_BYTES = 32 << 20
 # read_local splits the GEMM in two launches (own chunk, then peers); the own launch's last wave
 # leaves programs idle that one launch would have moved on to peer tiles. So read the own rows
-# directly where that idle share is small, or the own chunk is under one wave (2 x H200, graph
-# mode, results/h200x2/ag_gemm-13-read-local.json, one run: with read_local 32768x4096x32768 ce
-# 13.85 against 14.87 ms (16 waves), push 4096x512x4096 0.097 / 0.105 and 1024x3584x4096 0.089 /
-# 0.105 (under a wave); without, 4096x7168x8192 ce 0.677 against 0.775 and 8192x3584x4096 ce
-# 0.351 / 0.398 (3.4 waves, 15% idle), push 8192x1024x8192 0.325 / 0.345 (1.3 waves)).
+# directly where that idle share is at most this, or the own chunk is under one wave.
 READ_LOCAL_MAX_IDLE = 0.10
-DEFAULT_TIMEOUT_S = float(os.environ.get("TILEFUSE_DIST_TIMEOUT_S", "60"))
-_ALIGN = 1024
 
 
 def default_read_local(own_tiles: int, programs: int) -> bool:
@@ -99,19 +92,13 @@ class AgPlan:
     gemm_programs: int
     local_copy: str  # who stages the local shard: "sm" (push programs), "ce" (copy engines), "none"
     local_splits: int  # copy-engine pieces of the local shard (0 for "sm")
-    gath_off: int
     n_flags: int
-    nbytes: int
+    data_bytes: int  # the gathered buffer [M, K]
     read_local: bool  # the GEMM reads the own rows from a_shard, not from the gathered buffer
 
     @property
     def mc(self) -> int:
         return self.m // self.world
-
-    @property
-    def flags_end(self) -> int:
-        """End (bytes) of the band flags; the gathered buffer starts after it."""
-        return P.FLAGS_OFFSET + 4 * self.n_flags
 
     @property
     def band_rows(self) -> int:
@@ -136,12 +123,9 @@ def make_plan(
     local_copy: str | None = None,
     read_local: bool | None = None,
 ) -> AgPlan:
-    """Layout and launch parameters. ``splits``: bands per chunk for ``ce`` (default 4), pieces
-    of the local shard's copy-engine staging for ``push`` with ``local_copy="ce"`` (default 4);
-    ``comm_programs`` (default 32), ``piece_cols`` (default 1024) and ``local_copy`` (default
-    ``default_local_copy``) for ``push``. ``read_local``: the GEMM reads the own rows from the
-    caller's shard in a launch of its own (default: ``default_read_local``; never for push with
-    an explicit ``local_copy``); push then stages no local copy."""
+    """Layout and launch parameters. ``num_programs``: the SMs to plan for (default: the
+    device's). The other arguments are :class:`AgGemmOptions`' fields (None: the defaults
+    described there)."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if local_copy is not None and local_copy not in LOCAL_COPIES:
@@ -188,14 +172,12 @@ def make_plan(
         local_splits = min(sp, tm) if local == "ce" else 0
     bands = cdiv(tm, band_tiles)
     n_flags = world * bands
-    gath_off = -(-(P.FLAGS_OFFSET + 4 * n_flags) // _ALIGN) * _ALIGN
-    nbytes = gath_off + m * k * item
     return AgPlan(design, m, n, k, world, rank, dtype, cfg, sched, band_tiles, bands, pieces, pcols, comm,
-                  gemm_programs, local, local_splits, gath_off, n_flags, nbytes, read_local)
+                  gemm_programs, local, local_splits, n_flags, m * k * item, read_local)
 
 
 def gathered_view(plan: AgPlan, ws: Workspace) -> torch.Tensor:
-    return ws.view(plan.gath_off, (plan.m, plan.k), plan.dtype)
+    return ws.view(ws.data_off, (plan.m, plan.k), plan.dtype)
 
 
 def flags_view(plan: AgPlan, ws: Workspace) -> torch.Tensor:
@@ -210,7 +192,7 @@ def launch_push(plan: AgPlan, ws: Workspace, a_shard: torch.Tensor, timeout: int
                 trace: torch.Tensor | None = None) -> None:
     programs = plan.comm_programs
     _ag_push_kernel[(programs,)](
-        a_shard, ws.local.data_ptr(), ws.bases_dev, plan.gath_off, P.FLAGS_OFFSET, plan.mc, plan.k,
+        a_shard, ws.local.data_ptr(), ws.bases_dev, ws.data_off, P.FLAGS_OFFSET, plan.mc, plan.k,
         plan.band_rows, plan.bands, plan.pieces, plan.piece_cols, plan.rank,
         ws.err.data_ptr(), timeout, trace if trace is not None else ws.bases_dev,
         W=plan.world, NUM_PROGRAMS=programs, BR=32, BC=512, BARRIER=barrier, TRACE=trace is not None,
@@ -286,7 +268,7 @@ def ce_peer_copies(plan: AgPlan, ws: Workspace) -> None:
     gathered, flags = gathered_view(plan, ws), flags_view(plan, ws)
     for s in range(1, plan.world):
         src = (plan.rank + s) % plan.world
-        remote = ws.peer_view(src, plan.gath_off, (plan.m, plan.k), plan.dtype)
+        remote = ws.peer_view(src, ws.data_off, (plan.m, plan.k), plan.dtype)
         base = src * plan.mc
         for bnd in range(plan.bands):
             lo, hi = _band_rows(plan, bnd)
@@ -343,19 +325,15 @@ def ag_gemm(
     b_layout: str = "kn",
     path: str | None = None,
     design: str | None = None,
-    config: GemmConfig | None = None,
-    comm_programs: int | None = None,
-    splits: int | None = None,
-    local_copy: str | None = None,
-    read_local: bool | None = None,
-    timeout_s: float | None = None,
+    options: AgGemmOptions | None = None,
     trace=None,
 ):
     """``C = all_gather(a_shard, dim 0) @ b`` on every rank of ``group`` (column-parallel layer).
 
     Args:
         a_shard: ``[M/W, K]`` bf16 or fp16, contiguous: this rank's rows of the activations
-            (rank r holds rows ``[r*M/W, (r+1)*M/W)``). Any ``M/W >= 1``; K a multiple of 8.
+            (rank r holds rows ``[r*M/W, (r+1)*M/W)``). Any ``M/W >= 1``, the same on every
+            rank; K a multiple of 8.
         b: ``[K, N]`` (``b_layout="kn"``) or nn.Linear's weight ``[N, K]`` (``b_layout="nk"``,
             i.e. ``x @ weight.T``), same dtype, contiguous; N a multiple of 8.
         group: torch.distributed process group (default: the world), one process per GPU.
@@ -363,15 +341,9 @@ def ag_gemm(
         return_gathered: also return the gathered ``[M, K]`` activations (a fresh tensor).
         path / design: force ``"fused"`` or ``"nccl"`` and the fused design (``"ce"`` copy
             engines, ``"push"`` SM push); by default :mod:`tilefuse.tp.policy` decides.
-        config, comm_programs, splits: GEMM tiles, programs of the push kernel, bands per
-            chunk of the copy-engine design or copy-engine pieces of push's local staging
-            (defaults from the policy's measurements).
-        local_copy: push only: the local shard staged by the push programs (``"sm"``) or by
-            copy engines (``"ce"``); None: by shard size (``default_local_copy``), or nothing
-            where the GEMM reads the own rows from ``a_shard``.
-        read_local: the GEMM reads the own rows from ``a_shard`` in a launch of their own
-            (None: ``default_read_local``; never for push with an explicit ``local_copy``).
-        timeout_s: bound of every cross-GPU wait (default 60 s, env TILEFUSE_DIST_TIMEOUT_S).
+        options: :class:`tilefuse.tp.AgGemmOptions` (GEMM tiles, push programs, splits, local
+            staging, timeout); fields left None come from ``tilefuse.tp.set_options``, then
+            from the policy's measurements of this exact shape, then from the defaults.
         trace: a :class:`tilefuse.tp.Trace` to record per-program activity.
 
     Returns:
@@ -379,7 +351,8 @@ def ag_gemm(
         equal to ``tilefuse.tp.gemm(gathered, b)`` with the same config.
 
     Raises:
-        TypeError / ValueError: bad dtypes, shapes, layouts, alignment, options.
+        TypeError / ValueError: bad dtypes, shapes, layouts, alignment, options, shapes that
+            differ between the ranks.
         RuntimeError: no initialised process group; workspace growth inside graph capture.
         CommTimeoutError: a wait timed out in this or an earlier call (rank, op, chunk named).
     """
@@ -390,30 +363,30 @@ def ag_gemm(
     k, n = check_operands(a_shard, b, b_layout, "a_shard")
     if not isinstance(return_gathered, bool):
         raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
-    _common.check_options(config, comm_programs, timeout_s)
-    if splits is not None and (not isinstance(splits, int) or splits < 1):
-        raise ValueError(f"splits must be a positive int or None, got {splits!r}")
+    opts = _options.resolve(options, AgGemmOptions)
     g, rank, world = _common.resolve_group(group)
+    # Shapes first: a rank raising alone would leave its peers waiting in the next collective.
+    _common.check_same_shapes(g, world, "ag_gemm", {"a_shard": tuple(a_shard.shape), "b": tuple(b.shape)},
+                              a_shard.device)
+    if a_shard.shape[0] == 0:
+        raise ValueError("a_shard has 0 rows: every rank needs at least one row (M/W >= 1)")
     m = a_shard.shape[0] * world
     out = _common.check_out(out, (m, n), a_shard)
     nodes = policy.group_nodes(g) if world > 1 else 1
     dec = policy.decide("ag_gemm", m, n, k, world, a_shard.dtype, device_type=a_shard.device.type, nodes=nodes,
                         path=path, design=design)
     if dec.path == "gemm":
-        gemm(a_shard, b, out, b_layout=b_layout, config=config)
+        gemm(a_shard, b, out, b_layout=b_layout, config=opts.config)
         return (out, a_shard.clone()) if return_gathered else out
     if dec.path == "nccl":
-        out, gathered = _common.ag_gemm_nccl(a_shard, b, out, g, world, b_layout, config)
+        out, gathered = _common.ag_gemm_nccl(a_shard, b, out, g, world, b_layout, opts.config)
         return (out, gathered) if return_gathered else out
     state = get_state(g, "ag_gemm", a_shard.device)
-    given = dict(config=config, comm_programs=comm_programs, splits=splits, local_copy=local_copy,
-                 read_local=read_local)
-    opts = _common.with_measured_options(given, dec.options)
-    plan = _make_plan_cached(dec.design, m, n, k, world, rank, a_shard.dtype, a_shard.device, **opts)
-    ws = state.ensure(plan.nbytes)
-    state.clear_flags(plan.flags_end)
-    timeout = P.timeout_units(timeout_s or DEFAULT_TIMEOUT_S, a_shard.device.type)
-    run_fused(plan, state, ws, a_shard, b, out, b_layout, timeout, trace)
+    opts = opts.with_measured(dec.options)
+    plan = _make_plan_cached(dec.design, m, n, k, world, rank, a_shard.dtype, a_shard.device, **opts.plan_kwargs())
+    ws = state.ensure(plan.n_flags, plan.data_bytes)
+    run_fused(plan, state, ws, a_shard, b, out, b_layout, P.timeout_units(opts.timeout(), a_shard.device.type),
+              trace)
     if return_gathered:
         gathered = gathered_view(plan, ws).clone()
         if plan.local_copy == "none":  # nothing staged the own rows
