@@ -48,12 +48,14 @@ def test_bad_usage(capsys):
     assert cli.main(["--jobs", "0", "--kernel", "indexer.prefill_fill"]) == 2
 
 
-LISTED = "_rs_forward_kernel DTYPE=bf16 W=8 BM=128 BN=128 GROUP_M=8 BR=128 BARRIER=True"  # a known spill, 16 B
+# A configuration with a known spill (budget 16 B) and the kernel / target it is compiled for.
+KERNEL, TARGET, LISTED = "indexer.paged", "sm_100a", "mxfp4 D128 H64 next_n2 kv64 rows2x64 n64 w4s4 ctx2d"
+COUNT = 35  # configurations of KERNEL on TARGET
 
 
 @pytest.fixture
 def fake_compiles(monkeypatch):
-    """``tilefuse kernels --kernel tp.comm --target sm_90a`` on made-up reports: every
+    """``tilefuse kernels --kernel KERNEL --target TARGET`` on made-up reports: every
     configuration passes except LISTED, which spills ``spill[0]`` bytes."""
     spill = [0]
 
@@ -75,27 +77,27 @@ def fake_compiles(monkeypatch):
 def test_known_issues_exit_0_and_are_listed(fake_compiles, tmp_path, capsys):
     fake_compiles[0] = 12
     out = tmp_path / "k.json"
-    assert cli.main(["--kernel", "tp.comm", "--target", "sm_90a", "--json", str(out)]) == 0
+    assert cli.main(["--kernel", KERNEL, "--target", TARGET, "--json", str(out)]) == 0
     captured = capsys.readouterr()
-    assert f"sm_90a {LISTED}: known: spills 12 B stored" in captured.err
+    assert f"{TARGET} {LISTED}: known: spills 12 B stored" in captured.err
     assert "1 known issue(s), accepted by tilefuse/kernelcheck/known_issues.py:" in captured.out
-    assert f"  tp.comm sm_90a {LISTED}: spills 12 B stored / 12 B loaded" in captured.out
-    assert "7 compiles, 0 failing a check, 1 known issue(s)" in captured.out
+    assert f"  {KERNEL} {TARGET} {LISTED}: spills 12 B stored / 12 B loaded" in captured.out
+    assert f"{COUNT} compiles, 0 failing a check, 1 known issue(s)" in captured.out
     reports = {r["variant"]: r for r in json.loads(out.read_text())["reports"]}
-    assert reports[LISTED]["known_issue"] == "forwarding copy of 128-column tiles"
+    assert reports[LISTED]["known_issue"] == "MXFP4 upcast tile, 2-D row ends: register limit"
     assert reports[LISTED]["failures"]
 
 
 def test_new_failures_exit_1(fake_compiles, capsys):
     fake_compiles[0] = 40  # over the 16 B budget
-    assert cli.main(["--kernel", "tp.comm", "--target", "sm_90a", "--quiet"]) == 1
+    assert cli.main(["--kernel", KERNEL, "--target", TARGET, "--quiet"]) == 1
     captured = capsys.readouterr()
     assert captured.err == ""  # --quiet: no progress
     assert "FAIL: spills 40 B stored" in captured.out
-    assert "7 compiles, 1 failing a check, 0 known issue(s) (failing: tp.comm)" in captured.out
+    assert f"{COUNT} compiles, 1 failing a check, 0 known issue(s) (failing: {KERNEL})" in captured.out
 
 
 def test_fixed_known_issue_is_reported(fake_compiles, capsys):
-    assert cli.main(["--kernel", "tp.comm", "--target", "sm_90a", "-q"]) == 0
+    assert cli.main(["--kernel", KERNEL, "--target", TARGET, "-q"]) == 0
     out = capsys.readouterr().out
-    assert "1 known issue(s) no longer occur" in out and "BN=128" in out
+    assert "1 known issue(s) no longer occur" in out and "mxfp4 D128 * ctx2d*" in out
