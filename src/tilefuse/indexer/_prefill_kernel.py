@@ -133,6 +133,15 @@ def _store_logits(val, out_rows, key, ks, valid, row_ok, S_k, CLEAN: tl.constexp
         tl.store(out_rows + key, val, mask=row_ok & (key < S_k))
 
 
+@triton.jit
+def _row_stride(stride, ptr):
+    """The row stride of ``ptr``'s tensor, whose rows the wrappers check are 16-byte aligned,
+    with that alignment made visible to the compiler. Strides are not specialised (no compile
+    per shape); without it the row addresses lose their alignment: scalar accesses and spills."""
+    per_16_bytes: tl.constexpr = 128 // ptr.dtype.element_ty.primitive_bitwidth
+    return stride // per_16_bytes * per_16_bytes
+
+
 @triton.jit(do_not_specialize=_DYNAMIC, do_not_specialize_on_alignment=_SLICEABLE)
 def prefill_logits_kernel(
     q_desc, q_sf_ptr, stride_qsf,
@@ -154,6 +163,7 @@ def prefill_logits_kernel(
         # represent exactly are recomputed (bf16 upcast); every other program leaves at once.
         if (tl.load(fix_q_ptr + pid_q) | tl.load(fix_k_ptr + pid_n)) == 0:
             return
+    stride_out = _row_stride(stride_out, out_ptr)
     q0 = pid_q * BLOCK_Q
     n0 = pid_n * BLOCK_N
     rows = q0 + tl.arange(0, BLOCK_Q)
@@ -224,6 +234,8 @@ def prefill_heads_on_n_kernel(
     """
     pid_n = tl.program_id(0)
     pid_q = tl.program_id(1)
+    stride_qs = _row_stride(stride_qs, q_ptr)
+    stride_out = _row_stride(stride_out, out_ptr)
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     NC: tl.constexpr = ROWS * HEADS_P
@@ -271,7 +283,7 @@ def fill_outside_windows_kernel(out_ptr, stride_out, ks_ptr, ke_ptr, S_q, S_k, n
         outside = (cols[None, :] < ks[:, None]) | (cols[None, :] >= ke[:, None])
     mask = row_ok[:, None] & outside & (cols[None, :] < n_cols)
     fill = tl.full((BLOCK_Q, BLOCK_C), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], fill, mask=mask)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * _row_stride(stride_out, out_ptr) + cols[None, :], fill, mask=mask)
 
 
 @triton.jit(do_not_specialize=["n_rows"], do_not_specialize_on_alignment=["sf_ptr"])
