@@ -276,6 +276,23 @@ def test_head_sum_on_the_tensor_cores(fmt, next_n, h, clean, ctx_2d, poisoned):
         case.check(case.run(clean=clean, config=cfg), clean)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_query_strides_not_multiples_of_16(fmt):
+    """Queries in a padded buffer (strides not multiples of 16) take the unit-stride query
+    loads and give the contiguous queries' bits."""
+    case = Case(fmt, lens=(70, 0, 129), next_n=2, h=8, d=64, block_kv=32, seed=52)
+    want = case.run(clean=True)  # every element defined, so the two compare whole
+    values, sf = case.qq
+    padded = torch.zeros(*values.shape[:3], values.shape[3] + 4, dtype=values.dtype, device=values.device)
+    padded[..., :values.shape[3]] = values
+    strided = padded[..., :values.shape[3]]
+    assert strided.stride(2) % 16
+    got = tilefuse.fp8_fp4_paged_mqa_logits((strided, sf), case.cache, case.w, case.ctx, case.table, case.meta,
+                                            case.max_context_len, True)
+    case.check(got, True)
+    assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+
+
 def _worker_pages(meta: torch.Tensor, pages: torch.Tensor) -> list[int]:
     """Pages each worker covers, walking its [start, end) range in (request, page) order."""
     starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(pages, 0)])

@@ -37,8 +37,9 @@ extent; each chunk then fills its columns past that extent.
 Integer arguments that change from call to call (lengths, widths, counts, strides), and the
 alignment of the small tensors' pointers, are not specialised (``do_not_specialize``), so one
 compile per model configuration serves every batch and every slice of an engine's buffers.
-The page stride is passed in units of ``PAGE_UNIT`` bytes (16 when it is a multiple of 16), so
-the key loads keep their 16-byte vectorisation without specialising on the stride's value.
+The page stride is passed in units of ``PAGE_UNIT`` bytes (16 when it is a multiple of 16), and
+the query strides in units of ``Q_UNIT`` elements (16 when all are multiples of 16), so the key
+and query loads keep their 16-byte vectorisation without specialising on the strides' values.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def paged_logits_kernel(
     NEXT_N: tl.constexpr, NEXT_N_P: tl.constexpr, NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr,
     D: tl.constexpr, BLOCK_KV: tl.constexpr, FMT: tl.constexpr, CTX_2D: tl.constexpr, CLEAN: tl.constexpr,
     HAS_INDICES: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, MAX_CHUNK_PAGES: tl.constexpr,
-    PAGE_UNIT: tl.constexpr, BLOCK_FILL: tl.constexpr, NUM_STAGES: tl.constexpr, G: tl.constexpr,
+    PAGE_UNIT: tl.constexpr, Q_UNIT: tl.constexpr, BLOCK_FILL: tl.constexpr, NUM_STAGES: tl.constexpr, G: tl.constexpr,
     HEAD_SUM_MMA: tl.constexpr,
 ):
     DQ: tl.constexpr = D // 2 if FMT == 2 else D  # value bytes per token
@@ -156,7 +157,7 @@ def paged_logits_kernel(
         else:
             row_end = tl.load(ctx_ptr + b64 * stride_ctx) - NEXT_N + 1 + t_rows
         # Queries and weights of this request's rows.
-        q_offs = b64 * stride_qb + c_t[:, None] * stride_qt + c_h[:, None] * stride_qh + dq[None, :]
+        q_offs = (b64 * stride_qb + c_t[:, None] * stride_qt + c_h[:, None] * stride_qh) * Q_UNIT + dq[None, :]
         q_raw = tl.load(q_ptr + q_offs, mask=c_ok[:, None], other=0.0)
         if FMT == 0:
             q_op = q_raw

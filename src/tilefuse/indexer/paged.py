@@ -480,6 +480,7 @@ class _Plan:
     chunk_pages: int
     groups: int
     page_unit: int
+    q_unit: int
     consts: dict
 
 
@@ -570,7 +571,7 @@ def _check_inputs(q, q_sf, kv_cache, weights, context_lens, block_table, schedul
     return fmt, b, next_n, h, d, block_kv
 
 
-def _make_plan(fmt, b, next_n, h, d, block_kv, kv_cache, context_lens, indices, clean_logits, max_context_len,
+def _make_plan(fmt, b, next_n, h, d, block_kv, q, kv_cache, context_lens, indices, clean_logits, max_context_len,
                config) -> _Plan:
     cfg = resolve_paged_config(fmt, next_n, h, d, block_kv, config)
     chunk_pages = cfg.chunk // block_kv if cfg.chunk else chunk_pages_for(b, max_context_len, block_kv, cfg.block_n)
@@ -578,16 +579,19 @@ def _make_plan(fmt, b, next_n, h, d, block_kv, kv_cache, context_lens, indices, 
     # choice never compiles.
     max_chunk_pages = max(chunk_pages, _pages_for(_MAX_CHUNK, block_kv, cfg.block_n))
     page_unit = 16 if kv_cache.stride(0) % 16 == 0 else _SCALE_BYTES
+    # The query strides likewise, in units of 16 elements (bytes) when all three allow it.
+    q_unit = 16 if all(s % 16 == 0 for s in q.stride()[:3]) else 1
     heads_p = max(triton.next_power_of_2(h), _MIN_DOT // cfg.rows)
     groups = triton.cdiv(next_n, cfg.rows)
     consts = dict(
         NEXT_N=next_n, NEXT_N_P=triton.next_power_of_2(next_n), NUM_HEADS=h, HEADS_P=heads_p, D=d,
         BLOCK_KV=block_kv, FMT=_FORMAT_CODE[fmt], CTX_2D=context_lens.dim() == 2, CLEAN=bool(clean_logits),
         HAS_INDICES=indices is not None, ROWS=cfg.rows, BLOCK_N=cfg.block_n,
-        MAX_CHUNK_PAGES=triton.next_power_of_2(max_chunk_pages), PAGE_UNIT=page_unit, BLOCK_FILL=cfg.block_fill,
+        MAX_CHUNK_PAGES=triton.next_power_of_2(max_chunk_pages), PAGE_UNIT=page_unit, Q_UNIT=q_unit,
+        BLOCK_FILL=cfg.block_fill,
         NUM_STAGES=cfg.num_stages, G=groups, HEAD_SUM_MMA=cfg.head_sum_mma,
     )
-    return _Plan(b, next_n, block_kv, cfg, chunk_pages, groups, page_unit, consts)
+    return _Plan(b, next_n, block_kv, cfg, chunk_pages, groups, page_unit, q_unit, consts)
 
 
 def _layout(t):
@@ -619,7 +623,7 @@ def _plan_for(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_me
             return plan
     fmt, b, next_n, h, d, block_kv = _check_inputs(q, q_sf, kv_cache, weights, context_lens, block_table,
                                                    schedule_meta, max_context_len, logits_dtype, indices, out)
-    plan = _make_plan(fmt, b, next_n, h, d, block_kv, kv_cache, context_lens, indices, clean_logits,
+    plan = _make_plan(fmt, b, next_n, h, d, block_kv, q, kv_cache, context_lens, indices, clean_logits,
                       max_context_len, config)
     if key is not None:
         if len(_plans) >= _MAX_PLANS:
@@ -654,7 +658,7 @@ def _launch(plan: _Plan, q, q_sf, kv_cache, weights, context_lens, block_table, 
         q, q_sf if q_sf is not None else context_lens, kv_cache, weights, context_lens, block_table,
         indices if indices is not None else context_lens, out, error_record(q.device),
         b, max_context_len, block_table.shape[1], kv_cache.shape[0], plan.chunk_pages, chunks_per_request,
-        q.stride(0), q.stride(1), q.stride(2),
+        q.stride(0) // plan.q_unit, q.stride(1) // plan.q_unit, q.stride(2) // plan.q_unit,
         q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
         weights.stride(0), context_lens.stride(0), block_table.stride(0),
         kv_cache.stride(0) // plan.page_unit, out.stride(0),
