@@ -49,11 +49,7 @@ import triton.language as tl
 
 from tilefuse import _errors as E
 from tilefuse._errors_kernel import report_error
-from tilefuse.indexer._prefill_kernel import _dequant_tile
-
-FMT_FP8 = 0
-FMT_MXFP8 = 1
-FMT_MXFP4 = 2
+from tilefuse.indexer._prefill_kernel import FMT_FP8, FMT_MXFP4, _dequant_tile
 
 _ERR_LEN_NEGATIVE = tl.constexpr(E.CONTEXT_LEN_NEGATIVE)
 _ERR_LEN_PAST_WIDTH = tl.constexpr(E.CONTEXT_LEN_PAST_WIDTH)
@@ -99,14 +95,14 @@ def paged_logits_kernel(
     PAGE_UNIT: tl.constexpr, Q_UNIT: tl.constexpr, BLOCK_FILL: tl.constexpr, NUM_STAGES: tl.constexpr, G: tl.constexpr,
     HEAD_SUM_MMA: tl.constexpr,
 ):
-    DQ: tl.constexpr = D // 2 if FMT == 2 else D  # value bytes per token
+    DQ: tl.constexpr = D // 2 if FMT == FMT_MXFP4 else D  # value bytes per token
     SF_OFFSET: tl.constexpr = BLOCK_KV * DQ // 4  # first scale of a page, in 4-byte words
     NC: tl.constexpr = ROWS * HEADS_P  # dot columns: (query row, head) pairs
     # Output columns per program: the rows, padded to a dot's side when the head sum is a dot.
     OUT_P: tl.constexpr = (ROWS if ROWS >= 16 else 16) if HEAD_SUM_MMA else ROWS
     # One uint8 buffer: values as E4M3 (or packed FP4 bytes), scales as 4-byte words.
-    kv_ptr = kv_cache_ptr.to(tl.pointer_type(tl.int8 if FMT == 2 else tl.float8e4nv), bitcast=True)
-    kv_sf_ptr = kv_cache_ptr.to(tl.pointer_type(tl.float32 if FMT == 0 else tl.int32), bitcast=True)
+    kv_ptr = kv_cache_ptr.to(tl.pointer_type(tl.int8 if FMT == FMT_MXFP4 else tl.float8e4nv), bitcast=True)
+    kv_sf_ptr = kv_cache_ptr.to(tl.pointer_type(tl.float32 if FMT == FMT_FP8 else tl.int32), bitcast=True)
     pid = tl.program_id(0)
     pid_g = pid % G
     unit = pid // G
@@ -159,7 +155,7 @@ def paged_logits_kernel(
         # Queries and weights of this request's rows.
         q_offs = (b64 * stride_qb + c_t[:, None] * stride_qt + c_h[:, None] * stride_qh) * Q_UNIT + dq[None, :]
         q_raw = tl.load(q_ptr + q_offs, mask=c_ok[:, None], other=0.0)
-        if FMT == 0:
+        if FMT == FMT_FP8:
             q_op = q_raw
         else:
             q_sf = tl.load(q_sf_ptr + b64 * stride_sfb + c_t * stride_sft + c_h, mask=c_ok, other=0)
@@ -187,7 +183,7 @@ def paged_logits_kernel(
             page_base = page * page_bytes
             k_raw = tl.load(kv_ptr + (page_base + slot * DQ)[:, None] + dq[None, :], mask=ld_ok[:, None], other=0.0)
             k_sf = tl.load(kv_sf_ptr + page_base // 4 + SF_OFFSET + slot, mask=ld_ok, other=0)
-            if FMT == 0:
+            if FMT == FMT_FP8:
                 k_op = k_raw
             else:
                 k_op = _dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT)
@@ -201,7 +197,7 @@ def paged_logits_kernel(
                     logits = tl.sum(x, axis=1)[:, None]
                 else:
                     logits = tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HEADS_P)), axis=2)
-            if FMT == 0:
+            if FMT == FMT_FP8:
                 logits = logits * k_sf[:, None]
             if CLEAN:
                 logits = tl.where(j[:, None] < row_end[None, :], logits, float("-inf"))

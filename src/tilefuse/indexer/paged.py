@@ -55,13 +55,11 @@ from tilefuse._errors import error_record, raise_pending_fast
 from tilefuse._validate import expect, expect_int, expect_tensor
 from tilefuse.formats import FP8_DTYPE, format_of
 from tilefuse.indexer import _paged_kernel as kern
+from tilefuse.indexer._layout import padded_logits_layout
 
-_FORMAT_CODE = {"fp8": kern.FMT_FP8, "mxfp8": kern.FMT_MXFP8, "mxfp4": kern.FMT_MXFP4}
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 _SCALE_BYTES = 4
-# Output rows are padded to this many elements so every row starts 32-byte aligned or better.
-_ROW_ALIGN = 16
 # The smallest tl.dot side: the (row, head) columns are padded up to it.
 _MIN_DOT = 16
 
@@ -585,7 +583,7 @@ def _make_plan(fmt, b, next_n, h, d, block_kv, q, kv_cache, context_lens, indice
     groups = triton.cdiv(next_n, cfg.rows)
     consts = dict(
         NEXT_N=next_n, NEXT_N_P=triton.next_power_of_2(next_n), NUM_HEADS=h, HEADS_P=heads_p, D=d,
-        BLOCK_KV=block_kv, FMT=_FORMAT_CODE[fmt], CTX_2D=context_lens.dim() == 2, CLEAN=bool(clean_logits),
+        BLOCK_KV=block_kv, FMT=formats.FORMAT_CODE[fmt], CTX_2D=context_lens.dim() == 2, CLEAN=bool(clean_logits),
         HAS_INDICES=indices is not None, ROWS=cfg.rows, BLOCK_N=cfg.block_n,
         MAX_CHUNK_PAGES=triton.next_power_of_2(max_chunk_pages), PAGE_UNIT=page_unit, Q_UNIT=q_unit,
         BLOCK_FILL=cfg.block_fill,
@@ -635,13 +633,8 @@ def _plan_for(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_me
 # ---------------------------------------------------------------------------------------
 # The launch and the custom op
 # ---------------------------------------------------------------------------------------
-def _out_layout(rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    stride = max(_ROW_ALIGN, triton.cdiv(cols, _ROW_ALIGN) * _ROW_ALIGN)
-    return (rows, cols), (stride, 1)
-
-
 def _new_out(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
-    shape, stride = _out_layout(rows, cols)
+    shape, stride = padded_logits_layout(rows, cols)
     return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
