@@ -56,6 +56,7 @@ from tilefuse._validate import expect, expect_int, expect_tensor
 from tilefuse.formats import FP8_DTYPE, format_of
 from tilefuse.indexer import _paged_kernel as kern
 from tilefuse.indexer._layout import padded_logits_layout
+from tilefuse.indexer.prefill import split_query
 
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
@@ -756,9 +757,7 @@ def fp8_fp4_paged_mqa_logits(
             for other lengths) are checked on the host before the launch and raised as
             ``ValueError`` at once, at the cost of a host sync.
     """
-    if not isinstance(q, (tuple, list)) or len(q) != 2:
-        raise TypeError("q: expected a tuple (values, sf); sf is None for FP8")
-    q_values, q_sf = q
+    q_values, q_sf = split_query(q)
     if isinstance(q_values, torch.Tensor):
         raise_pending_fast(q_values.device)
     plan = _plan_for(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,

@@ -148,6 +148,31 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
 # Validation: shapes, dtypes, strides and devices only (no device data, no host sync). The
 # window values are checked in the kernels (tilefuse._errors) or, in checked mode, here.
 # ---------------------------------------------------------------------------------------
+def split_query(q) -> tuple:
+    """``(values, sf)`` of an op's query pair (``sf`` is None for FP8)."""
+    if not isinstance(q, (tuple, list)) or len(q) != 2:
+        raise TypeError("q: expected a tuple (values, sf); sf is None for FP8")
+    values, sf = q
+    return values, sf
+
+
+def split_keys(kv) -> tuple:
+    """``(k, k_sf)`` of a prefill op's key pair."""
+    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+        raise TypeError("kv: expected a tuple (k, k_sf)")
+    k, k_sf = kv
+    return k, k_sf
+
+
+def check_window_bound(t: torch.Tensor, name: str, s_q: int) -> None:
+    """One side of the key windows (``cu_seq_len_k_start`` or ``cu_seq_len_k_end``): int32,
+    contiguous ``[S_q]``."""
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name}: expected int32, got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != s_q or t.stride(0) != 1:
+        raise ValueError(f"{name}: expected a contiguous [{s_q}] tensor, got shape {tuple(t.shape)}")
+
+
 def _check_inputs(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype):
     """Validate shapes, dtypes, strides and devices; return ``(fmt, S_q, H, D, S_k)``."""
     for name, t in (("q", q), ("kv[0]", k), ("kv[1]", k_scale), ("weights", weights),
@@ -206,10 +231,7 @@ def _check_inputs(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dty
         raise ValueError(f"weights: expected [{s_q}, {h}] with unit last stride, got shape {tuple(weights.shape)} "
                          f"strides {weights.stride()}")
     for name, t in (("cu_seq_len_k_start", ks), ("cu_seq_len_k_end", ke)):
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name}: expected int32, got {t.dtype}")
-        if t.dim() != 1 or t.shape[0] != s_q or t.stride(0) != 1:
-            raise ValueError(f"{name}: expected a contiguous [{s_q}] tensor, got shape {tuple(t.shape)}")
+        check_window_bound(t, name, s_q)
     if not isinstance(max_seqlen_k, int) or isinstance(max_seqlen_k, bool) or max_seqlen_k < 0:
         raise ValueError(f"max_seqlen_k: expected an int >= 0, got {max_seqlen_k!r}")
     if logits_dtype not in _LOGITS_DTYPES:
@@ -556,12 +578,8 @@ def fp8_fp4_mqa_logits(
             ``max_seqlen_k`` smaller than a window. Whatever the values, nothing is read or
             written out of bounds (windows are clamped into ``[0, S_k]``).
     """
-    if not isinstance(q, (tuple, list)) or len(q) != 2:
-        raise TypeError("q: expected a tuple (values, sf); sf is None for FP8")
-    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
-        raise TypeError("kv: expected a tuple (k, k_sf)")
-    q_values, q_sf = q
-    k, k_scale = kv
+    q_values, q_sf = split_query(q)
+    k, k_scale = split_keys(kv)
     ks, ke = cu_seq_len_k_start, cu_seq_len_k_end
     fmt, s_q, h, d, s_k = _check_inputs(q_values, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype)
     device = q_values.device

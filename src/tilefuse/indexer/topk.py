@@ -112,7 +112,9 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
     }
 
 
-def _check_topk_args(topk, chunk_k, align: int, name_rows: int, out, device, return_values) -> None:
+def _check_topk_args(logits_dtype, topk, chunk_k, align: int, rows: int, out, device, return_values) -> None:
+    expect(logits_dtype in (torch.float32, torch.bfloat16), TypeError,
+           f"logits_dtype: expected float32 or bfloat16, got {logits_dtype}")
     expect_int(topk, "topk", 1)
     expect(topk <= _MAX_TOPK, ValueError, f"topk: at most {_MAX_TOPK}, got {topk}")
     expect(isinstance(return_values, bool), TypeError, f"return_values: expected a bool, got {return_values!r}")
@@ -122,8 +124,8 @@ def _check_topk_args(topk, chunk_k, align: int, name_rows: int, out, device, ret
     if out is not None:
         expect_tensor(out, "out")
         expect(out.dtype == _INDEX_DTYPE, TypeError, f"out: expected int32, got {out.dtype}")
-        expect(tuple(out.shape) == (name_rows, topk) and out.stride(1) == 1, ValueError,
-               f"out: expected [{name_rows}, {topk}] with unit last stride, got shape {tuple(out.shape)} "
+        expect(tuple(out.shape) == (rows, topk) and out.stride(1) == 1, ValueError,
+               f"out: expected [{rows}, {topk}] with unit last stride, got shape {tuple(out.shape)} "
                f"strides {out.stride()}")
         expect(out.device == device, ValueError, f"out: expected device {device}, got {out.device}")
 
@@ -253,21 +255,15 @@ def fp8_fp4_mqa_topk(
         ``chunk_k``, ``out`` or ``schedule_meta``. Bad window values (``ks < 0``, ``ks > ke``)
         raise :class:`tilefuse.DeviceValueError` at the next call or ``tilefuse.check_errors()``.
     """
-    if not isinstance(q, (tuple, list)) or len(q) != 2:
-        raise TypeError("q: expected a tuple (values, sf); sf is None for FP8")
-    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
-        raise TypeError("kv: expected a tuple (k, k_sf)")
-    q_values, q_sf = q
-    k, k_scale = kv
+    q_values, q_sf = prefill.split_query(q)
+    k, k_scale = prefill.split_keys(kv)
     for name, t in (("q", q_values), ("kv[0]", k), ("kv[1]", k_scale),
                     ("cu_seq_len_k_start", cu_seq_len_k_start), ("cu_seq_len_k_end", cu_seq_len_k_end)):
         expect_tensor(t, name)
     s_q = q_values.shape[0] if q_values.dim() else 0
     check_kernel_device(q_values, "q")
     for name, t in (("cu_seq_len_k_start", cu_seq_len_k_start), ("cu_seq_len_k_end", cu_seq_len_k_end)):
-        expect(t.dtype == torch.int32, TypeError, f"{name}: expected int32, got {t.dtype}")
-        expect(tuple(t.shape) == (s_q,) and t.stride(0) == 1, ValueError,
-               f"{name}: expected a contiguous [{s_q}] tensor, got shape {tuple(t.shape)}")
+        prefill.check_window_bound(t, name, s_q)
         expect(t.device == q_values.device, ValueError, f"{name}: expected device {q_values.device}, got {t.device}")
     expect(k.dim() >= 1 and k.shape[0] <= _MAX_POSITION, ValueError,
            f"kv[0]: at most {_MAX_POSITION} keys, got shape {tuple(k.shape)}")
@@ -276,9 +272,7 @@ def fp8_fp4_mqa_topk(
         expect(schedule_meta.dtype == torch.int32 and schedule_meta.dim() == 2, ValueError,
                f"schedule_meta: expected int32 [1 + num_q_blocks, 2] from get_mqa_logits_metadata, got "
                f"{schedule_meta.dtype} {tuple(schedule_meta.shape)}")
-    expect(logits_dtype in (torch.float32, torch.bfloat16), TypeError,
-           f"logits_dtype: expected float32 or bfloat16, got {logits_dtype}")
-    _check_topk_args(topk, chunk_k, _PREFILL_KEY_TILE, s_q, out, q_values.device, return_values)
+    _check_topk_args(logits_dtype, topk, chunk_k, _PREFILL_KEY_TILE, s_q, out, q_values.device, return_values)
     if chunk_q is not None:
         expect_int(chunk_q, "chunk_q", 1)
         expect(chunk_q % _ROW_BLOCK == 0, ValueError, f"chunk_q: must be a multiple of {_ROW_BLOCK}, got {chunk_q}")
@@ -388,9 +382,7 @@ def fp8_fp4_paged_mqa_topk(
         over ``max_context_len``, longer than the block table) raise
         :class:`tilefuse.DeviceValueError` at the next call or ``tilefuse.check_errors()``.
     """
-    if not isinstance(q, (tuple, list)) or len(q) != 2:
-        raise TypeError("q: expected a tuple (values, sf); sf is None for FP8")
-    q_values, q_sf = q
+    q_values, q_sf = prefill.split_query(q)
     for name, t in (("q", q_values), ("kv_cache", kv_cache), ("context_lens", context_lens),
                     ("block_table", block_table), ("schedule_meta", schedule_meta)):
         expect_tensor(t, name)
@@ -410,10 +402,8 @@ def fp8_fp4_paged_mqa_topk(
     expect_int(max_context_len, "max_context_len", 0)
     expect(max_context_len <= _MAX_POSITION + 1, ValueError,
            f"max_context_len: at most {_MAX_POSITION + 1}, got {max_context_len}")
-    expect(logits_dtype in (torch.float32, torch.bfloat16), TypeError,
-           f"logits_dtype: expected float32 or bfloat16, got {logits_dtype}")
     block_kv = kv_cache.shape[1]
-    _check_topk_args(topk, chunk_k, max(1, block_kv), b * next_n, out, q_values.device, return_values)
+    _check_topk_args(logits_dtype, topk, chunk_k, max(1, block_kv), b * next_n, out, q_values.device, return_values)
     raise_pending(q_values.device)
     chunk = chunk_k or default_chunk_k(topk, max(1, block_kv))
     out, values = _outputs(b * next_n, topk, logits_dtype, q_values.device, out, return_values)
