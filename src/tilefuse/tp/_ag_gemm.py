@@ -34,6 +34,7 @@ import torch
 from tilefuse.tp import _options
 from tilefuse.tp import _primitives as P
 from tilefuse.tp._comm_kernels import _ag_push_kernel, _barrier_kernel
+from tilefuse.tp._common import FusedPlan
 from tilefuse.tp._gemm_core import (
     EPI_LOCAL,
     CommArgs,
@@ -72,18 +73,9 @@ def default_local_copy(mc: int, k: int, elem_bytes: int = 2) -> str:
 
 
 @dataclass(frozen=True)
-class AgPlan:
+class AgPlan(FusedPlan):
     """Everything one rank needs to launch a fused ag_gemm of one shape (cached per shape)."""
 
-    design: str
-    m: int
-    n: int
-    k: int
-    world: int
-    rank: int
-    dtype: torch.dtype
-    config: GemmConfig
-    schedule: TileSchedule
     band_tiles: int  # tile rows per flag band
     bands: int  # bands per chunk
     pieces: int  # push: pieces per band (the flag target); ce: 1
@@ -95,10 +87,6 @@ class AgPlan:
     n_flags: int
     data_bytes: int  # the gathered buffer [M, K]
     read_local: bool  # the GEMM reads the own rows from a_shard, not from the gathered buffer
-
-    @property
-    def mc(self) -> int:
-        return self.m // self.world
 
     @property
     def band_rows(self) -> int:
@@ -356,9 +344,8 @@ def ag_gemm(
         RuntimeError: no initialised process group; workspace growth inside graph capture.
         CommTimeoutError: a wait timed out in this or an earlier call (rank, op, chunk named).
     """
-    from tilefuse.tp import _common, policy
+    from tilefuse.tp import _common
     from tilefuse.tp._gemm_core import gemm
-    from tilefuse.tp.symm import get_state
 
     k, n = check_operands(a_shard, b, b_layout, "a_shard")
     if not isinstance(return_gathered, bool):
@@ -372,21 +359,16 @@ def ag_gemm(
         raise ValueError("a_shard has 0 rows: every rank needs at least one row (M/W >= 1)")
     m = a_shard.shape[0] * world
     out = _common.check_out(out, (m, n), a_shard)
-    nodes = policy.group_nodes(g) if world > 1 else 1
-    dec = policy.decide("ag_gemm", m, n, k, world, a_shard.dtype, device_type=a_shard.device.type, nodes=nodes,
-                        path=path, design=design)
+    dec = _common.decide("ag_gemm", g, world, m, n, k, a_shard, path, design)
     if dec.path == "gemm":
         gemm(a_shard, b, out, b_layout=b_layout, config=opts.config)
         return (out, a_shard.clone()) if return_gathered else out
     if dec.path == "nccl":
         out, gathered = _common.ag_gemm_nccl(a_shard, b, out, g, world, b_layout, opts.config)
         return (out, gathered) if return_gathered else out
-    state = get_state(g, "ag_gemm", a_shard.device)
-    opts = opts.with_measured(dec.options)
-    plan = _make_plan_cached(dec.design, m, n, k, world, rank, a_shard.dtype, a_shard.device, **opts.plan_kwargs())
-    ws = state.ensure(plan.n_flags, plan.data_bytes)
-    run_fused(plan, state, ws, a_shard, b, out, b_layout, P.timeout_units(opts.timeout(), a_shard.device.type),
-              trace)
+    state, plan, ws, timeout = _common.prepare_fused("ag_gemm", _make_plan_cached, dec, opts, g, rank, world,
+                                                     m, n, k, a_shard)
+    run_fused(plan, state, ws, a_shard, b, out, b_layout, timeout, trace)
     if return_gathered:
         gathered = gathered_view(plan, ws).clone()
         if plan.local_copy == "none":  # nothing staged the own rows

@@ -1,11 +1,18 @@
-"""What ag_gemm and gemm_rs share: constants, argument checks, the NCCL + GEMM path."""
+"""What ag_gemm and gemm_rs share: constants, the plans' common fields, argument checks, the policy
+call, the set-up of a fused call, the NCCL + GEMM path."""
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+if TYPE_CHECKING:
+    from tilefuse.tp._gemm_core import GemmConfig
+    from tilefuse.tp._schedule import TileSchedule
 
 # Data regions of a workspace start on this many bytes (TMA wants 16; 1 KiB keeps them apart
 # from the flag words' cache lines).
@@ -14,6 +21,27 @@ ALIGN = 1024
 # environment of every process the benchmark and the GPU checks start.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 DEFAULT_TIMEOUT_S = 60.0  # bound of every cross-GPU wait unless the options say otherwise
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    """What every fused op's plan holds: the call's shape and design, this rank's place in the
+    group, the GEMM tile and the tile walk."""
+
+    design: str
+    m: int
+    n: int
+    k: int
+    world: int
+    rank: int
+    dtype: torch.dtype
+    config: GemmConfig
+    schedule: TileSchedule
+
+    @property
+    def mc(self) -> int:
+        """Rows of one rank's chunk."""
+        return self.m // self.world
 
 
 def align(nbytes: int) -> int:
@@ -51,6 +79,32 @@ def check_out(out: torch.Tensor | None, shape: tuple[int, int], like: torch.Tens
     if not out.is_contiguous() or out.data_ptr() % 16:
         raise ValueError("out must be contiguous and start on a 16-byte boundary")
     return out
+
+
+def decide(op: str, group, world: int, m: int, n: int, k: int, x: torch.Tensor, path: str | None,
+           design: str | None):
+    """The policy's decision for one call of ``op`` on ``group`` (``x``: the activations, for the
+    dtype and device)."""
+    from tilefuse.tp import policy
+
+    nodes = policy.group_nodes(group) if world > 1 else 1
+    return policy.decide(op, m, n, k, world, x.dtype, device_type=x.device.type, nodes=nodes, path=path,
+                         design=design)
+
+
+def prepare_fused(op: str, make_plan, dec, opts, group, rank: int, world: int, m: int, n: int, k: int,
+                  x: torch.Tensor):
+    """``(state, plan, workspace, timeout)`` of a fused call of ``op``: the group's state, the
+    plan of ``make_plan`` (with the options completed by the decision's measurements), the
+    workspace grown to it, and the wait bound in the timer's units."""
+    from tilefuse.tp import _primitives as P
+    from tilefuse.tp.symm import get_state
+
+    state = get_state(group, op, x.device)
+    opts = opts.with_measured(dec.options)
+    plan = make_plan(dec.design, m, n, k, world, rank, x.dtype, x.device, **opts.plan_kwargs())
+    ws = state.ensure(plan.n_flags, plan.data_bytes)
+    return state, plan, ws, P.timeout_units(opts.timeout(), x.device.type)
 
 
 def matmul(x: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_layout: str, config=None) -> torch.Tensor:

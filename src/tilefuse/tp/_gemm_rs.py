@@ -28,6 +28,7 @@ import torch
 from tilefuse._device import capability_major
 from tilefuse.tp import _options
 from tilefuse.tp import _primitives as P
+from tilefuse.tp._common import FusedPlan
 from tilefuse.tp._gemm_core import (
     EPI_RS_PUSH,
     CommArgs,
@@ -54,18 +55,9 @@ LAG_WAVES = 1.0
 
 
 @dataclass(frozen=True)
-class RsPlan:
+class RsPlan(FusedPlan):
     """Everything one rank needs to launch a fused gemm_rs of one shape (cached per shape)."""
 
-    design: str
-    m: int
-    n: int
-    k: int
-    world: int
-    rank: int
-    dtype: torch.dtype
-    config: GemmConfig
-    schedule: TileSchedule
     gemm_programs: int
     data_bytes: int  # the receive buffer [W, M/W, N]
     recv_tma: bool  # the owner loads peer partials by TMA (tensor descriptor) in its epilogue
@@ -74,10 +66,6 @@ class RsPlan:
     @property
     def lag(self) -> int:
         return self.schedule.lag
-
-    @property
-    def mc(self) -> int:
-        return self.m // self.world
 
     @property
     def tiles_per_chunk(self) -> int:
@@ -224,9 +212,8 @@ def gemm_rs(
         RuntimeError: no initialised process group; workspace growth inside graph capture.
         CommTimeoutError: a wait timed out in this or an earlier call.
     """
-    from tilefuse.tp import _common, policy
+    from tilefuse.tp import _common
     from tilefuse.tp._gemm_core import check_operands, gemm
-    from tilefuse.tp.symm import get_state
 
     k, n = check_operands(a, b, b_layout, "a")
     opts = _options.resolve(options, GemmRsOptions)
@@ -239,16 +226,12 @@ def gemm_rs(
     if m % world:
         raise ValueError(f"a has M = {m} rows, which must be divisible by the world size {world}")
     out = _common.check_out(out, (m // world, n), a)
-    nodes = policy.group_nodes(g) if world > 1 else 1
-    dec = policy.decide("gemm_rs", m, n, k, world, a.dtype, device_type=a.device.type, nodes=nodes, path=path,
-                        design=design)
+    dec = _common.decide("gemm_rs", g, world, m, n, k, a, path, design)
     if dec.path == "gemm":
         return gemm(a, b, out, b_layout=b_layout, config=opts.config)
     if dec.path == "nccl":
         return _common.gemm_rs_nccl(a, b, out, g, b_layout, opts.config)
-    state = get_state(g, "gemm_rs", a.device)
-    opts = opts.with_measured(dec.options)
-    plan = _make_plan_cached(dec.design, m, n, k, world, rank, a.dtype, a.device, **opts.plan_kwargs())
-    ws = state.ensure(plan.n_flags, plan.data_bytes)
-    run_fused(plan, ws, a, b, out, b_layout, P.timeout_units(opts.timeout(), a.device.type), trace)
+    _, plan, ws, timeout = _common.prepare_fused("gemm_rs", _make_plan_cached, dec, opts, g, rank, world,
+                                                 m, n, k, a)
+    run_fused(plan, ws, a, b, out, b_layout, timeout, trace)
     return out
