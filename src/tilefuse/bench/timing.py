@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Protocol
 
 import torch
@@ -253,16 +253,32 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
 
 
-@dataclass
-class _Samples:
-    names: list[str]
-    values: dict[str, list[float]] = field(default_factory=dict)
+def _check_warmup(warmup: int) -> None:
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup: expected a non-negative int, got {warmup!r}")
 
-    def __post_init__(self):
-        self.values = {n: [] for n in self.names}
 
-    def stats(self, timer: str, mode: str) -> dict[str, Stats]:
-        return {n: summarize(self.values[n], timer=timer, mode=mode) for n in self.names}
+def _timed_us(be: Backend, fn: Callable[[], object], repeat: int = 1) -> float:
+    """Microseconds per call of ``repeat`` back-to-back calls of ``fn`` between two marks."""
+    start = be.mark()
+    for _ in range(repeat):
+        fn()
+    end = be.mark()
+    be.synchronize()
+    return be.elapsed_us(start, end) / repeat
+
+
+def _sample(names: list[str], samples: int, reset: Callable[[], None] | None, be: Backend, mode: str,
+            sample_us: Callable[[str], float]) -> dict[str, Stats]:
+    """Stats of ``samples`` rounds over the variants in :func:`variant_order`: per variant,
+    ``reset`` (if any), then ``sample_us(name)``, the sample's microseconds."""
+    values: dict[str, list[float]] = {n: [] for n in names}
+    for s in range(samples):
+        for n in variant_order(names, s):
+            if reset is not None:
+                reset()
+            values[n].append(sample_us(n))
+    return {n: summarize(values[n], timer=be.timer, mode=mode) for n in names}
 
 
 def time_graph(
@@ -285,22 +301,16 @@ def time_graph(
     be = backend or default_backend()
     replays = {n: be.capture(fns[n], calls) for n in names}
     be.synchronize()
-    out = _Samples(names)
-    for s in range(samples):
-        for n in variant_order(names, s):
-            if reset is not None:
-                reset()
-            replays[n]()
-            if reset is not None:
-                reset()
-            if l2_flush:
-                be.flush_l2()
-            start = be.mark()
-            replays[n]()
-            end = be.mark()
-            be.synchronize()
-            out.values[n].append(be.elapsed_us(start, end) / calls)
-    return out.stats(be.timer, "graph")
+
+    def replayed_us(n: str) -> float:
+        replays[n]()
+        if reset is not None:
+            reset()
+        if l2_flush:
+            be.flush_l2()
+        return _timed_us(be, replays[n]) / calls
+
+    return _sample(names, samples, reset, be, "graph", replayed_us)
 
 
 def time_batch(
@@ -320,8 +330,7 @@ def time_batch(
     """
     names = _check_fns(fns)
     _check_positive(iters=iters, samples=samples)
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup: expected a non-negative int, got {warmup!r}")
+    _check_warmup(warmup)
     be = backend or default_backend()
     for n in names:
         if reset is not None:
@@ -329,19 +338,7 @@ def time_batch(
         for _ in range(warmup):
             fns[n]()
     be.synchronize()
-    out = _Samples(names)
-    for s in range(samples):
-        for n in variant_order(names, s):
-            fn = fns[n]
-            if reset is not None:
-                reset()
-            start = be.mark()
-            for _ in range(iters):
-                fn()
-            end = be.mark()
-            be.synchronize()
-            out.values[n].append(be.elapsed_us(start, end) / iters)
-    return out.stats(be.timer, "batch")
+    return _sample(names, samples, reset, be, "batch", lambda n: _timed_us(be, fns[n], iters))
 
 
 def time_periter(
@@ -360,8 +357,7 @@ def time_periter(
     """
     names = _check_fns(fns)
     _check_positive(samples=samples)
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup: expected a non-negative int, got {warmup!r}")
+    _check_warmup(warmup)
     be = backend or default_backend()
     for n in names:
         for _ in range(warmup):
@@ -369,19 +365,13 @@ def time_periter(
                 reset()
             fns[n]()
     be.synchronize()
-    out = _Samples(names)
-    for s in range(samples):
-        for n in variant_order(names, s):
-            if reset is not None:
-                reset()
-            if l2_flush:
-                be.flush_l2()
-            start = be.mark()
-            fns[n]()
-            end = be.mark()
-            be.synchronize()
-            out.values[n].append(be.elapsed_us(start, end))
-    return out.stats(be.timer, "periter")
+
+    def launch_us(n: str) -> float:
+        if l2_flush:
+            be.flush_l2()
+        return _timed_us(be, fns[n])
+
+    return _sample(names, samples, reset, be, "periter", launch_us)
 
 
 _MODE_FUNCS = {"graph": time_graph, "batch": time_batch, "periter": time_periter}
