@@ -64,6 +64,17 @@ def _add_bench_options(p: argparse.ArgumentParser, shapes_help: str) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress, no table")
 
 
+def _add_suite_parser(bsub, suite: str, suite_help: str, shapes_help: str, formats: str,
+                      formats_help: str) -> argparse.ArgumentParser:
+    """The parser of ``tilefuse bench <suite>``: the bench options and ``--formats`` (default
+    ``formats``); the caller adds the suite's own options."""
+    p = bsub.add_parser(suite, help=suite_help)
+    _add_bench_options(p, shapes_help)
+    p.add_argument("--formats", default=formats, help=formats_help)
+    p.set_defaults(func=lambda a: _run_bench(suite, a))
+    return p
+
+
 def _settings(args, on_gpu: bool):
     from tilefuse.bench.runner import Settings
 
@@ -184,25 +195,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark suite")
     bsub = bench.add_subparsers(dest="suite", required=True)
-    p = bsub.add_parser("indexer", help="prefill logits at the reference shapes")
-    _add_bench_options(p, "only these S_QxS_K shapes, e.g. 2048x32768 128x32768 (--reproduce: the first)")
-    p.add_argument("--formats", default="fp8,mxfp8,mxfp4", help="comma-separated formats")
+    p = _add_suite_parser(bsub, "indexer", "prefill logits at the reference shapes",
+                          "only these S_QxS_K shapes, e.g. 2048x32768 128x32768 (--reproduce: the first)",
+                          "fp8,mxfp8,mxfp4", "comma-separated formats")
     p.add_argument("--reproduce", action="store_true",
                    help="check all-zero and random outputs, then time clean x metadata x format on one shape")
-    p.set_defaults(func=lambda a: _run_bench("indexer", a))
-    p = bsub.add_parser("paged", help="paged decode logits")
-    _add_bench_options(p, "only these BxNEXT_NxMEAN_CTX rows, e.g. 64x1x8192 256x2x32768")
-    p.add_argument("--formats", default="fp8", help="comma-separated formats (fp8, mxfp8, mxfp4)")
+    p = _add_suite_parser(bsub, "paged", "paged decode logits",
+                          "only these BxNEXT_NxMEAN_CTX rows, e.g. 64x1x8192 256x2x32768",
+                          "fp8", "comma-separated formats (fp8, mxfp8, mxfp4)")
     p.add_argument("--sweep", action="store_true",
                    help="the decode sweep grid (B x mean ctx x next_n x H x page size x logits dtype) beside DeepGEMM")
-    p.set_defaults(func=lambda a: _run_bench("paged", a))
     bsub.add_parser("serving", help="the indexer in an engine's step loop; options: tilefuse bench serving --help")
-    p = bsub.add_parser("topk", help="indexer logits + top-k, fused and unfused")
-    _add_bench_options(p, "only these S_QxS_K prefill and BxNEXT_NxMEAN_CTX decode rows, e.g. 2048x32768 64x2x8192")
-    p.add_argument("--formats", default="fp8", help="comma-separated formats (fp8, mxfp8, mxfp4)")
+    p = _add_suite_parser(bsub, "topk", "indexer logits + top-k, fused and unfused",
+                          "only these S_QxS_K prefill and BxNEXT_NxMEAN_CTX decode rows, e.g. 2048x32768 64x2x8192",
+                          "fp8", "comma-separated formats (fp8, mxfp8, mxfp4)")
     p.add_argument("--chunk-k", help="comma-separated key chunk sizes to sweep (default: the op's)")
     p.add_argument("--chunk-q", help="comma-separated prefill row block sizes to sweep (default: the op's)")
-    p.set_defaults(func=lambda a: _run_bench("topk", a))
     for name in sorted(_DELEGATED_BENCH):
         bsub.add_parser(name, help=f"fused tensor-parallel GEMM ({name}); options: tilefuse bench {name} --help")
 

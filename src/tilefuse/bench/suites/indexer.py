@@ -41,6 +41,7 @@ ORIGINAL_LIMIT = {"fp8": 1e-3, "mxfp8": 0.02, "mxfp4": 0.02}
 # The eager row materialises [S_q, H, S_k] bf16 scores; larger cases are skipped.
 EAGER_BYTES_LIMIT = 24 << 30
 EAGER_SAMPLES = 10
+NO_MX_ON_SM90 = "skipped: DeepGEMM has no MX formats on SM90"
 
 
 @dataclass(frozen=True)
@@ -246,9 +247,28 @@ def deep_gemm_module():
     return deep_gemm, None
 
 
+def skipped_peer(name: str, peer, peer_skip: str | None, fmt: str) -> Impl | None:
+    """The DeepGEMM row ``name`` skipped: no peer (``peer_skip`` says why), or an MX ``fmt``,
+    which DeepGEMM does not run on SM90. None where the peer runs ``fmt``."""
+    if peer is None:
+        return Impl(name, skipped=peer_skip)
+    if fmt != "fp8":
+        return Impl(name, skipped=NO_MX_ON_SM90)
+    return None
+
+
+def eager_impl(eager_bytes: int, call: Callable, check: Callable, of: str | None = None) -> Impl:
+    """The torch eager row, skipped where its tensors (``of`` what, for the message) would take
+    more than ``EAGER_BYTES_LIMIT`` bytes."""
+    if eager_bytes > EAGER_BYTES_LIMIT:
+        needs = f"{eager_bytes / 2**30:.0f} GiB" + (f" of {of}" if of else "")
+        return Impl("torch eager", skipped=f"skipped: needs {needs}")
+    return Impl("torch eager", call, check, group="eager", samples=EAGER_SAMPLES)
+
+
 def _deep_gemm_fn(dg, spec: Spec, inp: Inputs) -> tuple[Callable | None, str | None]:
     if spec.fmt != "fp8":
-        return None, "skipped: DeepGEMM has no MX formats on SM90"
+        return None, NO_MX_ON_SM90
     if spec.logits_dtype == torch.float32:
         fn = lambda: dg.fp8_mqa_logits(inp.qq[0], inp.kv, inp.weights, inp.ks, inp.ke, clean_logits=spec.clean)
         return fn, None
@@ -305,19 +325,15 @@ def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) 
         else:
             impls.append(Impl("deep_gemm", skipped=peer_skip))
         eager_bytes = 2 * spec.s_q * spec.heads * spec.s_k * 2
-        if eager_bytes > EAGER_BYTES_LIMIT:
-            impls.append(Impl("torch eager", skipped=f"skipped: needs {eager_bytes / 2**30:.0f} GiB of scores"))
-        else:
-            impls.append(
-                Impl(
-                    "torch eager",
-                    lambda: eager_logits(inp.qq, inp.kv, inp.weights, inp.ks, inp.ke),
-                    # bf16 arithmetic: held to the unquantised-input limits.
-                    lambda out: check_logits(out, ref, True, ORIGINAL_LIMIT[spec.fmt]),
-                    group="eager",
-                    samples=EAGER_SAMPLES,
-                )
+        impls.append(
+            eager_impl(
+                eager_bytes,
+                lambda: eager_logits(inp.qq, inp.kv, inp.weights, inp.ks, inp.ke),
+                # bf16 arithmetic: held to the unquantised-input limits.
+                lambda out: check_logits(out, ref, True, ORIGINAL_LIMIT[spec.fmt]),
+                of="scores",
             )
+        )
         return impls
 
     return Case(

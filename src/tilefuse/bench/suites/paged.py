@@ -31,11 +31,11 @@ from tilefuse.bench.runner import Case, Impl
 from tilefuse.bench.suites.indexer import (
     DEQUANT_LIMIT_BF16,
     DEQUANT_LIMIT_FP32,
-    EAGER_BYTES_LIMIT,
-    EAGER_SAMPLES,
     ORIGINAL_LIMIT,
     deep_gemm_module,
+    eager_impl,
     finish_reference_checks,
+    skipped_peer,
 )
 
 GPU_ROWS = [(b, n, c) for b in (1, 64, 256) for n in (1, 2) for c in (8192, 32768, 65536)]
@@ -215,10 +215,9 @@ def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) 
         out_bytes = spec.batch * spec.next_n * (-(-max_len // 16) * 16) * logits_dtype.itemsize
         peer_call = None
         impls = [Impl("tilefuse", tilefuse_call, check, out_bytes=out_bytes)]
-        if peer is None:
-            impls.append(Impl("deep_gemm", skipped=peer_skip))
-        elif spec.fmt != "fp8":
-            impls.append(Impl("deep_gemm", skipped="skipped: DeepGEMM has no MX formats on SM90"))
+        skipped = skipped_peer("deep_gemm", peer, peer_skip, spec.fmt)
+        if skipped is not None:
+            impls.append(skipped)
         else:
             dg_meta = peer.get_paged_mqa_logits_metadata(ctx, spec.block_kv, _num_workers(device))
 
@@ -233,18 +232,13 @@ def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) 
             return impls
         pages_bytes = spec.batch * table.shape[1] * spec.block_kv
         eager_bytes = pages_bytes * spec.head_dim * 6 + pages_bytes * spec.next_n * spec.heads * 2
-        if eager_bytes > EAGER_BYTES_LIMIT:
-            impls.append(Impl("torch eager", skipped=f"skipped: needs {eager_bytes / 2**30:.0f} GiB"))
-        else:
-            impls.append(
-                Impl(
-                    "torch eager",
-                    lambda: eager_paged_logits(qq, cache, weights, ctx, table, max_len, spec.fmt, spec.head_dim),
-                    lambda out: check_paged(out, ref, ORIGINAL_LIMIT[spec.fmt]),
-                    group="eager",
-                    samples=EAGER_SAMPLES,
-                )
+        impls.append(
+            eager_impl(
+                eager_bytes,
+                lambda: eager_paged_logits(qq, cache, weights, ctx, table, max_len, spec.fmt, spec.head_dim),
+                lambda out: check_paged(out, ref, ORIGINAL_LIMIT[spec.fmt]),
             )
+        )
         return impls
 
     return Case(

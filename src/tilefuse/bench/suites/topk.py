@@ -30,7 +30,7 @@ import torch
 from tilefuse import formats
 from tilefuse.bench import ceilings as ceil
 from tilefuse.bench.runner import Case, Impl
-from tilefuse.bench.suites.indexer import deep_gemm_module
+from tilefuse.bench.suites.indexer import deep_gemm_module, skipped_peer
 
 GPU_PREFILL = [(2048, 32768), (4096, 65536), (8192, 65536), (2048, 131072), (8192, 131072)]
 CPU_PREFILL = [(16, 512), (64, 768)]
@@ -177,10 +177,9 @@ def prefill_case(spec: Spec, device: str, peer=None, peer_skip: str | None = Non
                  lambda: torch.topk(tilefuse.fp8_fp4_mqa_logits(qq, kv, w, ks, ke), spec.topk, dim=1),
                  lambda out: check_pair(tuple(t.cpu() for t in out))),
         ]
-        if peer is None:
-            impls.append(Impl("deep_gemm+torch.topk", skipped=peer_skip))
-        elif spec.fmt != "fp8":
-            impls.append(Impl("deep_gemm+torch.topk", skipped="skipped: DeepGEMM has no MX formats on SM90"))
+        skipped = skipped_peer("deep_gemm+torch.topk", peer, peer_skip, spec.fmt)
+        if skipped is not None:
+            impls.append(skipped)
         else:
             impls.append(Impl(
                 "deep_gemm+torch.topk",
@@ -252,10 +251,9 @@ def decode_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None
                                     min(spec.topk, max_len), dim=1),
                  lambda out: check_pair(tuple(t.cpu() for t in out))),
         ]
-        if peer is None:
-            impls.append(Impl("deep_gemm+torch.topk", skipped=peer_skip))
-        elif spec.fmt != "fp8":
-            impls.append(Impl("deep_gemm+torch.topk", skipped="skipped: DeepGEMM has no MX formats on SM90"))
+        skipped = skipped_peer("deep_gemm+torch.topk", peer, peer_skip, spec.fmt)
+        if skipped is not None:
+            impls.append(skipped)
         else:
             dg_meta = peer.get_paged_mqa_logits_metadata(ctx, BLOCK_KV, _num_workers(device))
             impls.append(Impl(
