@@ -96,6 +96,7 @@ def main(argv=None) -> int:
 
     def measure(fmt: str):
         qq, cache, w, lens, table = inputs(fmt, batch, ctx, 1, device)
+        lens = lens.reshape(batch, 1).contiguous()  # 2-D lengths: DeepGEMM's metadata takes only those
         meta = tilefuse.get_paged_mqa_logits_metadata(lens, BLOCK_KV, num_sms)
         out = torch.empty(batch, ctx, device=device)
         record(f"tilefuse {fmt} B{batch} ctx{ctx} eager", per_call_us(

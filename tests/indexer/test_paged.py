@@ -556,9 +556,12 @@ def test_bad_values_are_found_on_the_device(name):
     args = _args(case)
     for key, fn in changes.items():
         args[key] = fn(args[key])
-    with checked_bounds() as state:
+    if ON_GPU:  # the bounds checker wraps the interpreter; on the GPU the sweep and the fault test cover bounds
         tilefuse.fp8_fp4_paged_mqa_logits(**args, clean_logits=True)
-    assert state.accesses > 0
+    else:
+        with checked_bounds() as state:
+            tilefuse.fp8_fp4_paged_mqa_logits(**args, clean_logits=True)
+        assert state.accesses > 0
     if text is None:  # metadata is checked by shape only on this path
         tilefuse.check_errors()
         return

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One H200 round of the indexer's GPU checks and serving-path measurements, DeepGEMM in the same run.
+#   PART=checks bash benchmarks/indexer_gpu_round.sh   # GPU tests, DeepGEMM's own tests, host cost, sweep
+#   PART=timing bash benchmarks/indexer_gpu_round.sh   # bench paged / indexer / serving / topk, TP core
+# DeepGEMM comes from an ignored copy of shared/peers/deepgemm at $PEERS (default .peers/deepgemm),
+# built once per machine. Logs and result files go to $OUT (default out/), one log per step.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-out}"; mkdir -p "$OUT"
+PEERS="${PEERS:-.peers/deepgemm}"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, one summary line
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  printf '%-22s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-150)" \
+    | tee -a "$OUT/summary.txt"
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/summary.txt"
+if [ -f "$PEERS/build.sh" ]; then
+  # shellcheck disable=SC1091
+  source "$PEERS/build.sh" >"$OUT/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
+fi
+python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
+case "${PART:-checks}" in
+  checks)
+    step tests-errors 25 python3 -m pytest -q -p no:cacheprovider tests/test_errors.py tests/test_jit.py
+    step tests-paged 100 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_paged.py \
+      tests/indexer/test_paged_bounds.py
+    step tests-prefill 70 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_prefill.py \
+      -k "gluon or window or out or gpu or shapes"
+    step tests-warmup 45 python3 -m pytest -q -p no:cacheprovider tests/indexer/test_warmup.py
+    step host-prefill 35 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
+    step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
+    step deepgemm-tests 90 python3 benchmarks/deepgemm_tests.py --cases "${DG_CASES:-50}"
+    step gpu-sweep 50 python3 -m tests.indexer.gpu_sweep --budget-s 35 --seed "${SEED:-1}"
+    ;;
+  timing)
+    step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
+    step bench-paged 120 python3 -m tilefuse.cli bench paged -o "$OUT/paged.json" -q
+    step bench-indexer 110 python3 -m tilefuse.cli bench indexer -o "$OUT/indexer.json" -q
+    step bench-serving 100 python3 -m tilefuse.cli bench serving --steps 4 -o "$OUT/serving.json"
+    step tests-topk 60 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_topk.py
+    step tp-host 30 python3 -m tilefuse.bench.suites.tp host --m 4096 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
+    step tp-compiles 40 python3 -m pytest -q -p no:cacheprovider tests/tp/test_gpu.py -k compiles
+    ;;
+esac
+tar -czf "$OUT/logs.tgz" -C "$OUT" --exclude logs.tgz . 2>/dev/null
