@@ -153,8 +153,24 @@ def tilefuse_api() -> Api:
                tilefuse.fp8_paged_mqa_logits)
 
 
+def _rows_ends(lens: torch.Tensor, next_n: int) -> torch.Tensor:
+    """1-D lengths (causal MTP: row t sees j <= len - next_n + t) as the 2-D [B, next_n] row ends
+    they mean, the only form DeepGEMM 2.6.1 takes."""
+    t = torch.arange(next_n, dtype=torch.int32, device=lens.device)
+    return (lens[:, None] - next_n + 1 + t).clamp(min=0).contiguous()
+
+
 def deep_gemm_api(dg) -> Api:
-    return Api("deep_gemm", dg.get_paged_mqa_logits_metadata, dg.fp8_mqa_logits, dg.fp8_paged_mqa_logits)
+    """DeepGEMM on the same inputs; its lengths in the 2-D form it requires (one small torch op
+    per call, counted in its host time)."""
+
+    def metadata(lens, block_kv, num_sms):
+        return dg.get_paged_mqa_logits_metadata(_rows_ends(lens, 1), block_kv, num_sms)
+
+    def decode(q, kv_cache, weights, lens, table, meta, max_len, *args):
+        return dg.fp8_paged_mqa_logits(q, kv_cache, weights, _rows_ends(lens, q.shape[1]), table, meta, max_len, *args)
+
+    return Api("deep_gemm", metadata, dg.fp8_mqa_logits, decode)
 
 
 class StepRunner:
