@@ -43,9 +43,6 @@ _ENTRIES = [
     # (20 B since the kernel clamps and checks the windows itself, 16 before.)
     ("indexer.prefill", "sm_100a", "fp8 * relu_via_abs=*", 24,
      "Triton loop on sm_100a with the linear term's operands beside the key tile (option, timed on Hopper only)"),
-    # Paged decode, MXFP4 at D = 128 with 2-D lengths on sm_100a: the bf16-upcast key tile, the
-    # two rows' ends and the in-kernel page-range checks sit at the register limit.
-    ("indexer.paged", "sm_100a", "mxfp4 D128 * ctx2d*", 16, "MXFP4 upcast tile, 2-D row ends: register limit"),
     # Persistent GEMM: the masked (unaligned) epilogue builds a pointer per element (on sm_90a
     # it no longer spills since the per-tile clock read went under TRACE); the reduce-scatter
     # epilogues hold the accumulator while loading every peer's partial.
