@@ -50,8 +50,7 @@ class WarmupReport:
 
 def warmup_calls(model: IndexerModel, device: torch.device | str, prefill: bool = True,
                  decode: bool = True) -> dict[str, list]:
-    """The warm-up calls per op (``"prefill"``, ``"decode"``) for one model configuration. Decode
-    calls come from ``paged.warmup_calls`` where the paged op offers it."""
+    """The warm-up calls per op (``"prefill"``, ``"decode"``) for one model configuration."""
     from tilefuse.indexer import paged
     from tilefuse.indexer import prefill as prefill_op
 
@@ -59,10 +58,9 @@ def warmup_calls(model: IndexerModel, device: torch.device | str, prefill: bool 
     if prefill:
         calls["prefill"] = prefill_op.warmup_calls(model.fmt, model.num_heads, model.head_dim, model.weights_dtype,
                                                    model.logits_dtype, model.clean_logits, model.compressed, device)
-    paged_calls = getattr(paged, "warmup_calls", None)
-    if decode and paged_calls is not None:
-        calls["decode"] = paged_calls(model.fmt, model.num_heads, model.head_dim, model.block_kv, model.next_n,
-                                      model.weights_dtype, model.logits_dtype, model.clean_logits, device)
+    if decode:
+        calls["decode"] = paged.warmup_calls(model.fmt, model.num_heads, model.head_dim, model.block_kv, model.next_n,
+                                             model.weights_dtype, model.logits_dtype, model.clean_logits, device)
     return calls
 
 
