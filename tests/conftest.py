@@ -4,6 +4,7 @@
 before any tilefuse kernel module is imported.
 """
 
+import contextlib
 import os
 from collections import Counter
 
@@ -14,8 +15,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tilefuse._interpreter import patch_interpreter_numerics  # noqa: E402
+from tilefuse._jit import set_launch_audit  # noqa: E402
 
 patch_interpreter_numerics()
+# Every launch through tilefuse._jit.Launcher checks that its call site's key stands for one
+# Triton specialisation (the direct-launch path relies on it).
+set_launch_audit(True)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -57,6 +62,10 @@ def record_launches(monkeypatch):
     """``record_launches(module, name)`` -> list that collects the grid of every launch of the
     Triton kernel ``module.name`` (which still runs): proves an op went through the kernel."""
 
+    from tilefuse import _jit
+
+    stack = contextlib.ExitStack()
+
     def install(module, name):
         launched = []
         real = getattr(module, name)
@@ -66,7 +75,13 @@ def record_launches(monkeypatch):
                 launched.append(grid)
                 return real[grid]
 
-        monkeypatch.setattr(module, name, Spy())
+            def __getattr__(self, attr):
+                return getattr(real, attr)
+
+        spy = Spy()
+        monkeypatch.setattr(module, name, spy)
+        stack.enter_context(_jit.redirected(real, spy))  # launches through tilefuse._jit.Launcher
         return launched
 
-    return install
+    with stack:
+        yield install

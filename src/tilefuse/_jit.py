@@ -14,6 +14,11 @@ anywhere), or every new value class is a new compile on the hot path.
   computes it.
 * :func:`host_descriptor`: a host tensor descriptor without its constructor's checks, for
   launch paths whose arguments were validated already.
+* :func:`cdiv`, :func:`next_power_of_2`: host-side integer helpers (Triton's are
+  ``ConstexprFunction`` wrappers costing microseconds per call on a launch path).
+* :class:`Launcher`: launches a kernel by a key its caller computes, calling the compiled
+  kernel's launcher directly once that key has been launched through ``kernel[grid](...)``:
+  Triton's binder and cache lookup cost more host time than the launch itself.
 """
 
 from __future__ import annotations
@@ -21,11 +26,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import threading
 
 import triton
 
 _lock = threading.Lock()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (0 for 0, as ``triton.next_power_of_2``)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 @dataclasses.dataclass
@@ -127,3 +142,110 @@ def host_descriptor(cls, base, shape, strides, block_shape, **fields):
     desc.__dict__.update(template.__dict__)
     desc.base, desc.shape, desc.strides = base, shape, strides
     return desc
+
+
+# ---------------------------------------------------------------------------------------
+# Direct launches
+# ---------------------------------------------------------------------------------------
+_audit = os.environ.get("TILEFUSE_AUDIT_LAUNCH_KEYS", "0") not in ("", "0")
+
+
+def set_launch_audit(on: bool) -> None:
+    """Audit mode: every :class:`Launcher` launch also computes Triton's own specialisation key
+    (``specialization_key``) and raises if one caller key ever stands for two of them. The
+    CPU tests run in this mode, so each interpreted launch checks its call site's key. Also on
+    at import with ``TILEFUSE_AUDIT_LAUNCH_KEYS=1``."""
+    global _audit
+    _audit = bool(on)
+
+
+_launchers: list = []
+
+
+def launchers() -> list:
+    """Every :class:`Launcher` made so far (tests redirect the ones of a kernel they spy on)."""
+    return list(_launchers)
+
+
+@contextlib.contextmanager
+def redirected(real, replacement):
+    """Launches of the kernel ``real`` through any :class:`Launcher` go to ``replacement``
+    (``replacement[grid](*args, **options)``, every launch) inside the block."""
+    saved = [(lr, lr.fn, lr._direct) for lr in _launchers if lr.kernel is real]
+    try:
+        for lr, _, _ in saved:
+            lr.fn, lr._direct = replacement, False
+        yield
+    finally:
+        for lr, fn, direct in saved:
+            lr.fn, lr._direct = fn, direct
+
+
+def _hooks_idle(hook) -> bool:
+    """No launch hook is installed (None, or an empty ``HookChain`` as triton 3.6 keeps it)."""
+    return hook is None or not getattr(hook, "calls", True)
+
+
+class Launcher:
+    """Launches one ``@triton.jit`` (or Gluon) kernel by a key its caller computes.
+
+    ``launcher(key, grid, args, options)``: ``args`` are every parameter of the kernel in
+    signature order, constexprs and defaulted ones included; ``options`` the launch options
+    (``num_warps``, ``num_stages``). ``key`` must determine the compile: the constexpr values
+    and options, the dtype of every tensor, which arguments are None, and anything else Triton
+    specialises on (the alignment of pointers that are not ``do_not_specialize_on_alignment``,
+    the value classes of ints that are not ``do_not_specialize``, ints past int32). The first
+    launch of a key on a device goes through ``kernel[grid](...)`` (compiling if needed); the
+    next ones call the compiled kernel's launcher with the same arguments, as Triton's own
+    ``run`` ends. Launch hooks installed in ``triton.knobs`` (profilers) and the interpreter
+    take the ordinary path every time. :func:`set_launch_audit` checks the keys.
+    """
+
+    __slots__ = ("fn", "kernel", "name", "arg_names", "_direct", "_compiled", "_audited")
+
+    def __init__(self, fn):
+        from triton.runtime.jit import JITFunction
+
+        self.fn = self.kernel = fn  # fn: what launches (tests may redirect it); kernel: the kernel
+        self.name = getattr(getattr(fn, "fn", fn), "__name__", "kernel")
+        self.arg_names = tuple(fn.arg_names)
+        self._direct = isinstance(fn, JITFunction)  # not the interpreter's InterpretedFunction
+        self._compiled: dict = {}
+        self._audited: dict = {}
+        _launchers.append(self)
+
+    def __call__(self, key, grid, args: tuple, options: dict | None = None) -> None:
+        if _audit:
+            self._audit(key, args, options)
+        if self._direct:
+            hit = self._compiled.get(key)
+            if hit is not None:
+                device, current_device, stream_of, run, function, metadata, runtime = hit
+                if _hooks_idle(runtime.launch_enter_hook) and current_device() == device:
+                    n = len(grid)
+                    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream_of(device), function,
+                        metadata, None, None, None, *args)
+                    return
+            compiled = self.fn[grid](*args, **(options or {}))
+            if compiled is not None and hit is None:
+                self._remember(key, compiled)
+        else:
+            self.fn[grid](*args, **(options or {}))
+
+    def _remember(self, key, compiled) -> None:
+        from triton import knobs
+        from triton.runtime import driver
+
+        active = driver.active
+        run = compiled.run  # the launcher (its handles were loaded by the launch that just ran)
+        self._compiled[key] = (active.get_current_device(), active.get_current_device, active.get_current_stream,
+                               run, compiled.function, compiled.packed_metadata, knobs.runtime)
+
+    def _audit(self, key, args: tuple, options: dict | None) -> None:
+        names = self.arg_names
+        if len(args) != len(names):
+            raise AssertionError(f"{self.name}: {len(args)} arguments for {len(names)} parameters")
+        triton_key = specialization_key(self.kernel, dict(zip(names, args)), options)
+        seen = self._audited.setdefault(key, triton_key)
+        if seen != triton_key:
+            raise AssertionError(f"{self.name}: launch key {key!r} stands for two compiles:\n{seen}\n{triton_key}")

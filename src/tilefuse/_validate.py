@@ -20,12 +20,14 @@ def expect_tensor(x, name: str) -> torch.Tensor:
 
 
 def expect_int(value, name: str, minimum: int) -> None:
-    expect(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, ValueError,
-           f"{name}: expected an int >= {minimum}, got {value!r}")
+    if value.__class__ is not int or value < minimum:  # bool is not int here
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
+            raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
 
 
 def check_aligned(t: torch.Tensor, name: str) -> None:
-    expect(t.data_ptr() % 16 == 0, ValueError, f"{name}: data pointer must be 16-byte aligned")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name}: data pointer must be 16-byte aligned")
 
 
 def check_tma_rows(t: torch.Tensor, name: str) -> None:

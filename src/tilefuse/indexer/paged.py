@@ -47,11 +47,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import triton
 
 from tilefuse import _config, _errors, _validate, formats
 from tilefuse._config import apply_override, register_config
 from tilefuse._errors import error_record, raise_pending_fast
+from tilefuse._jit import Launcher, cdiv, next_power_of_2
 from tilefuse._validate import expect, expect_int, expect_tensor
 from tilefuse.formats import FP8_DTYPE, format_of
 from tilefuse.indexer import _paged_kernel as kern
@@ -118,8 +118,8 @@ def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
     * ``chunk`` = 0: chosen per call by :func:`chunk_pages_for` (a runtime value).
     """
     del head_dim, block_kv
-    heads_p = triton.next_power_of_2(num_heads)
-    rows = min(triton.next_power_of_2(next_n), max(1, _MAX_DOT_COLUMNS // heads_p))
+    heads_p = next_power_of_2(num_heads)
+    rows = min(next_power_of_2(next_n), max(1, _MAX_DOT_COLUMNS // heads_p))
     columns = rows * heads_p
     # 128-key tiles where the accumulator stays small (<= 64 dot columns) and the keys need no
     # bf16 dequantisation in registers; otherwise 64 (128 spills there, on sm_100a too).
@@ -131,7 +131,7 @@ def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
 
 def _pages_for(keys: int, block_kv: int, block_n: int) -> int:
     """Pages in a chunk of about ``keys`` keys: a power of two of them, whole ``block_n`` tiles."""
-    pages = triton.next_power_of_2(max(1, keys // block_kv))
+    pages = next_power_of_2(max(1, keys // block_kv))
     while (pages * block_kv) % block_n:
         pages *= 2
     return pages
@@ -371,12 +371,15 @@ def _schedule(context_lens: torch.Tensor, block_kv: int, num_sms: int) -> torch.
 
 
 def _check_context_lens(context_lens, name: str = "context_lens") -> None:
-    expect_tensor(context_lens, name)
-    expect(context_lens.dtype == torch.int32, TypeError, f"{name}: expected int32, got {context_lens.dtype}")
-    expect(context_lens.dim() in (1, 2), ValueError,
-           f"{name}: expected [B] or [B, next_n], got shape {tuple(context_lens.shape)}")
-    expect(context_lens.stride(-1) == 1 or context_lens.shape[-1] <= 1, ValueError,
-           f"{name}: last dim must be contiguous, got strides {context_lens.stride()}")
+    # Runs on every metadata call: the messages are formatted only on failure.
+    if not isinstance(context_lens, torch.Tensor):
+        expect_tensor(context_lens, name)
+    if context_lens.dtype != torch.int32:
+        raise TypeError(f"{name}: expected int32, got {context_lens.dtype}")
+    if context_lens.dim() not in (1, 2):
+        raise ValueError(f"{name}: expected [B] or [B, next_n], got shape {tuple(context_lens.shape)}")
+    if context_lens.stride(-1) != 1 and context_lens.shape[-1] > 1:
+        raise ValueError(f"{name}: last dim must be contiguous, got strides {context_lens.stride()}")
 
 
 def _check_indices(indices, n: int, next_n: int, device) -> None:
@@ -430,11 +433,14 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
     meta = torch.empty((num_sms + 1, 2), dtype=torch.int32, device=context_lens.device)
     ctx_2d = context_lens.dim() == 2
     next_n = context_lens.shape[1] if ctx_2d else 1
-    kern.paged_schedule_kernel[(triton.cdiv(num_sms + 1, _META_BLOCK_W),)](
-        context_lens, meta, context_lens.shape[0], context_lens.stride(0), num_sms,
-        NEXT_N=next_n, NEXT_N_P=triton.next_power_of_2(max(1, next_n)), CTX_2D=ctx_2d, BLOCK_KV=block_kv,
-        BLOCK_B=_META_BLOCK_B, BLOCK_W=_META_BLOCK_W, num_warps=4)
+    consts = (next_n, next_power_of_2(next_n), ctx_2d, block_kv, _META_BLOCK_B, _META_BLOCK_W)
+    _schedule_launch(consts, (cdiv(num_sms + 1, _META_BLOCK_W),), (
+        context_lens, meta, context_lens.shape[0], context_lens.stride(0), num_sms, *consts), _SCHEDULE_OPTIONS)
     return meta
+
+
+_schedule_launch = Launcher(kern.paged_schedule_kernel)
+_SCHEDULE_OPTIONS = {"num_warps": 4}
 
 
 def _check_values(context_lens, block_table, schedule_meta, indices, num_blocks: int, block_kv: int,
@@ -481,6 +487,11 @@ class _Plan:
     page_unit: int
     q_unit: int
     consts: dict
+    # The kernel's constexpr arguments in signature order, and the launch key (with the
+    # dtypes and the alignment of the two specialised pointers added per call).
+    const_args: tuple
+    launch_key: tuple
+    options: dict
 
 
 def _check_inputs(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
@@ -580,17 +591,21 @@ def _make_plan(fmt, b, next_n, h, d, block_kv, q, kv_cache, context_lens, indice
     page_unit = 16 if kv_cache.stride(0) % 16 == 0 else _SCALE_BYTES
     # The query strides likewise, in units of 16 elements (bytes) when all three allow it.
     q_unit = 16 if all(s % 16 == 0 for s in q.stride()[:3]) else 1
-    heads_p = max(triton.next_power_of_2(h), _MIN_DOT // cfg.rows)
-    groups = triton.cdiv(next_n, cfg.rows)
+    heads_p = max(next_power_of_2(h), _MIN_DOT // cfg.rows)
+    groups = cdiv(next_n, cfg.rows)
     consts = dict(
-        NEXT_N=next_n, NEXT_N_P=triton.next_power_of_2(next_n), NUM_HEADS=h, HEADS_P=heads_p, D=d,
+        NEXT_N=next_n, NEXT_N_P=next_power_of_2(next_n), NUM_HEADS=h, HEADS_P=heads_p, D=d,
         BLOCK_KV=block_kv, FMT=formats.FORMAT_CODE[fmt], CTX_2D=context_lens.dim() == 2, CLEAN=bool(clean_logits),
         HAS_INDICES=indices is not None, ROWS=cfg.rows, BLOCK_N=cfg.block_n,
-        MAX_CHUNK_PAGES=triton.next_power_of_2(max_chunk_pages), PAGE_UNIT=page_unit, Q_UNIT=q_unit,
+        MAX_CHUNK_PAGES=next_power_of_2(max_chunk_pages), PAGE_UNIT=page_unit, Q_UNIT=q_unit,
         BLOCK_FILL=cfg.block_fill,
         NUM_STAGES=cfg.num_stages, G=groups, HEAD_SUM_MMA=cfg.head_sum_mma,
     )
-    return _Plan(b, next_n, block_kv, cfg, chunk_pages, groups, page_unit, q_unit, consts)
+    names = _paged_launch.arg_names
+    const_args = tuple(consts[name] for name in names[len(names) - len(consts):])
+    launch_key = (const_args, cfg.num_warps, cfg.num_stages)
+    return _Plan(b, next_n, block_kv, cfg, chunk_pages, groups, page_unit, q_unit, consts, const_args, launch_key,
+                 {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 
 def _layout(t):
@@ -639,25 +654,28 @@ def _new_out(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
+_paged_launch = Launcher(kern.paged_logits_kernel)
+
+
 def _launch(plan: _Plan, q, q_sf, kv_cache, weights, context_lens, block_table, indices, out,
             max_context_len: int) -> None:
     """One kernel launch into ``out`` (already checked)."""
     if out.numel() == 0:
         return
     b = plan.batch
-    chunks_per_request = triton.cdiv(max_context_len, plan.chunk_pages * plan.block_kv)
-    grid = (plan.groups * b * chunks_per_request,)
-    cfg = plan.cfg
-    kern.paged_logits_kernel[grid](
+    chunks_per_request = cdiv(max_context_len, plan.chunk_pages * plan.block_kv)
+    # Besides the plan: what Triton specialises on that the plan's layout key leaves open.
+    key = (plan.launch_key, q.dtype, weights.dtype, out.dtype, q.data_ptr() % 16 == 0,
+           kv_cache.data_ptr() % 16 == 0)
+    _paged_launch(key, (plan.groups * b * chunks_per_request,), (
         q, q_sf if q_sf is not None else context_lens, kv_cache, weights, context_lens, block_table,
         indices if indices is not None else context_lens, out, error_record(q.device),
         b, max_context_len, block_table.shape[1], kv_cache.shape[0], plan.chunk_pages, chunks_per_request,
         q.stride(0) // plan.q_unit, q.stride(1) // plan.q_unit, q.stride(2) // plan.q_unit,
         q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
         weights.stride(0), context_lens.stride(0), block_table.stride(0),
-        kv_cache.stride(0) // plan.page_unit, out.stride(0),
-        **plan.consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        kv_cache.stride(0) // plan.page_unit, out.stride(0), *plan.const_args,
+    ), plan.options)
 
 
 @torch.library.custom_op("tilefuse::paged_mqa_logits", mutates_args=("out",))
@@ -822,7 +840,7 @@ def warmup_calls(fmt: str, num_heads: int, head_dim: int, block_kv: int, next_n:
     batch, length = 2, block_kv + 1
 
     def inputs():
-        pages = triton.cdiv(length, block_kv)
+        pages = cdiv(length, block_kv)
         cache = new_paged_kv_cache(batch * pages, block_kv, head_dim, fmt, device=device)
         table = torch.arange(batch * pages, dtype=torch.int32, device=device).view(batch, pages)
         dq = head_dim // 2 if fmt == "mxfp4" else head_dim

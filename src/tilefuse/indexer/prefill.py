@@ -12,13 +12,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilefuse import _config, _errors
 from tilefuse._config import apply_override, register_config
 from tilefuse._errors import check_errors, error_record
-from tilefuse._jit import host_descriptor
+from tilefuse._jit import cdiv, host_descriptor, next_power_of_2
 from tilefuse._validate import (
     check_aligned,
     check_kernel_device,
@@ -33,11 +32,6 @@ from tilefuse.indexer import _prefill_kernel as kern
 from tilefuse.indexer._layout import padded_logits_layout
 
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv costs microseconds per host call
-
 
 
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
@@ -409,9 +403,9 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
     s_q, h, dq = q.shape
     s_k = k.shape[0]
     if cfg.heads_on_n and fmt == "fp8":
-        heads_p = triton.next_power_of_2(h)
+        heads_p = next_power_of_2(h)
         k_desc = host_descriptor(TensorDescriptor, k, [s_k, dq], [k.stride(0), 1], [cfg.block_n, dq])
-        grid = (_cdiv(s_k, cfg.block_n), _cdiv(s_q, cfg.block_q))
+        grid = (cdiv(s_k, cfg.block_n), cdiv(s_q, cfg.block_q))
         kern.prefill_heads_on_n_kernel[grid](
             q, q.stride(0), q.stride(1), k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0),
             s_q, s_k, out.shape[1], err, H=h, HEADS_P=heads_p, D=d, ROWS=max(1, 128 // heads_p), CLEAN=clean,
@@ -434,7 +428,7 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
     q_desc = host_descriptor(TensorDescriptor, q, [s_q, h * dq], [q.stride(0), 1], [cfg.block_q, dq])
     k_desc = host_descriptor(TensorDescriptor, k, [s_k, dq], [k.stride(0), 1], [cfg.block_n, dq])
     q_sf_arg = q_sf if q_sf is not None else ks  # unused for FP8
-    grid = (_cdiv(s_k, cfg.block_n), _cdiv(s_q, cfg.block_q))
+    grid = (cdiv(s_k, cfg.block_n), cdiv(s_q, cfg.block_q))
     kern.prefill_logits_kernel[grid](
         q_desc, q_sf_arg, q_sf.stride(0) if q_sf is not None else 0,
         k_desc, k_scale,
@@ -463,7 +457,7 @@ def linear_term_parts(q: torch.Tensor, weights: torch.Tensor, parts: int):
     half_scale = torch.empty(s_q, dtype=torch.float32, device=q.device)
     if s_q:
         kern.linear_term_parts_kernel[(s_q,)](q, q.stride(0), weights, weights.stride(0), lin, w_scaled, half_scale,
-                                              H=h, HEADS_P=triton.next_power_of_2(h), D=d, PARTS=parts)
+                                              H=h, HEADS_P=next_power_of_2(h), D=d, PARTS=parts)
     return lin, w_scaled, half_scale
 
 
@@ -483,7 +477,7 @@ def _renormalise_rows(values: torch.Tensor, sf: torch.Tensor, fmt: str, d: int, 
     e_max = torch.empty(n, dtype=torch.int32, device=values.device)
     span = torch.empty(n, dtype=torch.int32, device=values.device)
     if n:
-        kern.mx_rows_renormalise_kernel[(_cdiv(n, block_r),)](
+        kern.mx_rows_renormalise_kernel[(cdiv(n, block_r),)](
             rows, sf.reshape(-1), out, e_max, span, n, D=d, FMT=FORMAT_CODE[fmt], BLOCK_R=block_r)
     exact = (span <= _SPAN_EXACT[fmt]) & ((e_max - 127).abs() <= _FOLD_EXP_LIMIT)
     return out, torch.exp2(e_max.float() - 127.0), exact
@@ -515,7 +509,7 @@ def _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, cl
 
 def _fill_outside_windows(out, ks, ke, s_k, compressed: bool, block_q: int = 32, block_c: int = 128) -> None:
     n_cols = out.shape[1]
-    grid = (_cdiv(n_cols, block_c), _cdiv(out.shape[0], block_q))
+    grid = (cdiv(n_cols, block_c), cdiv(out.shape[0], block_q))
     kern.fill_outside_windows_kernel[grid](out, out.stride(0), ks, ke, out.shape[0], s_k, n_cols,
                                            COMPRESSED=compressed, BLOCK_Q=block_q, BLOCK_C=block_c)
 
@@ -658,7 +652,7 @@ def get_mqa_logits_metadata(
             f"num_heads: expected a multiple of 4 in [4, 128], got {num_heads}")
     cfg = default_config("fp8", num_heads, 128)
     s_q = cu_seq_len_k_start.shape[0]
-    nqb = triton.cdiv(s_q, cfg.block_q)
+    nqb = cdiv(s_q, cfg.block_q)
     pad = nqb * cfg.block_q - s_q
     ks = torch.nn.functional.pad(cu_seq_len_k_start.long(), (0, pad), value=num_kv_tokens)
     ke = torch.nn.functional.pad(cu_seq_len_k_end.long().clamp(max=num_kv_tokens), (0, pad), value=0)

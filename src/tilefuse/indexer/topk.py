@@ -36,11 +36,11 @@ with fake implementations and write into ``out=`` if given.
 from __future__ import annotations
 
 import torch
-import triton
 
 import tilefuse
 from tilefuse._device import capability_major
 from tilefuse._errors import deferred, error_record, raise_pending
+from tilefuse._jit import cdiv, next_power_of_2
 from tilefuse._validate import check_kernel_device, expect, expect_int, expect_tensor
 from tilefuse.formats import format_of
 from tilefuse.indexer import _topk_kernel as kern
@@ -69,7 +69,7 @@ _MAX_POSITION = 2**31 - 2  # keys hold 0x7FFFFFFF - position in 31 bits, above t
 
 def state_width(topk: int) -> int:
     """Keys kept per row between chunks (and the merge block): the next power of two >= topk."""
-    return max(_MIN_STATE, triton.next_power_of_2(topk))
+    return max(_MIN_STATE, next_power_of_2(topk))
 
 
 def default_chunk_k(topk: int, align: int) -> int:
@@ -77,7 +77,7 @@ def default_chunk_k(topk: int, align: int) -> int:
     moves ``16 W`` bytes per chunk (loaded and stored as int64), so 8 W columns of fp32 logits
     (written and read: 64 W bytes) keep the state's traffic a quarter of the logits'."""
     chunk = min(_MAX_CHUNK, max(_MIN_CHUNK, 8 * state_width(topk)))
-    return triton.cdiv(chunk, align) * align
+    return cdiv(chunk, align) * align
 
 
 def default_chunk_q(chunk_k: int, logits_dtype: torch.dtype) -> int:
@@ -101,7 +101,7 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
     """
     logits = rows * n_keys * logits_bytes
     indices = rows * topk * 4
-    chunks = max(1, triton.cdiv(n_keys, chunk_k))
+    chunks = max(1, cdiv(n_keys, chunk_k))
     state = rows * state_width(topk) * 8 * 2 * (chunks - 1)
     block = rows if chunk_q is None else min(rows, chunk_q)
     return {
@@ -142,8 +142,8 @@ def _merge(logits, state, lo: int, width: int, win_a, win_b, n_keys: int, key_li
     """Merge logits columns ``[0, width)`` (positions ``lo + c``) of every row of ``out`` into
     ``state``; ``row_base`` is the first row's index in the op's output (for error messages)."""
     rows, w = out.shape[0], state_width(topk)
-    rows_per_program = max(1, min(triton.next_power_of_2(rows), _KEYS_PER_PROGRAM // w))
-    kern.topk_merge_chunk_kernel[(triton.cdiv(rows, rows_per_program),)](
+    rows_per_program = max(1, min(next_power_of_2(rows), _KEYS_PER_PROGRAM // w))
+    kern.topk_merge_chunk_kernel[(cdiv(rows, rows_per_program),)](
         logits, logits.stride(0), state, state.stride(0),
         rows, row_base, win_a, win_b, n_keys, key_limit, next_n, ctx_stride,
         lo, width,
@@ -325,7 +325,7 @@ def _paged_mqa_topk(
         for c, (lo, hi) in enumerate(chunks):
             width = hi - lo
             lens_c = (ends - lo).clamp(0, width).contiguous()
-            table_c = block_table[:, lo // block_kv: triton.cdiv(hi, block_kv)]
+            table_c = block_table[:, lo // block_kv: cdiv(hi, block_kv)]
             meta_c = tilefuse.get_paged_mqa_logits_metadata(lens_c, block_kv, num_workers)
             logits = tilefuse.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, lens_c, table_c, meta_c, width,
                                                        False, logits_dtype, indices, config=cfg)

@@ -30,7 +30,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from unittest import mock
 
-from tilefuse import _config, _validate
+from tilefuse import _config, _jit, _validate
 
 TARGETS_ALL = ("sm_90a", "sm_100a")
 TARGET_MAJOR = {"sm_90a": 9, "sm_100a": 10}
@@ -95,6 +95,7 @@ class _Recorder:
 
     def __init__(self, fn, path: str, sink: list[Launch]):
         self._names = list(fn.arg_names)
+        self.arg_names = self._names
         self._path = path
         self._sink = sink
 
@@ -125,8 +126,10 @@ def tracing(*paths: str):
             for path in paths:
                 module, _, name = path.partition(":")
                 mod = importlib.import_module(module)
-                rec = _Recorder(getattr(mod, name), path, launches)
+                real = getattr(mod, name)
+                rec = _Recorder(real, path, launches)
                 stack.enter_context(mock.patch.object(mod, name, rec))
+                stack.enter_context(_jit.redirected(real, rec))
             yield launches
     finally:
         _config._overrides.update(saved)

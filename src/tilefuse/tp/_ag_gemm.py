@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from tilefuse._jit import cdiv
 from tilefuse.tp import _options
 from tilefuse.tp import _primitives as P
 from tilefuse.tp._comm_kernels import _ag_push_kernel, _barrier_kernel
@@ -45,7 +46,7 @@ from tilefuse.tp._gemm_core import (
     num_sms,
 )
 from tilefuse.tp._options import LOCAL_COPIES, AgGemmOptions
-from tilefuse.tp._schedule import TileSchedule, cdiv, chunk_order, chunk_rows
+from tilefuse.tp._schedule import TileSchedule, chunk_order, chunk_rows
 from tilefuse.tp.symm import Workspace
 
 DESIGNS = ("ce", "push")

@@ -25,9 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tilefuse._jit import cdiv
 from tilefuse.tp import _primitives as P
 from tilefuse.tp._common import tensor_desc as _desc
-from tilefuse.tp._schedule import TileSchedule, cdiv
+from tilefuse.tp._schedule import TileSchedule
 
 EPI_LOCAL = tl.constexpr(0)
 EPI_RS_PUSH = tl.constexpr(1)

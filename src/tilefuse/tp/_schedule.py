@@ -24,11 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tilefuse._jit import cdiv
+
 CHUNK_ORDERS = ("natural", "arrival", "owner_last")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def chunk_order(kind: str, rank: int, world: int) -> list[int]:

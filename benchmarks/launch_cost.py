@@ -1,0 +1,112 @@
+"""Host cost of one Triton launch on this machine, by launch path (GPU only).
+
+What the floor under an op's eager cost is made of: ``kernel[grid](...)`` (Triton's binder,
+specialisation key, cache lookup, launcher), the compiled kernel's launcher called directly
+(what is left once the key is known), each with and without host tensor descriptors, and a
+CUDA-graph-free ``torch.empty`` for scale. Back-to-back calls, host time per call without a
+sync (the GPU work is a few microseconds, below the host time).
+
+    python benchmarks/launch_cost.py [--calls 5000] [--output launch-cost.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from tilefuse.bench.env import environment
+
+
+@triton.jit(do_not_specialize=["n", "m", "s0", "s1"])
+def _ptr_kernel(a, b, c, d, n, m, s0, s1, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(a + offs, mask=mask, other=0.0) + tl.load(b + offs, mask=mask, other=0.0)
+    tl.store(c + offs, x + m + s0 + s1, mask=mask)
+    tl.store(d + offs, x, mask=mask)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _desc_kernel(a_desc, b_desc, c, n, BLOCK: tl.constexpr, D: tl.constexpr):
+    x = a_desc.load([tl.program_id(0) * BLOCK, 0]).to(tl.float32) + b_desc.load([0, 0]).to(tl.float32)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(c + rows[:, None] * D + tl.arange(0, D)[None, :], x, mask=rows[:, None] < n)
+
+
+def _per_call_us(fn, calls: int) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def _direct(compiled, grid, args):
+    """The compiled kernel's launcher with the bound arguments, as JITFunction.run ends."""
+    launcher = compiled.run
+    function, meta = compiled.function, compiled.packed_metadata
+    get_stream = torch._C._cuda_getCurrentRawStream
+    g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
+
+    def call():
+        launcher(g0, g1, g2, get_stream(0), function, meta, None, None, None, *args)
+
+    return call
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--output", default=None)
+    a = ap.parse_args()
+    dev = "cuda"
+    n, block, d = 4096, 128, 128
+    x, y, z, w = (torch.randn(n, device=dev) for _ in range(4))
+    grid = (triton.cdiv(n, block),)
+    rows = {}
+
+    ptr_args = (x, y, z, w, n, 3, 5, 7, block)
+    ck = _ptr_kernel[grid](*ptr_args)
+    rows["kernel[grid], 4 pointers + 4 ints"] = _per_call_us(lambda: _ptr_kernel[grid](*ptr_args), a.calls)
+    rows["compiled launcher direct, same args"] = _per_call_us(_direct(ck, grid, ptr_args), a.calls)
+
+    k8 = torch.randn(n, d, device=dev).to(torch.float8_e4m3fn)
+    out = torch.empty(n, d, device=dev)
+
+    def descs():
+        return (TensorDescriptor(k8, [n, d], [d, 1], [block, d]), TensorDescriptor(k8, [n, d], [d, 1], [block, d]))
+
+    a_desc, b_desc = descs()
+    ck = _desc_kernel[grid](a_desc, b_desc, out, n, block, d)
+    rows["kernel[grid], 2 host descriptors (reused)"] = _per_call_us(
+        lambda: _desc_kernel[grid](a_desc, b_desc, out, n, block, d), a.calls)
+    rows["kernel[grid], 2 host descriptors built per call"] = _per_call_us(
+        lambda: _desc_kernel[grid](*descs(), out, n, block, d), a.calls)
+    rows["compiled launcher direct, 2 host descriptors"] = _per_call_us(
+        _direct(ck, grid, (a_desc, b_desc, out, n, block, d)), a.calls)
+    rows["TensorDescriptor() x2"] = _per_call_us(descs, a.calls)
+    rows["torch.empty(128, 4096)"] = _per_call_us(lambda: torch.empty(128, 4096, device=dev), a.calls)
+    rows["current raw stream"] = _per_call_us(lambda: torch._C._cuda_getCurrentRawStream(0), a.calls)
+
+    width = max(map(len, rows))
+    for name, us in rows.items():
+        print(f"{name:<{width}}  {us:7.2f} us")
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump({"environment": environment(), "host_us_per_call": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
