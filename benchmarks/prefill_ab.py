@@ -69,13 +69,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trees", nargs="+")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--shapes", type=int, default=len(SHAPES), help="time the first N shapes only")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
+    shapes = SHAPES[:a.shapes]
     per_round: dict[str, list[dict]] = {t: [] for t in a.trees}
     for r in range(a.rounds):
         order = a.trees[r % len(a.trees):] + a.trees[:r % len(a.trees)]
         for tree in order:
-            per_round[tree].append(_run_tree(tree, SHAPES))
+            per_round[tree].append(_run_tree(tree, shapes))
             print(f"round {r} {tree} done", flush=True)
     table = {t: {k: statistics.median(rnd[k] for rnd in rounds) for k in rounds[0]}
              for t, rounds in per_round.items()}
