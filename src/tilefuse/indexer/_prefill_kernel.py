@@ -118,17 +118,21 @@ def load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, report, COM
 
 
 @triton.jit
-def _store_logits(val, out_rows, key, ks, valid, row_ok, S_k, CLEAN: tl.constexpr, COMPRESSED: tl.constexpr):
+def _store_logits(val, out_rows, key, ks, valid, row_ok, S_k, full, CLEAN: tl.constexpr, COMPRESSED: tl.constexpr):
     """Store a logits tile in either orientation ([row, key] or [key, row]): every operand comes
     broadcastable to ``val`` in that orientation (``out_rows`` the rows' base pointers, ``key``
     each element's key, ``ks`` its row's window start, ``valid`` whether the key is in its row's
     window, ``row_ok`` whether the row exists). Clean: -inf outside the windows; compressed:
-    only in-window keys, key ``ks[i] + c`` at column ``c``."""
+    only in-window keys, key ``ks[i] + c`` at column ``c``. ``full``: every key of the tile is
+    ``< S_k``; its store then has no key mask, so that it stays vectorised (``S_k`` is not
+    specialised, so a mask on it is per element)."""
     if CLEAN and not COMPRESSED:
         val = tl.where(valid, val, float("-inf"))
     val = val.to(out_rows.dtype.element_ty)
     if COMPRESSED:
         tl.store(out_rows + (key - ks), val, mask=valid)
+    elif full:
+        tl.store(out_rows + key, val, mask=row_ok)
     else:
         tl.store(out_rows + key, val, mask=row_ok & (key < S_k))
 
@@ -179,7 +183,8 @@ def prefill_logits_kernel(
         # No row of this tile sees these keys: skip the math, write the -inf of the full layout.
         if CLEAN and not COMPRESSED:
             fill = tl.full((BLOCK_Q, BLOCK_N), float("-inf"), tl.float32)
-            _store_logits(fill, out_rows, cols[None, :], ks[:, None], valid, row_ok[:, None], S_k, False, False)
+            _store_logits(fill, out_rows, cols[None, :], ks[:, None], valid, row_ok[:, None], S_k, n0 + BLOCK_N <= S_k,
+                          False, False)
         return
 
     w_rows = w_ptr + rows.to(tl.int64) * stride_w
@@ -209,7 +214,8 @@ def prefill_logits_kernel(
         acc = acc * k_sf[None, :]
     if LIN_PARTS > 0:
         acc = acc * tl.load(half_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    _store_logits(acc, out_rows, cols[None, :], ks[:, None], valid, row_ok[:, None], S_k, CLEAN, COMPRESSED)
+    _store_logits(acc, out_rows, cols[None, :], ks[:, None], valid, row_ok[:, None], S_k, n0 + BLOCK_N <= S_k,
+                  CLEAN, COMPRESSED)
 
 
 @triton.jit(do_not_specialize=_DYNAMIC + ["stride_qs"], do_not_specialize_on_alignment=_SLICEABLE)
@@ -263,7 +269,8 @@ def prefill_heads_on_n_kernel(
         ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
         valid = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :]) & row_ok[None, :]
         out_cols = out_ptr + rows.to(tl.int64)[None, :] * stride_out
-        _store_logits(logits, out_cols, cols[:, None], ks[None, :], valid, row_ok[None, :], S_k, CLEAN, COMPRESSED)
+        _store_logits(logits, out_cols, cols[:, None], ks[None, :], valid, row_ok[None, :], S_k,
+                      n0 + BLOCK_N <= S_k, CLEAN, COMPRESSED)
 
 
 @triton.jit(do_not_specialize=["stride_out", "S_q", "S_k", "n_cols"],

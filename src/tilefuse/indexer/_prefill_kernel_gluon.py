@@ -130,17 +130,22 @@ def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr,
 def _store_tile(val, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr,
                 mma: gl.constexpr):
     """Write a [rows, keys] tile: -inf outside the windows when cleaning, only in-window keys
-    (at column key - ks) in the compressed layout."""
+    (at column key - ks) in the compressed layout. As in the Triton kernel's ``_store_logits``,
+    a tile whose keys all lie below ``S_k`` stores without a key mask (vectorised), and the
+    row stride carries the 16-byte alignment the wrapper checks (neither is specialised)."""
     BLOCK_N: gl.constexpr = val.shape[1]
+    PER_16_BYTES: gl.constexpr = 128 // out_ptr.dtype.element_ty.primitive_bitwidth
     cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
     row_ok = rows < S_q
-    out_rows = out_ptr + rows.to(gl.int64)[:, None] * stride_out
+    out_rows = out_ptr + rows.to(gl.int64)[:, None] * (stride_out // PER_16_BYTES * PER_16_BYTES)
     valid = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None]) & row_ok[:, None]
     if CLEAN and not COMPRESSED:
         val = gl.where(valid, val, float("-inf"))
     val = val.to(out_ptr.dtype.element_ty)
     if COMPRESSED:
         gl.store(out_rows + (cols[None, :] - ks[:, None]), val, mask=valid)
+    elif n0 + BLOCK_N <= S_k:
+        gl.store(out_rows + cols[None, :], val, mask=row_ok[:, None])
     else:
         gl.store(out_rows + cols[None, :], val, mask=row_ok[:, None] & (cols[None, :] < S_k))
 

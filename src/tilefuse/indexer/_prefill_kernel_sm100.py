@@ -66,7 +66,8 @@ def prefill_logits_mx_kernel(
         # No row of this tile sees these keys: skip the math, write the -inf of the full layout.
         if CLEAN and not COMPRESSED:
             fill = tl.full((BLOCK_Q, BLOCK_N), float("-inf"), tl.float32)
-            _store_logits(fill, out_rows, cols[None, :], None, None, row_ok[:, None], S_k, False, False)
+            _store_logits(fill, out_rows, cols[None, :], None, None, row_ok[:, None], S_k, n0 + BLOCK_N <= S_k, False,
+                          False)
         return
 
     NB: tl.constexpr = D // 32
@@ -99,7 +100,8 @@ def prefill_logits_mx_kernel(
     acc = tl.trans(acc)  # to [query row, key] for row-contiguous stores
 
     valid = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None]) & row_ok[:, None]
-    _store_logits(acc, out_rows, cols[None, :], ks[:, None], valid, row_ok[:, None], S_k, CLEAN, COMPRESSED)
+    _store_logits(acc, out_rows, cols[None, :], ks[:, None], valid, row_ok[:, None], S_k, n0 + BLOCK_N <= S_k,
+                  CLEAN, COMPRESSED)
 
 
 def launch(q, q_sf, k, k_sf, weights, ks, ke, out, clean_logits: bool, compressed: bool, err, *,
