@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tilefuse import _errors
-from tilefuse._jit import host_descriptor
+from tilefuse._jit import Launcher, host_descriptor
 from tilefuse.indexer._prefill_kernel import _DYNAMIC, _SLICEABLE
 
 ERR_START_NEGATIVE = gl.constexpr(_errors.WINDOW_START_NEGATIVE)
@@ -275,15 +275,13 @@ def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPE[dtype])
 
 
-def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, err, block_q: int, block_n: int,
-           num_warps: int, num_buf: int, refill_every: int = 1, lin_parts=None, half_scale=None):
-    """q [S_q, H, D] and k [S_k, D] in E4M3 or f16, the rest as the Triton kernel takes them.
-    ``refill_every``: query buffers refilled after every head (1) or two at a time (2, needs
-    num_buf >= 3). ``lin_parts`` (E4M3 ``[S_q, P * D]``) and ``half_scale`` (fp32 ``[S_q]``):
-    the linear term of ``relu_via_abs`` from ``linear_term_parts_kernel``, whose ``w / c`` is
-    then ``weights``. ``err``: the device's error record. Returns the compiled kernel (registers, spills)."""
-    s_q, h, d = q.shape
-    s_k = k.shape[0]
+_launcher = Launcher(prefill_logits_gluon_kernel)
+# Per launch key: the shared-memory layouts of the query and key tiles (checked once).
+_layouts: dict[tuple, tuple] = {}
+
+
+def _checked_layouts(key, d: int, h: int, dtype, block_q: int, block_n: int, num_warps: int, num_buf: int,
+                     refill_every: int, n_parts: int, parts_dtype) -> tuple:
     if num_buf < 2 or num_buf > h:
         raise ValueError(f"gluon prefill: num_stages (query buffers) must be in 2..H={h}, got {num_buf}")
     if block_q not in (64, 128) or num_warps % (block_q // 16):
@@ -292,22 +290,39 @@ def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, e
     if refill_every not in (1, 2) or (refill_every == 2 and num_buf < 3):
         raise ValueError(f"gluon prefill: refill_every must be 1, or 2 with num_buf >= 3, got {refill_every} "
                          f"(num_buf {num_buf})")
-    q_block, k_block = [block_q, d], [block_n, d]
-    q_layout, k_layout = _smem_layout((block_q, d), q.dtype), _smem_layout((block_n, d), q.dtype)
+    if n_parts and (dtype != torch.float8_e4m3fn or parts_dtype != dtype):
+        raise ValueError(f"gluon prefill: the linear-term parts run E4M3 queries only, got q {dtype}, "
+                         f"parts {parts_dtype}")
+    layouts = _layouts[key] = (_smem_layout((block_q, d), dtype), _smem_layout((block_n, d), dtype))
+    return layouts
+
+
+def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, err, block_q: int, block_n: int,
+           num_warps: int, num_buf: int, refill_every: int = 1, lin_parts=None, half_scale=None) -> None:
+    """q [S_q, H, D] and k [S_k, D] in E4M3 or f16, the rest as the Triton kernel takes them.
+    ``refill_every``: query buffers refilled after every head (1) or two at a time (2, needs
+    num_buf >= 3). ``lin_parts`` (E4M3 ``[S_q, P * D]``) and ``half_scale`` (fp32 ``[S_q]``):
+    the linear term of ``relu_via_abs`` from ``linear_term_parts_kernel``, whose ``w / c`` is
+    then ``weights``. ``err``: the device's error record."""
+    s_q, h, d = q.shape
+    s_k = k.shape[0]
+    n_parts = 0 if lin_parts is None else lin_parts.shape[1] // d
+    key = (d, h, q.dtype, block_q, block_n, num_warps, num_buf, refill_every, clean, compressed, n_parts,
+           weights.dtype, out.dtype)
+    layouts = _layouts.get(key)
+    if layouts is None:
+        layouts = _checked_layouts(key, d, h, q.dtype, block_q, block_n, num_warps, num_buf, refill_every, n_parts,
+                                   None if lin_parts is None else lin_parts.dtype)
+    q_layout, k_layout = layouts
+    q_block = [block_q, d]
     # Rows of q may be padded (stride(0) >= H * D); heads and head dim are contiguous (checked).
     q_desc = host_descriptor(TensorDescriptor, q, [s_q, h * d], [q.stride(0), 1], q_block, layout=q_layout)
-    k_desc = host_descriptor(TensorDescriptor, k, [s_k, d], [k.stride(0), 1], k_block, layout=k_layout)
-    n_parts = 0 if lin_parts is None else lin_parts.shape[1] // d
-    if n_parts and (q.dtype != torch.float8_e4m3fn or lin_parts.dtype != q.dtype):
-        raise ValueError(f"gluon prefill: the linear-term parts run E4M3 queries only, got q {q.dtype}, "
-                         f"parts {lin_parts.dtype}")
+    k_desc = host_descriptor(TensorDescriptor, k, [s_k, d], [k.stride(0), 1], [block_n, d], layout=k_layout)
     lin_desc = q_desc
     if n_parts:
         lin_desc = host_descriptor(TensorDescriptor, lin_parts, [s_q, n_parts * d], [lin_parts.stride(0), 1], q_block,
                                    layout=q_layout)
-    grid = (-(-s_k // block_n), -(-s_q // block_q))
-    return prefill_logits_gluon_kernel[grid](
+    _launcher(key, (-(-s_k // block_n), -(-s_q // block_q)), (
         q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k, out.shape[1], err,
-        H=h, CLEAN=clean, COMPRESSED=compressed, NUM_BUF=num_buf, num_warps=num_warps,
-        REFILL_EVERY=refill_every, lin_desc=lin_desc, half_scale_ptr=half_scale if n_parts else k_scale,
-        LIN_PARTS=n_parts)
+        h, clean, compressed, num_buf, num_warps, refill_every, lin_desc, half_scale if n_parts else k_scale,
+        n_parts))  # num_warps is a parameter of the Gluon kernel: Triton takes the launch option from it

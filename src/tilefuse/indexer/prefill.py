@@ -10,6 +10,7 @@ are ``torch.library`` custom ops with fake implementations, so they trace under
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -17,7 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tilefuse import _config, _errors
 from tilefuse._config import apply_override, register_config
 from tilefuse._errors import check_errors, error_record
-from tilefuse._jit import cdiv, host_descriptor, next_power_of_2
+from tilefuse._jit import Launcher, cdiv, host_descriptor, next_power_of_2
 from tilefuse._validate import (
     check_aligned,
     check_kernel_device,
@@ -78,6 +79,10 @@ class PrefillConfig:
     gluon: bool = False
     gluon_refill: int = 1
     relu_via_abs: int = 0
+
+    @functools.cached_property
+    def launch_options(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
 register_config("prefill", PrefillConfig)
@@ -396,28 +401,35 @@ def _mqa_logits_out_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max
     return None
 
 
+# Kernel launches skip Triton's binder after a key's first launch (tilefuse._jit.Launcher).
+# Every pointer these kernels specialise on alignment is checked aligned by the wrappers or
+# allocated here, so a key is the constexprs, the launch options and the tensors' dtypes.
+_heads_on_n = Launcher(kern.prefill_heads_on_n_kernel)
+_logits = Launcher(kern.prefill_logits_kernel)
+_linear_parts = Launcher(kern.linear_term_parts_kernel)
+_fill = Launcher(kern.fill_outside_windows_kernel)
+
+
 def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg: PrefillConfig, err,
             fix_q=None, fix_k=None) -> None:
     """One launch of the prefill kernel; ``fix_q``/``fix_k`` (int32 per query/key block) restrict
     it to the flagged tiles; ``err`` is the device's error record."""
     s_q, h, dq = q.shape
     s_k = k.shape[0]
+    options = cfg.launch_options
     if cfg.heads_on_n and fmt == "fp8":
         heads_p = next_power_of_2(h)
         k_desc = host_descriptor(TensorDescriptor, k, [s_k, dq], [k.stride(0), 1], [cfg.block_n, dq])
-        grid = (cdiv(s_k, cfg.block_n), cdiv(s_q, cfg.block_q))
-        kern.prefill_heads_on_n_kernel[grid](
-            q, q.stride(0), q.stride(1), k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0),
-            s_q, s_k, out.shape[1], err, H=h, HEADS_P=heads_p, D=d, ROWS=max(1, 128 // heads_p), CLEAN=clean,
-            COMPRESSED=compressed,
-            BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        consts = (h, heads_p, d, max(1, 128 // heads_p), clean, compressed, cfg.block_q, cfg.block_n, cfg.num_stages)
+        _heads_on_n((consts, cfg.num_warps, q.dtype, weights.dtype, out.dtype), (cdiv(s_k, cfg.block_n), cdiv(s_q, cfg.block_q)),
+                    (q, q.stride(0), q.stride(1), k_desc, k_scale, weights, weights.stride(0), ks, ke, out,
+                     out.stride(0), s_q, s_k, out.shape[1], err, *consts), options)
         return
     lin_parts = half_scale = None
     if cfg.relu_via_abs and fmt == "fp8" and q.dtype == FP8_DTYPE and fix_q is None:
         lin_parts, weights, half_scale = linear_term_parts(q, weights, cfg.relu_via_abs)
     if cfg.gluon and fmt == "fp8" and fix_q is None:
-        if _dispatch.capability_major(q.device) != 9:
+        if _arch(q.device) != 9:
             raise ValueError("gluon: the Gluon prefill kernel runs on Hopper (sm_90) GPUs only")
         from tilefuse.indexer import _prefill_kernel_gluon
 
@@ -427,25 +439,22 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
         return
     q_desc = host_descriptor(TensorDescriptor, q, [s_q, h * dq], [q.stride(0), 1], [cfg.block_q, dq])
     k_desc = host_descriptor(TensorDescriptor, k, [s_k, dq], [k.stride(0), 1], [cfg.block_n, dq])
-    q_sf_arg = q_sf if q_sf is not None else ks  # unused for FP8
-    grid = (cdiv(s_k, cfg.block_n), cdiv(s_q, cfg.block_q))
-    kern.prefill_logits_kernel[grid](
-        q_desc, q_sf_arg, q_sf.stride(0) if q_sf is not None else 0,
+    lin_desc = None if lin_parts is None else host_descriptor(
+        TensorDescriptor, lin_parts, [s_q, lin_parts.shape[1]], [lin_parts.stride(0), 1], [cfg.block_q, dq])
+    fixup = fix_q is not None
+    lin = 0 if lin_parts is None else cfg.relu_via_abs
+    key = (fmt, d, h, clean, compressed, fixup, lin, cfg.block_q, cfg.block_n, cfg.head_unroll, cfg.num_warps,
+           cfg.num_stages, q.dtype, weights.dtype, out.dtype, k_scale.dtype)
+    _logits(key, (cdiv(s_k, cfg.block_n), cdiv(s_q, cfg.block_q)), (
+        q_desc, q_sf if q_sf is not None else ks, q_sf.stride(0) if q_sf is not None else 0,  # q_sf unused for FP8
         k_desc, k_scale,
         weights, weights.stride(0),
         ks, ke,
         out, out.stride(0),
         s_q, s_k, out.shape[1], err,
-        H=h, D=d, FMT=FORMAT_CODE[fmt],
-        CLEAN=clean, COMPRESSED=compressed,
-        BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
-        HEAD_UNROLL=cfg.head_unroll,
-        fix_q_ptr=fix_q, fix_k_ptr=fix_k, FIXUP=fix_q is not None,
-        lin_desc=None if lin_parts is None else host_descriptor(
-            TensorDescriptor, lin_parts, list(lin_parts.shape), [lin_parts.stride(0), 1], [cfg.block_q, dq]),
-        half_scale_ptr=half_scale, LIN_PARTS=0 if lin_parts is None else cfg.relu_via_abs,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        h, d, FORMAT_CODE[fmt], clean, compressed, cfg.block_q, cfg.block_n, cfg.head_unroll,
+        fix_q, fix_k, fixup, lin_desc, half_scale, lin,
+    ), options)
 
 
 def linear_term_parts(q: torch.Tensor, weights: torch.Tensor, parts: int):
@@ -456,8 +465,9 @@ def linear_term_parts(q: torch.Tensor, weights: torch.Tensor, parts: int):
     w_scaled = torch.empty((s_q, h), dtype=torch.float32, device=q.device)
     half_scale = torch.empty(s_q, dtype=torch.float32, device=q.device)
     if s_q:
-        kern.linear_term_parts_kernel[(s_q,)](q, q.stride(0), weights, weights.stride(0), lin, w_scaled, half_scale,
-                                              H=h, HEADS_P=next_power_of_2(h), D=d, PARTS=parts)
+        consts = (h, next_power_of_2(h), d, parts)
+        _linear_parts((consts, weights.dtype), (s_q,), (q, q.stride(0), weights, weights.stride(0), lin, w_scaled,
+                                                        half_scale, *consts))
     return lin, w_scaled, half_scale
 
 
@@ -509,9 +519,8 @@ def _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, cl
 
 def _fill_outside_windows(out, ks, ke, s_k, compressed: bool, block_q: int = 32, block_c: int = 128) -> None:
     n_cols = out.shape[1]
-    grid = (cdiv(n_cols, block_c), cdiv(out.shape[0], block_q))
-    kern.fill_outside_windows_kernel[grid](out, out.stride(0), ks, ke, out.shape[0], s_k, n_cols,
-                                           COMPRESSED=compressed, BLOCK_Q=block_q, BLOCK_C=block_c)
+    _fill((compressed, block_q, block_c, out.dtype), (cdiv(n_cols, block_c), cdiv(out.shape[0], block_q)),
+          (out, out.stride(0), ks, ke, out.shape[0], s_k, n_cols, compressed, block_q, block_c))
 
 
 # ---------------------------------------------------------------------------------------
