@@ -26,10 +26,20 @@ Formats (``FMT``): 0 = FP8 (E4M3 dot, per-key fp32 scale after the head sum), 1 
 2 = MXFP4; MX operands are dequantised to bf16 in registers (exact) and run a bf16 dot, as
 Hopper has no block-scaled MMA.
 
+``TMA`` (an option, ``PagedConfig(tma=True)``): the key values come from ``kv_desc``, a host
+tensor descriptor over the cache viewed as rows of ``DQ`` bytes (E4M3, or int8 for MXFP4), in
+which page ``p``'s values are rows ``p * page_bytes / DQ`` on. A tile is one box of
+``BOX_N = min(BLOCK_N, BLOCK_KV)`` rows per page it covers, each scored as its own dot, so the
+per-element address math and the page-id ``tl.gather`` go: one scalar page id per box (a
+masked sum over the chunk's id vector, one warp reduction) and one TMA copy, pipelined like the
+pointer loads. Scales keep the pointer load. The launch takes this path only where the layout
+allows it (``paged._tma_view``) and gives the gather path's bits.
+
 Bad values never lead to an access out of bounds: lengths are clamped to the output width, a
 key past the block table's width or on a page id outside ``[0, num_blocks)`` reads nothing
-and scores NaN. The first program of each request reports bad lengths and request ids, every
-program the bad page ids it meets, into the error record (``tilefuse._errors``).
+(a TMA box of such keys reads row 0 of the view instead, inside the cache) and scores NaN.
+The first program of each request reports bad lengths and request ids, every program the bad
+page ids it meets, into the error record (``tilefuse._errors``).
 
 ``clean_logits``: the tiles write ``-inf`` outside each row's window up to the request's key
 extent; each chunk then fills its columns past that extent.
