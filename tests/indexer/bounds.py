@@ -90,7 +90,9 @@ def _check(state: _State, builder, what: str, ptrs, mask) -> None:
     if state.speculating:
         return
     addr = np.asarray(ptrs.data, dtype=np.uint64)
-    on = np.ones(addr.shape, dtype=bool) if mask is None else np.broadcast_to(np.asarray(mask.data, dtype=bool),
+    # A tensor-descriptor load passes its mask as a numpy array, the others as a TensorHandle.
+    mask = mask if mask is None or isinstance(mask, np.ndarray) else mask.data
+    on = np.ones(addr.shape, dtype=bool) if mask is None else np.broadcast_to(np.asarray(mask, dtype=bool),
                                                                              addr.shape)
     addr = addr[on]
     if addr.size == 0:
@@ -133,12 +135,14 @@ def checked_bounds(speculate: bool = False):
         _collect(state, getattr(self.fn, "__name__", "?"), self.arg_names, args_hst, kwargs_hst)
         return args_hst, kwargs_hst
 
-    def masked_load(self, ptrs, mask, other, *rest):
+    def masked_load(self, ptrs, mask, other, *rest, **kw):  # tensor-descriptor loads come with keywords
         if state.speculating:
-            off = interp.TensorHandle(np.zeros(np.shape(ptrs.data), dtype=bool), mask.dtype)
-            return saved["create_masked_load"](self, ptrs, off, other, *rest)
+            off = np.zeros(np.shape(ptrs.data), dtype=bool)
+            if not isinstance(mask, np.ndarray):
+                off = interp.TensorHandle(off, mask.dtype)
+            return saved["create_masked_load"](self, ptrs, off, other, *rest, **kw)
         _check(state, self, "loads", ptrs, mask)
-        return saved["create_masked_load"](self, ptrs, mask, other, *rest)
+        return saved["create_masked_load"](self, ptrs, mask, other, *rest, **kw)
 
     def masked_store(self, ptrs, value, mask, *rest):
         if state.speculating:

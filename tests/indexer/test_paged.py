@@ -8,11 +8,14 @@ hundred keys); on a GPU the same checks run at the contract's decode shapes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import tilefuse
 import tilefuse.compat.deep_gemm as deep_gemm
+from tilefuse import _jit
 from tilefuse import formats as F
 from tilefuse import reference as R
 from tilefuse.indexer import _paged_kernel as kern
@@ -291,6 +294,129 @@ def test_query_strides_not_multiples_of_16(fmt):
                                             case.max_context_len, True)
     case.check(got, True)
     assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+
+
+# ---------------------------------------------------------------------------------------
+# TMA key loads (PagedConfig(tma=True)): the gather path's bits, or the gather itself
+# ---------------------------------------------------------------------------------------
+@pytest.fixture
+def tma_launches(monkeypatch):
+    """The ``TMA`` constant of every launch of the decode kernel (which still runs)."""
+    seen = []
+    real = kern.paged_logits_kernel
+    at = real.arg_names.index("TMA")
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(args[at] if len(args) > at else kwargs["TMA"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    with _jit.redirected(real, Spy()):  # the op launches through tilefuse._jit.Launcher
+        yield seen
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+def _tma_and_gather(case, cfg, clean, logits_dtype=torch.float32, **kw):
+    gather = case.run(clean=clean, logits_dtype=logits_dtype, config=cfg, **kw)
+    tma = case.run(clean=clean, logits_dtype=logits_dtype, config=dataclasses.replace(cfg, tma=True), **kw)
+    return gather, tma
+
+
+# (fmt, block_kv, next_n, H, D, block_n (0: the default), chunk (0: per call), clean, 2-D lengths,
+#  logits dtype, indices, page padding in bytes (a multiple of the value bytes: TMA still applies)).
+# Every format, page size 32/64/128, next_n 1/2/4, H 16/64, D 64/128 and both flags appear;
+# tiles of two pages (128 keys on 64-token pages), of one page and of half a page; chunks of
+# several tiles starting past a request's first page.
+F32, BF16 = torch.float32, torch.bfloat16
+TMA_CASES = [
+    ("fp8", 64, 1, 64, 128, 0, 0, False, False, F32, False, 0),
+    ("fp8", 64, 2, 64, 128, 0, 128, True, True, F32, False, 0),
+    ("fp8", 64, 1, 16, 64, 128, 256, True, False, BF16, True, 64),
+    ("fp8", 128, 4, 16, 64, 64, 0, False, True, F32, False, 0),
+    ("fp8", 128, 1, 16, 128, 128, 0, True, False, F32, False, 0),
+    ("fp8", 32, 2, 16, 64, 32, 64, True, False, F32, False, 0),
+    ("mxfp8", 64, 1, 16, 128, 0, 128, True, True, F32, False, 0),
+    ("mxfp8", 128, 2, 64, 64, 0, 0, False, False, BF16, False, 128),
+    ("mxfp8", 32, 4, 16, 128, 32, 0, True, True, F32, False, 0),
+    ("mxfp4", 64, 2, 16, 128, 0, 0, True, False, F32, False, 0),
+    ("mxfp4", 128, 1, 64, 64, 128, 0, False, True, BF16, False, 0),
+    ("mxfp4", 32, 1, 16, 64, 32, 64, True, False, F32, True, 0),
+]
+
+
+@pytest.mark.parametrize("fmt,block_kv,next_n,h,d,block_n,chunk,clean,ctx_2d,logits_dtype,indices,pad", TMA_CASES)
+def test_tma_key_loads_give_the_gather_bits(fmt, block_kv, next_n, h, d, block_n, chunk, clean, ctx_2d,
+                                            logits_dtype, indices, pad, poisoned, tma_launches):
+    """Every element of the poisoned output, written or not, has the gather path's bits."""
+    lens = (2 * block_kv + 5, 0, block_kv - 3, 3 * block_kv + 1)
+    width = paged.paged_kv_cache_width(d, fmt)
+    case = Case(fmt, lens=lens, next_n=next_n, h=h, d=d, block_kv=block_kv, ctx_2d=ctx_2d,
+                page_stride=block_kv * width + pad if pad else None, seed=block_kv + 7 * next_n + h + d,
+                weights_dtype=BF16 if logits_dtype == BF16 else F32)
+    base = paged.resolve_paged_config(fmt, next_n, h, d, block_kv)
+    cfg = dataclasses.replace(base, block_n=block_n or base.block_n, chunk=chunk)
+    idx = torch.arange(len(lens), dtype=torch.int32, device=DEVICE) if indices else None
+    gather, tma = _tma_and_gather(case, cfg, clean, logits_dtype, indices=idx)
+    assert tma_launches == [False, True]
+    assert torch.equal(_bits(gather), _bits(tma))
+    case.check(tma, clean, logits_dtype)
+
+
+@pytest.mark.parametrize("why", ["page stride", "offset", "page size", "box past 256"])
+def test_tma_falls_back_to_the_gather_where_the_layout_does_not_allow_it(why, poisoned, tma_launches):
+    """A page stride that is not a multiple of the value bytes, a cache view at an offset that
+    is not a multiple of 16 bytes, 32-token pages under 64-key tiles (boxes too small for a
+    wgmma), 512-key tiles (a TMA box holds at most 256 rows): the gather runs, same bits."""
+    block_kv, block_n = {"page size": (32, 64), "box past 256": (512, 512)}.get(why, (64, 64))
+    width = paged.paged_kv_cache_width(64, "fp8")
+    case = Case("fp8", lens=(block_kv + 9, 0, 2 * block_kv + 1), next_n=2, h=16, d=64, block_kv=block_kv,
+                page_stride=block_kv * width + 16 if why == "page stride" else None, seed=61)
+    if why == "offset":
+        c = case.cache
+        big = torch.full((c.untyped_storage().nbytes() + 64,), 0xFF, dtype=torch.uint8, device=DEVICE)
+        inner = big.as_strided(c.shape, c.stride(), 4)
+        inner.copy_(c)
+        case.cache = inner
+    cfg = paged.PagedConfig(block_n=block_n, rows=2, chunk=0)
+    gather, tma = _tma_and_gather(case, cfg, True)
+    assert tma_launches == [False, False]
+    assert torch.equal(_bits(gather), _bits(tma))
+    case.check(tma, True)
+
+
+def test_tma_is_selectable_by_the_config_override(poisoned, tma_launches):
+    case = Case("mxfp4", lens=(70, 0, 129), next_n=2, h=16, d=64, block_kv=64, seed=62)
+    gather = case.run(clean=True)
+    with tilefuse.config_override("paged", tma=True):
+        tma = case.run(clean=True)
+    assert tma_launches == [False, True]
+    assert torch.equal(_bits(gather), _bits(tma))
+
+
+def test_tma_bad_page_ids_read_nothing_and_score_nan():
+    """As the gather path: NaN for the keys of bad pages (negative, huge, one past the cache),
+    the same bits elsewhere, the error recorded."""
+    case = Case("fp8", lens=(130, 200), next_n=1, h=16, d=64, block_kv=64, seed=63)
+    table = case.table.clone()
+    table[0, 1] = -5
+    table[1, 0] = case.cache.shape[0]
+    table[1, 2] = 2**31 - 1
+    outs = []
+    for tma in (False, True):
+        outs.append(tilefuse.fp8_fp4_paged_mqa_logits(case.qq, case.cache, case.w, case.ctx, table, case.meta,
+                                                      case.max_context_len, True,
+                                                      config=paged.PagedConfig(block_n=128, tma=tma)))
+        with pytest.raises(tilefuse.DeviceValueError, match="block_table: page id .* is outside"):
+            tilefuse.check_errors()
+    gather, tma = outs
+    assert torch.equal(_bits(gather), _bits(tma))
+    assert tma[0, 64:128].isnan().all() and tma[1, :64].isnan().all() and tma[1, 128:192].isnan().all()
+    assert not tma[0, :64].isnan().any() and not tma[1, 64:128].isnan().any() and not tma[1, 192:200].isnan().any()
 
 
 def _worker_pages(meta: torch.Tensor, pages: torch.Tensor) -> list[int]:

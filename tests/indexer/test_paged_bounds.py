@@ -41,6 +41,13 @@ def _store_one_past(x_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _descriptor_rows(desc, out_ptr, row):
+    """Rows [row, row + 4) of a [*, 16] descriptor into out."""
+    o = tl.arange(0, 4)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    tl.store(out_ptr + o, desc.load([row, 0]))
+
+
+@triton.jit
 def _gather_per_tile(src_ptr, out_ptr, tiles, CLAMP: tl.constexpr, NUM_STAGES: tl.constexpr):
     """The decode kernel's pattern: a vector read once, gathered per tile of a pipelined loop."""
     ids = tl.load(src_ptr + tl.arange(0, 8))
@@ -61,6 +68,22 @@ def test_checker_catches_a_store_past_the_end():
     with checked_bounds() as state:
         _store_one_past[(1,)](x, 7, BLOCK=16)
     assert state.accesses == 7 + 8
+
+
+@needs_interpreter
+def test_checker_catches_a_descriptor_load_past_the_end():
+    """A TMA box inside the descriptor's shape but past its base tensor (a shape that claims
+    more rows than the tensor holds) is caught; one inside the tensor is not."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    x = torch.zeros(8, 16)
+    out = torch.zeros(4, 16)
+    desc = TensorDescriptor(x, [12, 16], [16, 1], [4, 16])
+    with checked_bounds() as state:
+        _descriptor_rows[(1,)](desc, out, 4)
+    assert state.accesses == 2 * 64
+    with checked_bounds(), pytest.raises(Exception, match="loads 16 of 64 lanes outside every argument"):
+        _descriptor_rows[(1,)](desc, out, 5)
 
 
 @needs_interpreter
@@ -133,6 +156,29 @@ def test_garbage_values_stay_in_bounds():
         tilefuse.check_errors()
     for text in ("lengths must be >= 0", "smaller than the context", "longer than its block_table",
                  "is outside the cache", "request id"):
+        assert text in str(err.value)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block_n", [128, 64])
+def test_tma_key_loads_stay_in_bounds(block_n, poisoned):
+    """``PagedConfig(tma=True)`` on 64-token pages (two boxes per 128-key tile, or one), with
+    the pipeliner's iterations past the loop's end: garbage lengths and page ids (negative,
+    huge, one past the cache) read nothing outside the tensors, and the errors are recorded."""
+    case = Case("fp8", lens=(60, 300, 129), next_n=1, h=16, d=64, block_kv=64, seed=35)
+    ctx = torch.tensor([-7, 2**30, 129], dtype=torch.int32)
+    table = case.table.clone()
+    table[1, :3] = torch.tensor([2**31 - 1, -2**31, case.cache.shape[0]], dtype=torch.int32)
+    cfg = paged.PagedConfig(block_n=block_n, chunk=128, tma=True)
+    assert paged._tma_view(case.cache, 64, block_n) is not None
+    with checked_bounds(speculate=True) as state:
+        out = tilefuse.fp8_fp4_paged_mqa_logits(case.qq, case.cache, case.w, ctx, table, case.meta,
+                                                case.max_context_len, True, torch.float32, config=cfg)
+    assert state.accesses > 0 and state.speculated > 0
+    assert out[0].isneginf().all() and out[1, :192].isnan().all()
+    with pytest.raises(tilefuse.DeviceValueError) as err:
+        tilefuse.check_errors()
+    for text in ("lengths must be >= 0", "smaller than the context", "is outside the cache"):
         assert text in str(err.value)
 
 

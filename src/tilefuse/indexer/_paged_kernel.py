@@ -26,10 +26,20 @@ Formats (``FMT``): 0 = FP8 (E4M3 dot, per-key fp32 scale after the head sum), 1 
 2 = MXFP4; MX operands are dequantised to bf16 in registers (exact) and run a bf16 dot, as
 Hopper has no block-scaled MMA.
 
+``TMA`` (an option, ``PagedConfig(tma=True)``): the key values come from ``kv_desc``, a host
+tensor descriptor over the cache viewed as rows of ``DQ`` bytes (E4M3, or int8 for MXFP4), in
+which page ``p``'s values are rows ``p * page_bytes / DQ`` on. A tile is one box of
+``BOX_N = min(BLOCK_N, BLOCK_KV)`` rows per page it covers, each scored as its own dot, so the
+per-element address math and the page-id ``tl.gather`` go: one scalar page id per box (a
+masked sum over the chunk's id vector, one warp reduction) and one TMA copy, pipelined like the
+pointer loads. Scales keep the pointer load. The launch takes this path only where the layout
+allows it (``paged._tma_view``) and gives the gather path's bits.
+
 Bad values never lead to an access out of bounds: lengths are clamped to the output width, a
 key past the block table's width or on a page id outside ``[0, num_blocks)`` reads nothing
-and scores NaN. The first program of each request reports bad lengths and request ids, every
-program the bad page ids it meets, into the error record (``tilefuse._errors``).
+(a TMA box of such keys reads row 0 of the view instead, inside the cache) and scores NaN.
+The first program of each request reports bad lengths and request ids, every program the bad
+page ids it meets, into the error record (``tilefuse._errors``).
 
 ``clean_logits``: the tiles write ``-inf`` outside each row's window up to the request's key
 extent; each chunk then fills its columns past that extent.
@@ -81,6 +91,38 @@ def _key_extent(ctx_ptr, stride_ctx, b, NEXT_N: tl.constexpr, NEXT_N_P: tl.const
     return tl.maximum(n, 0), lo
 
 
+@triton.jit
+def _score_keys(k_raw, k_sf, j, j_ok, page_ok, q_op, w, w_sel, row_end, out_rows, row_ok, N: tl.constexpr,
+                D: tl.constexpr, FMT: tl.constexpr, ROWS: tl.constexpr, HEADS_P: tl.constexpr, CLEAN: tl.constexpr,
+                HEAD_SUM_MMA: tl.constexpr):
+    """Logits of ``N`` keys (values ``k_raw``, scales ``k_sf``, positions ``j``) for the program's
+    query rows, stored where ``j_ok`` and the row are; NaN where ``page_ok`` (a key without a page)
+    is false."""
+    if FMT == FMT_FP8:
+        k_op = k_raw
+    else:
+        k_op = _dequant_tile(k_raw, k_sf, N, D, FMT)
+    # ReLU, weights, then the head sum of each query row: logits [N, OUT_P].
+    if HEAD_SUM_MMA:
+        relu = tl.maximum(tl.dot(k_op, tl.trans(q_op)), 0.0)
+        logits = tl.dot(relu, w_sel, input_precision="tf32")
+    else:
+        x = tl.maximum(tl.dot(k_op, tl.trans(q_op)), 0.0) * w[None, :]
+        if ROWS == 1:
+            logits = tl.sum(x, axis=1)[:, None]
+        else:
+            logits = tl.sum(tl.reshape(x, (N, ROWS, HEADS_P)), axis=2)
+    if FMT == FMT_FP8:
+        logits = logits * k_sf[:, None]
+    if CLEAN:
+        logits = tl.where(j[:, None] < row_end[None, :], logits, float("-inf"))
+    # A key without a page (past the table's width, or a page id outside the cache):
+    # NaN, never a read out of bounds.
+    logits = tl.where(page_ok, logits, float("nan"))
+    tl.store(out_rows[None, :] + j[:, None], logits.to(out_rows.dtype.element_ty),
+             mask=j_ok[:, None] & row_ok[None, :])
+
+
 @triton.jit(do_not_specialize=DYNAMIC_ARGS)
 def paged_logits_kernel(
     q_ptr, q_sf_ptr, kv_cache_ptr, w_ptr, ctx_ptr, bt_ptr, idx_ptr, out_ptr, err_ptr,
@@ -93,7 +135,7 @@ def paged_logits_kernel(
     D: tl.constexpr, BLOCK_KV: tl.constexpr, FMT: tl.constexpr, CTX_2D: tl.constexpr, CLEAN: tl.constexpr,
     HAS_INDICES: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, MAX_CHUNK_PAGES: tl.constexpr,
     PAGE_UNIT: tl.constexpr, Q_UNIT: tl.constexpr, BLOCK_FILL: tl.constexpr, NUM_STAGES: tl.constexpr, G: tl.constexpr,
-    HEAD_SUM_MMA: tl.constexpr,
+    HEAD_SUM_MMA: tl.constexpr, kv_desc, TMA: tl.constexpr,
 ):
     DQ: tl.constexpr = D // 2 if FMT == FMT_MXFP4 else D  # value bytes per token
     SF_OFFSET: tl.constexpr = BLOCK_KV * DQ // 4  # first scale of a page, in 4-byte words
@@ -164,48 +206,56 @@ def paged_logits_kernel(
         if HEAD_SUM_MMA:
             # Column r of the selection holds row r's weights at its own heads, 0 elsewhere.
             w_sel = tl.where((c // HEADS_P)[:, None] == r_out[None, :], w[:, None], 0.0)
+        else:
+            w_sel = w
         page_bytes = page_units.to(tl.int64) * PAGE_UNIT
 
-        for tile in tl.range(chunk_lo // BLOCK_N, tl.cdiv(hi_tok, BLOCK_N), num_stages=NUM_STAGES):
-            j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            page_idx = j // BLOCK_KV
-            in_table = page_idx < max_blocks
-            # The software pipeliner computes this gather for tiles past the loop's end too
-            # (only the loads are predicated): the index is clamped so that it is in range for
-            # every iteration it may be evaluated at. Out of range, the gather reads past its
-            # shared-memory scratch, which faulted on the H200 (block_kv 32, next_n 6, H 64).
-            slot_in_chunk = tl.minimum(tl.maximum(page_idx - first_page, 0), MAX_CHUNK_PAGES - 1)
-            page = tl.gather(chunk_pages_of, slot_in_chunk, 0).to(tl.int64)
-            page_ok = in_table & (page >= 0) & (page < num_blocks)
-            j_ok = j < hi_tok
-            ld_ok = j_ok & page_ok
-            slot = j % BLOCK_KV
-            page_base = page * page_bytes
-            k_raw = tl.load(kv_ptr + (page_base + slot * DQ)[:, None] + dq[None, :], mask=ld_ok[:, None], other=0.0)
-            k_sf = tl.load(kv_sf_ptr + page_base // 4 + SF_OFFSET + slot, mask=ld_ok, other=0)
-            if FMT == FMT_FP8:
-                k_op = k_raw
-            else:
-                k_op = _dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT)
-            # ReLU, weights, then the head sum of each query row: logits [BLOCK_N, OUT_P].
-            if HEAD_SUM_MMA:
-                relu = tl.maximum(tl.dot(k_op, tl.trans(q_op)), 0.0)
-                logits = tl.dot(relu, w_sel, input_precision="tf32")
-            else:
-                x = tl.maximum(tl.dot(k_op, tl.trans(q_op)), 0.0) * w[None, :]
-                if ROWS == 1:
-                    logits = tl.sum(x, axis=1)[:, None]
-                else:
-                    logits = tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HEADS_P)), axis=2)
-            if FMT == FMT_FP8:
-                logits = logits * k_sf[:, None]
-            if CLEAN:
-                logits = tl.where(j[:, None] < row_end[None, :], logits, float("-inf"))
-            # A key without a page (past the table's width, or a page id outside the cache):
-            # NaN, never a read out of bounds.
-            logits = tl.where(page_ok[:, None], logits, float("nan"))
-            tl.store(out_rows[None, :] + j[:, None], logits.to(out_rows.dtype.element_ty),
-                     mask=j_ok[:, None] & row_ok[None, :])
+        if TMA:
+            # One box of BOX_N keys per page a tile covers (the tile itself when it lies in one
+            # page): BOX_N rows of the value rows' view, from row page * page_rows + slot.
+            BOX_N: tl.constexpr = BLOCK_N if BLOCK_N < BLOCK_KV else BLOCK_KV
+            page_rows = page_bytes // DQ
+            box = tl.arange(0, BOX_N)
+            for tile in tl.range(chunk_lo // BLOCK_N, tl.cdiv(hi_tok, BLOCK_N), num_stages=NUM_STAGES):
+                for part in tl.static_range(BLOCK_N // BOX_N):
+                    j0 = tile * BLOCK_N + part * BOX_N
+                    page_idx = j0 // BLOCK_KV
+                    slot0 = j0 % BLOCK_KV
+                    # The page id, one scalar per box (as the gather path, clamped so that the
+                    # pipeliner's iterations past the loop's end stay in range).
+                    slot_in_chunk = tl.minimum(tl.maximum(page_idx - first_page, 0), MAX_CHUNK_PAGES - 1)
+                    page = tl.sum(tl.where(slots == slot_in_chunk, chunk_pages_of, 0), axis=0).to(tl.int64)
+                    page_ok = (page_idx < max_blocks) & (page >= 0) & (page < num_blocks)
+                    # A key without a page loads row 0 (and scores NaN): the box never leaves the view.
+                    row = tl.where(page_ok, page * page_rows + slot0, 0).to(tl.int32)
+                    k_raw = kv_desc.load([row, 0])
+                    j = j0 + box
+                    j_ok = j < hi_tok
+                    k_sf = tl.load(kv_sf_ptr + page * page_bytes // 4 + SF_OFFSET + slot0 + box, mask=j_ok & page_ok,
+                                   other=0)
+                    _score_keys(k_raw, k_sf, j, j_ok, page_ok, q_op, w, w_sel, row_end, out_rows, row_ok,
+                                BOX_N, D, FMT, ROWS, HEADS_P, CLEAN, HEAD_SUM_MMA)
+        else:
+            for tile in tl.range(chunk_lo // BLOCK_N, tl.cdiv(hi_tok, BLOCK_N), num_stages=NUM_STAGES):
+                j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                page_idx = j // BLOCK_KV
+                in_table = page_idx < max_blocks
+                # The software pipeliner computes this gather for tiles past the loop's end too
+                # (only the loads are predicated): the index is clamped so that it is in range for
+                # every iteration it may be evaluated at. Out of range, the gather reads past its
+                # shared-memory scratch, which faulted on the H200 (block_kv 32, next_n 6, H 64).
+                slot_in_chunk = tl.minimum(tl.maximum(page_idx - first_page, 0), MAX_CHUNK_PAGES - 1)
+                page = tl.gather(chunk_pages_of, slot_in_chunk, 0).to(tl.int64)
+                page_ok = in_table & (page >= 0) & (page < num_blocks)
+                j_ok = j < hi_tok
+                ld_ok = j_ok & page_ok
+                slot = j % BLOCK_KV
+                page_base = page * page_bytes
+                k_raw = tl.load(kv_ptr + (page_base + slot * DQ)[:, None] + dq[None, :], mask=ld_ok[:, None],
+                                other=0.0)
+                k_sf = tl.load(kv_sf_ptr + page_base // 4 + SF_OFFSET + slot, mask=ld_ok, other=0)
+                _score_keys(k_raw, k_sf, j, j_ok, page_ok[:, None], q_op, w, w_sel, row_end, out_rows, row_ok,
+                            BLOCK_N, D, FMT, ROWS, HEADS_P, CLEAN, HEAD_SUM_MMA)
     if CLEAN:
         # -inf in this chunk's columns past the request's key extent (the tiles wrote the rest).
         f = tl.arange(0, BLOCK_FILL)

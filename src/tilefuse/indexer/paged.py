@@ -47,11 +47,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilefuse import _config, _errors, _validate, formats
 from tilefuse._config import apply_override, register_config
 from tilefuse._errors import error_record, raise_pending_fast
-from tilefuse._jit import Launcher, cdiv, next_power_of_2
+from tilefuse._jit import Launcher, cdiv, host_descriptor, next_power_of_2
 from tilefuse._validate import expect, expect_int, expect_tensor
 from tilefuse.formats import FP8_DTYPE, format_of
 from tilefuse.indexer import _paged_kernel as kern
@@ -82,6 +83,11 @@ class PagedConfig:
     block_fill: columns per store of the ``-inf`` tail when cleaning.
     head_sum_mma: the weighted head sum as a second (tf32) dot on the tensor cores instead of
         a CUDA-core reduction (an option to measure; see ``_paged_kernel.py``).
+    tma: load the key values with TMA (a tensor descriptor over the cache's value rows, one
+        box per page a tile covers) instead of the per-element gather; where the cache's layout
+        does not allow it (a page stride that is not a multiple of the value bytes per token,
+        tiles that do not split into boxes of >= 64 keys inside pages, an offset that is not a
+        multiple of 16 bytes) the gather runs, with the same results.
     """
 
     block_n: int = 128
@@ -91,6 +97,7 @@ class PagedConfig:
     num_stages: int = 3
     block_fill: int = 1024
     head_sum_mma: bool = False
+    tma: bool = False
 
 
 register_config("paged", PagedConfig)
@@ -165,6 +172,33 @@ def resolve_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
            ValueError, f"PagedConfig.chunk must be 0 (per call) or a multiple of block_n = {cfg.block_n} and a "
            f"power-of-two number of {block_kv}-token pages, got {cfg.chunk}")
     return cfg
+
+
+# TMA limits: at most 256 rows per box; row coordinates are int32.
+_TMA_MAX_BOX, _TMA_MAX_ROWS = 256, 2**31
+
+
+def _tma_view(kv_cache: torch.Tensor, value_bytes: int, block_n: int) -> tuple[int, int] | None:
+    """``(rows, box)`` of the TMA key loads on this cache, or None where the gather must run
+    (decided from shapes, strides and the storage offset only).
+
+    The values are read through a ``[rows, value_bytes]`` view of the cache (row stride
+    ``value_bytes``; page ``p``'s values are rows ``p * page_stride // value_bytes`` on, the
+    last page's values end the view); a tile of ``block_n`` keys is one box of
+    ``min(block_n, block_kv)`` rows per page it covers. Needs a page stride that is a multiple
+    of ``value_bytes``, tiles that split into whole boxes inside pages, boxes of at least 64
+    rows where they are smaller than the tile (a smaller dot does not run on wgmma), a 16-byte
+    aligned start and int32 row coordinates.
+    """
+    nb, block_kv = kv_cache.shape[:2]
+    page_stride = kv_cache.stride(0)
+    box = min(block_n, block_kv)
+    rows = ((nb - 1) * page_stride + block_kv * value_bytes) // value_bytes
+    ok = (page_stride % value_bytes == 0 and (block_kv % block_n == 0 or block_n % block_kv == 0)
+          and (box == block_n or box >= 64) and box <= _TMA_MAX_BOX
+          and kv_cache.storage_offset() % 16 == 0 and rows < _TMA_MAX_ROWS)
+    return (rows, box) if ok else None
+
 
 # ---------------------------------------------------------------------------------------
 # Cache helpers
@@ -487,9 +521,13 @@ class _Plan:
     page_unit: int
     q_unit: int
     consts: dict
-    # The kernel's constexpr arguments in signature order, and the launch key (with the
-    # dtypes and the alignment of the two specialised pointers added per call).
-    const_args: tuple
+    # With TMA: (view rows, value bytes per row, box rows, value dtype) of the key descriptor.
+    tma: tuple | None
+    # The kernel's constexpr arguments in signature order around the key descriptor (a runtime
+    # argument among them), and the launch key (with the dtypes and the alignment of the two
+    # specialised pointers added per call).
+    consts_before_desc: tuple
+    consts_after_desc: tuple
     launch_key: tuple
     options: dict
 
@@ -593,19 +631,23 @@ def _make_plan(fmt, b, next_n, h, d, block_kv, q, kv_cache, context_lens, indice
     q_unit = 16 if all(s % 16 == 0 for s in q.stride()[:3]) else 1
     heads_p = max(next_power_of_2(h), _MIN_DOT // cfg.rows)
     groups = cdiv(next_n, cfg.rows)
+    dq = _value_bytes(d, fmt)
+    view = _tma_view(kv_cache, dq, cfg.block_n) if cfg.tma else None
+    tma = None if view is None else (view[0], dq, view[1], torch.int8 if fmt == "mxfp4" else FP8_DTYPE)
     consts = dict(
         NEXT_N=next_n, NEXT_N_P=next_power_of_2(next_n), NUM_HEADS=h, HEADS_P=heads_p, D=d,
         BLOCK_KV=block_kv, FMT=formats.FORMAT_CODE[fmt], CTX_2D=context_lens.dim() == 2, CLEAN=bool(clean_logits),
         HAS_INDICES=indices is not None, ROWS=cfg.rows, BLOCK_N=cfg.block_n,
         MAX_CHUNK_PAGES=next_power_of_2(max_chunk_pages), PAGE_UNIT=page_unit, Q_UNIT=q_unit,
         BLOCK_FILL=cfg.block_fill,
-        NUM_STAGES=cfg.num_stages, G=groups, HEAD_SUM_MMA=cfg.head_sum_mma,
+        NUM_STAGES=cfg.num_stages, G=groups, HEAD_SUM_MMA=cfg.head_sum_mma, TMA=tma is not None,
     )
-    names = _paged_launch.arg_names
-    const_args = tuple(consts[name] for name in names[len(names) - len(consts):])
-    launch_key = (const_args, cfg.num_warps, cfg.num_stages)
-    return _Plan(b, next_n, block_kv, cfg, chunk_pages, groups, page_unit, q_unit, consts, const_args, launch_key,
-                 {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    tail = _paged_launch.arg_names[_PAGED_RUNTIME_ARGS:]
+    at = tail.index("kv_desc")
+    before, after = tuple(consts[n] for n in tail[:at]), tuple(consts[n] for n in tail[at + 1:])
+    launch_key = (before, after, cfg.num_warps, cfg.num_stages)
+    return _Plan(b, next_n, block_kv, cfg, chunk_pages, groups, page_unit, q_unit, consts, tma, before, after,
+                 launch_key, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 
 def _layout(t):
@@ -627,7 +669,8 @@ def _plan_for(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_me
     key = None
     if not compiling:
         overrides = _config._overrides.get("paged")
-        offset = kv_cache.storage_offset() % _SCALE_BYTES if isinstance(kv_cache, torch.Tensor) else None
+        # Modulo 16: the scale words need 4, the TMA path 16.
+        offset = kv_cache.storage_offset() % 16 if isinstance(kv_cache, torch.Tensor) else None
         key = (_layout(q), _layout(q_sf), _layout(kv_cache), offset,
                _layout(weights), _layout(context_lens), _layout(block_table), _layout(schedule_meta),
                _layout(indices), _layout(out), max_context_len, bool(clean_logits), logits_dtype, config,
@@ -655,6 +698,8 @@ def _new_out(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 _paged_launch = Launcher(kern.paged_logits_kernel)
+# The arguments before the first constexpr (kv_desc, a runtime one, comes among the constexprs).
+_PAGED_RUNTIME_ARGS = _paged_launch.arg_names.index("NEXT_N")
 
 
 def _launch(plan: _Plan, q, q_sf, kv_cache, weights, context_lens, block_table, indices, out,
@@ -664,6 +709,10 @@ def _launch(plan: _Plan, q, q_sf, kv_cache, weights, context_lens, block_table, 
         return
     b = plan.batch
     chunks_per_request = cdiv(max_context_len, plan.chunk_pages * plan.block_kv)
+    kv_desc = None
+    if plan.tma is not None:
+        rows, dq, box, dtype = plan.tma
+        kv_desc = host_descriptor(TensorDescriptor, kv_cache.view(dtype), [rows, dq], [dq, 1], [box, dq])
     # Besides the plan: what Triton specialises on that the plan's layout key leaves open.
     key = (plan.launch_key, q.dtype, weights.dtype, out.dtype, q.data_ptr() % 16 == 0,
            kv_cache.data_ptr() % 16 == 0)
@@ -674,7 +723,8 @@ def _launch(plan: _Plan, q, q_sf, kv_cache, weights, context_lens, block_table, 
         q.stride(0) // plan.q_unit, q.stride(1) // plan.q_unit, q.stride(2) // plan.q_unit,
         q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
         weights.stride(0), context_lens.stride(0), block_table.stride(0),
-        kv_cache.stride(0) // plan.page_unit, out.stride(0), *plan.const_args,
+        kv_cache.stride(0) // plan.page_unit, out.stride(0), *plan.consts_before_desc, kv_desc,
+        *plan.consts_after_desc,
     ), plan.options)
 
 
@@ -693,7 +743,8 @@ def _paged_mqa_logits(
     clean_logits: bool,
     config: list[int],
 ) -> None:
-    cfg = PagedConfig(*config[:-1], head_sum_mma=bool(config[-1]))
+    # The int fields, then the flags (head_sum_mma, tma) as bools.
+    cfg = PagedConfig(*config[:6], *(bool(v) for v in config[6:]))
     plan = _plan_for(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
                      clean_logits, out.dtype, indices, out, cfg)
     _launch(plan, q, q_sf, kv_cache, weights, context_lens, block_table, indices, out, max_context_len)

@@ -421,7 +421,8 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
         heads_p = next_power_of_2(h)
         k_desc = host_descriptor(TensorDescriptor, k, [s_k, dq], [k.stride(0), 1], [cfg.block_n, dq])
         consts = (h, heads_p, d, max(1, 128 // heads_p), clean, compressed, cfg.block_q, cfg.block_n, cfg.num_stages)
-        _heads_on_n((consts, cfg.num_warps, q.dtype, weights.dtype, out.dtype), (cdiv(s_k, cfg.block_n), cdiv(s_q, cfg.block_q)),
+        grid = (cdiv(s_k, cfg.block_n), cdiv(s_q, cfg.block_q))
+        _heads_on_n((consts, cfg.num_warps, q.dtype, weights.dtype, out.dtype), grid,
                     (q, q.stride(0), q.stride(1), k_desc, k_scale, weights, weights.stride(0), ks, ke, out,
                      out.stride(0), s_q, s_k, out.shape[1], err, *consts), options)
         return

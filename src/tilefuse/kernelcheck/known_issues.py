@@ -34,10 +34,6 @@ _ENTRIES = [
     # Prefill MXFP8 on Hopper, bf16-upcast path: the dequantised operands and the scale bytes
     # push the 64x128 tile just past 255 registers.
     ("indexer.prefill", "sm_90a", "mxfp8 * full*", 128, "MXFP8 bf16-upcast tile at the register limit"),
-    # Prefill on Hopper, Gluon head loop with 4 warps refilling its query ring after every head
-    # (an option; the default refills two at a time and has no spill): the head sum and two score
-    # tiles (one under an MMA, one being applied), three 64x128 fp32 tiles, at the register limit.
-    ("indexer.prefill_gluon", "sm_90a", "* w4 buf4*", 80, "three 64x128 fp32 tiles live in one warpgroup"),
     # Prefill options (not the defaults).
     ("indexer.prefill", "sm_90a", "mxfp4 * head_unroll=2*", 64, "two heads' upcast operands live at once"),
     # (20 B since the kernel clamps and checks the windows itself, 16 before.)

@@ -519,7 +519,9 @@ def paged_variants() -> list[Variant]:
     a page stride that is not a multiple of 16 bytes, and DeepGEMM's matrix case that faulted
     (32-token pages, next_n 6, bf16 weights + logits, 2-D lengths); for MXFP4 at D = 128
     H = 128, next_n = 4, 2-D lengths and cleaning; the tensor-core head sum (an option) for FP8
-    D = 128 at next_n 1, 2 and 4.
+    D = 128 at next_n 1, 2 and 4; the TMA key loads (an option) for FP8 D = 128 at next_n 1, 2
+    and 4, 128-token pages, 2-D lengths with bf16 weights + logits and cleaning, MXFP8 and
+    MXFP4 D = 128 at next_n 1 and 2.
     """
     import torch
 
@@ -531,7 +533,7 @@ def paged_variants() -> list[Variant]:
     out = []
 
     def one(fmt, d, h=64, next_n=1, block_kv=64, ctx_2d=False, clean=False, w_dtype=f32, out_dtype=f32,
-            indices=False, page_pad=0, head_sum_mma=False):
+            indices=False, page_pad=0, head_sum_mma=False, tma=False):
         lens = torch.tensor([37, max_len, 150], dtype=torch.int32)
         ctx = torch.stack([lens - next_n + 1 + t for t in range(next_n)], dim=1) if ctx_2d else lens
         pages = -(-max_len // block_kv)
@@ -543,8 +545,9 @@ def paged_variants() -> list[Variant]:
         idx = torch.arange(batch, dtype=torch.int32) if indices else None
         meta = paged._schedule(ctx, block_kv, 5)  # the op reads its shape only
         cfg = None
-        if head_sum_mma:
-            cfg = dataclasses.replace(paged.default_paged_config(fmt, next_n, h, d, block_kv), head_sum_mma=True)
+        if head_sum_mma or tma:
+            cfg = dataclasses.replace(paged.default_paged_config(fmt, next_n, h, d, block_kv),
+                                      head_sum_mma=head_sum_mma, tma=tma)
         with tracing(path) as launches:
             paged.fp8_fp4_paged_mqa_logits(q, cache, _weights(batch * next_n, h, w_dtype), ctx, table, meta, max_len,
                                            clean, out_dtype, idx, config=cfg)
@@ -552,10 +555,11 @@ def paged_variants() -> list[Variant]:
         c = launch.arguments
         extras = [x for x, on in (("ctx2d", ctx_2d), ("clean", clean), (f"w={_short(w_dtype)}", w_dtype != f32),
                                   (f"out={_short(out_dtype)}", out_dtype != f32), ("indices", indices),
-                                  (f"page+{page_pad}", page_pad), ("head_sum_mma", head_sum_mma)) if on]
+                                  (f"page+{page_pad}", page_pad), ("head_sum_mma", head_sum_mma),
+                                  ("tma", c["TMA"])) if on]
         name = (f"{fmt} D{d} H{h} next_n{next_n} kv{block_kv} rows{c['ROWS']}x{c['HEADS_P']} n{c['BLOCK_N']} "
                 f"w{launch.options['num_warps']}s{launch.options['num_stages']}" + "".join(" " + x for x in extras))
-        out.append(variant_of(launch, "indexer.paged", name, origin="option" if head_sum_mma else "default"))
+        out.append(variant_of(launch, "indexer.paged", name, origin="option" if head_sum_mma or tma else "default"))
 
     for fmt, d in _FMT_D:
         for next_n in (1, 2):
@@ -569,6 +573,12 @@ def paged_variants() -> list[Variant]:
         one("mxfp4", 128, **kw)
     for next_n in (1, 2, 4):  # the tensor-core head sum (an option)
         one("fp8", 128, next_n=next_n, head_sum_mma=True)
+    for kw in ({"next_n": 1}, {"next_n": 2}, {"next_n": 4}, {"block_kv": 128},  # TMA key loads (an option)
+               {"ctx_2d": True, "next_n": 2, "w_dtype": bf16, "out_dtype": bf16, "clean": True}):
+        one("fp8", 128, tma=True, **kw)
+    for fmt in ("mxfp8", "mxfp4"):
+        for next_n in (1, 2):
+            one(fmt, 128, next_n=next_n, tma=True)
     return _unique(out)
 
 
