@@ -191,6 +191,22 @@ def test_heads_on_n(h, d, layout, poisoned):
         run(q_mx, k_mx, w_mx, ks_mx, ke_mx, config=cfg)
 
 
+def _check_wide_span_prep(qq, kk, w, fmt, d, bad_q, bad_k):
+    """The renormalise launch flags exactly the SMALL blocks of query row ``bad_q`` and key
+    ``bad_k``, and every row of the other blocks times its scale is the dequantised row."""
+    s_q, s_k = qq[0].shape[0], kk[0].shape[0]
+    q_rows, w_rows, fix_q, k_rows, k_scale, fix_k = prefill._renormalise_rows(
+        qq[0], qq[1], w, kk[0], kk[1], fmt, d, SMALL.block_q, SMALL.block_n)
+    assert q_rows.dtype == k_rows.dtype == prefill._RENORM_DTYPE[fmt]
+    assert fix_q.tolist() == [int(b == bad_q // SMALL.block_q) for b in range(-(-s_q // SMALL.block_q))]
+    assert fix_k.tolist() == [int(b == bad_k // SMALL.block_n) for b in range(-(-s_k // SMALL.block_n))]
+    q_ok = (torch.arange(s_q, device=w.device) // SMALL.block_q) != bad_q // SMALL.block_q
+    k_ok = (torch.arange(s_k, device=w.device) // SMALL.block_n) != bad_k // SMALL.block_n
+    q_scale = w_rows / w.float()  # a power of two: the division is exact
+    assert torch.equal((q_rows.float() * q_scale[..., None])[q_ok], F.dequantize_q(*qq)[q_ok])
+    assert torch.equal((k_rows.float() * k_scale[:, None])[k_ok], F.dequantize_k(*kk)[k_ok])
+
+
 def test_mxfp4_via_fp8_is_exact_and_recomputes_rows_with_wide_scale_spans(poisoned):
     """Rows whose block exponents span more than 8 binades cannot be renormalised into E4M3;
     the second pass must recompute exactly their tiles (on queries and on keys)."""
@@ -209,10 +225,7 @@ def test_mxfp4_via_fp8_is_exact_and_recomputes_rows_with_wide_scale_spans(poison
     # (exact arithmetic on the same quantised values) is the check that matters here.
     check_logits(out, qq, kk, q, k, w, ks, ke, "mxfp4", against_unquantised=False)
 
-    q8, row_scale, exact = prefill._renormalise_rows(qq[0], qq[1], "mxfp4", d)
-    assert exact.view(s_q, h)[3, 2].item() is False and exact.sum().item() == s_q * h - 1
-    deq = F.dequantize_q(*qq).reshape(-1, d)
-    assert torch.equal((q8.float() * row_scale[:, None])[exact], deq[exact])
+    _check_wide_span_prep(qq, kk, w, "mxfp4", d, bad_q=3, bad_k=17)
 
 
 def test_mxfp8_via_f16_is_exact_and_recomputes_rows_with_wide_scale_spans(poisoned):
@@ -229,12 +242,7 @@ def test_mxfp8_via_f16_is_exact_and_recomputes_rows_with_wide_scale_spans(poison
     out = run(qq, kk, w, ks, ke, config=dataclasses.replace(SMALL, mxfp8_via_f16=True))
     check_logits(out, qq, kk, q, k, w, ks, ke, "mxfp8", against_unquantised=False)
 
-    rows, row_scale, exact = prefill._renormalise_rows(qq[0], qq[1], "mxfp8", d)
-    assert rows.dtype == torch.float16
-    assert exact.view(s_q, h)[3, 2].item() is False and exact.view(s_q, h)[5, 1].item() is True
-    assert exact.sum().item() == s_q * h - 1
-    deq = F.dequantize_q(*qq).reshape(-1, d)
-    assert torch.equal((rows.float() * row_scale[:, None])[exact], deq[exact])
+    _check_wide_span_prep(qq, kk, w, "mxfp8", d, bad_q=3, bad_k=17)
 
 
 def test_unaligned_shape_129_by_4100(poisoned):
