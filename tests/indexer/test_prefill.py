@@ -353,6 +353,24 @@ def test_mx_renormalise_launch_is_the_torch_reference(fmt, case):
         assert fix_q.tolist() == [1, 1, 1] and fix_k.tolist() == [0, 0, 1, 1]
 
 
+@pytest.mark.skipif(ON_GPU, reason="the bounds checker runs Triton's CPU interpreter")
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("speculate", [False, True])
+def test_mx_renormalise_launch_stays_in_bounds(fmt, speculate):
+    """Every load and store of the renormalise launch inside its tensors: one row or key, S_q
+    and S_k below and past the flag blocks (block_n below and above the launch's 64 rows),
+    H not a power of two, padded rows of query values, scales and weights."""
+    from .bounds import checked_bounds
+
+    shapes = ((1, 1, 4, 64, 16, 16, (0, 0, 0)), (3, 17, 12, 128, 16, 16, (16, 1, 2)),
+              (37, 100, 8, 64, 64, 256, (0, 3, 0)), (70, 300, 4, 128, 128, 32, (32, 0, 5)))
+    for s_q, s_k, h, d, block_q, block_n, pads in shapes:
+        qq, kk, w = _mx_operands(fmt, s_q, s_k, h, d, seed=s_q, w_dtype=torch.bfloat16, pads=pads)
+        with checked_bounds(speculate=speculate) as state:
+            prefill._renormalise_rows(qq[0], qq[1], w, kk[0], kk[1], fmt, d, block_q, block_n)
+        assert state.accesses > 0
+
+
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
 @pytest.mark.parametrize("tile", ["small", "default"])
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
