@@ -54,9 +54,10 @@ class PrefillConfig:
     ``head_unroll`` (1 or 2): heads per step of the Triton head loop.
     ``fp4_via_fp8`` (MXFP4) / ``mxfp8_via_f16`` (MXFP8): rows renormalised by their largest
     block scale into E4M3 / f16 (exact while the row's block exponents span <= 8 / 15
-    binades; the scale is folded into the weights or the key scale) and run on FP8 / f16
-    tensor cores; a second pass recomputes with the bf16 upcast only the tiles holding a row
-    outside that span. Without either, MX operands are upcast to bf16 for the dot.
+    binades and that scale is within 2^+-100; it is folded into the weights or the key scale)
+    and run on FP8 / f16 tensor cores; a second pass recomputes with the bf16 upcast only the
+    tiles holding a row that is not exact. Without either, MX operands are upcast to bf16 for
+    the dot.
     ``clean_pass``: the ``-inf`` of the full layout written by a separate store-only pass
     instead of inside the logits kernel (same bits).
     ``heads_on_n`` (FP8, few query rows): (query row, head) pairs on the MMA's N side, the key
