@@ -191,6 +191,22 @@ def test_heads_on_n(h, d, layout, poisoned):
         run(q_mx, k_mx, w_mx, ks_mx, ke_mx, config=cfg)
 
 
+def _check_wide_span_prep(qq, kk, w, fmt, d, bad_q, bad_k):
+    """The renormalise launch flags exactly the SMALL blocks of query row ``bad_q`` and key
+    ``bad_k``, and every row of the other blocks times its scale is the dequantised row."""
+    s_q, s_k = qq[0].shape[0], kk[0].shape[0]
+    q_rows, w_rows, fix_q, k_rows, k_scale, fix_k = prefill._renormalise_rows(
+        qq[0], qq[1], w, kk[0], kk[1], fmt, d, SMALL.block_q, SMALL.block_n)
+    assert q_rows.dtype == k_rows.dtype == prefill._RENORM_DTYPE[fmt]
+    assert fix_q.tolist() == [int(b == bad_q // SMALL.block_q) for b in range(-(-s_q // SMALL.block_q))]
+    assert fix_k.tolist() == [int(b == bad_k // SMALL.block_n) for b in range(-(-s_k // SMALL.block_n))]
+    q_ok = (torch.arange(s_q, device=w.device) // SMALL.block_q) != bad_q // SMALL.block_q
+    k_ok = (torch.arange(s_k, device=w.device) // SMALL.block_n) != bad_k // SMALL.block_n
+    q_scale = w_rows / w.float()  # a power of two: the division is exact
+    assert torch.equal((q_rows.float() * q_scale[..., None])[q_ok], F.dequantize_q(*qq)[q_ok])
+    assert torch.equal((k_rows.float() * k_scale[:, None])[k_ok], F.dequantize_k(*kk)[k_ok])
+
+
 def test_mxfp4_via_fp8_is_exact_and_recomputes_rows_with_wide_scale_spans(poisoned):
     """Rows whose block exponents span more than 8 binades cannot be renormalised into E4M3;
     the second pass must recompute exactly their tiles (on queries and on keys)."""
@@ -209,10 +225,7 @@ def test_mxfp4_via_fp8_is_exact_and_recomputes_rows_with_wide_scale_spans(poison
     # (exact arithmetic on the same quantised values) is the check that matters here.
     check_logits(out, qq, kk, q, k, w, ks, ke, "mxfp4", against_unquantised=False)
 
-    q8, row_scale, exact = prefill._renormalise_rows(qq[0], qq[1], "mxfp4", d)
-    assert exact.view(s_q, h)[3, 2].item() is False and exact.sum().item() == s_q * h - 1
-    deq = F.dequantize_q(*qq).reshape(-1, d)
-    assert torch.equal((q8.float() * row_scale[:, None])[exact], deq[exact])
+    _check_wide_span_prep(qq, kk, w, "mxfp4", d, bad_q=3, bad_k=17)
 
 
 def test_mxfp8_via_f16_is_exact_and_recomputes_rows_with_wide_scale_spans(poisoned):
@@ -229,12 +242,176 @@ def test_mxfp8_via_f16_is_exact_and_recomputes_rows_with_wide_scale_spans(poison
     out = run(qq, kk, w, ks, ke, config=dataclasses.replace(SMALL, mxfp8_via_f16=True))
     check_logits(out, qq, kk, q, k, w, ks, ke, "mxfp8", against_unquantised=False)
 
-    rows, row_scale, exact = prefill._renormalise_rows(qq[0], qq[1], "mxfp8", d)
-    assert rows.dtype == torch.float16
-    assert exact.view(s_q, h)[3, 2].item() is False and exact.view(s_q, h)[5, 1].item() is True
-    assert exact.sum().item() == s_q * h - 1
-    deq = F.dequantize_q(*qq).reshape(-1, d)
-    assert torch.equal((rows.float() * row_scale[:, None])[exact], deq[exact])
+    _check_wide_span_prep(qq, kk, w, "mxfp8", d, bad_q=3, bad_k=17)
+
+
+# ---------------------------------------------------------------------------------------
+# MX on renormalised rows: the renormalise launch (rows, scales, fix-up flags) and the fix-up.
+# ---------------------------------------------------------------------------------------
+SPAN = {"mxfp4": 8, "mxfp8": 15}
+
+
+def _mx_operands(fmt, s_q, s_k, h, d, seed, q_exps=(), k_exps=(), w_dtype=torch.float32, pads=(0, 0, 0)):
+    """MX queries and keys of random codes with random block exponents inside the exact span,
+    except the rows listed in ``q_exps`` (``((row, head), exponents)``) and ``k_exps``
+    (``(key, exponents)``). ``pads``: extra elements per row of the query values, query scales
+    and weights (which also start one element into their buffer)."""
+    g = torch.Generator().manual_seed(seed)
+    nb, dq = d // 32, d // 2 if fmt == "mxfp4" else d
+
+    def codes(*shape):
+        b = torch.randint(0, 256, shape, generator=g, dtype=torch.int32)
+        if fmt == "mxfp4":
+            return b.to(torch.uint8).view(torch.int8)
+        return torch.where((b & 0x7F) == 0x7F, b & 0x70, b).to(torch.uint8).view(F.FP8_DTYPE)  # no NaN
+
+    q, k = codes(s_q, h, dq), codes(s_k, dq)
+    q_e = torch.randint(127 - SPAN[fmt] // 2, 128 + SPAN[fmt] // 2, (s_q, h, nb), generator=g)
+    k_e = torch.randint(127 - SPAN[fmt] // 2, 128 + SPAN[fmt] // 2, (s_k, nb), generator=g)
+    for idx, e in q_exps:
+        q_e[idx] = torch.tensor(e[:nb])
+    for idx, e in k_exps:
+        k_e[idx] = torch.tensor(e[:nb])
+    q_sf, k_sf = F.pack_ue8m0(q_e), F.pack_ue8m0(k_e)
+    w = torch.randn(s_q, h, generator=g).to(w_dtype)
+    pad_q, pad_sf, pad_w = pads
+    if pad_q:
+        q = torch.zeros(s_q, h * dq + pad_q, dtype=torch.uint8).view(q.dtype)[:, :h * dq].view(s_q, h, dq).copy_(q)
+    if pad_sf:
+        q_sf = torch.zeros(s_q, h + pad_sf, dtype=torch.int32)[:, :h].copy_(q_sf)
+    if pad_w:
+        w = torch.zeros(s_q, h + pad_w + 1, dtype=w_dtype)[:, 1:h + 1].copy_(w)
+    return (q.to(DEVICE), q_sf.to(DEVICE)), (k.to(DEVICE), k_sf.to(DEVICE)), w.to(DEVICE)
+
+
+def _renormalised_reference(values, sf, fmt, d):
+    """Torch on the CPU: ``(rows [n, D] in E4M3 / f16, fp32 2^(e_max - 127) [n], exact [n])`` of
+    MX rows ``[n, D or D/2]`` with packed scales ``[n]``: the rules of the renormalise launch."""
+    values, sf = values.cpu(), sf.cpu()
+    e = F.unpack_ue8m0(sf, d // 32)
+    e_max, e_min = e.amax(dim=-1), e.amin(dim=-1)
+    x = F.decode_e2m1(F.unpack_fp4(values)) if fmt == "mxfp4" else values.float()
+    shift = (e - e_max[:, None]).clamp(min=-126).repeat_interleave(32, dim=-1)
+    rows = (x * ((shift + 127) << 23).view(torch.float32)).to(prefill._RENORM_DTYPE[fmt])
+    exact = (e_max - e_min <= SPAN[fmt]) & ((e_max - 127).abs() <= 100)
+    return rows, torch.exp2(e_max.float() - 127.0), exact
+
+
+def _block_any(flags, block):
+    return [int(flags[i:i + block].any()) for i in range(0, flags.shape[0], block)]
+
+
+def _same(a, b) -> bool:
+    """Same dtype, shape and bytes (any dtype)."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.cpu().contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8)))
+
+
+# Exponents of special rows (four blocks; D < 128 takes the first D / 32): a span one past the
+# exact range, the fold limit (exact) and one past it, the ends of UE8M0 (0: 2^-127, 255: inf).
+def _special_exps(fmt):
+    s = SPAN[fmt]
+    return {"wide": [127, 126 - s, 127, 127], "fold": [227, 227 - s, 227, 227], "past_fold": [228, 228, 228, 228],
+            "low_fold": [27, 27, 27 + s, 27], "zero": [0, 0, 0, 0], "top": [255, 250, 254, 255]}
+
+
+RENORM_CASES = {  # name -> s_q, s_k, H, D (FP4: at least 64), block_q, block_n, weights dtype, pads, specials
+    # Partial last blocks on both sides; one inexact (row, head) in a block of exact rows.
+    "partial-blocks": (37, 100, 8, 128, 16, 32, torch.float32, (0, 0, 0),
+                       [((20, 5), "wide"), ((3, 0), "fold"), ((33, 7), "past_fold"), ((10, 2), "low_fold"),
+                        ((11, 1), "zero"), ((12, 3), "top")],
+                       [(99, "wide"), (40, "fold"), (41, "low_fold"), (64, "zero"), (65, "top")]),
+    "smaller-than-a-block": (5, 20, 4, 64, 64, 256, torch.bfloat16, (0, 0, 0), [((4, 3), "wide")], [(0, "wide")]),
+    "padded-strides": (20, 70, 12, 128, 16, 64, torch.bfloat16, (32, 3, 5), [((17, 11), "past_fold")],
+                       [(69, "past_fold")]),
+    "all-exact": (3, 5, 4, 64, 16, 16, torch.float32, (0, 0, 0), [((1, 1), "fold")], [(4, "fold")]),
+}
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("case", list(RENORM_CASES))
+def test_mx_renormalise_launch_is_the_torch_reference(fmt, case):
+    """Every output of the one renormalise launch, bitwise: the rows (exact or not), the key row
+    scale, ``w_rows = weights * 2^(e_max - 127)`` and the fix-up flags per block_q query rows
+    (any head) / block_n keys, partial last blocks included."""
+    s_q, s_k, h, d, block_q, block_n, w_dtype, pads, q_sp, k_sp = RENORM_CASES[case]
+    ex = _special_exps(fmt)
+    qq, kk, w = _mx_operands(fmt, s_q, s_k, h, d, seed=len(case), q_exps=[(i, ex[n]) for i, n in q_sp],
+                             k_exps=[(i, ex[n]) for i, n in k_sp], w_dtype=w_dtype, pads=pads)
+    q_rows, w_rows, fix_q, k_rows, k_scale, fix_k = prefill._renormalise_rows(
+        qq[0], qq[1], w, kk[0], kk[1], fmt, d, block_q, block_n)
+    rows, scale, exact = _renormalised_reference(qq[0].reshape(s_q * h, -1), qq[1].reshape(-1), fmt, d)
+    assert _same(q_rows, rows.view(s_q, h, d))
+    assert _same(w_rows, w.cpu().float() * scale.view(s_q, h))
+    assert fix_q.tolist() == _block_any(~exact.view(s_q, h).all(dim=1), block_q)
+    rows, scale, exact = _renormalised_reference(kk[0], kk[1], fmt, d)
+    assert _same(k_rows, rows) and _same(k_scale, scale)
+    assert fix_k.tolist() == _block_any(~exact, block_n)
+    if case == "all-exact":
+        assert fix_q.tolist() == [0] and fix_k.tolist() == [0]
+    if case == "partial-blocks":  # key block 1 holds only the fold limit's rows, exact
+        assert fix_q.tolist() == [1, 1, 1] and fix_k.tolist() == [0, 0, 1, 1]
+
+
+@pytest.mark.skipif(ON_GPU, reason="the bounds checker runs Triton's CPU interpreter")
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("speculate", [False, True])
+def test_mx_renormalise_launch_stays_in_bounds(fmt, speculate):
+    """Every load and store of the renormalise launch inside its tensors: one row or key, S_q
+    and S_k below and past the flag blocks (block_n below and above the launch's 64 rows),
+    H not a power of two, padded rows of query values, scales and weights."""
+    from .bounds import checked_bounds
+
+    shapes = ((1, 1, 4, 64, 16, 16, (0, 0, 0)), (3, 17, 12, 128, 16, 16, (16, 1, 2)),
+              (37, 100, 8, 64, 64, 256, (0, 3, 0)), (70, 300, 4, 128, 128, 32, (32, 0, 5)))
+    for s_q, s_k, h, d, block_q, block_n, pads in shapes:
+        qq, kk, w = _mx_operands(fmt, s_q, s_k, h, d, seed=s_q, w_dtype=torch.bfloat16, pads=pads)
+        with checked_bounds(speculate=speculate) as state:
+            prefill._renormalise_rows(qq[0], qq[1], w, kk[0], kk[1], fmt, d, block_q, block_n)
+        assert state.accesses > 0
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("tile", ["small", "default"])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_mx_fixup_recomputes_the_flagged_tiles(fmt, tile, w_dtype, poisoned):
+    """End to end, rows at the fold limit, and with small tiles one inexact (row, head) in the
+    partial last query block, one inexact key in the partial last key block and a query row
+    past the fold limit (with the default tile S_q and S_k are smaller than one block): every
+    row against the dequantised reference, the flagged tiles bitwise the bf16 upcast's."""
+    s_q, s_k, h, d = 37, 150, 8, 128
+    ex = _special_exps(fmt)
+    q_sp = [((3, 0), "fold"), ((4, 1), "low_fold")]
+    k_sp = [(7, "low_fold")]
+    if tile == "small":  # with the default tile these would flag the one tile: no exact pass left
+        # Inexact rows whose renormalised pass differs from the upcast in the logits' bits: a
+        # span one past the exact range (MXFP4), a row scale of 2^-127 (subnormal in fp32).
+        q_sp += [((35, 5), "wide"), ((34, 6), "zero"), ((20, 2), "past_fold")]
+        k_sp += [(149, "wide"), (148, "zero")]
+    qq, kk, w = _mx_operands(fmt, s_q, s_k, h, d, seed=77, q_exps=[(i, ex[n]) for i, n in q_sp],
+                             k_exps=[(i, ex[n]) for i, n in k_sp], w_dtype=w_dtype)
+    via = dict(fp4_via_fp8=True) if fmt == "mxfp4" else dict(mxfp8_via_f16=True)
+    cfg = dataclasses.replace(SMALL if tile == "small" else prefill.default_config(fmt, h, d, s_q), **via)
+    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(8), empty_fraction=0.1, overhang=5,
+                              device=DEVICE)
+    out = run(qq, kk, w, ks, ke, config=cfg)
+    q, k = F.dequantize_q(*qq), F.dequantize_k(*kk)
+    check_logits(out, qq, kk, q, k, w, ks, ke, fmt, against_unquantised=False)
+    # Row by row: the rows scaled by 2^+-100 would dominate one statistic over all rows.
+    ref = R.fp8_fp4_mqa_logits_ref(qq, kk, w, ks, ke, True, 0, torch.float32)
+    tight = 3e-5 if w_dtype == torch.bfloat16 else 5e-6
+    for i in range(s_q):
+        if ke[i].clamp(max=s_k) > ks[i]:
+            assert R.calc_diff(out[i].float(), ref[i]) < tight, i
+    # The flagged tiles hold the bf16 upcast's bits: those of the op without the renormalised pass.
+    _, _, q_exact = _renormalised_reference(qq[0].reshape(s_q * h, -1), qq[1].reshape(-1), fmt, d)
+    _, _, k_exact = _renormalised_reference(kk[0], kk[1], fmt, d)
+    fix_q = torch.tensor(_block_any(~q_exact.view(s_q, h).all(dim=1), cfg.block_q)).repeat_interleave(cfg.block_q)
+    fix_k = torch.tensor(_block_any(~k_exact, cfg.block_n)).repeat_interleave(cfg.block_n)
+    flagged = (fix_q[:s_q, None] | fix_k[None, :s_k]).bool().to(DEVICE)
+    assert flagged.any() == (tile == "small") and not flagged.all()
+    upcast = run(qq, kk, w, ks, ke, config=dataclasses.replace(cfg, fp4_via_fp8=False, mxfp8_via_f16=False))
+    assert _same(out[flagged], upcast[flagged])
 
 
 def test_unaligned_shape_129_by_4100(poisoned):

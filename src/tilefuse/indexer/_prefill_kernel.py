@@ -293,41 +293,122 @@ def fill_outside_windows_kernel(out_ptr, stride_out, ks_ptr, ke_ptr, S_q, S_k, n
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * _row_stride(stride_out, out_ptr) + cols[None, :], fill, mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_rows"], do_not_specialize_on_alignment=["sf_ptr"])
-def mx_rows_renormalise_kernel(src_ptr, sf_ptr, dst_ptr, row_exp_ptr, row_spread_ptr, n_rows,
-                               D: tl.constexpr, FMT: tl.constexpr, BLOCK_R: tl.constexpr):
-    """MX rows -> rows of ``dst``'s dtype renormalised by the row's largest block scale.
+@triton.jit
+def _block_exponent_range(sf, NB: tl.constexpr):
+    """Largest and smallest of the first ``NB`` UE8M0 bytes of each packed int32 (any shape)."""
+    e_max = sf & 0xFF
+    e_min = e_max
+    for b in tl.static_range(1, NB):
+        e = (sf >> (8 * b)) & 0xFF
+        e_max = tl.maximum(e_max, e)
+        e_min = tl.minimum(e_min, e)
+    return e_max, e_min
 
-    Element x of block b becomes ``x * 2^(e_b - e_max)``. MXFP4 (``FMT`` 2, [n, D/2] packed)
-    goes to E4M3: an E2M1 value times 2^-s lies on the E4M3 grid for s <= 8 (its subnormal step
-    is 2^-9). MXFP8 (``FMT`` 1) goes to f16: an E4M3 value times 2^-s keeps every bit in f16 for
-    s <= 15 (E4M3's lowest bit is 2^-9, f16's 2^-24). Writes ``e_max`` and the span of the row's
-    block exponents, which says whether the row converted exactly.
-    """
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = rows < n_rows
-    sf = tl.load(sf_ptr + rows, mask=ok, other=0x7F7F7F7F)
-    NB: tl.constexpr = D // 32
-    e_blocks = (sf[:, None] >> (tl.arange(0, NB) * 8)[None, :]) & 0xFF
-    e_max = tl.max(e_blocks, axis=1)
-    e_min = tl.min(e_blocks, axis=1)
+
+@triton.jit
+def _not_exact(sf, NB: tl.constexpr, SPAN_EXACT: tl.constexpr, FOLD_LIMIT: tl.constexpr):
+    """Whether a row with packed scales ``sf`` does not renormalise exactly: its block exponents
+    span more than ``SPAN_EXACT`` binades, or its row scale is beyond ``2^+-FOLD_LIMIT``."""
+    e_max, e_min = _block_exponent_range(sf, NB)
+    return ((e_max - e_min) > SPAN_EXACT) | (tl.abs(e_max - 127) > FOLD_LIMIT)
+
+
+@triton.jit
+def _pow2_biased(e):
+    """fp32 ``2^(e - 127)`` of a biased exponent ``e`` in [0, 255] (0: the subnormal 2^-127, 255: inf)."""
+    return tl.where(e == 0, 1 << 22, e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _renormalise_tile(src_rows, sf, ok, dst_rows, D: tl.constexpr, FMT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Store ``BLOCK_R`` MX rows (``src_rows``: each row's first element) renormalised by their
+    largest block scale at ``dst_rows``; returns that scale's biased exponent per row."""
+    e_max, _ = _block_exponent_range(sf, D // 32)
     if FMT == FMT_MXFP4:
         half = tl.arange(0, D // 2)
-        raw = tl.load(src_ptr + rows.to(tl.int64)[:, None] * (D // 2) + half[None, :], mask=ok[:, None], other=0)
+        raw = tl.load(src_rows[:, None] + half[None, :], mask=ok[:, None], other=0)
         b = raw.to(tl.int32) & 0xFF
         e = (sf[:, None] >> ((half // 16) * 8)[None, :]) & 0xFF
         scale = ((tl.maximum(e - e_max[:, None], -126) + 127) << 23).to(tl.float32, bitcast=True)
         vals = tl.reshape(tl.join(_e2m1_to_f32(b & 0xF) * scale, _e2m1_to_f32(b >> 4) * scale), (BLOCK_R, D))
     else:
         col = tl.arange(0, D)
-        raw = tl.load(src_ptr + rows.to(tl.int64)[:, None] * D + col[None, :], mask=ok[:, None], other=0.0)
+        raw = tl.load(src_rows[:, None] + col[None, :], mask=ok[:, None], other=0.0)
         e = (sf[:, None] >> ((col // 32) * 8)[None, :]) & 0xFF
         scale = ((tl.maximum(e - e_max[:, None], -126) + 127) << 23).to(tl.float32, bitcast=True)
         vals = raw.to(tl.float32) * scale
-    tl.store(dst_ptr + rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :],
-             vals.to(dst_ptr.dtype.element_ty), mask=ok[:, None])
-    tl.store(row_exp_ptr + rows, e_max, mask=ok)
-    tl.store(row_spread_ptr + rows, e_max - e_min, mask=ok)
+    tl.store(dst_rows[:, None] + tl.arange(0, D)[None, :], vals.to(dst_rows.dtype.element_ty), mask=ok[:, None])
+    return e_max
+
+
+@triton.jit(do_not_specialize=["stride_q", "stride_qsf", "stride_w", "stride_k", "S_q", "S_k"],
+            do_not_specialize_on_alignment=["q_sf_ptr", "w_ptr", "k_sf_ptr"])
+def mx_rows_renormalise_kernel(
+    q_ptr, stride_q, q_sf_ptr, stride_qsf, w_ptr, stride_w,
+    k_ptr, stride_k, k_sf_ptr,
+    q_rows_ptr, w_rows_ptr, fix_q_ptr,
+    k_rows_ptr, k_scale_ptr, fix_k_ptr,
+    S_q, S_k,
+    H: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
+    SPAN_EXACT: tl.constexpr, FOLD_LIMIT: tl.constexpr,
+    BLOCK_R: tl.constexpr, FIX_Q: tl.constexpr, FIX_K: tl.constexpr,
+):
+    """Both MX operands of the prefill op renormalised for the FP8-style head loop, in one launch.
+
+    Element x of block b of a row becomes ``x * 2^(e_b - e_max)`` with ``e_max`` the row's
+    largest block exponent. MXFP4 (``FMT`` 2, [n, D/2] packed) goes to E4M3: an E2M1 value
+    times 2^-s lies on the E4M3 grid for s <= 8 (its subnormal step is 2^-9). MXFP8 (``FMT`` 1)
+    goes to f16: an E4M3 value times 2^-s keeps every bit in f16 for s <= 15 (E4M3's lowest bit
+    is 2^-9, f16's 2^-24). A row is exact when its block exponents span <= ``SPAN_EXACT`` and
+    ``|e_max - 127| <= FOLD_LIMIT``.
+
+    The first programs own the queries: ``BLOCK_R`` (row, head) pairs each, written to
+    ``q_rows`` [S_q * H, D] with ``w_rows[i, h] = w[i, h] * 2^(e_max - 127)`` (fp32, [S_q, H]),
+    and program ``p`` also writes ``fix_q[p]``: 1 when a row of query rows
+    ``[p * FIX_Q, (p + 1) * FIX_Q)`` (any head) is not exact. The others own the keys: ``BLOCK_R``
+    rows each to ``k_rows`` [S_k, D] with the fp32 row scale, and ``fix_k`` per ``FIX_K`` keys.
+    The flags are read from the scales alone, so no program waits for another.
+    """
+    pid = tl.program_id(0)
+    NB: tl.constexpr = D // 32
+    DQ: tl.constexpr = D // 2 if FMT == FMT_MXFP4 else D
+    n_q_progs = tl.maximum(tl.cdiv(S_q * H, BLOCK_R), tl.cdiv(S_q, FIX_Q))
+    if pid < n_q_progs:
+        pair = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = pair < S_q * H
+        row = (pair // H).to(tl.int64)
+        head = pair % H
+        if pid * BLOCK_R < S_q * H:
+            sf = tl.load(q_sf_ptr + row * stride_qsf + head, mask=ok, other=0x7F7F7F7F)
+            src = q_ptr + row * _row_stride(stride_q, q_ptr) + head * DQ
+            e_max = _renormalise_tile(src, sf, ok, q_rows_ptr + pair.to(tl.int64) * D, D, FMT, BLOCK_R)
+            w = tl.load(w_ptr + row * stride_w + head, mask=ok, other=0.0).to(tl.float32)
+            tl.store(w_rows_ptr + pair, w * _pow2_biased(e_max), mask=ok)
+        if pid * FIX_Q < S_q:
+            # Sub-tiles of 16 rows x all heads keep the scale tile small at any H and FIX_Q.
+            heads = tl.arange(0, HEADS_P)
+            bad = tl.zeros((16, HEADS_P), dtype=tl.int32)
+            for r0 in range(pid * FIX_Q, pid * FIX_Q + FIX_Q, 16):
+                rows = r0 + tl.arange(0, 16)
+                m = (rows < S_q)[:, None] & (heads < H)[None, :]
+                sf = tl.load(q_sf_ptr + rows.to(tl.int64)[:, None] * stride_qsf + heads[None, :], mask=m,
+                             other=0x7F7F7F7F)
+                bad = bad | _not_exact(sf, NB, SPAN_EXACT, FOLD_LIMIT).to(tl.int32)
+            tl.store(fix_q_ptr + pid, tl.max(tl.max(bad, axis=1), axis=0))
+    else:
+        pid -= n_q_progs
+        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = rows < S_k
+        if pid * BLOCK_R < S_k:
+            sf = tl.load(k_sf_ptr + rows, mask=ok, other=0x7F7F7F7F)
+            src = k_ptr + rows.to(tl.int64) * _row_stride(stride_k, k_ptr)
+            e_max = _renormalise_tile(src, sf, ok, k_rows_ptr + rows.to(tl.int64) * D, D, FMT, BLOCK_R)
+            tl.store(k_scale_ptr + rows, _pow2_biased(e_max), mask=ok)
+        if pid * FIX_K < S_k:
+            keys = pid * FIX_K + tl.arange(0, FIX_K)
+            sf = tl.load(k_sf_ptr + keys, mask=keys < S_k, other=0x7F7F7F7F)
+            bad = _not_exact(sf, NB, SPAN_EXACT, FOLD_LIMIT)
+            tl.store(fix_k_ptr + pid, tl.max(bad.to(tl.int32), axis=0))
 
 
 @triton.jit(do_not_specialize=["stride_q", "stride_w"], do_not_specialize_on_alignment=["w_ptr"])

@@ -49,9 +49,10 @@ class PrefillConfig:
     ``head_unroll`` (1 or 2): heads per step of the Triton head loop.
     ``fp4_via_fp8`` (MXFP4) / ``mxfp8_via_f16`` (MXFP8): rows renormalised by their largest
     block scale into E4M3 / f16 (exact while the row's block exponents span <= 8 / 15
-    binades; the scale is folded into the weights or the key scale) and run on FP8 / f16
-    tensor cores; a second pass recomputes with the bf16 upcast only the tiles holding a row
-    outside that span. Without either, MX operands are upcast to bf16 for the dot.
+    binades and that scale is within 2^+-100; it is folded into the weights or the key scale)
+    and run on FP8 / f16 tensor cores; a second pass recomputes with the bf16 upcast only the
+    tiles holding a row that is not exact. Without either, MX operands are upcast to bf16 for
+    the dot.
     ``clean_pass``: the ``-inf`` of the full layout written by a separate store-only pass
     instead of inside the logits kernel (same bits).
     ``heads_on_n`` (FP8, few query rows): (query row, head) pairs on the MMA's N side, the key
@@ -478,43 +479,66 @@ def linear_term_parts(q: torch.Tensor, weights: torch.Tensor, parts: int):
 _SPAN_EXACT = {"mxfp4": 8, "mxfp8": 15}
 _RENORM_DTYPE = {"mxfp4": FP8_DTYPE, "mxfp8": torch.float16}
 _FOLD_EXP_LIMIT = 100
+_RENORM_ROWS = 64  # rows (query: (row, head) pairs) per program of the renormalise launch
+_renormalise = Launcher(kern.mx_rows_renormalise_kernel)
 
 
-def _renormalise_rows(values: torch.Tensor, sf: torch.Tensor, fmt: str, d: int, block_r: int = 64):
-    """MX rows -> (rows in E4M3 (MXFP4) or f16 (MXFP8), fp32 row scale 2^(e_max-127), bool exact)."""
-    rows = values.reshape(-1, values.shape[-1])
-    n = rows.shape[0]
-    out = torch.empty((n, d), dtype=_RENORM_DTYPE[fmt], device=values.device)
-    e_max = torch.empty(n, dtype=torch.int32, device=values.device)
-    span = torch.empty(n, dtype=torch.int32, device=values.device)
-    if n:
-        kern.mx_rows_renormalise_kernel[(cdiv(n, block_r),)](
-            rows, sf.reshape(-1), out, e_max, span, n, D=d, FMT=FORMAT_CODE[fmt], BLOCK_R=block_r)
-    exact = (span <= _SPAN_EXACT[fmt]) & ((e_max - 127).abs() <= _FOLD_EXP_LIMIT)
-    return out, torch.exp2(e_max.float() - 127.0), exact
+def _renormalise_rows(q, q_sf, weights, k, k_scale, fmt: str, d: int, fix_q_rows: int, fix_k_rows: int):
+    """Both MX operands in one launch: ``(q_rows [S_q, H, D], w_rows [S_q, H] fp32, fix_q,
+    k_rows [S_k, D], k_row_scale [S_k] fp32, fix_k)``. Rows are E4M3 (MXFP4) or f16 (MXFP8)
+    renormalised by their largest block scale ``2^(e_max - 127)``: the keys' is the row scale,
+    the queries' is folded into ``w_rows = weights * scale``. ``fix_q`` / ``fix_k`` (int32, one
+    per ``fix_q_rows`` query rows / ``fix_k_rows`` keys, the last block partial) are 1 where a
+    row of the block is not exact. S_q and S_k must be > 0."""
+    s_q, h, _ = q.shape
+    s_k = k.shape[0]
+    dev = q.device
+    dtype = _RENORM_DTYPE[fmt]
+    n_fix_q = cdiv(s_q, fix_q_rows)
+    n_fix_k = cdiv(s_k, fix_k_rows)
+    # Separate tensors: on the host one torch.empty costs about what carving a typed view out
+    # of a shared workspace does (benchmarks/NOTES.md). Sizes as varargs parse faster than a tuple.
+    q_rows = torch.empty(s_q, h, d, dtype=dtype, device=dev)
+    w_rows = torch.empty(s_q, h, dtype=torch.float32, device=dev)
+    fix_q = torch.empty(n_fix_q, dtype=torch.int32, device=dev)
+    k_rows = torch.empty(s_k, d, dtype=dtype, device=dev)
+    k_row_scale = torch.empty(s_k, dtype=torch.float32, device=dev)
+    fix_k = torch.empty(n_fix_k, dtype=torch.int32, device=dev)
+    grid = (max(cdiv(s_q * h, _RENORM_ROWS), n_fix_q) + max(cdiv(s_k, _RENORM_ROWS), n_fix_k),)
+    consts = (h, next_power_of_2(h), d, FORMAT_CODE[fmt], _SPAN_EXACT[fmt], _FOLD_EXP_LIMIT, _RENORM_ROWS, fix_q_rows,
+              fix_k_rows)
+    _renormalise((consts, q.dtype, weights.dtype), grid, (
+        q, q.stride(0), q_sf, q_sf.stride(0), weights, weights.stride(0), k, k.stride(0), k_scale,
+        q_rows, w_rows, fix_q, k_rows, k_row_scale, fix_k, s_q, s_k, *consts))
+    return q_rows, w_rows, fix_q, k_rows, k_row_scale, fix_k
 
 
-def _block_flags(inexact: torch.Tensor, block: int) -> torch.Tensor:
-    pad = (-inexact.shape[0]) % block
-    padded = torch.nn.functional.pad(inexact, (0, pad))
-    return padded.view(-1, block).any(dim=1).to(torch.int32)
+_FP8_PASS_CONFIGS: dict[tuple, PrefillConfig] = {}
+
+
+def _fp8_pass_config(cfg: PrefillConfig, h: int, d: int, s_q: int) -> PrefillConfig:
+    """The config of the pass over renormalised rows: ``cfg`` on the Gluon loop, else the FP8
+    default off Hopper (few or many rows) with ``cfg``'s head sum."""
+    if cfg.gluon:
+        return cfg
+    key = (cfg, h, d, s_q <= FEW_ROWS)
+    fp8_cfg = _FP8_PASS_CONFIGS.get(key)
+    if fp8_cfg is None:
+        fp8_cfg = _FP8_PASS_CONFIGS[key] = dataclasses.replace(default_config("fp8", h, d, s_q),
+                                                               relu_via_abs=cfg.relu_via_abs)
+    return fp8_cfg
 
 
 def _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, clean, compressed, d,
                               cfg: PrefillConfig, err) -> None:
     """MX logits on the FP8 kernel's head loop: rows renormalised into E4M3 (MXFP4, FP8 MMA) or
-    f16 (MXFP8, f16 MMA), then the bf16 upcast recomputes only tiles with a row that was not exact."""
-    s_q, h, _ = q.shape
-    q_rows, q_row_scale, q_exact = _renormalise_rows(q, q_sf, fmt, d)
-    k_rows, k_row_scale, k_exact = _renormalise_rows(k, k_scale, fmt, d)
-    # relu(c * x) = c * relu(x) for c > 0: the query row scale moves into the weights.
-    w_rows = weights.float() * q_row_scale.view(s_q, h)
-    # The Triton loop, as the FP8 default off Hopper, with this config's head sum.
-    fp8_cfg = cfg if cfg.gluon else dataclasses.replace(default_config("fp8", h, d, s_q), relu_via_abs=cfg.relu_via_abs)
-    _launch(q_rows.view(s_q, h, d), None, k_rows, k_row_scale, w_rows, ks, ke, out, "fp8", d, clean, compressed,
-            fp8_cfg, err)
-    fix_q = _block_flags(~q_exact.view(s_q, h).all(dim=1), cfg.block_q)
-    fix_k = _block_flags(~k_exact, cfg.block_n)
+    f16 (MXFP8, f16 MMA) by one launch that also flags the config's query / key blocks holding a
+    row that was not exact; then the bf16 upcast recomputes only the flagged tiles."""
+    # relu(c * x) = c * relu(x) for c > 0: the query row scale is folded into w_rows.
+    q_rows, w_rows, fix_q, k_rows, k_row_scale, fix_k = _renormalise_rows(
+        q, q_sf, weights, k, k_scale, fmt, d, cfg.block_q, cfg.block_n)
+    _launch(q_rows, None, k_rows, k_row_scale, w_rows, ks, ke, out, "fp8", d, clean, compressed,
+            _fp8_pass_config(cfg, q.shape[1], d, q.shape[0]), err)
     _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg, err, fix_q, fix_k)
 
 

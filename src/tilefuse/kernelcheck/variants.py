@@ -361,10 +361,9 @@ def _trace_prefill() -> tuple[Variant, ...]:
                 name = f"{fmt} D{d} H{h} {_layout_name(clean, compressed)} {_config_label(cfg, base)}{extras}{role}"
                 out.append(variant_of(launch, "indexer.prefill", name, origin, targets))
             elif launch.function == renormalise:
-                # Query and key conversions differ only in how Triton specialises the row count.
-                rows = launch.arguments["n_rows"]
+                # One launch for both operands; it reads the weights (fp32 or bf16).
                 name = " ".join(f"{k}={v}" for k, v in launch.arguments.items() if k.isupper())
-                name += f" rows%16={rows % 16}"
+                name += "" if _short(w_dtype) == "fp32" else f" w={_short(w_dtype)}"
                 out.append(variant_of(launch, "indexer.mx_renormalise", name, "default"))
             elif launch.function == linear:
                 name = " ".join(f"{k}={v}" for k, v in launch.arguments.items() if k.isupper())
