@@ -26,6 +26,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import tilefuse  # noqa: E402
+from tilefuse import _jit  # noqa: E402
 from tilefuse.indexer import _prefill_kernel, _prefill_kernel_sm100, prefill  # noqa: E402
 from tilefuse.indexer import windows as W  # noqa: E402
 
@@ -49,9 +50,11 @@ def stubbed_kernels():
         targets.append((_prefill_kernel_gluon, "prefill_logits_gluon_kernel"))
     saved = [(mod, name, getattr(mod, name)) for mod, name in targets]
     try:
-        for mod, name, _ in saved:
-            setattr(mod, name, _NoLaunch())
-        yield
+        with contextlib.ExitStack() as stack:
+            for mod, name, fn in saved:
+                setattr(mod, name, _NoLaunch())
+                stack.enter_context(_jit.redirected(fn, _NoLaunch()))  # launches through tilefuse._jit.Launcher
+            yield
     finally:
         for mod, name, fn in saved:
             setattr(mod, name, fn)
