@@ -107,6 +107,34 @@ def reference(op, a, b, layout="kn"):
     return ag_gemm_ref(a, b, b_layout=layout) if op == "ag_gemm" else gemm_rs_ref(a, b, b_layout=layout)
 
 
+def eager_err(op, a, b, variant) -> float:
+    """Relative error of one eager fused call against the reference."""
+    return rel_err(run_op(op, a, b, variant), reference(op, a, b))
+
+
+def capture(op, a, b, variant):
+    """``(graph, output)``: one eager call on ``a``, ``b`` (the workspace is allocated outside
+    the capture), then a CUDA graph of the call on them."""
+    run_op(op, a, b, variant)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = run_op(op, a, b, variant)
+    return g, y
+
+
+def replay_err(g, y, op, a, b, m, n, k, seed) -> float:
+    """Fresh inputs (``seed``) copied into the captured ``a``, ``b``, the output poisoned, one
+    replay of ``g``: the relative error of ``y``."""
+    a2, b2 = inputs(op, m, n, k, seed=seed)
+    a.copy_(a2)
+    b.copy_(b2)
+    y.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    return rel_err(y, reference(op, a, b))
+
+
 def against_reference(op, design, m, n, k, layout="kn", dtype=torch.bfloat16, seed=0):
     def body():
         a, b = inputs(op, m, n, k, dtype, layout, seed)
@@ -189,7 +217,7 @@ def bitwise_and_repeat():
             for op in DESIGNS:
                 d = DESIGNS[op][i % 2]
                 a, b = inputs(op, 2048, 512, 1024, seed=10 + i)
-                err = rel_err(run_op(op, a, b, d), reference(op, a, b))
+                err = eager_err(op, a, b, d)
                 assert err < TOL, f"{op}/{d} call {i}: relative error {err:.3g}"
 
     check("interleaved ops and designs", interleaved)
@@ -206,19 +234,9 @@ def graphs():
         for d in DESIGNS[op]:
             def body(op=op, d=d):
                 a, b = inputs(op, 4096, 1024, 2048)
-                run_op(op, a, b, d)  # warm-up: workspace allocated outside the capture
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    y = run_op(op, a, b, d)
+                g, y = capture(op, a, b, d)
                 for seed in (5, 6):
-                    a2, b2 = inputs(op, 4096, 1024, 2048, seed=seed)
-                    a.copy_(a2)
-                    b.copy_(b2)
-                    y.fill_(float("nan"))
-                    g.replay()
-                    torch.cuda.synchronize()
-                    err = rel_err(y, reference(op, a, b))
+                    err = replay_err(g, y, op, a, b, 4096, 1024, 2048, seed)
                     assert err < TOL, f"replay {seed}: relative error {err:.3g}"
                 td.check_errors()
 
@@ -236,23 +254,13 @@ def graph_eager_interleavings():
                 big_a, big_b = inputs(op, 8192, n, k, seed=40)
                 run_op(op, big_a, big_b, d)  # warm-up at the largest shape: the workspace holds every call
                 a, b = inputs(op, 1024, n, k, seed=41)
-                run_op(op, a, b, d)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    y = run_op(op, a, b, d)
+                g, y = capture(op, a, b, d)
                 for step in range(3):
                     m_eager = (8192, 4096, 2048)[step]
                     ea, eb = inputs(op, m_eager, n, k, seed=50 + step)
-                    err = rel_err(run_op(op, ea, eb, d), reference(op, ea, eb))
+                    err = eager_err(op, ea, eb, d)
                     assert err < TOL, f"eager M = {m_eager} after {step} replays: relative error {err:.3g}"
-                    a2, b2 = inputs(op, 1024, n, k, seed=60 + step)
-                    a.copy_(a2)
-                    b.copy_(b2)
-                    y.fill_(float("nan"))
-                    g.replay()
-                    torch.cuda.synchronize()
-                    err = rel_err(y, reference(op, a, b))
+                    err = replay_err(g, y, op, a, b, 1024, n, k, 60 + step)
                     assert err < TOL, f"replay {step} after eager M = {m_eager}: relative error {err:.3g}"
                 td.check_errors()
 
@@ -287,7 +295,7 @@ def compile_counts():
                 before = compiled()
                 for m in rng.sample(ms, len(ms)):
                     a, b = inputs(op, m, n, k, seed=m)
-                    err = rel_err(run_op(op, a, b, d), reference(op, a, b))
+                    err = eager_err(op, a, b, d)
                     assert err < TOL, f"M = {m}: relative error {err:.3g}"
                 assert compiled() == before, f"{compiled() - before} compiles after the warm-up"
                 return f"{before} kernels compiled for {len(set(ms))} values of M"

@@ -118,6 +118,16 @@ def load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, report, COM
 
 
 @triton.jit
+def tile_sees_no_keys(ks, ke, row_ok, n0, S_k, BLOCK_N: tl.constexpr):
+    """Whether no row of a tile (windows ``[ks, ke)`` from ``load_windows``, ``row_ok``) sees a
+    key of ``[n0, n0 + BLOCK_N)``: such a tile needs no math."""
+    has_keys = row_ok & (ks < ke)
+    lo = tl.min(tl.where(has_keys, ks, S_k), axis=0)
+    hi = tl.max(tl.where(has_keys, ke, 0), axis=0)
+    return (n0 >= hi) | (n0 + BLOCK_N <= lo)
+
+
+@triton.jit
 def _store_logits(val, out_rows, key, ks, valid, row_ok, S_k, full, CLEAN: tl.constexpr, COMPRESSED: tl.constexpr):
     """Store a logits tile in either orientation ([row, key] or [key, row]): every operand comes
     broadcastable to ``val`` in that orientation (``out_rows`` the rows' base pointers, ``key``
@@ -144,6 +154,17 @@ def _row_stride(stride, ptr):
     per shape); without it the row addresses lose their alignment: scalar accesses and spills."""
     per_16_bytes: tl.constexpr = 128 // ptr.dtype.element_ty.primitive_bitwidth
     return stride // per_16_bytes * per_16_bytes
+
+
+@triton.jit
+def fill_skipped_tile(out_rows, cols, n0, row_ok, S_k, CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
+                      BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A [rows, keys] tile that no row sees (``tile_sees_no_keys``): only the -inf of the full
+    layout when cleaning (``out_rows`` the rows' base pointers, ``cols`` the tile's keys)."""
+    if CLEAN and not COMPRESSED:
+        fill = tl.full((BLOCK_Q, BLOCK_N), float("-inf"), tl.float32)
+        _store_logits(fill, out_rows, cols[None, :], None, None, row_ok[:, None], S_k, n0 + BLOCK_N <= S_k, False,
+                      False)
 
 
 @triton.jit(do_not_specialize=_DYNAMIC, do_not_specialize_on_alignment=_SLICEABLE)
@@ -177,14 +198,8 @@ def prefill_logits_kernel(
     valid = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None]) & row_ok[:, None]
     out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_out
 
-    lo = tl.min(tl.where(row_ok & (ks < ke), ks, S_k), axis=0)
-    hi = tl.max(tl.where(row_ok & (ks < ke), ke, 0), axis=0)
-    if (n0 >= hi) | (n0 + BLOCK_N <= lo):
-        # No row of this tile sees these keys: skip the math, write the -inf of the full layout.
-        if CLEAN and not COMPRESSED:
-            fill = tl.full((BLOCK_Q, BLOCK_N), float("-inf"), tl.float32)
-            _store_logits(fill, out_rows, cols[None, :], ks[:, None], valid, row_ok[:, None], S_k, n0 + BLOCK_N <= S_k,
-                          False, False)
+    if tile_sees_no_keys(ks, ke, row_ok, n0, S_k, BLOCK_N):
+        fill_skipped_tile(out_rows, cols, n0, row_ok, S_k, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N)
         return
 
     w_rows = w_ptr + rows.to(tl.int64) * stride_w

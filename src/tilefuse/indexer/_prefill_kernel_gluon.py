@@ -63,6 +63,13 @@ def _apply(acc, s, w, ABS: gl.constexpr):
 
 
 @gluon.jit
+def _overlap(q_smem, q_bars, k_t, s, head, acc, s_done, w_done, NUM_BUF: gl.constexpr, ABS: gl.constexpr):
+    """Start head ``head``'s MMA into ``s`` and, while it runs, apply the finished scores
+    ``s_done`` (weights ``w_done``) to ``acc``: ``(s, acc)``."""
+    return _issue(q_smem, q_bars, k_t, s, head, NUM_BUF), _apply(acc, s_done, w_done, ABS)
+
+
+@gluon.jit
 def _refill(q_desc, q_smem, q_bars, head, q0, H: gl.constexpr, D: gl.constexpr, NUM_BUF: gl.constexpr):
     """Head ``head``'s MMA is done: its buffer takes the query tile of head ``head + NUM_BUF``, if any."""
     buf = head % NUM_BUF
@@ -103,8 +110,7 @@ def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr,
     if REFILL_EVERY == 1:
         _refill(q_desc, q_smem, q_bars, 0, q0, H, D, NUM_BUF)
     for h in range(0, H - 2, 2):
-        s1 = _issue(q_smem, q_bars, k_t, s1, h + 1, NUM_BUF)
-        acc = _apply(acc, s0, w0, ABS)
+        s1, acc = _overlap(q_smem, q_bars, k_t, s1, h + 1, acc, s0, w0, NUM_BUF, ABS)
         w0 = gl.load(w_rows + h + 2, mask=row_ok, other=0.0).to(gl.float32)
         s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
         if REFILL_EVERY == 1:
@@ -112,14 +118,12 @@ def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr,
         else:  # heads h and h + 1 are done: both their buffers take later heads
             _refill(q_desc, q_smem, q_bars, h, q0, H, D, NUM_BUF)
             _refill(q_desc, q_smem, q_bars, h + 1, q0, H, D, NUM_BUF)
-        s0 = _issue(q_smem, q_bars, k_t, s0, h + 2, NUM_BUF)
-        acc = _apply(acc, s1, w1, ABS)
+        s0, acc = _overlap(q_smem, q_bars, k_t, s0, h + 2, acc, s1, w1, NUM_BUF, ABS)
         w1 = gl.load(w_rows + h + 3, mask=row_ok, other=0.0).to(gl.float32)
         s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
         if REFILL_EVERY == 1:
             _refill(q_desc, q_smem, q_bars, h + 2, q0, H, D, NUM_BUF)
-    s1 = _issue(q_smem, q_bars, k_t, s1, H - 1, NUM_BUF)
-    acc = _apply(acc, s0, w0, ABS)
+    s1, acc = _overlap(q_smem, q_bars, k_t, s1, H - 1, acc, s0, w0, NUM_BUF, ABS)
     s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
     if REFILL_EVERY == 1:
         _refill(q_desc, q_smem, q_bars, H - 1, q0, H, D, NUM_BUF)

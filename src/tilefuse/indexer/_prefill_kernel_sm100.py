@@ -22,7 +22,15 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilefuse._jit import host_descriptor
 from tilefuse.formats import FORMAT_CODE
-from tilefuse.indexer._prefill_kernel import _DYNAMIC, _SLICEABLE, FMT_MXFP4, _store_logits, load_windows
+from tilefuse.indexer._prefill_kernel import (
+    _DYNAMIC,
+    _SLICEABLE,
+    FMT_MXFP4,
+    _store_logits,
+    fill_skipped_tile,
+    load_windows,
+    tile_sees_no_keys,
+)
 
 # Launch tile (see the kernel for why): BLOCK_N is the MMA's M and must stay 128.
 BLOCK_N = 128
@@ -60,14 +68,8 @@ def prefill_logits_mx_kernel(
     ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
     out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_out
 
-    lo = tl.min(tl.where(row_ok & (ks < ke), ks, S_k), axis=0)
-    hi = tl.max(tl.where(row_ok & (ks < ke), ke, 0), axis=0)
-    if (n0 >= hi) | (n0 + BLOCK_N <= lo):
-        # No row of this tile sees these keys: skip the math, write the -inf of the full layout.
-        if CLEAN and not COMPRESSED:
-            fill = tl.full((BLOCK_Q, BLOCK_N), float("-inf"), tl.float32)
-            _store_logits(fill, out_rows, cols[None, :], None, None, row_ok[:, None], S_k, n0 + BLOCK_N <= S_k, False,
-                          False)
+    if tile_sees_no_keys(ks, ke, row_ok, n0, S_k, BLOCK_N):
+        fill_skipped_tile(out_rows, cols, n0, row_ok, S_k, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N)
         return
 
     NB: tl.constexpr = D // 32
