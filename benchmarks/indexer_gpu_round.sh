@@ -2,29 +2,44 @@
 # One H200 round of the indexer's GPU checks and serving-path measurements, DeepGEMM in the same run.
 #   PART=checks bash benchmarks/indexer_gpu_round.sh   # GPU tests, DeepGEMM's own tests, host cost, sweep
 #   PART=timing bash benchmarks/indexer_gpu_round.sh   # bench paged / indexer / serving / topk, TP core
+#   PART=verify bash benchmarks/indexer_gpu_round.sh   # GPU tests, prefill A/B vs $AB_BASE, host cost
 # DeepGEMM comes from an ignored copy of shared/peers/deepgemm at $PEERS (default .peers/deepgemm),
-# built once per machine. Logs and result files go to $OUT (default out/), one log per step.
+# built once per machine. Result files go to $OUT (default out/), the step logs to $OUT/logs.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-out}"; mkdir -p "$OUT"
+OUT="${OUT:-out}"; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 PEERS="${PEERS:-.peers/deepgemm}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, one summary line
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  timeout -k 5 "$limit" "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
-  printf '%-22s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-150)" \
+  printf '%-22s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$LOGS/$name.log" | cut -c1-150)" \
     | tee -a "$OUT/summary.txt"
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/summary.txt"
-if [ -f "$PEERS/build.sh" ]; then
+if [ "${PART:-checks}" = verify ]; then
+  # nothing in this part needs DeepGEMM: build it meanwhile for the next call on this machine
+  [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
+elif [ -f "$PEERS/build.sh" ]; then
   # shellcheck disable=SC1091
-  source "$PEERS/build.sh" >"$OUT/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
+  source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
 fi
 python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 case "${PART:-checks}" in
+  verify)  # after a host-path change: the GPU tests, the prefill A/B against $AB_BASE, host cost
+    step tests-errors 25 python3 -m pytest -q -p no:cacheprovider tests/test_errors.py tests/test_jit.py
+    step tests-prefill 170 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_prefill.py
+    step tests-paged 110 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_paged.py \
+      tests/indexer/test_paged_bounds.py
+    step tests-warmup 45 python3 -m pytest -q -p no:cacheprovider tests/indexer/test_warmup.py
+    step prefill-ab 100 python3 benchmarks/prefill_ab.py "${AB_BASE:-.ab/c0}" . --rounds 3 \
+      --output "$OUT/prefill-ab.json"
+    step host-prefill 40 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
+    step host-paged 40 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
+    ;;
   checks)
     step tests-errors 25 python3 -m pytest -q -p no:cacheprovider tests/test_errors.py tests/test_jit.py
     step tests-paged 100 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_paged.py \
@@ -47,4 +62,5 @@ case "${PART:-checks}" in
     step tp-compiles 40 python3 -m pytest -q -p no:cacheprovider tests/tp/test_gpu.py -k compiles
     ;;
 esac
-tar -czf "$OUT/logs.tgz" -C "$OUT" --exclude logs.tgz . 2>/dev/null
+# few files come back from some machines: the logs travel as one archive
+tar -czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null && rm -rf "$LOGS"
