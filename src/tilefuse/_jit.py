@@ -226,11 +226,16 @@ class Launcher:
                     run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream_of(device), function,
                         metadata, None, None, None, *args)
                     return
-            compiled = self.fn[grid](*args, **(options or {}))
+            compiled = self.fn[grid](**self._by_name(args), **(options or {}))
             if compiled is not None and hit is None:
                 self._remember(key, compiled)
         else:
-            self.fn[grid](*args, **(options or {}))
+            self.fn[grid](**self._by_name(args), **(options or {}))
+
+    def _by_name(self, args: tuple) -> dict:
+        # By keyword: a parameter named like a launch option (a Gluon kernel's ``num_warps``)
+        # is then also taken as that option, which triton 3.6 does only for keywords.
+        return dict(zip(self.arg_names, args))
 
     def _remember(self, key, compiled) -> None:
         from triton import knobs
