@@ -20,8 +20,15 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
     | tee -a "$OUT/summary.txt"
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/summary.txt"
-if [ "${PART:-checks}" = verify ]; then
-  # nothing in this part needs DeepGEMM: build it meanwhile for the next call on this machine
+TMA_SHAPES="${TMA_SHAPES:-64x1x8192 256x1x8192 256x2x8192 32x1x4096}"
+wait_deepgemm() {  # the background build's result, then its environment in this shell
+  while [ ! -f /tmp/deepgemm/.built ] && pgrep -f "setup.py build" >/dev/null; do sleep 2; done
+  # shellcheck disable=SC1091
+  source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
+  python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
+}
+if [ "${PART:-checks}" = verify ] || [ "${PART:-checks}" = ab-peer ]; then
+  # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
   # shellcheck disable=SC1091
@@ -39,6 +46,17 @@ case "${PART:-checks}" in
       --output "$OUT/prefill-ab.json"
     step host-prefill 40 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
     step host-paged 40 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
+    ;;
+  ab-peer)  # prefill A/B over $AB_TREES while DeepGEMM builds, then host profile, DeepGEMM's tests, TMA decode
+    step prefill-ab 200 python3 benchmarks/prefill_ab.py ${AB_TREES:-.ab/c0 .} --rounds 3 \
+      --output "$OUT/prefill-ab.json"
+    wait_deepgemm
+    step host-profile 60 python3 benchmarks/host_profile.py --calls 300
+    step tests-gluon 60 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_prefill.py -k gluon
+    step deepgemm-tests 200 python3 benchmarks/deepgemm_tests.py --cases "${DG_CASES:-200}"
+    step bench-paged 60 python3 -m tilefuse.cli bench paged -o "$OUT/paged.json" -q --shapes $TMA_SHAPES
+    TILEFUSE_PAGED_CONFIG=tma=1 step bench-paged-tma 60 python3 -m tilefuse.cli bench paged \
+      -o "$OUT/paged-tma.json" -q --shapes $TMA_SHAPES
     ;;
   checks)
     step tests-errors 25 python3 -m pytest -q -p no:cacheprovider tests/test_errors.py tests/test_jit.py

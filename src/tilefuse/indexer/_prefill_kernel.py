@@ -444,7 +444,8 @@ def linear_term_parts_kernel(q_ptr, stride_q, w_ptr, stride_w, parts_ptr, w_out_
     h = tl.arange(0, HEADS_P)
     d = tl.arange(0, D)
     w = tl.load(w_ptr + row * stride_w + h, mask=h < H, other=0.0).to(tl.float32)
-    q = tl.load(q_ptr + row * stride_q + h[:, None] * D + d[None, :], mask=(h < H)[:, None], other=0.0)
+    q = tl.load(q_ptr + row * _row_stride(stride_q, q_ptr) + h[:, None] * D + d[None, :], mask=(h < H)[:, None],
+                other=0.0)
     qc = tl.sum(q.to(tl.float32) * w[:, None], axis=0)
     biggest = tl.max(tl.abs(qc), axis=0)
     e = (biggest.to(tl.int32, bitcast=True) >> 23) & 0xFF
