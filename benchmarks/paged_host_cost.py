@@ -143,7 +143,10 @@ def main(argv=None) -> int:
     after = compiled_count(kern.paged_logits_kernel) + compiled_count(kern.paged_schedule_kernel)
     print(f"compiles after warm-up over {len(firsts)} random shapes: {after - before}; first call "
           f"{min(firsts):.2f}-{max(firsts):.2f} ms", flush=True)
-    result = {"device": torch.cuda.get_device_name() if gpu else "cpu (interpreter: not performance numbers)",
+    from tilefuse.bench.env import environment
+
+    result = {"environment": environment("eager"),
+              "device": torch.cuda.get_device_name() if gpu else "cpu (interpreter: not performance numbers)",
               "calls": calls, "rows": rows, "compiles_after_warmup": after - before, "first_call_ms": firsts}
     if args.output:
         with open(args.output, "w") as f:

@@ -113,7 +113,9 @@ def main(argv=None) -> int:
                       f"wall {row['wall_us']:8.1f} us{'   (kernels stubbed)' if stub else ''}")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"rows": rows, "torch": torch.__version__}, f, indent=1)
+            from tilefuse.bench.env import environment
+
+            json.dump({"environment": environment("eager"), "rows": rows}, f, indent=1)
     return 0
 
 

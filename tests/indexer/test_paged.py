@@ -322,7 +322,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _tma_and_gather(case, cfg, clean, logits_dtype=torch.float32, **kw):
-    gather = case.run(clean=clean, logits_dtype=logits_dtype, config=cfg, **kw)
+    gather = case.run(clean=clean, logits_dtype=logits_dtype, config=dataclasses.replace(cfg, tma=False), **kw)
     tma = case.run(clean=clean, logits_dtype=logits_dtype, config=dataclasses.replace(cfg, tma=True), **kw)
     return gather, tma
 

@@ -243,15 +243,19 @@ def test_specialisation_key_does_not_move_with_shapes():
         v = _traced_variant(batch, max_len, width_extra, q_pad, out_pad)
         keys.add(v.compile_key())
     assert len(keys) == 1, keys
-    # The page stride: a multiple of 16 bytes or not selects one of two compiles, never its value.
+    # The page stride selects one of three compiles, never by its value: a multiple of the value
+    # bytes per token (128 here: the TMA key loads, as unpadded), else of 16 bytes (the aligned
+    # gather), else the unaligned gather.
+    tma = {_traced_variant(3, 301, 0, 0, 0, page_pad=p).compile_key() for p in (128, 384)}
     padded = {_traced_variant(3, 301, 0, 0, 0, page_pad=p).compile_key() for p in (16, 48, 160)}
     unaligned = {_traced_variant(3, 301, 0, 0, 0, page_pad=p).compile_key() for p in (4, 20, 36)}
-    assert padded == keys and len(unaligned) == 1 and unaligned != keys
+    assert tma == keys and len(padded) == 1 and len(unaligned) == 1
+    assert len(keys | padded | unaligned) == 3
 
 
 def test_registry_compiles_ints_as_unspecialised():
     (v,) = [v for v in V.variants("indexer.paged") if v.name.startswith("fp8 D128 H64 next_n1 kv64")
-            and v.name.endswith("s3")]
+            and v.name.endswith("s3 tma")]
     for arg in kern.DYNAMIC_ARGS:
         assert arg in v.signature and arg not in v.aligned, arg
 

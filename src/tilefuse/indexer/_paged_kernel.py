@@ -26,7 +26,7 @@ Formats (``FMT``): 0 = FP8 (E4M3 dot, per-key fp32 scale after the head sum), 1 
 2 = MXFP4; MX operands are dequantised to bf16 in registers (exact) and run a bf16 dot, as
 Hopper has no block-scaled MMA.
 
-``TMA`` (an option, ``PagedConfig(tma=True)``): the key values come from ``kv_desc``, a host
+``TMA`` (``PagedConfig(tma=True)``, the FP8 default): the key values come from ``kv_desc``, a host
 tensor descriptor over the cache viewed as rows of ``DQ`` bytes (E4M3, or int8 for MXFP4), in
 which page ``p``'s values are rows ``p * page_bytes / DQ`` on. A tile is one box of
 ``BOX_N = min(BLOCK_N, BLOCK_KV)`` rows per page it covers, each scored as its own dot, so the

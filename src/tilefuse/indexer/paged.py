@@ -123,6 +123,8 @@ def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
     * FP8 with <= 64 dot columns: 128-key tiles, 3 stages; otherwise 64-key tiles, 4 stages
       (3 at 256 columns).
     * ``chunk`` = 0: chosen per call by :func:`chunk_pages_for` (a runtime value).
+    * ``tma`` for FP8 (where the cache's layout allows it; the gather elsewhere); MX formats
+      keep the gather until their TMA path is timed.
     """
     del head_dim, block_kv
     heads_p = next_power_of_2(num_heads)
@@ -133,7 +135,8 @@ def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
     block_n = 128 if columns <= 64 and fmt == "fp8" else 64
     wide = columns >= _WIDE_DOT
     return PagedConfig(block_n=block_n, rows=rows, chunk=0, num_warps=8 if wide else 4,
-                       num_stages=3 if block_n == 128 or wide else 4, block_fill=1024, head_sum_mma=False)
+                       num_stages=3 if block_n == 128 or wide else 4, block_fill=1024, head_sum_mma=False,
+                       tma=fmt == "fp8")
 
 
 def _pages_for(keys: int, block_kv: int, block_n: int) -> int:
