@@ -665,6 +665,42 @@ def test_bad_inputs_raise(case):
         tilefuse.fp8_fp4_mqa_logits(**_with(**changes))
 
 
+@pytest.fixture
+def checks_cached(monkeypatch):
+    """The validation cache as CUDA tensors use it (on CPU the tensors report device 0), empty
+    at the start; yields a list counting the full checks run."""
+    if not ON_GPU:
+        monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(prefill, "_CHECKED", {})
+    full = []
+    real = prefill._check_inputs_full
+    monkeypatch.setattr(prefill, "_check_inputs_full", lambda *a: full.append(1) or real(*a))
+    return full
+
+
+def test_checked_signatures_skip_the_checks_and_nothing_else(checks_cached):
+    """A repeated valid call reads its result from the cache; every bad input after it (each a
+    new signature) still raises, and the good call still hits."""
+    good = _good()
+    first = tilefuse.fp8_fp4_mqa_logits(**good)
+    again = tilefuse.fp8_fp4_mqa_logits(**good)
+    assert len(checks_cached) == 1 and torch.equal(first, again)
+    for exc, text, changes in BAD_INPUTS.values():
+        with pytest.raises(exc, match=text.replace("[", r"\[").replace("]", r"\]")):
+            tilefuse.fp8_fp4_mqa_logits(**_with(**changes))
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        tilefuse.fp8_fp4_mqa_logits(**good, max_seqlen_k=-1)
+    with pytest.raises(ValueError, match="max_seqlen_k"):  # True == 1, but not an int here
+        tilefuse.fp8_fp4_mqa_logits(**good, max_seqlen_k=True)
+    misaligned = torch.empty(good["kv"][0].numel() + 1, dtype=torch.uint8, device=DEVICE)[1:]
+    k_off = misaligned.view(good["kv"][0].dtype).view(good["kv"][0].shape)
+    with pytest.raises(ValueError, match="kv\\[0\\]: data pointer"):
+        tilefuse.fp8_fp4_mqa_logits(**dict(good, kv=(k_off, good["kv"][1])))
+    n = len(checks_cached)
+    tilefuse.fp8_fp4_mqa_logits(**good)
+    assert len(checks_cached) == n
+
+
 def test_bad_scalars_and_modes_raise():
     args = _good()
     with pytest.raises(ValueError, match="max_seqlen_k"):

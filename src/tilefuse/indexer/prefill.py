@@ -173,8 +173,39 @@ def check_window_bound(t: torch.Tensor, name: str, s_q: int) -> None:
         raise ValueError(f"{name}: expected a contiguous [{s_q}] tensor, got shape {tuple(t.shape)}")
 
 
+# Signatures of CUDA argument sets that passed _check_inputs (what it reads: dtypes, shapes,
+# strides, devices, base alignment, the scalars), with its result: an engine calls with a few
+# shapes over and over, and the lookup costs a third of the checks.
+_CHECKED: dict[tuple, tuple] = {}
+_CHECKED_MAX = 4096
+
+
 def _check_inputs(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype):
     """Validate shapes, dtypes, strides and devices; return ``(fmt, S_q, H, D, S_k)``."""
+    try:
+        sig = (q.dtype, q.shape, q.stride(), q.get_device(), q.data_ptr() & 15,
+               None if q_sf is None else (q_sf.dtype, q_sf.shape, q_sf.stride(), q_sf.get_device()),
+               k.dtype, k.shape, k.stride(), k.get_device(), k.data_ptr() & 15,
+               k_scale.dtype, k_scale.shape, k_scale.stride(), k_scale.get_device(),
+               weights.dtype, weights.shape, weights.stride(), weights.get_device(),
+               ks.dtype, ks.shape, ks.stride(), ks.get_device(), ke.dtype, ke.shape, ke.stride(), ke.get_device(),
+               max_seqlen_k.__class__, max_seqlen_k, logits_dtype)
+        hit = _CHECKED.get(sig)
+    except (AttributeError, TypeError, RuntimeError):  # not tensors, unhashable, or no data pointer (tracing)
+        return _check_inputs_full(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype)
+    if hit is not None:
+        return hit
+    result = _check_inputs_full(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype)
+    # CUDA tensors only: whether others are valid depends on more than the signature (the
+    # interpreter, the device type).
+    if sig[3] >= 0 and not torch.compiler.is_compiling():
+        if len(_CHECKED) >= _CHECKED_MAX:
+            _CHECKED.clear()
+        _CHECKED[sig] = result
+    return result
+
+
+def _check_inputs_full(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype):
     for name, t in (("q", q), ("kv[0]", k), ("kv[1]", k_scale), ("weights", weights),
                     ("cu_seq_len_k_start", ks), ("cu_seq_len_k_end", ke)):
         if not isinstance(t, torch.Tensor):
