@@ -3,6 +3,7 @@
 #   PART=checks bash benchmarks/indexer_gpu_round.sh   # GPU tests, DeepGEMM's own tests, host cost, sweep
 #   PART=timing bash benchmarks/indexer_gpu_round.sh   # bench paged / indexer / serving / topk, TP core
 #   PART=verify bash benchmarks/indexer_gpu_round.sh   # GPU tests, prefill A/B vs $AB_BASE, host cost
+#   PART=ab-peer / PART=final: A/B over $AB_TREES while DeepGEMM builds, then host cost and peer rows
 # DeepGEMM comes from an ignored copy of shared/peers/deepgemm at $PEERS (default .peers/deepgemm),
 # built once per machine. Result files go to $OUT (default out/), the step logs to $OUT/logs.tgz.
 set -uo pipefail
@@ -21,13 +22,15 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/summary.txt"
 TMA_SHAPES="${TMA_SHAPES:-64x1x8192 256x1x8192 256x2x8192 32x1x4096}"
+# the rows of the decode table in the paged issue (H64 block 64 fp32 logits)
+DECODE_SHAPES="${DECODE_SHAPES:-1x1x65536 32x1x4096 64x1x8192 128x1x16384 256x1x8192 256x1x65536 64x2x32768 256x2x8192}"
 wait_deepgemm() {  # the background build's result, then its environment in this shell
   while [ ! -f /tmp/deepgemm/.built ] && pgrep -f "setup.py build" >/dev/null; do sleep 2; done
   # shellcheck disable=SC1091
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [ "${PART:-checks}" = verify ] || [ "${PART:-checks}" = ab-peer ]; then
+if [ "${PART:-checks}" = verify ] || [ "${PART:-checks}" = ab-peer ] || [ "${PART:-checks}" = final ]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -57,6 +60,18 @@ case "${PART:-checks}" in
     step bench-paged 60 python3 -m tilefuse.cli bench paged -o "$OUT/paged.json" -q --shapes $TMA_SHAPES
     TILEFUSE_PAGED_CONFIG=tma=1 step bench-paged-tma 60 python3 -m tilefuse.cli bench paged \
       -o "$OUT/paged-tma.json" -q --shapes $TMA_SHAPES
+    ;;
+  final)  # after kernel-default and host-path changes: their GPU tests, the A/B, host cost, decode beside DeepGEMM
+    step tests-paged 150 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_paged.py \
+      tests/indexer/test_paged_bounds.py
+    step tests-gluon 100 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_prefill.py -k "gluon or checked"
+    step prefill-ab 130 python3 benchmarks/prefill_ab.py ${AB_TREES:-.ab/c0 .} --rounds 3 \
+      --output "$OUT/prefill-ab.json"
+    wait_deepgemm
+    step host-prefill 30 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
+    step host-prefill-stub 20 python3 benchmarks/prefill_host_cost.py --stub --calls 1000
+    step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
+    step bench-paged 70 python3 -m tilefuse.cli bench paged -o "$OUT/paged.json" -q --shapes $DECODE_SHAPES
     ;;
   checks)
     step tests-errors 25 python3 -m pytest -q -p no:cacheprovider tests/test_errors.py tests/test_jit.py
