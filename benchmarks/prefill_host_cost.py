@@ -6,7 +6,9 @@ the output allocation, descriptors and argument packing. That is a sanity check 
 any machine; Triton's own launch cost (about 14 us on an H200 host, 27 us with a host tensor
 descriptor) comes on top. On a GPU without ``--stub`` the real kernels run at a small shape
 (the GPU time stays below the host time) and the host time is the time to enqueue the calls,
-read without a sync; the wall time per call after a final sync is printed beside it.
+read without a sync; the wall time per call after a final sync and the GPU time of one call (a
+CUDA graph) are printed beside it: where the GPU time is the larger, host and wall both read
+it (the queue fills), and ``--stub`` gives the host part.
 
     python benchmarks/prefill_host_cost.py [--stub] [--calls 2000] [--output host-cost.json]
 """
@@ -93,6 +95,23 @@ def time_calls(fn, calls: int, device: str) -> dict:
     return {"host_us": (enqueued - start) / calls * 1e6, "wall_us": (done - start) / calls * 1e6}
 
 
+def graph_gpu_us(fn, calls: int) -> float:
+    """GPU time of one call: a CUDA graph of ``calls`` calls, replayed once warm."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stub", action="store_true", help="time the wrapper alone (kernels not launched)")
@@ -108,9 +127,12 @@ def main(argv=None) -> int:
             for name, fn in _calls(fmt, s_q, s_k, device).items():
                 row = {"fmt": fmt, "s_q": s_q, "s_k": s_k, "call": name, "stub": stub, "device": device,
                        **time_calls(fn, args.calls, device)}
+                if not stub:  # where the GPU time is the larger, host and wall read it, not the host
+                    row["gpu_us"] = graph_gpu_us(fn, 5)
                 rows.append(row)
+                gpu = f"   gpu {row['gpu_us']:8.1f} us" if "gpu_us" in row else "   (kernels stubbed)"
                 print(f"{fmt:6} {s_q:5}/{s_k:<6} {name:15} host {row['host_us']:8.1f} us   "
-                      f"wall {row['wall_us']:8.1f} us{'   (kernels stubbed)' if stub else ''}")
+                      f"wall {row['wall_us']:8.1f} us{gpu}")
     if args.output:
         with open(args.output, "w") as f:
             from tilefuse.bench.env import environment
