@@ -131,23 +131,29 @@ def _head_loop(q_desc, q_smem, q_bars, k_t, w_rows, row_ok, q0, H: gl.constexpr,
 
 
 @gluon.jit
-def _store_tile(val, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr,
-                mma: gl.constexpr):
+def _store_tile(val, rows, ks, ke, q0, n0, out_ptr, stride_out, S_q, S_k, CLEAN: gl.constexpr,
+                COMPRESSED: gl.constexpr, mma: gl.constexpr):
     """Write a [rows, keys] tile: -inf outside the windows when cleaning, only in-window keys
     (at column key - ks) in the compressed layout. As in the Triton kernel's ``_store_logits``,
     a tile whose keys all lie below ``S_k`` stores without a key mask (vectorised), and the
-    row stride carries the 16-byte alignment the wrapper checks (neither is specialised)."""
+    row stride carries the 16-byte alignment the wrapper checks (neither is specialised); one
+    whose rows also all lie below ``S_q`` stores with no mask at all (a mask on the runtime S_q
+    costs a compare per element: NOTES, round of 2026-12-02). Rows past ``S_q`` have the empty
+    window ``ks = ke = 0`` (``_tile_window``), so ``valid`` needs no row term."""
+    BLOCK_Q: gl.constexpr = val.shape[0]
     BLOCK_N: gl.constexpr = val.shape[1]
     PER_16_BYTES: gl.constexpr = 128 // out_ptr.dtype.element_ty.primitive_bitwidth
     cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
     row_ok = rows < S_q
     out_rows = out_ptr + rows.to(gl.int64)[:, None] * (stride_out // PER_16_BYTES * PER_16_BYTES)
-    valid = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None]) & row_ok[:, None]
+    valid = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
     if CLEAN and not COMPRESSED:
         val = gl.where(valid, val, float("-inf"))
     val = val.to(out_ptr.dtype.element_ty)
     if COMPRESSED:
         gl.store(out_rows + (cols[None, :] - ks[:, None]), val, mask=valid)
+    elif (n0 + BLOCK_N <= S_k) & (q0 + BLOCK_Q <= S_q):
+        gl.store(out_rows + cols[None, :], val)
     elif n0 + BLOCK_N <= S_k:
         gl.store(out_rows + cols[None, :], val, mask=row_ok[:, None])
     else:
@@ -188,12 +194,12 @@ def _tile_window(ks_ptr, ke_ptr, q0, n0, S_q, S_k, n_cols, err_ptr, report, COMP
 
 
 @gluon.jit
-def _fill_skipped(rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr,
+def _fill_skipped(rows, ks, ke, q0, n0, out_ptr, stride_out, S_q, S_k, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr,
                   BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, mma: gl.constexpr):
     """A tile no row sees: no math, only the -inf of the full layout."""
     if CLEAN and not COMPRESSED:
         fill = gl.full((BLOCK_Q, BLOCK_N), float("-inf"), gl.float32, layout=mma)
-        _store_tile(fill, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, False, False, mma)
+        _store_tile(fill, rows, ks, ke, q0, n0, out_ptr, stride_out, S_q, S_k, False, False, mma)
 
 
 @gluon.jit
@@ -236,7 +242,8 @@ def prefill_logits_gluon_kernel(
                                        BLOCK_Q, BLOCK_N, row_l)
     row_ok = rows < S_q
     if empty:
-        _fill_skipped(rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N, mma)
+        _fill_skipped(rows, ks, ke, q0, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N,
+                      mma)
     else:
         k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_BUF, BLOCK_Q, D], q_desc.layout)
@@ -271,7 +278,7 @@ def prefill_logits_gluon_kernel(
         acc = acc * gl.load(k_scale_ptr + cols, mask=cols < S_k, other=0.0)[None, :]
         if LIN_PARTS > 0:
             acc = acc * gl.load(half_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
-        _store_tile(acc, rows, ks, ke, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, mma)
+        _store_tile(acc, rows, ks, ke, q0, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, mma)
 
 
 @functools.cache
