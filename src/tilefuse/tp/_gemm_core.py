@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tilefuse._jit import cdiv
+from tilefuse._jit import Launcher, cdiv
 from tilefuse.tp import _primitives as P
 from tilefuse.tp._common import tensor_desc as _desc
 from tilefuse.tp._schedule import TileSchedule
@@ -56,6 +56,10 @@ class GemmConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
         if self.group_m < 1 or self.num_stages < 1 or self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"invalid GemmConfig {self}")
+
+    @functools.cached_property
+    def launch_options(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
 # The two tiles ``default_config`` chooses between.
@@ -381,18 +385,27 @@ def launch_gemm(
         c["recv_off"], c["n_reset"],
         c["err_addr"], c["timeout"], trace if trace is not None else _dummy(device),
     )
-    kwargs = dict(
-        W=schedule.world,
-        BM=bm, BN=bn, BK=bk, GROUP_M=schedule.group_m,
-        B_KN=b_layout == "kn", EPI=epilogue, WAIT_A=wait_a,
-        ALIGNED=schedule.aligned, RESET=c["reset"], BARRIER=c["barrier"],
-        TRACE=trace is not None, MAX_EVENTS=max_events,
-        USE_TIMER=P.use_timer(device.type), OP=P.OP_CODES[op],
-        FLATTEN=cfg.flatten and epilogue == EPI_LOCAL.value and not wait_a and comm is None and trace is None,
-        RECV_TMA=recv_tma, LOCAL_A=a_local is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    _persistent_gemm[(programs,)](*args, **kwargs)
+    consts = (  # W, BM, BN, BK, GROUP_M, B_KN, EPI, WAIT_A, ALIGNED, RESET, BARRIER, TRACE, MAX_EVENTS,
+        # USE_TIMER, OP, FLATTEN, RECV_TMA, LOCAL_A: the kernel's constexprs in signature order
+        schedule.world, bm, bn, bk, schedule.group_m, b_layout == "kn", epilogue, wait_a, schedule.aligned,
+        c["reset"], c["barrier"], trace is not None, max_events, P.use_timer(device.type), P.OP_CODES[op],
+        cfg.flatten and epilogue == EPI_LOCAL.value and not wait_a and comm is None and trace is None,
+        recv_tma, a_local is not None)
+    # What else Triton specialises on: the tensors' dtypes, the alignment of the caller's output
+    # and trace buffers, and the value class of the ints that are not runtime ints.
+    key = (consts, cfg.num_warps, cfg.num_stages, a.dtype, out.dtype, out.data_ptr() % 16 == 0,
+           None if trace is None else trace.data_ptr() % 16 == 0,
+           _int_class(n), _int_class(k), _int_class(c["ws_addr"]), _int_class(c["err_addr"]),
+           _int_class(c["flags_off"]), _int_class(c["recv_off"]))
+    _gemm_launcher(key, (programs,), args + consts, cfg.launch_options)
+
+
+def _int_class(v: int) -> tuple:
+    """What Triton's specialisation reads of a plain int argument: 1, divisible by 16, i32 or i64."""
+    return v == 1, v % 16 == 0, -(1 << 31) <= v < (1 << 31)
+
+
+_gemm_launcher = Launcher(_persistent_gemm)
 
 
 _ORDER_CACHE: dict = {}
