@@ -27,6 +27,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from paged_host_cost import graph_gpu_us  # noqa: E402  (a sibling script: benchmarks/ is on sys.path)
+
 import tilefuse  # noqa: E402
 from tilefuse import _jit  # noqa: E402
 from tilefuse.indexer import _prefill_kernel, _prefill_kernel_sm100, prefill  # noqa: E402
@@ -93,23 +95,6 @@ def time_calls(fn, calls: int, device: str) -> dict:
         torch.cuda.synchronize()
     done = time.perf_counter()
     return {"host_us": (enqueued - start) / calls * 1e6, "wall_us": (done - start) / calls * 1e6}
-
-
-def graph_gpu_us(fn, calls: int) -> float:
-    """GPU time of one call: a CUDA graph of ``calls`` calls, replayed once warm."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
 
 
 def main(argv=None) -> int:

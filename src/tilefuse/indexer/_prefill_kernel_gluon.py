@@ -142,6 +142,8 @@ def _store_tile(val, rows, ks, ke, q0, n0, out_ptr, stride_out, S_q, S_k, CLEAN:
     window ``ks = ke = 0`` (``_tile_window``), so ``valid`` needs no row term."""
     BLOCK_Q: gl.constexpr = val.shape[0]
     BLOCK_N: gl.constexpr = val.shape[1]
+    # _prefill_kernel._row_stride inline: a Gluon kernel cannot reference a @triton.jit helper
+    # that the interpreter has wrapped (CPU runs import this module with TRITON_INTERPRET=1).
     PER_16_BYTES: gl.constexpr = 128 // out_ptr.dtype.element_ty.primitive_bitwidth
     cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
     row_ok = rows < S_q

@@ -183,7 +183,8 @@ _CHECKED_MAX = 4096
 def _check_inputs(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype):
     """Validate shapes, dtypes, strides and devices; return ``(fmt, S_q, H, D, S_k)``."""
     try:
-        sig = (q.dtype, q.shape, q.stride(), q.get_device(), q.data_ptr() & 15,
+        device_index = q.get_device()  # -1: not a CUDA tensor
+        sig = (q.dtype, q.shape, q.stride(), device_index, q.data_ptr() & 15,
                None if q_sf is None else (q_sf.dtype, q_sf.shape, q_sf.stride(), q_sf.get_device()),
                k.dtype, k.shape, k.stride(), k.get_device(), k.data_ptr() & 15,
                k_scale.dtype, k_scale.shape, k_scale.stride(), k_scale.get_device(),
@@ -198,7 +199,7 @@ def _check_inputs(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dty
     result = _check_inputs_full(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype)
     # CUDA tensors only: whether others are valid depends on more than the signature (the
     # interpreter, the device type).
-    if sig[3] >= 0 and not torch.compiler.is_compiling():
+    if device_index >= 0 and not torch.compiler.is_compiling():
         if len(_CHECKED) >= _CHECKED_MAX:
             _CHECKED.clear()
         _CHECKED[sig] = result

@@ -518,9 +518,9 @@ def paged_variants() -> list[Variant]:
     a page stride that is not a multiple of 16 bytes, and DeepGEMM's matrix case that faulted
     (32-token pages, next_n 6, bf16 weights + logits, 2-D lengths); for MXFP4 at D = 128
     H = 128, next_n = 4, 2-D lengths and cleaning; the tensor-core head sum (an option) for FP8
-    D = 128 at next_n 1, 2 and 4; the TMA key loads (an option) for FP8 D = 128 at next_n 1, 2
-    and 4, 128-token pages, 2-D lengths with bf16 weights + logits and cleaning, MXFP8 and
-    MXFP4 D = 128 at next_n 1 and 2.
+    D = 128 at next_n 1, 2 and 4; the TMA key loads (the FP8 default) also at next_n 4,
+    128-token pages, 2-D lengths with bf16 weights + logits and cleaning, and as an option for
+    MXFP8 and MXFP4 D = 128 at next_n 1 and 2.
     """
     import torch
 
@@ -543,10 +543,10 @@ def paged_variants() -> list[Variant]:
         q = (_values((batch, next_n, h, d), fmt), None if fmt == "fp8" else _scales((batch, next_n, h), fmt))
         idx = torch.arange(batch, dtype=torch.int32) if indices else None
         meta = paged._schedule(ctx, block_kv, 5)  # the op reads its shape only
+        default = paged.default_paged_config(fmt, next_n, h, d, block_kv)
         cfg = None
         if head_sum_mma or tma:
-            cfg = dataclasses.replace(paged.default_paged_config(fmt, next_n, h, d, block_kv),
-                                      head_sum_mma=head_sum_mma, tma=tma)
+            cfg = dataclasses.replace(default, head_sum_mma=head_sum_mma, tma=tma)
         with tracing(path) as launches:
             paged.fp8_fp4_paged_mqa_logits(q, cache, _weights(batch * next_n, h, w_dtype), ctx, table, meta, max_len,
                                            clean, out_dtype, idx, config=cfg)
@@ -558,7 +558,7 @@ def paged_variants() -> list[Variant]:
                                   ("tma", c["TMA"])) if on]
         name = (f"{fmt} D{d} H{h} next_n{next_n} kv{block_kv} rows{c['ROWS']}x{c['HEADS_P']} n{c['BLOCK_N']} "
                 f"w{launch.options['num_warps']}s{launch.options['num_stages']}" + "".join(" " + x for x in extras))
-        out.append(variant_of(launch, "indexer.paged", name, origin="option" if head_sum_mma or tma else "default"))
+        out.append(variant_of(launch, "indexer.paged", name, origin="default" if cfg in (None, default) else "option"))
 
     for fmt, d in _FMT_D:
         for next_n in (1, 2):
@@ -572,10 +572,10 @@ def paged_variants() -> list[Variant]:
         one("mxfp4", 128, **kw)
     for next_n in (1, 2, 4):  # the tensor-core head sum (an option)
         one("fp8", 128, next_n=next_n, head_sum_mma=True)
-    for kw in ({"next_n": 1}, {"next_n": 2}, {"next_n": 4}, {"block_kv": 128},  # TMA key loads (an option)
+    for kw in ({"next_n": 4}, {"block_kv": 128},  # TMA key loads (the FP8 default) beyond the defaults above
                {"ctx_2d": True, "next_n": 2, "w_dtype": bf16, "out_dtype": bf16, "clean": True}):
         one("fp8", 128, tma=True, **kw)
-    for fmt in ("mxfp8", "mxfp4"):
+    for fmt in ("mxfp8", "mxfp4"):  # TMA key loads, an option for MX
         for next_n in (1, 2):
             one(fmt, 128, next_n=next_n, tma=True)
     return _unique(out)
