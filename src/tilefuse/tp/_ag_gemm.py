@@ -45,7 +45,7 @@ from tilefuse.tp._gemm_core import (
     launch_gemm,
     num_sms,
 )
-from tilefuse.tp._options import LOCAL_COPIES, AgGemmOptions
+from tilefuse.tp._options import AgGemmOptions, check_bool, check_local_copy
 from tilefuse.tp._schedule import TileSchedule, chunk_order, chunk_rows
 from tilefuse.tp.symm import Workspace
 
@@ -117,12 +117,10 @@ def make_plan(
     described there)."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
-    if local_copy is not None and local_copy not in LOCAL_COPIES:
-        raise ValueError(f"local_copy must be one of {LOCAL_COPIES} or None, got {local_copy!r}")
+    check_local_copy(local_copy)
     if design == "ce" and local_copy == "sm":
         raise ValueError("the ce design stages the local shard by copy engines: local_copy must be 'ce' or None")
-    if read_local is not None and not isinstance(read_local, bool):
-        raise ValueError(f"read_local must be a bool or None, got {read_local!r}")
+    check_bool("read_local", read_local)
     if design == "push" and read_local and local_copy is not None:
         raise ValueError("push with read_local stages no local copy: pass local_copy only with read_local=False")
     mc = chunk_rows(m, world)

@@ -37,7 +37,7 @@ from tilefuse.tp._gemm_core import (
     launch_gemm,
     num_sms,
 )
-from tilefuse.tp._options import GemmRsOptions
+from tilefuse.tp._options import GemmRsOptions, check_bool
 from tilefuse.tp._schedule import TileSchedule, chunk_order, chunk_rows
 from tilefuse.tp.symm import Workspace
 
@@ -113,12 +113,10 @@ def make_plan(
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if lag is not None and (not isinstance(lag, int) or lag < 0):
         raise ValueError(f"lag must be a non-negative int or None, got {lag!r}")
-    if send_tma is not None and not isinstance(send_tma, bool):
-        raise ValueError(f"send_tma must be a bool or None, got {send_tma!r}")
+    check_bool("send_tma", send_tma)
     if send_tma and world != 2:
         raise ValueError(f"send_tma is for world size 2 (one peer), got W = {world}")
-    if recv_tma is not None and not isinstance(recv_tma, bool):
-        raise ValueError(f"recv_tma must be a bool or None, got {recv_tma!r}")
+    check_bool("recv_tma", recv_tma)
     mc = chunk_rows(m, world)
     sms = num_programs or num_sms(device)
     if gemm_programs is not None and not (isinstance(gemm_programs, int) and 1 <= gemm_programs <= sms):

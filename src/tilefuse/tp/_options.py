@@ -23,9 +23,14 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
-def _bool(name: str, value) -> None:
+def check_bool(name: str, value) -> None:
     if value is not None and not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool or None, got {value!r}")
+
+
+def check_local_copy(value) -> None:
+    if value is not None and value not in LOCAL_COPIES:
+        raise ValueError(f"local_copy must be one of {LOCAL_COPIES} or None, got {value!r}")
 
 
 def _common_checks(opts) -> None:
@@ -91,9 +96,8 @@ class AgGemmOptions(_Options):
         _common_checks(self)
         for name in ("comm_programs", "splits", "piece_cols"):
             _positive_int(name, getattr(self, name))
-        if self.local_copy is not None and self.local_copy not in LOCAL_COPIES:
-            raise ValueError(f"local_copy must be one of {LOCAL_COPIES} or None, got {self.local_copy!r}")
-        _bool("read_local", self.read_local)
+        check_local_copy(self.local_copy)
+        check_bool("read_local", self.read_local)
 
 
 @dataclass(frozen=True)
@@ -123,8 +127,8 @@ class GemmRsOptions(_Options):
         if self.lag is not None and (isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 0):
             raise ValueError(f"lag must be a non-negative int or None, got {self.lag!r}")
         _positive_int("gemm_programs", self.gemm_programs)
-        _bool("recv_tma", self.recv_tma)
-        _bool("send_tma", self.send_tma)
+        check_bool("recv_tma", self.recv_tma)
+        check_bool("send_tma", self.send_tma)
 
 
 _KINDS = (AgGemmOptions, GemmRsOptions)
