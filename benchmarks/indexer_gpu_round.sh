@@ -4,6 +4,7 @@
 #   PART=timing bash benchmarks/indexer_gpu_round.sh   # bench paged / indexer / serving / topk, TP core
 #   PART=verify bash benchmarks/indexer_gpu_round.sh   # GPU tests, prefill A/B vs $AB_BASE, host cost
 #   PART=ab-peer / PART=final: A/B over $AB_TREES while DeepGEMM builds, then host cost and peer rows
+#   PART=session: new kernel code's GPU tests (sharded over processes), the A/B, host cost, TP core
 # DeepGEMM comes from an ignored copy of shared/peers/deepgemm at $PEERS (default .peers/deepgemm),
 # built once per machine. Result files go to $OUT (default out/), the step logs to $OUT/logs.tgz.
 set -uo pipefail
@@ -20,6 +21,19 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
   printf '%-22s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$LOGS/$name.log" | cut -c1-150)" \
     | tee -a "$OUT/summary.txt"
 }
+shards() {  # shards NAME SECONDS N PYTEST_ARGS...: the selected tests split over N pytest processes
+  local name=$1 limit=$2 n=$3; shift 3
+  local t0=$SECONDS ids="$LOGS/$name.ids" i
+  python3 -m pytest -q -p no:cacheprovider --collect-only "$@" 2>/dev/null | grep '::' >"$ids"
+  for ((i = 0; i < n; i++)); do
+    awk -v n="$n" -v i="$i" 'NR % n == i' "$ids" >"$ids.$i"
+    [ -s "$ids.$i" ] && timeout -k 5 "$limit" xargs -d "\n" -a "$ids.$i" python3 -m pytest -q -p no:cacheprovider \
+      >"$LOGS/$name.$i.log" 2>&1 &
+  done
+  wait
+  printf '%-22s %4ss  %s tests: %s\n' "$name" "$((SECONDS - t0))" "$(wc -l <"$ids")" \
+    "$(tail -q -n 1 "$LOGS/$name".*.log | tr '\n' ';' | cut -c1-200)" | tee -a "$OUT/summary.txt"
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/summary.txt"
 TMA_SHAPES="${TMA_SHAPES:-64x1x8192 256x1x8192 256x2x8192 32x1x4096}"
 # the rows of the decode table in the paged issue (H64 block 64 fp32 logits)
@@ -30,7 +44,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [ "${PART:-checks}" = verify ] || [ "${PART:-checks}" = ab-peer ] || [ "${PART:-checks}" = final ]; then
+if [[ "${PART:-checks}" =~ ^(verify|ab-peer|final|session)$ ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -60,6 +74,20 @@ case "${PART:-checks}" in
     step bench-paged 60 python3 -m tilefuse.cli bench paged -o "$OUT/paged.json" -q --shapes $TMA_SHAPES
     TILEFUSE_PAGED_CONFIG=tma=1 step bench-paged-tma 60 python3 -m tilefuse.cli bench paged \
       -o "$OUT/paged-tma.json" -q --shapes $TMA_SHAPES
+    ;;
+  session)  # a session's first call: new kernel code's GPU tests (sharded), the A/B, host cost, TP core
+    shards tests-gluon 300 4 tests/indexer/test_prefill.py -k "gluon or checked"
+    shards tests-topk 120 2 tests/indexer/test_topk.py
+    step prefill-ab 130 python3 benchmarks/prefill_ab.py ${AB_TREES:-.ab/c0 .} --rounds 3 \
+      --output "$OUT/prefill-ab.json"
+    wait_deepgemm
+    step host-prefill-stub 20 python3 benchmarks/prefill_host_cost.py --stub --calls 1000
+    step host-prefill 30 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
+    step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
+    step host-profile 60 python3 benchmarks/host_profile.py --calls 300
+    step tp-host 30 python3 -m tilefuse.bench.suites.tp host --m 4096 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
+    step tp-host-m64 20 python3 -m tilefuse.bench.suites.tp host --m 64 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
+    step tp-compiles 60 python3 -m pytest -q -p no:cacheprovider tests/tp/test_gpu.py -k compiles
     ;;
   final)  # after kernel-default and host-path changes: their GPU tests, the A/B, host cost, decode beside DeepGEMM
     step tests-paged 150 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_paged.py \

@@ -55,8 +55,10 @@ class PrefillConfig:
     the dot.
     ``clean_pass``: the ``-inf`` of the full layout written by a separate store-only pass
     instead of inside the logits kernel (same bits).
-    ``heads_on_n`` (FP8, few query rows): (query row, head) pairs on the MMA's N side, the key
-    tile loaded once per program.
+    ``heads_on_n`` (few query rows): (query row, head) pairs on the MMA's N side, the key
+    tile loaded once per program; for MX with ``fp4_via_fp8`` / ``mxfp8_via_f16``, the pass
+    over the renormalised rows runs so (the recompute keeps the 2-D tile). The choice is the
+    config's, never the call's row count, so a slice of the rows gets the same bits.
     ``gluon`` (Hopper): the 2-D tile's head loop as the Gluon kernel (async wgmma); then
     ``num_stages`` (>= 2) is its ring of query buffers, ``block_q`` 64 or 128, and warps
     beyond one per 16 rows split the keys; ``gluon_refill`` 1 or 2 (needs ``num_stages`` >= 3)
@@ -87,8 +89,9 @@ class PrefillConfig:
 
 
 register_config("prefill", PrefillConfig)
-# At most this many query rows take the few-row path (heads_on_n for FP8): the only choice of
-# the defaults that depends on a size, so a model's kernels are a fixed set (warmup_calls).
+# At most this many query rows take the few-row path (heads_on_n; for MX, in the pass over the
+# renormalised rows): the only choice of the defaults that depends on a size, so a model's
+# kernels are a fixed set (warmup_calls).
 FEW_ROWS = 32
 
 
@@ -109,12 +112,14 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
                                  relu_via_abs=2)
         return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3, head_unroll=2,
                              clean_pass=logits_dtype == torch.bfloat16)
+    few = num_q_rows is not None and num_q_rows <= FEW_ROWS
     if fmt == "mxfp8":
-        if hopper and (num_q_rows is None or num_q_rows > FEW_ROWS):
+        if hopper and not few:
             return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, mxfp8_via_f16=True, gluon=True,
                                  gluon_refill=2)
-        return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=2, head_unroll=2, mxfp8_via_f16=True)
-    return PrefillConfig(block_q=64, block_n=256, num_warps=8, num_stages=3, fp4_via_fp8=True)
+        return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=2, head_unroll=2, mxfp8_via_f16=True,
+                             heads_on_n=few)
+    return PrefillConfig(block_q=64, block_n=256, num_warps=8, num_stages=3, fp4_via_fp8=True, heads_on_n=few)
 
 
 def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
@@ -128,8 +133,8 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
         raise ValueError(f"block_q and block_n must be powers of two >= 16, got {cfg}")
     if cfg.head_unroll not in (1, 2):
         raise ValueError(f"head_unroll must be 1 or 2, got {cfg.head_unroll}")
-    if cfg.heads_on_n and fmt != "fp8":
-        raise ValueError(f"heads_on_n runs FP8 only, got format {fmt}")
+    if cfg.heads_on_n and not (fmt == "fp8" or cfg.fp4_via_fp8 or cfg.mxfp8_via_f16):
+        raise ValueError(f"heads_on_n runs FP8 operands (MX: with fp4_via_fp8 or mxfp8_via_f16), got {cfg} for {fmt}")
     if cfg.gluon and (cfg.heads_on_n or cfg.block_q not in (64, 128) or cfg.num_warps % (cfg.block_q // 16)
                       or cfg.num_stages < 2):
         raise ValueError("gluon runs the 2-D tile (not heads_on_n) with block_q 64 or 128, num_warps a multiple "
@@ -548,15 +553,17 @@ def _renormalise_rows(q, q_sf, weights, k, k_scale, fmt: str, d: int, fix_q_rows
 _FP8_PASS_CONFIGS: dict[tuple, PrefillConfig] = {}
 
 
-def _fp8_pass_config(cfg: PrefillConfig, h: int, d: int, s_q: int) -> PrefillConfig:
+def _fp8_pass_config(cfg: PrefillConfig, h: int, d: int) -> PrefillConfig:
     """The config of the pass over renormalised rows: ``cfg`` on the Gluon loop, else the FP8
-    default off Hopper (few or many rows) with ``cfg``'s head sum."""
+    default off Hopper, few-row (``cfg.heads_on_n``) or 2-D tile, with ``cfg``'s head sum. Never
+    from the call's row count: the top-k runs row blocks under the whole call's config."""
     if cfg.gluon:
         return cfg
-    key = (cfg, h, d, s_q <= FEW_ROWS)
+    key = (cfg, h, d)
     fp8_cfg = _FP8_PASS_CONFIGS.get(key)
     if fp8_cfg is None:
-        fp8_cfg = _FP8_PASS_CONFIGS[key] = dataclasses.replace(default_config("fp8", h, d, s_q),
+        rows = FEW_ROWS if cfg.heads_on_n else None
+        fp8_cfg = _FP8_PASS_CONFIGS[key] = dataclasses.replace(default_config("fp8", h, d, rows),
                                                                relu_via_abs=cfg.relu_via_abs)
     return fp8_cfg
 
@@ -570,7 +577,7 @@ def _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, cl
     q_rows, w_rows, fix_q, k_rows, k_row_scale, fix_k = _renormalise_rows(
         q, q_sf, weights, k, k_scale, fmt, d, cfg.block_q, cfg.block_n)
     _launch(q_rows, None, k_rows, k_row_scale, w_rows, ks, ke, out, "fp8", d, clean, compressed,
-            _fp8_pass_config(cfg, q.shape[1], d, q.shape[0]), err)
+            _fp8_pass_config(cfg, q.shape[1], d), err)
     _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg, err, fix_q, fix_k)
 
 

@@ -307,9 +307,11 @@ def _prefill_points():
 
     f32, bf16 = torch.float32, torch.bfloat16
     for fmt, d in _FMT_D:
-        picks: dict = {}  # config -> the head counts that get it
+        # config -> the head counts that get it; many rows first, so a launch that a few-row
+        # config shares with the many-row one (the MX recompute) keeps the many-row name
+        picks: dict = {}
         for h in _HEADS:
-            for s_q in _Q_ROWS:
+            for s_q in reversed(_Q_ROWS):
                 picks.setdefault(prefill.default_config(fmt, h, d, s_q), set()).add(h)
         for cfg, hs in picks.items():
             h = 64 if 64 in hs else sorted(hs)[len(hs) // 2]
