@@ -59,3 +59,98 @@ def test_count_compiles_sees_a_compile_once():
         _dynamic_kernel[(1,)](x, 7, 2, BLOCK=64)
         _dynamic_kernel[(1,)](x[1:], 1, 3, BLOCK=64)
     assert log.count == 1 and log.kernels() == ["_dynamic_kernel"]
+
+
+@triton.jit
+def _desc_copy_kernel(src_desc, dst_ptr, stride_dst, scale, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """dst[row block] = src[row block] * scale, the source read through a host descriptor."""
+    r0 = tl.program_id(0) * ROWS
+    tile = src_desc.load([r0, 0])
+    rows = r0 + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, COLS)[None, :]
+    tl.store(dst_ptr + rows * stride_dst + cols, tile * scale)
+
+
+@pytest.mark.gpu
+def test_launcher_with_host_descriptors_on_new_tensors_every_call():
+    """Direct launches of a descriptor kernel: each call's new tensors and scalars are what the
+    kernel sees (the descriptor expansion of the direct path, where it is used, included)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    launcher = _jit.Launcher(_desc_copy_kernel)
+    rows, cols = 64, 32
+    for i in range(5):
+        n = rows * (i % 3 + 1)
+        src = torch.randn(n, cols, device="cuda")
+        dst = torch.full((n, cols), float("nan"), device="cuda")
+        desc = _jit.host_descriptor(TensorDescriptor, src, [n, cols], [cols, 1], [rows, cols])
+        launcher(("copy",), (n // rows,), (desc, dst, dst.stride(0), float(i + 1), rows, cols), {"num_warps": 4})
+        assert torch.equal(dst, src * (i + 1)), i
+    run = launcher._compiled[("copy",)][3]
+    if triton.__version__.startswith("3.6"):  # the expansion is proven on the first direct launch
+        assert getattr(run.launch, "__func__", None) is _jit._DescriptorExpansion._launch
+
+
+_WRAPPER_SRC = '''
+_BASE_ARGS_FORMAT_LEN = 3
+
+def make_tensordesc_arg(arg, meta):
+    return [("map", arg.base, meta), *arg.shape, *arg.strides]
+
+def wrap(launcher, signature, tensordesc_meta):
+    indices = {i for i, sig in enumerate(signature) if sig.startswith("tensordesc")}
+
+    def inner(*args):
+        final = list(args[:_BASE_ARGS_FORMAT_LEN])
+        j = 0
+        for i, arg in enumerate(args[_BASE_ARGS_FORMAT_LEN:]):
+            if i in indices:
+                final.extend(make_tensordesc_arg(arg, tensordesc_meta[j]))
+                j += 1
+            else:
+                final.append(arg)
+        return launcher(*final)
+    return inner
+'''
+
+
+def test_descriptor_expansion_matches_a_python_wrapper_and_declines_others():
+    """On a launcher shaped like triton 3.6's (a Python loop over the arguments), the sliced
+    expansion hands the launcher what the loop does, for new descriptors every call; a wrapper
+    of another shape keeps its own path."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    namespace: dict = {}
+    exec(_WRAPPER_SRC, namespace)  # noqa: S102 (a module-like namespace for the wrapper's globals)
+    calls = []
+
+    class FakeCudaLauncher:
+        def __init__(self, signature):
+            self.launch = namespace["wrap"](lambda *flat: calls.append(flat), signature, ["m0", "m1"])
+
+        def __call__(self, grid, stream, *args):
+            self.launch(grid, stream, "scratch", *args)
+
+    def descs(n):
+        return [TensorDescriptor(torch.zeros(n, 8), [n, 8], [8, 1], [4, 8]) for _ in range(2)]
+
+    signature = ["i32", "tensordesc<fp32[4, 8]>", "constexpr", "tensordesc<fp32[4, 8]>", "i32"]
+    run = FakeCudaLauncher(signature)
+    d0, d1 = descs(4)
+    args = (7, d0, 3, d1, 9)
+    expansion = _jit._DescriptorExpansion.of(run, args)
+    assert expansion is not None and expansion.positions == (1, 3)
+    assert expansion.proven_on((1, "s", *args))
+    triton_way = calls.pop()
+    e0, e1 = descs(12)
+    for launch in (run, expansion.fast_run):
+        launch(1, "s", 7, e0, 3, e1, 9)
+    assert calls[0] == calls[1] and len(calls[1]) == len(triton_way)
+    # (grid, stream, scratch, 7, map, 12, 8, 8, 1, 3, map, ...)
+    assert calls[1][4] == ("map", e0.base, "m0") and calls[1][10] == ("map", e1.base, "m1")
+
+    class OtherLauncher:
+        def launch(self, *args):
+            calls.append(args)
+
+    assert _jit._DescriptorExpansion.of(OtherLauncher(), args) is None

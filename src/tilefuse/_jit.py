@@ -223,12 +223,14 @@ class Launcher:
                 device, current_device, stream_of, run, function, metadata, runtime = hit
                 if _hooks_idle(runtime.launch_enter_hook) and current_device() == device:
                     n = len(grid)
+                    if run.__class__ is _UnprovenLaunch:
+                        run = self._prove(key, run.run, args)
                     run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream_of(device), function,
                         metadata, None, None, None, *args)
                     return
             compiled = self.fn[grid](**self._by_name(args), **(options or {}))
             if compiled is not None and hit is None:
-                self._remember(key, compiled)
+                self._remember(key, compiled, args)
         else:
             self.fn[grid](**self._by_name(args), **(options or {}))
 
@@ -237,14 +239,32 @@ class Launcher:
         # is then also taken as that option, which triton 3.6 does only for keywords.
         return dict(zip(self.arg_names, args))
 
-    def _remember(self, key, compiled) -> None:
+    def _remember(self, key, compiled, args: tuple) -> None:
         from triton import knobs
         from triton.runtime import driver
 
         active = driver.active
         run = compiled.run  # the launcher (its handles were loaded by the launch that just ran)
+        if any(_is_host_descriptor(a) for a in args):
+            run = _UnprovenLaunch(run)  # the next launch may prove a faster descriptor expansion
         self._compiled[key] = (active.get_current_device(), active.get_current_device, active.get_current_stream,
                                run, compiled.function, compiled.packed_metadata, knobs.runtime)
+
+    def _prove(self, key, run, args: tuple):
+        """A launch that also decides ``key``'s launcher from now on: the compiled launcher
+        with :class:`_DescriptorExpansion`'s expansion where, on this launch, it hands Triton's
+        launcher exactly what Triton's own expansion does; else Triton's."""
+        entry = self._compiled[key]
+        self._compiled[key] = (*entry[:3], run, *entry[4:])
+        expansion = _DescriptorExpansion.of(run, args)
+        if expansion is None:
+            return run
+
+        def proving(*launch_args):
+            if expansion.proven_on(launch_args):
+                self._compiled[key] = (*entry[:3], expansion.fast_run, *entry[4:])
+
+        return proving
 
     def _audit(self, key, args: tuple, options: dict | None) -> None:
         names = self.arg_names
@@ -254,3 +274,117 @@ class Launcher:
         seen = self._audited.setdefault(key, triton_key)
         if seen != triton_key:
             raise AssertionError(f"{self.name}: launch key {key!r} stands for two compiles:\n{seen}\n{triton_key}")
+
+
+# ---------------------------------------------------------------------------------------
+# Host tensor descriptors without Triton's per-call argument walk
+# ---------------------------------------------------------------------------------------
+# Triton 3.6 expands host descriptors in Python: a loop over every kernel argument (constexprs
+# included, 30-45 for these kernels) rebuilding the argument list, about 10 us a launch on an
+# H200 host. The expansion below slices the argument tuple around the descriptors' positions
+# and expands each with Triton's own function. It is only used for a compiled kernel after one
+# launch has shown that it hands Triton's launcher exactly what Triton's own expansion does;
+# any other Triton (3.8 walks the arguments in C++) keeps Triton's path.
+
+
+def _is_host_descriptor(a) -> bool:
+    fields = getattr(a.__class__, "__dataclass_fields__", None)
+    return fields is not None and "block_shape" in fields and "base" in fields
+
+
+class _UnprovenLaunch:
+    """A remembered launcher whose next launch proves (or not) the faster expansion."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run):
+        self.run = run
+
+
+class _DescriptorExpansion:
+    """A compiled kernel's host descriptors expanded by slicing the argument tuple around their
+    positions, each by Triton's own ``make_tensordesc_arg``; ``fast_run``: a copy of the
+    compiled launcher with this expansion in place of Triton's loop."""
+
+    def __init__(self, run, launcher_cell, base_len: int, make, positions: tuple, meta: list):
+        import copy
+
+        self.run, self.cell, self.raw = run, launcher_cell, launcher_cell.cell_contents
+        self.base_len, self.make, self.positions, self.meta = base_len, make, positions, meta
+        self.fast_run = copy.copy(run)
+        self.fast_run.launch = self._launch
+
+    @classmethod
+    def of(cls, run, args: tuple):
+        """For Triton 3.6's ``CudaLauncher`` (its wrapper a Python loop over the arguments from
+        ``_BASE_ARGS_FORMAT_LEN`` on); None for any other wrapper."""
+        inner = getattr(run, "launch", None)
+        code = getattr(inner, "__code__", None)
+        if code is None or not inner.__closure__ or "launcher" not in code.co_freevars:
+            return None
+        free = dict(zip(code.co_freevars, inner.__closure__))
+        base_len = inner.__globals__.get("_BASE_ARGS_FORMAT_LEN")
+        make = inner.__globals__.get("make_tensordesc_arg")
+        if not isinstance(base_len, int) or make is None or "tensordesc_meta" not in free:
+            return None
+        positions = tuple(i for i, a in enumerate(args) if _is_host_descriptor(a))
+        meta = free["tensordesc_meta"].cell_contents
+        if meta and len(meta) != len(positions):
+            return None
+        return cls(run, free["launcher"], base_len, make, positions, list(meta) if meta else [None] * len(positions))
+
+    def expand(self, kernel_args: tuple) -> list:
+        out, prev, make, meta = [], 0, self.make, self.meta
+        for j, p in enumerate(self.positions):
+            out += kernel_args[prev:p]
+            out += make(kernel_args[p], meta[j])
+            prev = p + 1
+        out += kernel_args[prev:]
+        return out
+
+    def _launch(self, *launch_args):
+        n = self.base_len
+        return self.raw(*launch_args[:n], *self.expand(launch_args[n:]))
+
+    def proven_on(self, launch_args: tuple) -> bool:
+        """Launch once through Triton's expansion (recording what goes in and what reaches its
+        launcher); True if this expansion gives the same from the same input."""
+        seen = {}
+        raw, run = self.raw, self.run
+        inner = run.launch
+
+        def recording_launcher(*flat):
+            seen["out"] = flat
+            return raw(*flat)
+
+        def recording_inner(*a):
+            seen["in"] = a
+            return inner(*a)
+
+        import copy
+
+        probe = copy.copy(run)
+        probe.launch = recording_inner
+        with _lock:
+            self.cell.cell_contents = recording_launcher
+            try:
+                probe(*launch_args)
+            finally:
+                self.cell.cell_contents = raw
+        if "in" not in seen or "out" not in seen or len(seen["in"]) < self.base_len:
+            return False
+        try:
+            ours = (*seen["in"][:self.base_len], *self.expand(seen["in"][self.base_len:]))
+        except Exception:  # a wrapper of another shape: Triton's path stays
+            return False
+        return len(ours) == len(seen["out"]) and all(_same_argument(a, b) for a, b in zip(ours, seen["out"]))
+
+
+def _same_argument(a, b) -> bool:
+    """Equal launcher arguments: the same object, equal scalars, or two fresh expansions of one
+    descriptor (objects of the same class, like the two tensor maps one descriptor gives)."""
+    if a is b:
+        return True
+    if a.__class__ is not b.__class__:
+        return False
+    return a == b if isinstance(a, (int, float, str)) or a is None else True
