@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from tilefuse._jit import host_descriptor
+
 if TYPE_CHECKING:
     from tilefuse.tp._gemm_core import GemmConfig
     from tilefuse.tp._schedule import TileSchedule
@@ -50,8 +52,9 @@ def align(nbytes: int) -> int:
 
 
 def tensor_desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    """Host tensor descriptor (TMA on Hopper) of a row-major 2-D tensor."""
-    return TensorDescriptor.from_tensor(t, block)
+    """Host tensor descriptor (TMA on Hopper) of a row-major 2-D tensor whose rows are 16-byte
+    multiples (what the callers check), without the constructor's per-call checks."""
+    return host_descriptor(TensorDescriptor, t, list(t.shape), list(t.stride()), block)
 
 
 def resolve_group(group):
