@@ -5,6 +5,7 @@
 #   PART=verify bash benchmarks/indexer_gpu_round.sh   # GPU tests, prefill A/B vs $AB_BASE, host cost
 #   PART=ab-peer / PART=final: A/B over $AB_TREES while DeepGEMM builds, then host cost and peer rows
 #   PART=session: new kernel code's GPU tests (sharded over processes), the A/B, host cost, TP core
+#   PART=session2: launch-path GPU tests, host cost, bench serving, DeepGEMM's paged test to the deadline
 # DeepGEMM comes from an ignored copy of shared/peers/deepgemm at $PEERS (default .peers/deepgemm),
 # built once per machine. Result files go to $OUT (default out/), the step logs to $OUT/logs.tgz.
 set -uo pipefail
@@ -53,7 +54,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ "${PART:-checks}" =~ ^(verify|ab-peer|final|session)$ ]]; then
+if [[ "${PART:-checks}" =~ ^(verify|ab-peer|final|session|session2)$ ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -97,6 +98,20 @@ case "${PART:-checks}" in
     step tp-host 30 python3 -m tilefuse.bench.suites.tp host --m 4096 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
     step tp-host-m64 20 python3 -m tilefuse.bench.suites.tp host --m 64 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
     step tp-compiles 60 python3 -m pytest -q -p no:cacheprovider tests/tp/test_gpu.py -k compiles
+    ;;
+  session2)  # after launch-path changes: the GPU tests of every descriptor launch, host cost, serving, DeepGEMM's paged test
+    shards tests-launch 220 4 tests/test_jit.py tests/indexer/test_paged.py tests/indexer/test_paged_bounds.py \
+      tests/tp/test_gpu.py tests/indexer/test_warmup.py tests/indexer/test_topk.py
+    shards tests-gluon 150 4 tests/indexer/test_prefill.py -k "gluon_relu_via_abs or gluon_head_loop_at_few or checked"
+    wait_deepgemm
+    step host-prefill-stub 20 python3 benchmarks/prefill_host_cost.py --stub --calls 1000
+    step host-prefill 30 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
+    step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
+    step host-profile 60 python3 benchmarks/host_profile.py --calls 300
+    step tp-host 30 python3 -m tilefuse.bench.suites.tp host --m 4096 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
+    step tp-host-m64 20 python3 -m tilefuse.bench.suites.tp host --m 64 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
+    step bench-serving 110 python3 -m tilefuse.cli bench serving --steps 4 -o "$OUT/serving.json"
+    step deepgemm-paged 600 python3 benchmarks/deepgemm_tests.py --tests paged --cases "${DG_CASES:-200}"
     ;;
   final)  # after kernel-default and host-path changes: their GPU tests, the A/B, host cost, decode beside DeepGEMM
     step tests-paged 150 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_paged.py \
