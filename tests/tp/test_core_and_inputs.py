@@ -33,9 +33,27 @@ def test_gemm_core_matches_torch_and_writes_everything(m, n, k, layout, dtype):
                        gemm(a[:32], b, b_layout=layout, config=cfg))
 
 
+def test_gemm_planned_layout_takes_each_calls_tensors():
+    """A second call of one layout skips the checks and the plan: new tensors (and a
+    weight that is an nn.Parameter) still give their own product, bitwise the first path's."""
+    cfg = GemmConfig(16, 16, 16, 2, 1, 4)
+    results = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        a = torch.randn(32, 24).to(torch.bfloat16)
+        b = torch.nn.Parameter(torch.randn(24, 40).to(torch.bfloat16), requires_grad=False)
+        out = torch.full((32, 40), float("nan")).to(torch.bfloat16)
+        results.append((gemm(a, b, out, config=cfg), gemm(a, b, config=cfg), a, b))
+    for y, fresh, a, b in results:
+        assert torch.equal(y, fresh)
+        torch.testing.assert_close(y.float(), a.float() @ b.float(), rtol=2e-2, atol=2e-2)
+    assert not torch.equal(results[0][0], results[1][0])
+
+
 def test_gemm_bad_inputs():
     a = torch.randn(32, 16).to(torch.bfloat16)
     b = torch.randn(16, 24).to(torch.bfloat16)
+    gemm(a, b)  # a planned layout: bad inputs of any other layout are still checked
     with pytest.raises(TypeError, match="bfloat16 or float16"):
         gemm(a.float(), b.float())
     with pytest.raises(TypeError, match="dtype"):

@@ -343,6 +343,15 @@ def launch_gemm(
     or ``[Mc, N]`` (gemm_rs epilogues). ``a_local``: ``[Mc, K]``, the rows of chunk ``rank``,
     read from there instead of from ``a`` (ag_gemm: the caller's shard, not yet staged); the
     launch's tiles must all be of chunk ``rank``."""
+    _gemm_launcher(*_launch_args(a, b, out, schedule=schedule, rank=rank, config=config, b_layout=b_layout,
+                                 epilogue=epilogue, wait_a=wait_a, comm=comm, num_programs=num_programs,
+                                 tile_begin=tile_begin, tile_end=tile_end, trace=trace, op=op, a_local=a_local))
+
+
+def _launch_args(a, b, out, *, schedule, rank, config, b_layout, epilogue, wait_a, comm, num_programs, tile_begin,
+                 tile_end, trace, op, a_local) -> tuple:
+    """``(key, grid, arguments, options)`` of :func:`launch_gemm`'s launch; the arguments start
+    with the five descriptors and ``out`` (:func:`gemm` reuses the rest per layout)."""
     if b_layout not in _B_LAYOUTS:
         raise ValueError(f"b_layout must be one of {_B_LAYOUTS}, got {b_layout!r}")
     cfg = config
@@ -397,7 +406,7 @@ def launch_gemm(
            None if trace is None else trace.data_ptr() % 16 == 0,
            _int_class(n), _int_class(k), _int_class(c["ws_addr"]), _int_class(c["err_addr"]),
            _int_class(c["flags_off"]), _int_class(c["recv_off"]))
-    _gemm_launcher(key, (programs,), args + consts, cfg.launch_options)
+    return key, (programs,), args + consts, cfg.launch_options
 
 
 def _int_class(v: int) -> tuple:
@@ -477,6 +486,21 @@ def gemm(
     """``a @ b`` (or ``a @ b.T`` for ``b_layout='nk'``) by the persistent kernel alone: the
     engine of the fused ops, benchmarked on its own against cuBLAS. ``chunks``/``order``/``rank``/
     ``lag`` select the tile order the fused ops use (``_schedule``)."""
+    layout = None
+    if trace is None and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        layout = (a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16, b.shape, b.stride(), b.dtype, b.device,
+                  b.data_ptr() % 16, None if out is None else (out.__class__, out.shape, out.stride(), out.dtype,
+                                                                out.device, out.data_ptr() % 16),
+                  b_layout, config, chunks, order, rank, lag, num_programs)
+        plan = _plain_plans.get(layout)
+        if plan is not None:  # checked and planned for this layout: the descriptors are the call's
+            key, grid, tail, options, (a_block, b_block, c_block) = plan
+            if out is None:
+                out = torch.empty(a.shape[0], tail[0], dtype=a.dtype, device=a.device)
+            a_desc, c_desc = _desc(a, a_block), _desc(out, c_block)
+            _gemm_launcher(key, grid, (a_desc, a_desc, _desc(b, b_block), c_desc, c_desc, out, a.shape[0], *tail),
+                           options)
+            return out
     k, n = check_operands(a, b, b_layout)
     m = a.shape[0]
     if out is None:
@@ -484,9 +508,23 @@ def gemm(
     elif out.shape != (m, n) or out.dtype != a.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {a.dtype} tensor of shape {(m, n)}")
     cfg, sched = _gemm_plan(m, n, k, a.device, config, chunks, order, rank, lag)
-    launch_gemm(a, b, out, schedule=sched, rank=rank, config=cfg, b_layout=b_layout,
-                num_programs=num_programs, trace=trace)
+    key, grid, args, options = _launch_args(a, b, out, schedule=sched, rank=rank, config=cfg, b_layout=b_layout,
+                                            epilogue=0, wait_a=False, comm=None, num_programs=num_programs,
+                                            tile_begin=0, tile_end=None, trace=trace, op="gemm", a_local=None)
+    if layout is not None:
+        if len(_plain_plans) >= _MAX_PLANS:
+            _plain_plans.clear()
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        _plain_plans[layout] = (key, grid, args[7:], options, ([bm, bk], [bk, bn] if b_layout == "kn" else [bn, bk],
+                                                                [bm, bn]))
+    _gemm_launcher(key, grid, args, options)
     return out
+
+
+# Plain GEMM launches by argument layout (shapes, strides, dtypes, devices, alignment, options):
+# the checks and the plan run once per layout, the descriptors every call.
+_plain_plans: dict[tuple, tuple] = {}
+_MAX_PLANS = 1024
 
 
 @functools.lru_cache(maxsize=256)
