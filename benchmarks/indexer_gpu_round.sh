@@ -6,6 +6,7 @@
 #   PART=ab-peer / PART=final: A/B over $AB_TREES while DeepGEMM builds, then host cost and peer rows
 #   PART=session: new kernel code's GPU tests (sharded over processes), the A/B, host cost, TP core
 #   PART=session2: launch-path GPU tests, host cost, bench serving, DeepGEMM's paged test to the deadline
+#   PART=session3: host cost of $AB_PREV and this tree on one machine, bench topk, decode sweep rows
 # DeepGEMM comes from an ignored copy of shared/peers/deepgemm at $PEERS (default .peers/deepgemm),
 # built once per machine. Result files go to $OUT (default out/), the step logs to $OUT/logs.tgz.
 set -uo pipefail
@@ -54,7 +55,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ "${PART:-checks}" =~ ^(verify|ab-peer|final|session|session2)$ ]]; then
+if [[ "${PART:-checks}" =~ ^(verify|ab-peer|final|session|session2|session3)$ ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -112,6 +113,23 @@ case "${PART:-checks}" in
     step tp-host-m64 20 python3 -m tilefuse.bench.suites.tp host --m 64 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
     step bench-serving 110 python3 -m tilefuse.cli bench serving --steps 4 -o "$OUT/serving.json"
     step deepgemm-paged 600 python3 benchmarks/deepgemm_tests.py --tests paged --cases "${DG_CASES:-200}"
+    ;;
+  session3)  # host cost of $AB_PREV (a src tree) and this tree on one machine, top-k beside its unfused pairs, decode sweep rows
+    shards tests-launch 90 2 tests/test_jit.py tests/tp/test_gpu.py tests/tp/test_core_and_inputs.py
+    wait_deepgemm
+    for tree in "${AB_PREV:-.ab/prev}" . "${AB_PREV:-.ab/prev}" .; do
+      tag=$( [ "$tree" = . ] && echo now || echo prev )
+      PYTHONPATH="$PWD/$tree/src" step "host-stub-$tag" 15 python3 benchmarks/prefill_host_cost.py --stub --calls 1000
+      PYTHONPATH="$PWD/$tree/src" step "host-paged-$tag" 25 python3 benchmarks/paged_host_cost.py \
+        --output "$OUT/paged-host-cost-$tag.json"
+      PYTHONPATH="$PWD/$tree/src" step "tp-host-$tag" 15 python3 -m tilefuse.bench.suites.tp host --m 64 --n 4096 \
+        --k 1024 --json "$OUT/tp-host-$tag.jsonl"
+    done
+    step host-prefill 25 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
+    step bench-topk 100 python3 -m tilefuse.cli bench topk -o "$OUT/topk.json" --samples 10 \
+      --shapes ${TOPK_SHAPES:-2048x32768 4096x65536 64x1x32768 256x2x65536}
+    step bench-sweep 400 python3 -m tilefuse.cli bench paged --sweep -o "$OUT/paged-sweep.json" --samples 15 \
+      --shapes ${SWEEP_SHAPES:-1x1x131072 32x1x8192 64x2x8192 128x1x32768 256x4x4096 1024x1x1024 1024x2x8192 8x1x32768}
     ;;
   final)  # after kernel-default and host-path changes: their GPU tests, the A/B, host cost, decode beside DeepGEMM
     step tests-paged 150 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_paged.py \
