@@ -423,7 +423,7 @@ def test_bench_suite_rows_and_checks():
     logits[1, 7:9] = 9.0  # a tie at the top
     valid = torch.ones(5, 300, dtype=torch.bool)
     valid[3, 20:] = False
-    check_fused, check_pair = suite.make_checks(logits, valid, 16, torch.arange(5))
+    check_fused, check_pair = suite.make_checks(logits, valid, 16, torch.arange(5), 5)
     good, _ = R.topk_of_logits(logits, valid, 16)
     assert check_fused(good)["passed"]
     swapped = good.clone()
@@ -432,6 +432,10 @@ def test_bench_suite_rows_and_checks():
     masked = logits.masked_fill(~valid, float("-inf"))
     assert check_pair(torch.topk(masked, 16, dim=1))["passed"]
     assert not check_pair(torch.topk(-masked, 16, dim=1))["passed"]
+    # checks of some rows of a larger output (as at GPU sizes): the rows' logits only
+    rows = torch.tensor([1, 3])
+    check_some, _ = suite.make_checks(logits[rows], valid[rows], 16, rows, 5)
+    assert check_some(good)["passed"] and not check_some(swapped)["passed"]
 
 
 def test_merge_kernel_compiles_for_hopper_without_spills_that_matter():

@@ -11,13 +11,23 @@ from tilefuse.bench.suites.tp import fused_variants, shapes
 from tilefuse.tp import GemmConfig, Trace, default_config, gemm
 from tilefuse.tp.trace import chrome_trace
 
+from ..conftest import DEVICE, ON_GPU
+
 ag = importlib.import_module("tilefuse.tp._ag_gemm")
 rs = importlib.import_module("tilefuse.tp._gemm_rs")
 CPU = torch.device("cpu")
 
 
+@pytest.fixture
+def on_device():
+    """Tensors made inside the test are on the test device (the GPU where there is one, else
+    the CPU through the interpreter)."""
+    with torch.device(DEVICE):
+        yield
+
+
 @pytest.mark.parametrize("m,n,k,layout,dtype", [(48, 40, 24, "kn", torch.bfloat16), (33, 24, 40, "nk", torch.float16)])
-def test_gemm_core_matches_torch_and_writes_everything(m, n, k, layout, dtype):
+def test_gemm_core_matches_torch_and_writes_everything(m, n, k, layout, dtype, on_device):
     torch.manual_seed(m)
     a = torch.randn(m, k).to(dtype)
     b = torch.randn(k, n).to(dtype) if layout == "kn" else torch.randn(n, k).to(dtype)
@@ -33,7 +43,7 @@ def test_gemm_core_matches_torch_and_writes_everything(m, n, k, layout, dtype):
                        gemm(a[:32], b, b_layout=layout, config=cfg))
 
 
-def test_gemm_planned_layout_takes_each_calls_tensors():
+def test_gemm_planned_layout_takes_each_calls_tensors(on_device):
     """A second call of one layout skips the checks and the plan: new tensors (and a
     weight that is an nn.Parameter) still give their own product, bitwise the first path's."""
     cfg = GemmConfig(16, 16, 16, 2, 1, 4)
@@ -50,7 +60,7 @@ def test_gemm_planned_layout_takes_each_calls_tensors():
     assert not torch.equal(results[0][0], results[1][0])
 
 
-def test_gemm_bad_inputs():
+def test_gemm_bad_inputs(on_device, monkeypatch):
     a = torch.randn(32, 16).to(torch.bfloat16)
     b = torch.randn(16, 24).to(torch.bfloat16)
     gemm(a, b)  # a planned layout: bad inputs of any other layout are still checked
@@ -75,14 +85,19 @@ def test_gemm_bad_inputs():
     with pytest.raises(ValueError, match="out must be"):
         gemm(a, b, torch.empty(32, 16, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="torch.Tensor"):
-        gemm(a.float().numpy(), b)
+        gemm(a.float().cpu().numpy(), b)
+    # CPU tensors without the interpreter (a layout not planned yet: whether the interpreter
+    # runs is fixed at import): a clear error, not a failure inside Triton
+    monkeypatch.setattr("tilefuse._validate.interpreter_enabled", lambda: False)
+    with pytest.raises(ValueError, match="need a CUDA tensor"):
+        gemm(a.cpu()[:8], b.cpu())
     with pytest.raises(ValueError, match="power of two"):
         GemmConfig(block_m=96)
     with pytest.raises(ValueError, match="invalid GemmConfig"):
         GemmConfig(num_warps=3)
 
 
-def test_flatten_only_for_plain_launches():
+def test_flatten_only_for_plain_launches(on_device):
     """The flattened tile loop may run a tile's loads before the previous tile's epilogue:
     only plain GEMM launches get it (ag_gemm's loads wait on band flags; the fused epilogues
     keep the nested loop), whatever the config asks."""
@@ -183,6 +198,7 @@ def test_gemm_rs_push_programs():
         plan(8192, 8192, 1024, gemm_programs=133)
 
 
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's trace (no clock); GPU traces run in tests/tp/gpu_checks.py")
 def test_trace_export(tmp_path):
     torch.manual_seed(0)
     a = torch.randn(64, 16).to(torch.bfloat16)

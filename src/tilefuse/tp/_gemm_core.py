@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from tilefuse._jit import Launcher, cdiv
+from tilefuse._validate import check_kernel_device
 from tilefuse.tp import _primitives as P
 from tilefuse.tp._common import tensor_desc as _desc
 from tilefuse.tp._schedule import TileSchedule
@@ -453,6 +454,7 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, b_layout: str, name_a: str 
         raise ValueError(f"{name_a} and b must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.device != b.device:
         raise ValueError(f"{name_a} and b must be on one device, got {a.device} and {b.device}")
+    check_kernel_device(a, name_a)
     k = a.shape[1]
     kb, n = (b.shape[0], b.shape[1]) if b_layout == "kn" else (b.shape[1], b.shape[0])
     if kb != k:

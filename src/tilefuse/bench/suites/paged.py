@@ -216,6 +216,8 @@ def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) 
         peer_call = None
         impls = [Impl("tilefuse", tilefuse_call, check, out_bytes=out_bytes)]
         skipped = skipped_peer("deep_gemm", peer, peer_skip, spec.fmt)
+        if skipped is None and spec.block_kv != 64 and torch.cuda.get_device_capability(device)[0] == 9:
+            skipped = Impl("deep_gemm", skipped=f"skipped: DeepGEMM runs block_kv 64 only on SM90, not {spec.block_kv}")
         if skipped is not None:
             impls.append(skipped)
         else:

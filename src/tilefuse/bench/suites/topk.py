@@ -103,15 +103,16 @@ def check_rows(n_rows: int) -> torch.Tensor:
     return torch.linspace(0, n_rows - 1, CHECK_ROWS).round().long().unique()
 
 
-def make_checks(logits: torch.Tensor, valid: torch.Tensor, topk: int, rows: torch.Tensor):
-    """``(check_fused, check_pair)`` against the unfused tilefuse logits ranked by the contract."""
+def make_checks(logits: torch.Tensor, valid: torch.Tensor, topk: int, rows: torch.Tensor, n_rows: int):
+    """``(check_fused, check_pair)`` of an output of ``n_rows`` rows against the unfused tilefuse
+    logits ranked by the contract; ``logits`` and ``valid`` hold the checked ``rows`` only."""
     from tilefuse.reference import topk_of_logits
 
-    ref_idx, _ = topk_of_logits(logits[rows], valid[rows], topk)
+    ref_idx, _ = topk_of_logits(logits, valid, topk)
     n_ref = int((ref_idx >= 0).sum())
 
     def check_fused(out) -> dict:
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (logits.shape[0], topk):
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (n_rows, topk):
             return {"passed": False, "failed": f"output {getattr(out, 'shape', type(out).__name__)}"}
         got = out[rows.to(out.device)]
         mismatched = int((got != ref_idx).any(dim=1).sum())
@@ -166,7 +167,7 @@ def prefill_case(spec: Spec, device: str, peer=None, peer_skip: str | None = Non
         rows = check_rows(s_q)
         sub = rows.to(device)
         check_fused, check_pair = make_checks(logits[sub].cpu(), window_mask(ks[sub], ke[sub], s_k).cpu(),
-                                              spec.topk, rows)
+                                              spec.topk, rows, s_q)
         del logits
 
         impls = [
@@ -238,7 +239,7 @@ def decode_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None
         rows = check_rows(rows_total)
         sub = rows.to(device)
         check_fused, check_pair = make_checks(logits[sub].cpu(), paged_valid_mask(ctx, spec.next_n, max_len)[sub].cpu(),
-                                              spec.topk, rows)
+                                              spec.topk, rows, rows_total)
         del logits
 
         impls = [
@@ -255,10 +256,12 @@ def decode_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None
         if skipped is not None:
             impls.append(skipped)
         else:
-            dg_meta = peer.get_paged_mqa_logits_metadata(ctx, BLOCK_KV, _num_workers(device))
+            # DeepGEMM 2.6.1 on SM90 takes per-row (2-D) lengths: the same rows as the 1-D ones
+            dg_ctx = (ctx[:, None] - spec.next_n + 1 + torch.arange(spec.next_n, device=device)).to(torch.int32)
+            dg_meta = peer.get_paged_mqa_logits_metadata(dg_ctx, BLOCK_KV, _num_workers(device))
             impls.append(Impl(
                 "deep_gemm+torch.topk",
-                lambda: torch.topk(peer.fp8_paged_mqa_logits(qq[0], cache, w, ctx, table, dg_meta, max_len, True),
+                lambda: torch.topk(peer.fp8_paged_mqa_logits(qq[0], cache, w, dg_ctx, table, dg_meta, max_len, True),
                                    min(spec.topk, max_len), dim=1),
                 lambda out: check_pair(tuple(t.cpu() for t in out))))
         return impls
