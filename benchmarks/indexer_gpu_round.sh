@@ -7,6 +7,7 @@
 #   PART=session: new kernel code's GPU tests (sharded over processes), the A/B, host cost, TP core
 #   PART=session2: launch-path GPU tests, host cost, bench serving, DeepGEMM's paged test to the deadline
 #   PART=session3: host cost of $AB_PREV and this tree on one machine, bench topk, decode sweep rows
+#   PART=session4: TP core tests on the device, bench topk, block-32 decode sweep rows
 # DeepGEMM comes from an ignored copy of shared/peers/deepgemm at $PEERS (default .peers/deepgemm),
 # built once per machine. Result files go to $OUT (default out/), the step logs to $OUT/logs.tgz.
 set -uo pipefail
@@ -55,7 +56,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ "${PART:-checks}" =~ ^(verify|ab-peer|final|session|session2|session3)$ ]]; then
+if [[ "${PART:-checks}" =~ ^(verify|ab-peer|final|session|session2|session3|session4)$ ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -130,6 +131,14 @@ case "${PART:-checks}" in
       --shapes ${TOPK_SHAPES:-2048x32768 4096x65536 64x1x32768 256x2x65536}
     step bench-sweep 400 python3 -m tilefuse.cli bench paged --sweep -o "$OUT/paged-sweep.json" --samples 15 \
       --shapes ${SWEEP_SHAPES:-1x1x131072 32x1x8192 64x2x8192 128x1x32768 256x4x4096 1024x1x1024 1024x2x8192 8x1x32768}
+    ;;
+  session4)  # the TP core tests on the device's tensors, top-k beside its unfused pairs, block-32 decode rows
+    shards tests-tp 60 2 tests/tp/test_core_and_inputs.py tests/test_jit.py
+    wait_deepgemm
+    step bench-topk 110 python3 -m tilefuse.cli bench topk -o "$OUT/topk.json" --samples 10 \
+      --shapes ${TOPK_SHAPES:-2048x32768 4096x65536 64x1x32768 256x2x65536}
+    step bench-sweep 150 python3 -m tilefuse.cli bench paged --sweep -o "$OUT/paged-sweep.json" --samples 15 \
+      --shapes ${SWEEP_SHAPES:-256x4x4096 64x1x8192}
     ;;
   final)  # after kernel-default and host-path changes: their GPU tests, the A/B, host cost, decode beside DeepGEMM
     step tests-paged 150 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_paged.py \
