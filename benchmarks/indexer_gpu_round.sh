@@ -46,6 +46,14 @@ shards() {  # shards NAME SECONDS N PYTEST_ARGS...: the selected tests split ove
   printf '%-22s %4ss  %s tests: %s\n' "$name" "$((SECONDS - t0))" "$(wc -l <"$ids")" \
     "$(tail -q -n 1 "$LOGS/$name".*.log | tr '\n' ';' | cut -c1-200)" | tee -a "$OUT/summary.txt"
 }
+host_steps() {  # the eager cost per call: prefill (wrapper alone, then whole calls), paged, a profile, TP core
+    step host-prefill-stub 20 python3 benchmarks/prefill_host_cost.py --stub --calls 1000
+    step host-prefill 30 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
+    step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
+    step host-profile 60 python3 benchmarks/host_profile.py --calls 300
+    step tp-host 30 python3 -m tilefuse.bench.suites.tp host --m 4096 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
+    step tp-host-m64 20 python3 -m tilefuse.bench.suites.tp host --m 64 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/summary.txt"
 TMA_SHAPES="${TMA_SHAPES:-64x1x8192 256x1x8192 256x2x8192 32x1x4096}"
 # the rows of the decode table in the paged issue (H64 block 64 fp32 logits)
@@ -93,12 +101,7 @@ case "${PART:-checks}" in
     step prefill-ab 130 python3 benchmarks/prefill_ab.py ${AB_TREES:-.ab/c0 .} --rounds 3 \
       --output "$OUT/prefill-ab.json"
     wait_deepgemm
-    step host-prefill-stub 20 python3 benchmarks/prefill_host_cost.py --stub --calls 1000
-    step host-prefill 30 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
-    step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
-    step host-profile 60 python3 benchmarks/host_profile.py --calls 300
-    step tp-host 30 python3 -m tilefuse.bench.suites.tp host --m 4096 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
-    step tp-host-m64 20 python3 -m tilefuse.bench.suites.tp host --m 64 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
+    host_steps
     step tp-compiles 60 python3 -m pytest -q -p no:cacheprovider tests/tp/test_gpu.py -k compiles
     ;;
   session2)  # after launch-path changes: the GPU tests of every descriptor launch, host cost, serving, DeepGEMM's paged test
@@ -106,26 +109,21 @@ case "${PART:-checks}" in
       tests/tp/test_gpu.py tests/indexer/test_warmup.py tests/indexer/test_topk.py
     shards tests-gluon 150 4 tests/indexer/test_prefill.py -k "gluon_relu_via_abs or gluon_head_loop_at_few or checked"
     wait_deepgemm
-    step host-prefill-stub 20 python3 benchmarks/prefill_host_cost.py --stub --calls 1000
-    step host-prefill 30 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
-    step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
-    step host-profile 60 python3 benchmarks/host_profile.py --calls 300
-    step tp-host 30 python3 -m tilefuse.bench.suites.tp host --m 4096 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
-    step tp-host-m64 20 python3 -m tilefuse.bench.suites.tp host --m 64 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
+    host_steps
     step bench-serving 110 python3 -m tilefuse.cli bench serving --steps 4 -o "$OUT/serving.json"
     step deepgemm-paged 600 python3 benchmarks/deepgemm_tests.py --tests paged --cases "${DG_CASES:-200}"
     ;;
   session3)  # host cost of $AB_PREV (a src tree) and this tree on one machine, top-k beside its unfused pairs, decode sweep rows
     shards tests-launch 90 2 tests/test_jit.py tests/tp/test_gpu.py tests/tp/test_core_and_inputs.py
     wait_deepgemm
-    for tree in "${AB_PREV:-.ab/prev}" . "${AB_PREV:-.ab/prev}" .; do
-      tag=$( [ "$tree" = . ] && echo now || echo prev )
+    for round in 1 2; do for tree in "${AB_PREV:-.ab/prev}" .; do
+      tag=$( [ "$tree" = . ] && echo now || echo prev )$round
       PYTHONPATH="$PWD/$tree/src" step "host-stub-$tag" 15 python3 benchmarks/prefill_host_cost.py --stub --calls 1000
       PYTHONPATH="$PWD/$tree/src" step "host-paged-$tag" 25 python3 benchmarks/paged_host_cost.py \
         --output "$OUT/paged-host-cost-$tag.json"
       PYTHONPATH="$PWD/$tree/src" step "tp-host-$tag" 15 python3 -m tilefuse.bench.suites.tp host --m 64 --n 4096 \
         --k 1024 --json "$OUT/tp-host-$tag.jsonl"
-    done
+    done; done
     step host-prefill 25 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
     step bench-topk 100 python3 -m tilefuse.cli bench topk -o "$OUT/topk.json" --samples 10 \
       --shapes ${TOPK_SHAPES:-2048x32768 4096x65536 64x1x32768 256x2x65536}
