@@ -24,11 +24,13 @@ anywhere), or every new value class is a new compile on the hot path.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import os
 import threading
 
+import torch
 import triton
 
 _lock = threading.Lock()
@@ -307,8 +309,6 @@ class _DescriptorExpansion:
     compiled launcher with this expansion in place of Triton's loop."""
 
     def __init__(self, run, launcher_cell, base_len: int, make, positions: tuple, meta: list):
-        import copy
-
         self.run, self.cell, self.raw = run, launcher_cell, launcher_cell.cell_contents
         self.base_len, self.make, self.positions, self.meta = base_len, make, positions, meta
         self.fast_run = copy.copy(run)
@@ -361,8 +361,6 @@ class _DescriptorExpansion:
             seen["in"] = a
             return inner(*a)
 
-        import copy
-
         probe = copy.copy(run)
         probe.launch = recording_inner
         with _lock:
@@ -382,9 +380,10 @@ class _DescriptorExpansion:
 
 def _same_argument(a, b) -> bool:
     """Equal launcher arguments: the same object, equal scalars, or two fresh expansions of one
-    descriptor (objects of the same class, like the two tensor maps one descriptor gives)."""
+    descriptor (objects of the same class, like the two tensor maps one descriptor gives; never
+    two different tensors)."""
     if a is b:
         return True
-    if a.__class__ is not b.__class__:
+    if a.__class__ is not b.__class__ or isinstance(a, torch.Tensor):
         return False
-    return a == b if isinstance(a, (int, float, str)) or a is None else True
+    return a == b if isinstance(a, (int, float, str)) else True

@@ -18,6 +18,7 @@ from tilefuse.reference.paged import (
     gather_paged_keys,
     paged_key_extent,
     paged_mqa_logits_ref,
+    paged_row_ends,
     paged_valid_mask,
 )
 from tilefuse.reference.topk import fp8_fp4_mqa_topk_ref, fp8_fp4_paged_mqa_topk_ref, topk_of_logits
@@ -37,6 +38,7 @@ __all__ = [
     "mqa_logits_ref",
     "paged_key_extent",
     "paged_mqa_logits_ref",
+    "paged_row_ends",
     "paged_valid_mask",
     "topk_of_logits",
     "window_mask",

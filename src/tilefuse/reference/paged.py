@@ -15,19 +15,24 @@ import torch
 from tilefuse import formats
 
 
+def paged_row_ends(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
+    """The key end of every row ``[B, next_n]``: 2-D lengths as they are; 1-D lengths (causal
+    multi-token prediction, row ``t`` sees ``j <= ctx[b] - next_n + t``) as the int32 ends they
+    mean, at least 0 (the 2-D form DeepGEMM 2.6.1 takes on SM90)."""
+    if context_lens.dim() == 2:
+        return context_lens
+    t = torch.arange(next_n, dtype=torch.int32, device=context_lens.device)
+    return (context_lens.to(torch.int32)[:, None] - next_n + 1 + t).clamp(min=0).contiguous()
+
+
 def paged_valid_mask(context_lens: torch.Tensor, next_n: int, max_context_len: int) -> torch.Tensor:
     """Bool ``[B * next_n, max_context_len]``: True where row ``(b, t)`` sees key ``j``.
 
     1-D lengths: ``j <= ctx[b] - next_n + t`` (causal multi-token prediction);
     2-D ``[B, next_n]``: ``j < ctx[b, t]``.
     """
-    lens = context_lens.long()
-    if lens.dim() == 1:
-        t = torch.arange(next_n, device=lens.device)
-        ends = lens[:, None] - next_n + 1 + t[None, :]
-    else:
-        ends = lens
-    j = torch.arange(max_context_len, device=lens.device)
+    ends = paged_row_ends(context_lens, next_n).long()
+    j = torch.arange(max_context_len, device=context_lens.device)
     return j[None, :] < ends.reshape(-1, 1)
 
 

@@ -516,9 +516,8 @@ def gemm(
     if layout is not None:
         if len(_plain_plans) >= _MAX_PLANS:
             _plain_plans.clear()
-        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-        _plain_plans[layout] = (key, grid, args[7:], options, ([bm, bk], [bk, bn] if b_layout == "kn" else [bn, bk],
-                                                                [bm, bn]))
+        blocks = (args[0].block_shape, args[2].block_shape, args[3].block_shape)  # a, b, out
+        _plain_plans[layout] = (key, grid, args[7:], options, blocks)
     _gemm_launcher(key, grid, args, options)
     return out
 

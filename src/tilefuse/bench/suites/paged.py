@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from tilefuse import formats
+from tilefuse._device import capability_major
 from tilefuse.bench import ceilings as ceil
 from tilefuse.bench.runner import Case, Impl
 from tilefuse.bench.suites.indexer import (
@@ -37,6 +38,7 @@ from tilefuse.bench.suites.indexer import (
     finish_reference_checks,
     skipped_peer,
 )
+from tilefuse.reference import paged_row_ends
 
 GPU_ROWS = [(b, n, c) for b in (1, 64, 256) for n in (1, 2) for c in (8192, 32768, 65536)]
 CPU_ROWS = [(1, 1, 512), (4, 1, 256), (4, 2, 256)]
@@ -114,9 +116,7 @@ def context_lengths(spec: Spec, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
     lo, hi = SPREAD
     u = torch.rand(spec.batch, generator=g)
     lens = (spec.mean_ctx * (lo + (hi - lo) * u)).long().clamp(min=spec.next_n)
-    t = torch.arange(spec.next_n)
-    lens2d = lens[:, None] - spec.next_n + 1 + t[None, :]
-    return lens.to(torch.int32), lens2d.to(torch.int32)
+    return lens.to(torch.int32), paged_row_ends(lens, spec.next_n)
 
 
 def bytes_moved(spec: Spec, lens: torch.Tensor, lens2d: torch.Tensor) -> int:
@@ -216,7 +216,7 @@ def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) 
         peer_call = None
         impls = [Impl("tilefuse", tilefuse_call, check, out_bytes=out_bytes)]
         skipped = skipped_peer("deep_gemm", peer, peer_skip, spec.fmt)
-        if skipped is None and spec.block_kv != 64 and torch.cuda.get_device_capability(device)[0] == 9:
+        if skipped is None and spec.block_kv != 64 and capability_major(device) == 9:
             skipped = Impl("deep_gemm", skipped=f"skipped: DeepGEMM runs block_kv 64 only on SM90, not {spec.block_kv}")
         if skipped is not None:
             impls.append(skipped)

@@ -29,6 +29,7 @@ import torch
 from tilefuse import _jit
 from tilefuse.bench import timing
 from tilefuse.bench.suites.indexer import deep_gemm_module
+from tilefuse.reference import paged_row_ends
 
 HOST_TIMER = "host perf_counter"
 
@@ -153,22 +154,16 @@ def tilefuse_api() -> Api:
                tilefuse.fp8_paged_mqa_logits)
 
 
-def _rows_ends(lens: torch.Tensor, next_n: int) -> torch.Tensor:
-    """1-D lengths (causal MTP: row t sees j <= len - next_n + t) as the 2-D [B, next_n] row ends
-    they mean, the only form DeepGEMM 2.6.1 takes."""
-    t = torch.arange(next_n, dtype=torch.int32, device=lens.device)
-    return (lens[:, None] - next_n + 1 + t).clamp(min=0).contiguous()
-
-
 def deep_gemm_api(dg) -> Api:
     """DeepGEMM on the same inputs; its lengths in the 2-D form it requires (one small torch op
     per call, counted in its host time)."""
 
     def metadata(lens, block_kv, num_sms):
-        return dg.get_paged_mqa_logits_metadata(_rows_ends(lens, 1), block_kv, num_sms)
+        return dg.get_paged_mqa_logits_metadata(paged_row_ends(lens, 1), block_kv, num_sms)
 
     def decode(q, kv_cache, weights, lens, table, meta, max_len, *args):
-        return dg.fp8_paged_mqa_logits(q, kv_cache, weights, _rows_ends(lens, q.shape[1]), table, meta, max_len, *args)
+        rows_ends = paged_row_ends(lens, q.shape[1])
+        return dg.fp8_paged_mqa_logits(q, kv_cache, weights, rows_ends, table, meta, max_len, *args)
 
     return Api("deep_gemm", metadata, dg.fp8_mqa_logits, decode)
 

@@ -31,6 +31,7 @@ from tilefuse import formats
 from tilefuse.bench import ceilings as ceil
 from tilefuse.bench.runner import Case, Impl
 from tilefuse.bench.suites.indexer import deep_gemm_module, skipped_peer
+from tilefuse.reference import paged_row_ends
 
 GPU_PREFILL = [(2048, 32768), (4096, 65536), (8192, 65536), (2048, 131072), (8192, 131072)]
 CPU_PREFILL = [(16, 512), (64, 768)]
@@ -218,7 +219,7 @@ def decode_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None
     max_len = int(lens.max())
     rows_total = spec.rows_a * spec.next_n
     chunk = spec.chunk_k or default_chunk_k(spec.topk, BLOCK_KV)
-    valid_pairs = int((lens.long()[:, None] - spec.next_n + 1 + torch.arange(spec.next_n)).clamp(min=0).sum())
+    valid_pairs = int(paged_row_ends(lens, spec.next_n).sum())
 
     def build() -> list[Impl]:
         import tilefuse
@@ -256,8 +257,7 @@ def decode_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None
         if skipped is not None:
             impls.append(skipped)
         else:
-            # DeepGEMM 2.6.1 on SM90 takes per-row (2-D) lengths: the same rows as the 1-D ones
-            dg_ctx = (ctx[:, None] - spec.next_n + 1 + torch.arange(spec.next_n, device=device)).to(torch.int32)
+            dg_ctx = paged_row_ends(ctx, spec.next_n)  # the 1-D lengths' rows, as DeepGEMM takes them
             dg_meta = peer.get_paged_mqa_logits_metadata(dg_ctx, BLOCK_KV, _num_workers(device))
             impls.append(Impl(
                 "deep_gemm+torch.topk",
