@@ -31,7 +31,8 @@ from paged_host_cost import graph_gpu_us  # noqa: E402  (a sibling script: bench
 
 import tilefuse  # noqa: E402
 from tilefuse import _jit  # noqa: E402
-from tilefuse.indexer import _prefill_kernel, _prefill_kernel_sm100, prefill  # noqa: E402
+from tilefuse import formats as F  # noqa: E402
+from tilefuse.indexer import _prefill_kernel, _prefill_kernel_sm100  # noqa: E402
 from tilefuse.indexer import windows as W  # noqa: E402
 
 _KERNELS = [(_prefill_kernel, name) for name in (
@@ -65,8 +66,12 @@ def stubbed_kernels():
 
 
 def _case(fmt: str, s_q: int, s_k: int, h: int, d: int, device: str):
-    q, kv = prefill._zero_inputs(fmt, s_q, s_k, h, d, device)
-    w = torch.randn(s_q, h, device=device)
+    """Random quantised operands (the MX paths' recompute flags, and the GPU time, depend on them)."""
+    g = torch.Generator().manual_seed(s_q * 7 + s_k)
+    q = tuple(None if t is None else t.to(device)
+              for t in F.quantize_q(torch.randn(s_q, h, d, generator=g).to(torch.bfloat16), fmt))
+    kv = tuple(t.to(device) for t in F.quantize_k(torch.randn(s_k, d, generator=g).to(torch.bfloat16), fmt))
+    w = torch.randn(s_q, h, generator=g).to(device)
     ks, ke = W.causal_tail(s_q, s_k, device=device)
     return q, kv, w, ks, ke
 
