@@ -28,13 +28,13 @@ from tilefuse.bench.report import Progress
 class Settings:
     """How a suite times: the mode and its parameters (recorded in the result file)."""
 
-    mode: str = "graph"
-    calls: int = 5
-    samples: int = 40
-    iters: int = 20
-    warmup: int = 5
-    l2_flush: bool = False
-    clocks: bool = True
+    mode: str = "graph"  # one of timing.MODES
+    calls: int = 5  # graph mode: calls captured per graph
+    samples: int = 40  # timed samples; the median is reported
+    iters: int = 20  # batch mode: launches per sample
+    warmup: int = 5  # untimed calls first
+    l2_flush: bool = False  # flush L2 before each sample (graph / periter modes)
+    clocks: bool = True  # record SM clocks and power beside the samples
 
     def __post_init__(self):
         if self.mode not in timing.MODES:

@@ -128,6 +128,21 @@ def tile_sees_no_keys(ks, ke, row_ok, n0, S_k, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def tile_windows(pid_q, pid_n, ks_ptr, ke_ptr, out_ptr, stride_out, S_q, S_k, n_cols, err_ptr,
+                 COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A (BLOCK_Q rows, BLOCK_N keys) tile's coordinates and windows (``load_windows``, bad ones
+    recorded by the programs of the first key block), its rows' output pointers, and whether it
+    needs no math (``tile_sees_no_keys``)."""
+    n0 = pid_n * BLOCK_N
+    rows = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < S_q
+    ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
+    out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_out
+    return n0, rows, cols, row_ok, ks, ke, out_rows, tile_sees_no_keys(ks, ke, row_ok, n0, S_k, BLOCK_N)
+
+
+@triton.jit
 def _store_logits(val, out_rows, key, ks, valid, row_ok, S_k, full, CLEAN: tl.constexpr, COMPRESSED: tl.constexpr):
     """Store a logits tile in either orientation ([row, key] or [key, row]): every operand comes
     broadcastable to ``val`` in that orientation (``out_rows`` the rows' base pointers, ``key``
@@ -169,14 +184,9 @@ def fill_skipped_tile(out_rows, cols, n0, row_ok, S_k, CLEAN: tl.constexpr, COMP
 
 @triton.jit(do_not_specialize=_DYNAMIC, do_not_specialize_on_alignment=_SLICEABLE)
 def prefill_logits_kernel(
-    q_desc, q_sf_ptr, stride_qsf,
-    k_desc, k_scale_ptr,
-    w_ptr, stride_w,
-    ks_ptr, ke_ptr,
-    out_ptr, stride_out,
+    q_desc, q_sf_ptr, stride_qsf, k_desc, k_scale_ptr, w_ptr, stride_w, ks_ptr, ke_ptr, out_ptr, stride_out,
     S_q, S_k, n_cols, err_ptr,
-    H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
-    CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_UNROLL: tl.constexpr,
     fix_q_ptr=None, fix_k_ptr=None, FIXUP: tl.constexpr = False,
     lin_desc=None, half_scale_ptr=None, LIN_PARTS: tl.constexpr = 0,
@@ -190,15 +200,11 @@ def prefill_logits_kernel(
             return
     stride_out = _row_stride(stride_out, out_ptr)
     q0 = pid_q * BLOCK_Q
-    n0 = pid_n * BLOCK_N
-    rows = q0 + tl.arange(0, BLOCK_Q)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    row_ok = rows < S_q
-    ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
+    n0, rows, cols, row_ok, ks, ke, out_rows, no_keys = tile_windows(
+        pid_q, pid_n, ks_ptr, ke_ptr, out_ptr, stride_out, S_q, S_k, n_cols, err_ptr, COMPRESSED, BLOCK_Q, BLOCK_N)
     valid = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None]) & row_ok[:, None]
-    out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_out
 
-    if tile_sees_no_keys(ks, ke, row_ok, n0, S_k, BLOCK_N):
+    if no_keys:
         fill_skipped_tile(out_rows, cols, n0, row_ok, S_k, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N)
         return
 

@@ -28,8 +28,7 @@ from tilefuse.indexer._prefill_kernel import (
     FMT_MXFP4,
     _store_logits,
     fill_skipped_tile,
-    load_windows,
-    tile_sees_no_keys,
+    tile_windows,
 )
 
 # Launch tile (see the kernel for why): BLOCK_N is the MMA's M and must stay 128.
@@ -48,27 +47,18 @@ def _scale_bytes(packed, NB: tl.constexpr):
 
 @triton.jit(do_not_specialize=_DYNAMIC, do_not_specialize_on_alignment=_SLICEABLE + ["k_sf_ptr"])
 def prefill_logits_mx_kernel(
-    q_desc, q_sf_ptr, stride_qsf,
-    k_desc, k_sf_ptr,
-    w_ptr, stride_w,
-    ks_ptr, ke_ptr,
-    out_ptr, stride_out,
+    q_desc, q_sf_ptr, stride_qsf, k_desc, k_sf_ptr, w_ptr, stride_w, ks_ptr, ke_ptr, out_ptr, stride_out,
     S_q, S_k, n_cols, err_ptr,
-    H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
-    CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_q = tl.program_id(1)
     q0 = pid_q * BLOCK_Q
-    n0 = pid_n * BLOCK_N
-    rows = q0 + tl.arange(0, BLOCK_Q)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    row_ok = rows < S_q
-    ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
-    out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_out
+    n0, rows, cols, row_ok, ks, ke, out_rows, no_keys = tile_windows(
+        pid_q, pid_n, ks_ptr, ke_ptr, out_ptr, stride_out, S_q, S_k, n_cols, err_ptr, COMPRESSED, BLOCK_Q, BLOCK_N)
 
-    if tile_sees_no_keys(ks, ke, row_ok, n0, S_k, BLOCK_N):
+    if no_keys:
         fill_skipped_tile(out_rows, cols, n0, row_ok, S_k, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N)
         return
 

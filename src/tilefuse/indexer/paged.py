@@ -73,31 +73,25 @@ _MIN_DOT = 16
 class PagedConfig:
     """Tile shape, schedule and pipelining of the decode kernel.
 
-    block_n: keys per tile (a power of two >= 16; independent of the page size).
-    rows: query rows (of ``next_n``) scored per program in one dot of ``rows * heads``
-        columns (a power of two); ``ceil(next_n / rows)`` programs share each key tile.
-    chunk: keys per program (one program per request and chunk), a multiple of ``block_n``
-        and a power-of-two number of pages; 0 (the default) picks it per call from the batch
-        (a runtime value: no compile per batch).
-    num_warps, num_stages: as in Triton; stages pipeline the key-tile loads.
-    block_fill: columns per store of the ``-inf`` tail when cleaning.
-    head_sum_mma: the weighted head sum as a second (tf32) dot on the tensor cores instead of
-        a CUDA-core reduction (an option to measure; see ``_paged_kernel.py``).
-    tma: load the key values with TMA (a tensor descriptor over the cache's value rows, one
-        box per page a tile covers) instead of the per-element gather; where the cache's layout
-        does not allow it (a page stride that is not a multiple of the value bytes per token,
-        tiles that do not split into boxes of >= 64 keys inside pages, an offset that is not a
-        multiple of 16 bytes) the gather runs, with the same results.
+    ``rows``: ``ceil(next_n / rows)`` programs share each key tile. ``chunk`` = 0 picks the
+    keys per program per call from the batch (a runtime value: no compile per batch).
+    ``head_sum_mma``: the weighted head sum as a second (tf32) dot on the tensor cores instead
+    of a CUDA-core reduction (see ``_paged_kernel.py``). ``tma``: the key values by TMA (a
+    tensor descriptor over the cache's value rows, one box per page a tile covers) instead of
+    the per-element gather; where the cache's layout does not allow it (a page stride that is
+    not a multiple of the value bytes per token, tiles that do not split into boxes of >= 64
+    keys inside pages, an offset that is not a multiple of 16 bytes) the gather runs, with the
+    same results.
     """
 
-    block_n: int = 128
-    rows: int = 1
-    chunk: int = 0
-    num_warps: int = 4
-    num_stages: int = 3
-    block_fill: int = 1024
-    head_sum_mma: bool = False
-    tma: bool = False
+    block_n: int = 128  # keys per tile: a power of two >= 16, independent of the page size
+    rows: int = 1  # query rows (of next_n) per program, scored in one dot of rows * heads columns
+    chunk: int = 0  # keys per program: a multiple of block_n, a power-of-two number of pages
+    num_warps: int = 4  # as in Triton
+    num_stages: int = 3  # as in Triton: the key-tile loads' pipeline
+    block_fill: int = 1024  # columns per store of the -inf tail when cleaning
+    head_sum_mma: bool = False  # the head sum as a tf32 dot
+    tma: bool = False  # the key values by TMA
 
 
 register_config("paged", PagedConfig)
@@ -848,18 +842,9 @@ def fp8_fp4_paged_mqa_logits(
 
 
 def fp8_paged_mqa_logits(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    weights: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    schedule_meta: torch.Tensor,
-    max_context_len: int,
-    clean_logits: bool = False,
-    indices: torch.Tensor | None = None,
-    *,
-    out: torch.Tensor | None = None,
-    config: PagedConfig | None = None,
+    q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+    block_table: torch.Tensor, schedule_meta: torch.Tensor, max_context_len: int, clean_logits: bool = False,
+    indices: torch.Tensor | None = None, *, out: torch.Tensor | None = None, config: PagedConfig | None = None,
 ) -> torch.Tensor:
     """FP8 decode logits with DeepGEMM's ``fp8_paged_mqa_logits`` signature: ``q`` is a bare
     e4m3 ``[B, next_n, H, D]`` tensor, the cache holds fp32 scales, logits are fp32.

@@ -70,18 +70,18 @@ class PrefillConfig:
     Every field's measurements are in ``benchmarks/NOTES.md``.
     """
 
-    block_q: int = 64
-    block_n: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
-    head_unroll: int = 1
-    fp4_via_fp8: bool = False
-    clean_pass: bool = False
-    mxfp8_via_f16: bool = False
-    heads_on_n: bool = False
-    gluon: bool = False
-    gluon_refill: int = 1
-    relu_via_abs: int = 0
+    block_q: int = 64  # query rows per program
+    block_n: int = 128  # keys per program
+    num_warps: int = 4  # as in Triton
+    num_stages: int = 3  # as in Triton; Gluon: the ring of query buffers
+    head_unroll: int = 1  # heads per step of the Triton head loop
+    fp4_via_fp8: bool = False  # MXFP4 renormalised into E4M3
+    clean_pass: bool = False  # the -inf written by a store-only pass
+    mxfp8_via_f16: bool = False  # MXFP8 renormalised into f16
+    heads_on_n: bool = False  # (query row, head) pairs on the MMA's N side
+    gluon: bool = False  # the head loop as the Gluon kernel (Hopper)
+    gluon_refill: int = 1  # Gluon query buffers refilled at a time
+    relu_via_abs: int = 0  # 0, or 2: the head sum through |s| with a 2-part linear term
 
     @functools.cached_property
     def launch_options(self) -> dict:
@@ -678,14 +678,8 @@ def fp8_fp4_mqa_logits(
 
 
 def fp8_mqa_logits(
-    q: torch.Tensor,
-    kv: tuple[torch.Tensor, torch.Tensor],
-    weights: torch.Tensor,
-    cu_seq_len_k_start: torch.Tensor,
-    cu_seq_len_k_end: torch.Tensor,
-    clean_logits: bool = True,
-    max_seqlen_k: int = 0,
-    *,
+    q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], weights: torch.Tensor, cu_seq_len_k_start: torch.Tensor,
+    cu_seq_len_k_end: torch.Tensor, clean_logits: bool = True, max_seqlen_k: int = 0, *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FP8 indexer logits with DeepGEMM's ``fp8_mqa_logits`` signature: ``q`` is a bare e4m3

@@ -24,11 +24,7 @@ def window_mask(ks: torch.Tensor, ke: torch.Tensor, num_k: int) -> torch.Tensor:
 
 
 def mqa_logits_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    weights: torch.Tensor,
-    ks: torch.Tensor,
-    ke: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor,
     clean_logits: bool = True,
 ) -> torch.Tensor:
     """fp32 logits ``[S_q, S_k]`` of real-valued ``q [S_q, H, D]``, ``k [S_k, D]``.
@@ -62,14 +58,9 @@ def compress_logits(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, ma
 
 
 def fp8_fp4_mqa_logits_ref(
-    q: tuple[torch.Tensor, torch.Tensor | None],
-    kv: tuple[torch.Tensor, torch.Tensor],
-    weights: torch.Tensor,
-    cu_seq_len_k_start: torch.Tensor,
-    cu_seq_len_k_end: torch.Tensor,
-    clean_logits: bool = True,
-    max_seqlen_k: int = 0,
-    logits_dtype: torch.dtype = torch.float32,
+    q: tuple[torch.Tensor, torch.Tensor | None], kv: tuple[torch.Tensor, torch.Tensor], weights: torch.Tensor,
+    cu_seq_len_k_start: torch.Tensor, cu_seq_len_k_end: torch.Tensor, clean_logits: bool = True,
+    max_seqlen_k: int = 0, logits_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Dequantised reference with the op's arguments: fp32 math, then a cast to ``logits_dtype``."""
     q_deq = formats.dequantize_q(*q)

@@ -45,11 +45,7 @@ def paged_key_extent(context_lens: torch.Tensor) -> torch.Tensor:
 
 
 def paged_mqa_logits_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    weights: torch.Tensor,
-    context_lens: torch.Tensor,
-    max_context_len: int,
+    q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
 ) -> torch.Tensor:
     """fp32 logits ``[B * next_n, max_context_len]`` of real-valued inputs.
 
@@ -70,12 +66,7 @@ def paged_mqa_logits_ref(
 
 
 def gather_paged_keys(
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    num_tokens: int,
-    request: int,
-    fmt: str,
-    head_dim: int,
+    kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int, request: int, fmt: str, head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``num_tokens`` keys of ``request`` as stored: ``(values, scales)`` in the layout
     of :func:`tilefuse.formats.quantize_k` (E4M3 ``[n, D]`` or int8 ``[n, D/2]``; fp32 or int32 ``[n]``)."""
@@ -93,15 +84,9 @@ def gather_paged_keys(
 
 
 def fp8_fp4_paged_mqa_logits_ref(
-    q: tuple[torch.Tensor, torch.Tensor | None],
-    kv_cache: torch.Tensor,
-    weights: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    max_context_len: int,
-    clean_logits: bool = False,
-    logits_dtype: torch.dtype = torch.float32,
-    indices: torch.Tensor | None = None,
+    q: tuple[torch.Tensor, torch.Tensor | None], kv_cache: torch.Tensor, weights: torch.Tensor,
+    context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int, clean_logits: bool = False,
+    logits_dtype: torch.dtype = torch.float32, indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dequantised reference with the op's arguments: fp32 math, then a cast to ``logits_dtype``.
 

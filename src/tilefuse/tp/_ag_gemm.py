@@ -95,15 +95,7 @@ class AgPlan(FusedPlan):
 
 
 def make_plan(
-    design: str,
-    m: int,
-    n: int,
-    k: int,
-    world: int,
-    rank: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    *,
+    design: str, m: int, n: int, k: int, world: int, rank: int, dtype: torch.dtype, device: torch.device, *,
     config: GemmConfig | None = None,
     comm_programs: int | None = None,
     splits: int | None = None,

@@ -39,12 +39,12 @@ EPI_RS_PUSH = tl.constexpr(1)
 class GemmConfig:
     """Launch configuration of the persistent GEMM (explicit, no run-time autotuning)."""
 
-    block_m: int = 128
-    block_n: int = 256
-    block_k: int = 64
-    group_m: int = 8
-    num_stages: int = 3
-    num_warps: int = 8
+    block_m: int = 128  # output rows per tile
+    block_n: int = 256  # output columns per tile
+    block_k: int = 64  # reduction step
+    group_m: int = 8  # tile rows walked together (L2 reuse of the B columns)
+    num_stages: int = 3  # as in Triton
+    num_warps: int = 8  # as in Triton
     # Flatten the tile loop and the K loop into one software-pipelined loop (``tl.range(...,
     # flatten=True)``), so the next tile's first loads are in flight during this tile's
     # epilogue; plain GEMM launches only (the fused epilogues keep the nested loops).

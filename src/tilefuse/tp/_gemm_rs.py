@@ -90,15 +90,7 @@ def default_lag(k: int, world: int, programs: int, num_tiles: int, elem_bytes: i
 
 
 def make_plan(
-    design: str,
-    m: int,
-    n: int,
-    k: int,
-    world: int,
-    rank: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    *,
+    design: str, m: int, n: int, k: int, world: int, rank: int, dtype: torch.dtype, device: torch.device, *,
     config: GemmConfig | None = None,
     num_programs: int | None = None,
     lag: int | None = None,

@@ -38,17 +38,17 @@ HOST_TIMER = "host perf_counter"
 class ServingShape:
     """The model and the step sequence. Defaults: DeepSeek-V3.2 on a GPU."""
 
-    layers: int = 61
-    steps: int = 12
-    heads: int = 64
+    layers: int = 61  # indexer layers per step
+    steps: int = 12  # timed steps
+    heads: int = 64  # indexer heads
     head_dim: int = 128
-    block_kv: int = 64
-    next_n: int = 1
-    max_model_len: int = 163840
+    block_kv: int = 64  # tokens per KV page
+    next_n: int = 1  # decode rows per request (MTP)
+    max_model_len: int = 163840  # the decode output's width
     prefill_rows: tuple[int, int] = (256, 8192)  # chunk S_q, uniform in [lo, hi]
     prefill_prefix: tuple[int, int] = (0, 32768)  # keys before the chunk: S_k = prefix + S_q
-    decode_batch: tuple[int, int] = (1, 256)
-    decode_context: tuple[int, int] = (1024, 65536)
+    decode_batch: tuple[int, int] = (1, 256)  # requests per decode step, uniform in [lo, hi]
+    decode_context: tuple[int, int] = (1024, 65536)  # context length per request, uniform
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     seed: int = 0
 
