@@ -4,10 +4,10 @@
 #   PART=timing bash benchmarks/indexer_gpu_round.sh   # bench paged / indexer / serving / topk, TP core
 #   PART=verify bash benchmarks/indexer_gpu_round.sh   # GPU tests, prefill A/B vs $AB_BASE, host cost
 #   PART=ab-peer / PART=final: A/B over $AB_TREES while DeepGEMM builds, then host cost and peer rows
-#   PART=session: new kernel code's GPU tests (sharded over processes), the A/B, host cost, TP core
-#   PART=session2: launch-path GPU tests, host cost, bench serving, DeepGEMM's paged test to the deadline
-#   PART=session3: host cost of $AB_PREV and this tree on one machine, bench topk, decode sweep rows
-#   PART=session4: TP core tests on the device, bench topk, block-32 decode sweep rows
+#   PART=tests: the README's test command, then the whole suite split over processes
+#   PART=decode: the decode schedule grid beside DeepGEMM; PART=topk: top-k tests and speed
+#   PART=host: host cost of $AB_PREV and this tree alternately on one machine
+#   PART="tests decode": several parts, in order
 # DeepGEMM comes from an ignored copy of shared/peers/deepgemm at $PEERS (default .peers/deepgemm),
 # built once per machine. Result files go to $OUT (default out/), the step logs to $OUT/logs.tgz.
 set -uo pipefail
@@ -64,7 +64,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ "${PART:-checks}" =~ ^(verify|ab-peer|final|session|session2|session3|session4)$ ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|decode|host|topk)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -72,7 +72,8 @@ elif [ -f "$PEERS/build.sh" ]; then
   source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
 fi
 python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
-case "${PART:-checks}" in
+for part in ${PART:-checks}; do
+case "$part" in
   verify)  # after a host-path change: the GPU tests, the prefill A/B against $AB_BASE, host cost
     step tests-errors 25 python3 -m pytest -q -p no:cacheprovider tests/test_errors.py tests/test_jit.py
     step tests-prefill 170 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_prefill.py
@@ -95,26 +96,17 @@ case "${PART:-checks}" in
     TILEFUSE_PAGED_CONFIG=tma=1 step bench-paged-tma 60 python3 -m tilefuse.cli bench paged \
       -o "$OUT/paged-tma.json" -q --shapes $TMA_SHAPES
     ;;
-  session)  # a session's first call: new kernel code's GPU tests (sharded), the A/B, host cost, TP core
-    shards tests-gluon 300 4 tests/indexer/test_prefill.py -k "gluon or checked"
-    shards tests-topk 120 2 tests/indexer/test_topk.py
-    step prefill-ab 130 python3 benchmarks/prefill_ab.py ${AB_TREES:-.ab/c0 .} --rounds 3 \
-      --output "$OUT/prefill-ab.json"
-    wait_deepgemm
-    host_steps
-    step tp-compiles 60 python3 -m pytest -q -p no:cacheprovider tests/tp/test_gpu.py -k compiles
+  tests)  # the README's test command on this image (no dev tools), then the whole suite split over processes
+    step readme-tests 60 bash scripts/test.sh tests/test_config.py tests/test_skip_summary.py
+    shards tests-all "${TESTS_S:-330}" "${TEST_PROCS:-12}" tests
     ;;
-  session2)  # after launch-path changes: the GPU tests of every descriptor launch, host cost, serving, DeepGEMM's paged test
-    shards tests-launch 220 4 tests/test_jit.py tests/indexer/test_paged.py tests/indexer/test_paged_bounds.py \
-      tests/tp/test_gpu.py tests/indexer/test_warmup.py tests/indexer/test_topk.py
-    shards tests-gluon 150 4 tests/indexer/test_prefill.py -k "gluon_relu_via_abs or gluon_head_loop_at_few or checked"
+  decode)  # the decode kernel's schedule grid beside DeepGEMM at the rows furthest behind it
     wait_deepgemm
-    host_steps
-    step bench-serving 110 python3 -m tilefuse.cli bench serving --steps 4 -o "$OUT/serving.json"
-    step deepgemm-paged 600 python3 benchmarks/deepgemm_tests.py --tests paged --cases "${DG_CASES:-200}"
+    step paged-sweep "${SWEEP_S:-220}" python3 benchmarks/paged_sweep.py --grid schedule --samples 15 \
+      --output "$OUT/paged-sweep-schedule.json" --rows ${DECODE_ROWS:-1x1x131072 1x1x8192 8x1x32768 \
+      8x1x32768/32 32x1x8192 32x1x4096 64x1x8192 64x2x8192 128x1x32768 256x2x8192 1024x1x1024}
     ;;
-  session3)  # host cost of $AB_PREV (a src tree) and this tree on one machine, top-k beside its unfused pairs, decode sweep rows
-    shards tests-launch 90 2 tests/test_jit.py tests/tp/test_gpu.py tests/tp/test_core_and_inputs.py
+  host)  # host cost of $AB_PREV (a src tree) and this tree alternately on one machine
     wait_deepgemm
     for round in 1 2; do for tree in "${AB_PREV:-.ab/prev}" .; do
       tag=$( [ "$tree" = . ] && echo now || echo prev )$round
@@ -125,18 +117,12 @@ case "${PART:-checks}" in
         --k 1024 --json "$OUT/tp-host-$tag.jsonl"
     done; done
     step host-prefill 25 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
-    step bench-topk 100 python3 -m tilefuse.cli bench topk -o "$OUT/topk.json" --samples 10 \
-      --shapes ${TOPK_SHAPES:-2048x32768 4096x65536 64x1x32768 256x2x65536}
-    step bench-sweep 400 python3 -m tilefuse.cli bench paged --sweep -o "$OUT/paged-sweep.json" --samples 15 \
-      --shapes ${SWEEP_SHAPES:-1x1x131072 32x1x8192 64x2x8192 128x1x32768 256x4x4096 1024x1x1024 1024x2x8192 8x1x32768}
     ;;
-  session4)  # the TP core tests on the device's tensors, top-k beside its unfused pairs, block-32 decode rows
-    shards tests-tp 60 2 tests/tp/test_core_and_inputs.py tests/test_jit.py
+  topk)  # the fused top-k's GPU tests, then its speed beside the unfused pairs
+    shards tests-topk 120 4 tests/indexer/test_topk.py
     wait_deepgemm
-    step bench-topk 110 python3 -m tilefuse.cli bench topk -o "$OUT/topk.json" --samples 10 \
+    step bench-topk "${TOPK_S:-150}" python3 -m tilefuse.cli bench topk -o "$OUT/topk.json" --samples 10 \
       --shapes ${TOPK_SHAPES:-2048x32768 4096x65536 64x1x32768 256x2x65536}
-    step bench-sweep 150 python3 -m tilefuse.cli bench paged --sweep -o "$OUT/paged-sweep.json" --samples 15 \
-      --shapes ${SWEEP_SHAPES:-256x4x4096 64x1x8192}
     ;;
   final)  # after kernel-default and host-path changes: their GPU tests, the A/B, host cost, decode beside DeepGEMM
     step tests-paged 150 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_paged.py \
@@ -172,5 +158,6 @@ case "${PART:-checks}" in
     step tp-compiles 40 python3 -m pytest -q -p no:cacheprovider tests/tp/test_gpu.py -k compiles
     ;;
 esac
+done
 # few files come back from some machines: the logs travel as one archive
 tar -czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null && rm -rf "$LOGS"

@@ -1,12 +1,14 @@
 """Launch-configuration sweep of the paged decode kernel on one GPU.
 
 Times each (row, config) in graph mode against the copy bandwidth measured in the same run,
-after checking each config's complete output against the dequantised reference. The rows are
-the speed targets of the paged op (block 64, FP8, fp32 logits, 2-D context lengths uniform in
-0.7-1.3 of the mean); bytes = KV pages read + logits written. The outcome goes to
+after checking each config's complete output against the dequantised reference, with
+DeepGEMM's kernel in the same timing call when it imports (its ratio printed per config). The
+rows are the speed targets of the paged op (block 64, FP8, fp32 logits, 2-D context lengths
+uniform in 0.7-1.3 of the mean); bytes = KV pages read + logits written. The outcome goes to
 ``benchmarks/NOTES.md`` and the winners into ``default_paged_config``.
 
     python benchmarks/paged_sweep.py --output paged-sweep.json
+    python benchmarks/paged_sweep.py --rows 8x1x32768 1x1x131072/32 --grid schedule
 """
 
 from __future__ import annotations
@@ -34,11 +36,18 @@ WIDE_ROWS = [(64, 1, 8192, 163840)]
 H, D, BLOCK_KV = 64, 128, 64
 
 
-def configs(next_n: int) -> list[PagedConfig]:
-    base = default_paged_config("fp8", next_n, H, D, BLOCK_KV)
+def configs(next_n: int, heads: int = H, grid: str = "tuning") -> list[PagedConfig]:
+    """``tuning``: the default and its neighbours; ``schedule``: also the chunk per program
+    (256-4096 keys), the head sum on the tensor cores and two warpgroups per 128-key tile."""
+    base = default_paged_config("fp8", next_n, heads, D, BLOCK_KV)
     rep = lambda **kw: PagedConfig(**{**base.__dict__, **kw})  # noqa: E731
     out = [base] + [rep(chunk=c) for c in (512, 1024, 2048)]
     out += [rep(block_n=64, num_stages=4), rep(num_stages=2), rep(num_stages=4), rep(num_warps=8)]
+    if grid == "schedule":
+        out += [rep(chunk=c) for c in (256, 4096)]
+        out += [rep(head_sum_mma=True), rep(head_sum_mma=True, chunk=1024)]
+        out += [rep(num_warps=8, chunk=c) for c in (256, 1024)]
+        out += [rep(num_stages=2, chunk=c) for c in (256, 1024)]
     if next_n > 1:
         out += [rep(rows=1, num_warps=4, num_stages=4)]
     if next_n > 2:  # the previous default: two programs per key tile (the second read from L2)
@@ -47,17 +56,25 @@ def configs(next_n: int) -> list[PagedConfig]:
 
 
 def name_of(cfg: PagedConfig) -> str:
-    return f"n{cfg.block_n} r{cfg.rows} chunk{cfg.chunk} w{cfg.num_warps} st{cfg.num_stages}"
+    mma = " mma" if cfg.head_sum_mma else ""
+    return f"n{cfg.block_n} r{cfg.rows} chunk{cfg.chunk} w{cfg.num_warps} st{cfg.num_stages}{mma}"
 
 
-def make_row(b: int, next_n: int, mean: int, out_cols: int | None = None, seed: int = 0):
+def parse_row(text: str) -> tuple[int, int, int, int]:
+    """``BxNEXT_NxCTX`` or ``BxNEXT_NxCTX/H`` (heads, default 64)."""
+    shape, _, heads = text.partition("/")
+    b, n, c = (int(v) for v in shape.split("x"))
+    return b, n, c, int(heads or H)
+
+
+def make_row(b: int, next_n: int, mean: int, out_cols: int | None = None, seed: int = 0, heads: int = H):
     g = torch.Generator().manual_seed(seed)
     ctx = (mean * (0.7 + 0.6 * torch.rand(b, next_n, generator=g))).long().clamp(min=next_n)
     ctx = ctx.sort(dim=1).values.to(torch.int32).cuda()
     keys = torch.randn(b, int(ctx.max()), D, generator=g).to(torch.bfloat16).cuda()
     cache, table = make_paged_kv_cache(keys, ctx, BLOCK_KV, "fp8", generator=g)
-    q = F.quantize_q(torch.randn(b, next_n, H, D, generator=g).cuda(), "fp8")
-    w = torch.randn(b * next_n, H, generator=g).cuda()
+    q = F.quantize_q(torch.randn(b, next_n, heads, D, generator=g).cuda(), "fp8")
+    w = torch.randn(b * next_n, heads, generator=g).cuda()
     max_len = out_cols or int(ctx.max())
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     meta = tilefuse.get_paged_mqa_logits_metadata(ctx, BLOCK_KV, num_sms)
@@ -66,23 +83,41 @@ def make_row(b: int, next_n: int, mean: int, out_cols: int | None = None, seed: 
                 bytes=kv_bytes + b * next_n * int(ctx.max()) * 4)  # columns the kernel writes (no clean)
 
 
+def deep_gemm_call(row):
+    """DeepGEMM's decode kernel on the row's inputs (None when it does not import)."""
+    try:
+        import deep_gemm
+    except Exception:
+        return None
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    meta = deep_gemm.get_paged_mqa_logits_metadata(row["ctx"], BLOCK_KV, num_sms)
+    return functools.partial(deep_gemm.fp8_paged_mqa_logits, row["q"][0], row["cache"], row["w"], row["ctx"],
+                             row["table"], meta, row["max_len"], False)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--output", default="paged-sweep.json")
     ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--rows", nargs="+", type=parse_row, help="BxNEXT_NxCTX[/H] (default: the target rows)")
+    ap.add_argument("--grid", choices=("tuning", "schedule"), default="tuning")
     args = ap.parse_args(argv)
-    record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": []}
+    record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": [],
+              "grid": args.grid}
     copy = ceilings.ceiling_value(record["ceilings"], "copy")
     print(f"copy ceiling {copy:.2f} TB/s", flush=True)
+    rows = [(b, n, c, H, None) for b, n, c in ROWS] + [(b, n, c, H, w) for b, n, c, w in WIDE_ROWS]
+    if args.rows:
+        rows = [(b, n, c, h, None) for b, n, c, h in args.rows]
     table = []
-    for b, next_n, mean, *wide in ROWS + WIDE_ROWS:
-        row = make_row(b, next_n, mean, *wide)
+    for b, next_n, mean, heads, wide in rows:
+        row = make_row(b, next_n, mean, wide, heads=heads)
         args_ = (row["q"], row["cache"], row["w"], row["ctx"], row["table"], row["meta"], row["max_len"])
         ref = R.fp8_fp4_paged_mqa_logits_ref(row["q"], row["cache"], row["w"], row["ctx"], row["table"],
                                              row["max_len"])
         inside = ~torch.isneginf(ref)
         fns, checks = {}, {}
-        for cfg in configs(next_n):
+        for cfg in configs(next_n, heads, args.grid):
             name = name_of(cfg)
             fn = functools.partial(tilefuse.fp8_fp4_paged_mqa_logits, *args_, config=cfg)
             try:
@@ -93,23 +128,31 @@ def main(argv=None):
                 fns[name] = fn
             except Exception as e:  # a config that does not compile or launch is a row, not a crash
                 checks[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        peer = deep_gemm_call(row) if next_n <= 2 else None  # DeepGEMM runs next_n 1 and 2 on SM90
+        if peer is not None:
+            fns["deep_gemm"] = peer
+            checks["deep_gemm"] = {"ok": True, "calc_diff": None}
         stats = timing.time_graph(fns, calls=5, samples=args.samples) if fns else {}
-        label = f"B{b} n{next_n} ctx{mean}" + (f" cols{wide[0]}" if wide else "")
+        peer_us = stats["deep_gemm"].median_us if "deep_gemm" in stats else None
+        label = f"B{b} n{next_n} ctx{mean} H{heads}" + (f" cols{wide}" if wide else "")
         for name, check in checks.items():
-            entry = {"batch": b, "next_n": next_n, "mean_context": mean, "config": name, "check": check,
-                     "bytes": row["bytes"]}
+            entry = {"batch": b, "next_n": next_n, "mean_context": mean, "heads": heads, "config": name,
+                     "check": check, "bytes": row["bytes"], "max_context_len": row["max_len"]}
             if name in stats:
-                tbps = row["bytes"] / (stats[name].median_us * 1e-6) / 1e12
-                entry.update(stats=stats[name].to_dict(), tbps=tbps, copy_ratio=tbps / copy)
-                table.append((label, name, stats[name].median_us, tbps, tbps / copy, check["ok"]))
-                print(f"{label} {name}: {stats[name].median_us:.1f} us {tbps:.2f} TB/s ok={check['ok']}", flush=True)
+                us = stats[name].median_us
+                tbps = row["bytes"] / (us * 1e-6) / 1e12
+                speed = peer_us / us if peer_us else None
+                entry.update(stats=stats[name].to_dict(), tbps=tbps, copy_ratio=tbps / copy, deep_gemm_speed=speed)
+                table.append((label, name, us, tbps, tbps / copy, speed, check["ok"]))
             record["rows"].append(entry)
+        del row, ref, inside, fns
         torch.cuda.empty_cache()
     with open(args.output, "w") as f:
         json.dump(record, f, indent=1)
-    print(f"\n{'row':20s} {'config':26s} {'us':>8s} {'TB/s':>6s} {'copy':>5s} ok")
-    for label, name, us, tbps, ratio, ok in table:
-        print(f"{label:20s} {name:26s} {us:8.1f} {tbps:6.2f} {ratio:5.2f} {'y' if ok else 'N'}")
+    print(f"\n{'row':24s} {'config':30s} {'us':>8s} {'TB/s':>6s} {'copy':>5s} {'vs DG':>6s} ok")
+    for label, name, us, tbps, ratio, speed, ok in table:
+        vs = f"{speed:6.2f}" if speed else "     -"
+        print(f"{label:24s} {name:30s} {us:8.1f} {tbps:6.2f} {ratio:5.2f} {vs} {'y' if ok else 'N'}")
     return 0
 
 
