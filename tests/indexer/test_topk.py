@@ -2,10 +2,14 @@
 logits, ranked by the reference (value descending, position ascending over the valid window,
 then -1). Chunks are forced small so the merge path runs many times per row; ties, -inf and
 NaN logits, empty rows, windows not aligned to any chunk, ``topk`` larger than the window,
-every format, both APIs, ``out=``, reruns, device-side value errors and bad arguments.
+every format, both APIs, ``out=``, reruns, device-side value errors and bad arguments. The
+merge kernel also runs on given logits (ascending, where every key is a candidate, descending,
+ties, NaN, -inf) with small candidate buffers, so they are merged many times a chunk.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -52,6 +56,103 @@ def test_reference_order_by_hand():
     assert val[1, 5:].isneginf().all()
     idx3, _ = R.topk_of_logits(logits, valid, 3)
     assert torch.equal(idx3, idx[:, :3])
+
+
+# ---------------------------------------------------------------------------------------
+# The merge kernel on given logits: orders that make every key a candidate, ties, flushes
+# ---------------------------------------------------------------------------------------
+def merge_chunks(logits, ks, ke, k_top, chunk_k, mode=kern.WIN_PREFILL, next_n=1):
+    """The ops' chunk loop on a given logits matrix: ``(indices, values)`` of the merge kernel.
+    Prefill: windows ``[ks, ke)``; decode: ``ks`` are the lengths (1-D or 2-D), ``ke`` unused."""
+    rows, n = logits.shape
+    chunks = topk._chunks(n, chunk_k)
+    state, candidates = topk._workspace(rows, k_top, len(chunks), logits.device)
+    candidates.fill_(7)  # scratch: nothing may depend on what it held
+    out = torch.full((rows, k_top), 12345, dtype=torch.int32, device=logits.device)
+    values = torch.empty((rows, k_top), dtype=logits.dtype, device=logits.device)
+    ctx_stride = ks.stride(0) if ks.dim() == 2 else 1
+    for c, (lo, hi) in enumerate(chunks):
+        topk._merge(logits[:, lo:hi].contiguous(), state, candidates, lo, hi - lo, ks, ke, n, n, next_n, ctx_stride,
+                    0, out, values, k_top, mode, first=c == 0, final=c == len(chunks) - 1)
+    tilefuse.check_errors()
+    return out, values
+
+
+def _pattern(name, rows, n, g):
+    """fp32 logits ``[rows, n]`` in an order that stresses the merge."""
+    pos = torch.arange(n, dtype=torch.float32)[None, :].expand(rows, n)
+    if name == "ascending":  # every key beats the bar: the buffer fills at every block
+        return pos + torch.arange(rows)[:, None]
+    if name == "descending":  # the first buffer holds the answer; nothing later is a candidate
+        return -pos
+    if name == "equal":  # one value: the order is the positions
+        return torch.full((rows, n), 0.5)
+    if name == "few-values":  # heavy ties, +0.0 and -0.0 among them
+        return torch.tensor([-1.0, -0.0, 0.0, 2.0, 3.0])[torch.randint(0, 5, (rows, n), generator=g)]
+    if name == "sawtooth":  # ascending runs restarting every 37 keys, rising slowly
+        return (pos % 37) + pos / 1024
+    if name == "specials":  # random with NaN, +-inf and signed zeros sprinkled in
+        x = torch.randn(rows, n, generator=g)
+        pick = torch.randint(0, 8, (rows, n), generator=g)
+        x = torch.where(pick == 0, float("nan"), x)
+        x = torch.where(pick == 1, float("inf"), x)
+        x = torch.where(pick == 2, float("-inf"), x)
+        return torch.where(pick == 3, -0.0, x)
+    if name == "all-neg-inf":
+        return torch.full((rows, n), float("-inf"))
+    return torch.randn(rows, n, generator=g)
+
+
+PATTERNS = ["ascending", "descending", "equal", "few-values", "sawtooth", "specials", "all-neg-inf", "random"]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("k_top,chunk_k", [(5, 48), (16, 1000), (40, 96)])
+def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k):
+    """Buffers of 16 or 64 keys (flushed after 12 or 48), many flushes a chunk, chunks not a
+    multiple of the scan block, random windows (empty, short, past the row's end), several rows
+    a program; the candidate scratch starts as garbage."""
+    rows, n = 24, 300
+    g = torch.Generator().manual_seed(len(pattern) + k_top)
+    logits = _pattern(pattern, rows, n, g).to(DEVICE)
+    ks, ke = W.random_windows(rows, n, g, DEVICE, empty_fraction=0.15, overhang=20)
+    ks[0], ke[0] = 0, n  # the whole row
+    ks[1], ke[1] = 3, 3 + k_top - 1  # one key fewer than topk
+    idx, val = merge_chunks(logits, ks, ke, k_top, chunk_k)
+    ref_idx, ref_val = R.topk_of_logits(logits, R.window_mask(ks, ke, n), k_top)
+    assert torch.equal(idx, ref_idx)
+    assert _equal(val, ref_val)
+
+
+@pytest.mark.parametrize("ctx_2d", [False, True])
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_merge_decode_windows(ctx_2d, logits_dtype):
+    """Decode windows (1-D causal rows of next_n 3, or 2-D lengths), ascending and tied logits."""
+    b, next_n, n, k_top = 5, 3, 200, 24
+    g = torch.Generator().manual_seed(30 + ctx_2d)
+    lens = torch.tensor([200, 0, 2, 130, 77], dtype=torch.int32)
+    ctx = (lens[:, None] * torch.rand(b, next_n, generator=g)).to(torch.int32) if ctx_2d else lens
+    ctx = ctx.to(DEVICE)
+    logits = torch.cat([_pattern("ascending", 6, n, g), _pattern("few-values", 9, n, g)]).to(logits_dtype).to(DEVICE)
+    mode = kern.WIN_DECODE_2D if ctx_2d else kern.WIN_DECODE_1D
+    idx, val = merge_chunks(logits, ctx, ctx, k_top, 64, mode=mode, next_n=next_n)
+    ref_idx, ref_val = R.topk_of_logits(logits, R.paged_valid_mask(ctx, next_n, n), k_top)
+    assert torch.equal(idx, ref_idx)
+    assert _equal(val, ref_val)
+
+
+def test_merge_long_rows_wide_state():
+    """topk 128 (a buffer of 128, scan blocks of 32) over 2000 keys in one and in four chunks:
+    random, ascending and descending rows, one program a row."""
+    rows, n, k_top = 3, 2000, 128
+    g = torch.Generator().manual_seed(31)
+    logits = torch.cat([_pattern(p, 1, n, g) for p in ("random", "ascending", "descending")]).to(DEVICE)
+    ks, ke = W.full(rows, n, DEVICE)
+    ref_idx, ref_val = R.topk_of_logits(logits, R.window_mask(ks, ke, n), k_top)
+    for chunk_k in (n, 512):
+        idx, val = merge_chunks(logits, ks, ke, k_top, chunk_k)
+        assert torch.equal(idx, ref_idx) and _equal(val, ref_val)
 
 
 # ---------------------------------------------------------------------------------------
@@ -126,6 +227,23 @@ def test_prefill_all_zero_inputs_and_negative_weights():
     for i in range(s_q):
         n = min(32, int(ke[i] - ks[i]))
         assert idx[i, :n].tolist() == list(range(int(ks[i]), int(ks[i]) + n))
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+def test_prefill_monotone_logits(order):
+    """Logits monotone in the key position (per-key FP8 scales): ascending, every key beats the
+    running bar and the candidate buffer fills at every block; descending, none after the first."""
+    s_q, s_k, h, d = 8, 700, 4, 32
+    qq = F.quantize_q(torch.ones(s_q, h, d).to(torch.bfloat16), "fp8")
+    k, scale = F.quantize_k(torch.ones(s_k, d).to(torch.bfloat16), "fp8")
+    ramp = 1 + torch.arange(s_k, dtype=torch.float32) / 1024
+    kk = (k.to(DEVICE), (scale * (ramp if order == "ascending" else ramp.flip(0))).to(DEVICE))
+    w = torch.rand(s_q, h, generator=torch.Generator().manual_seed(22)).to(DEVICE) + 0.5
+    ks, ke = W.causal_tail(s_q, s_k, DEVICE)
+    idx = check_prefill(qq, kk, w, ks, ke, 16, chunk_k=256)
+    ends = ke.long()[:, None]
+    first = ends - 1 - torch.arange(16, device=DEVICE) if order == "ascending" else torch.arange(16, device=DEVICE)
+    assert torch.equal(idx.long(), first.expand(s_q, 16))
 
 
 def test_prefill_topk_larger_than_every_window():
@@ -321,7 +439,9 @@ def test_bytes_moved_and_default_chunks():
     moved = topk.topk_bytes_moved(8192, 131072, 2048, 16384, chunk_q=512)
     assert moved["unfused"] == 2 * 8192 * 131072 * 4 + 8192 * 2048 * 4
     assert moved["chunked_total"] == moved["unfused"] + 8192 * 2048 * 8 * 2 * 7
-    assert moved["chunked_workspace_bytes"] == 512 * (16384 * 4 + 2048 * 8)
+    assert moved["chunked_workspace_bytes"] == 512 * (16384 * 4 + 2 * 2048 * 8)
+    assert moved["candidates_random"] == round(8192 * 2048 * (1 + math.log(64)) * 16)
+    assert topk.topk_bytes_moved(4, 100, 128, 256)["candidates_random"] == 4 * 100 * 16
     assert moved["chunked_hbm_if_l2_resident"] < moved["unfused"] / 4
     assert topk.topk_bytes_moved(4, 100, 8, 256)["chunked_hbm_if_l2_resident"] == 4 * 8 * 4
     assert topk.default_chunk_k(2048, 256) == 16384 and topk.default_chunk_k(8, 256) == 2048

@@ -13,11 +13,14 @@ exact whatever the ties. ``INT64_MIN`` is the empty slot (no valid key reaches i
 stay below ``2^31 - 1``); it decodes to index ``-1`` and value ``-inf``.
 
 A row's state is ``W`` keys (``W`` a power of two >= topk) sorted descending in a workspace
-between chunks and in registers inside one. A block of ``W`` logits is merged only if a key
-beats its row's running ``topk``-th key (once that bar is high, a block costs one compare per
-element); the merge sorts the block ascending, takes the elementwise maximum with the
-descending state (the ``W`` largest of both, as a bitonic sequence) and sorts that with a
-bitonic merge (``log2 W`` stages, not a full sort's ``log2 W (log2 W + 1) / 2``).
+between chunks and in registers inside one; its ``topk``-th key is the bar a new key must beat.
+A chunk is scanned in blocks of ``W / 4`` columns: the keys above the bar are compacted (a
+prefix sum of the mask gives each its slot) into the row's candidate buffer of ``W`` keys in
+global memory, and the buffer is merged into the state only when it could overflow with the
+next block, and at the chunk's end. The merge sorts the buffer ascending, takes the
+elementwise maximum with the descending state (the ``W`` largest of both, as a bitonic
+sequence) and sorts that with a bitonic merge (``log2 W`` stages); then the bar rises. Keys
+below a bar are below the final ``topk``-th key (bars only rise), so dropping them is exact.
 """
 
 from __future__ import annotations
@@ -129,12 +132,26 @@ def _kth(state, slot, TOPK: tl.constexpr):
     return tl.max(tl.where(slot[None, :] == TOPK - 1, state, EMPTY_KEY), axis=1)
 
 
+@triton.jit
+def _merge_candidates(state, cand_rows, count, slot, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr):
+    """``state`` with each row's first ``count`` keys of its candidate buffer merged in."""
+    # The candidates were stored by other threads of the program; the barrier after the load
+    # keeps the next block's stores behind it.
+    tl.debug_barrier()
+    cand = tl.load(cand_rows + slot[None, :], mask=slot[None, :] < count[:, None], other=EMPTY_KEY)
+    tl.debug_barrier()
+    # Candidates ascending against the state descending: the elementwise maximum is the W
+    # largest of both, bitonic.
+    return _merge_bitonic(tl.maximum(state, _sort_rows(cand, ROWS, W, LOG_W, 0)), ROWS, W, LOG_W, 1)
+
+
 # Runtime ints that change with the shape or the chunk: not specialised, so no recompiles.
-@triton.jit(do_not_specialize=["n_rows", "row_base", "stride_l", "stride_s", "n_keys", "key_limit", "next_n",
-                               "ctx_stride", "chunk_lo", "chunk_width", "stride_i", "stride_v"])
+@triton.jit(do_not_specialize=["n_rows", "row_base", "stride_l", "stride_s", "stride_c", "n_keys", "key_limit",
+                               "next_n", "ctx_stride", "chunk_lo", "chunk_width", "stride_i", "stride_v"])
 def topk_merge_chunk_kernel(
     logits_ptr, stride_l,
     state_ptr, stride_s,
+    cand_ptr, stride_c,
     n_rows, row_base, win_a_ptr, win_b_ptr, n_keys, key_limit, next_n, ctx_stride,
     chunk_lo, chunk_width,
     idx_ptr, stride_i, val_ptr, stride_v,
@@ -145,11 +162,14 @@ def topk_merge_chunk_kernel(
     """ROWS rows a program: merge each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) into its state; FIRST starts from an empty state (and checks the
     rows' windows), FINAL writes the first TOPK indices (and values) instead of the state.
+    ``cand_ptr`` holds W keys a row (the candidate buffer, scratch within one launch).
 
-    The rows walk the union of their windows in blocks of W columns (rows of one program have
-    near windows in the usual layouts: causal, zig-zag, decode), each row masked to its own."""
+    The rows walk the union of their windows in blocks of W / 4 columns (rows of one program
+    have near windows in the usual layouts: causal, zig-zag, decode), each row masked to its
+    own; the candidates of all rows are merged when any row's buffer could overflow."""
     tl.static_assert(W >= TOPK)
     tl.static_assert(W == 1 << LOG_W)
+    BLOCK: tl.constexpr = W // 4
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     live = row < n_rows
     row = tl.where(live, row, 0)  # dead rows reread row 0 and store nothing
@@ -164,19 +184,28 @@ def topk_merge_chunk_kernel(
     else:
         state = tl.load(state_ptr + cell)
     kth = _kth(state, slot, TOPK)
+    cand_rows = cand_ptr + row[:, None] * stride_c
+    count = tl.zeros([ROWS], tl.int32)  # keys in each row's candidate buffer, <= W - BLOCK between blocks
     walk_lo = tl.min(tl.where(lo < hi, lo, chunk_lo + chunk_width), axis=0)
     walk_hi = tl.max(tl.where(lo < hi, hi, 0), axis=0)
     row_logits = logits_ptr + row[:, None] * stride_l
-    for b0 in range(walk_lo, walk_hi, W):
-        pos = b0 + slot[None, :]
+    col = tl.arange(0, BLOCK)
+    for b0 in range(walk_lo, walk_hi, BLOCK):
+        pos = b0 + col[None, :]
         inside = (pos >= lo[:, None]) & (pos < hi[:, None])
         v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
-        keys = tl.where(inside, _order_keys(v, pos), EMPTY_KEY)
-        if tl.max((tl.max(keys, axis=1) > kth).to(tl.int32), axis=0) > 0:
-            # Block ascending against state descending: the elementwise maximum is the W largest
-            # of both, bitonic; rows with nothing above their bar keep their state.
-            state = _merge_bitonic(tl.maximum(state, _sort_rows(keys, ROWS, W, LOG_W, 0)), ROWS, W, LOG_W, 1)
+        keys = _order_keys(v, pos)
+        above = inside & (keys > kth[:, None])
+        taken = above.to(tl.int32)
+        # Slots count[r] .. count[r] + BLOCK - 1 < W: in the buffer whatever the values.
+        tl.store(cand_rows + (count[:, None] + tl.cumsum(taken, axis=1) - 1), keys, mask=above)
+        count += tl.sum(taken, axis=1)
+        if tl.max(count, axis=0) > W - BLOCK:
+            state = _merge_candidates(state, cand_rows, count, slot, ROWS, W, LOG_W)
             kth = _kth(state, slot, TOPK)
+            count = tl.zeros([ROWS], tl.int32)
+    if tl.max(count, axis=0) > 0:
+        state = _merge_candidates(state, cand_rows, count, slot, ROWS, W, LOG_W)
     if FINAL:
         out = live[:, None] & (slot[None, :] < TOPK)
         empty = state == EMPTY_KEY

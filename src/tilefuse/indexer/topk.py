@@ -19,9 +19,11 @@ the op picks for all S_q rows passed explicitly; decode: block-table columns
 ``[lo / block_kv, hi / block_kv)`` with 2-D lengths shifted and clamped), so every value is
 the unfused op's value by construction: a logit depends on its own (row, key) only, and slices
 start on whole tiles (prefill: 128 rows, 256 keys) or pages (decode). A Triton kernel
-(``_topk_kernel``) then merges the chunk into a running per-row top-k of int64 keys. The
-workspace is one chunk of logits plus ``W = next_pow2(topk)`` keys per row of the block,
-independent of S_k; :func:`topk_bytes_moved` gives the traffic beside the unfused pair's.
+(``_topk_kernel``) then merges the chunk into a running per-row top-k of int64 keys: only
+the keys above a row's running ``topk``-th key are collected, and sorted into the state a
+buffer at a time. The workspace is one chunk of logits plus ``2 W`` keys per row of the block
+(the state and the candidate buffer, ``W = next_pow2(topk)``), independent of S_k;
+:func:`topk_bytes_moved` gives the traffic beside the unfused pair's.
 
 The result is always sorted: the merge keeps each row's state sorted anyway, so an unsorted
 variant would save only the final copy (no option is offered for it).
@@ -34,6 +36,8 @@ with fake implementations and write into ``out=`` if given.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -68,7 +72,8 @@ _MAX_POSITION = 2**31 - 2  # keys hold 0x7FFFFFFF - position in 31 bits, above t
 
 
 def state_width(topk: int) -> int:
-    """Keys kept per row between chunks (and the merge block): the next power of two >= topk."""
+    """Keys kept per row between chunks (and the candidate buffer's size): the next power of two
+    >= topk."""
     return max(_MIN_STATE, next_power_of_2(topk))
 
 
@@ -94,9 +99,13 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
     ``rows`` x ``n_keys`` logits of ``logits_bytes`` each. Unfused: the logits op writes them
     and a top-k reads them at least once, then writes int32 indices. Chunked (these ops): the
     same logits writes and reads, but into a workspace of ``min(rows, chunk_q) * chunk_k`` logits
-    and as many states (in L2 when they fit, so they need not reach HBM), plus the state (``W``
-    int64 keys a row) stored after every chunk but the last and loaded before every chunk but
-    the first, plus the indices.
+    and as many states and candidate buffers (in L2 when they fit, so they need not reach HBM),
+    plus the state (``W`` int64 keys a row) stored after every chunk but the last and loaded
+    before every chunk but the first, plus the indices. The candidates (keys above a row's
+    running bar, each stored and loaded once) depend on the values: ``candidates_random`` is
+    their bytes for keys in random order, about ``topk * (1 + ln(n / topk))`` a row of ``n``
+    keys (a bar that rises at every key; it rises a buffer at a time, so a little more); keys
+    in ascending order make every key a candidate.
     Inputs (q, keys, weights) are read alike by both and left out.
     """
     logits = rows * n_keys * logits_bytes
@@ -104,11 +113,13 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
     chunks = max(1, cdiv(n_keys, chunk_k))
     state = rows * state_width(topk) * 8 * 2 * (chunks - 1)
     block = rows if chunk_q is None else min(rows, chunk_q)
+    per_row = n_keys if n_keys <= topk else topk * (1 + math.log(n_keys / topk))
     return {
         "unfused": 2 * logits + indices,
         "chunked_total": 2 * logits + state + indices,
-        "chunked_workspace_bytes": block * (min(chunk_k, max(n_keys, 1)) * logits_bytes + state_width(topk) * 8),
+        "chunked_workspace_bytes": block * (min(chunk_k, max(n_keys, 1)) * logits_bytes + 2 * state_width(topk) * 8),
         "chunked_hbm_if_l2_resident": state + indices,
+        "candidates_random": round(rows * per_row * 8 * 2),
     }
 
 
@@ -137,14 +148,15 @@ def _outputs(rows: int, topk: int, logits_dtype, device, out, return_values: boo
     return out, values
 
 
-def _merge(logits, state, lo: int, width: int, win_a, win_b, n_keys: int, key_limit: int, next_n: int,
+def _merge(logits, state, candidates, lo: int, width: int, win_a, win_b, n_keys: int, key_limit: int, next_n: int,
            ctx_stride: int, row_base: int, out, values, topk: int, mode: int, first: bool, final: bool) -> None:
     """Merge logits columns ``[0, width)`` (positions ``lo + c``) of every row of ``out`` into
-    ``state``; ``row_base`` is the first row's index in the op's output (for error messages)."""
+    ``state`` (``candidates``: the kernel's scratch, one buffer a row); ``row_base`` is the first
+    row's index in the op's output (for error messages)."""
     rows, w = out.shape[0], state_width(topk)
     rows_per_program = max(1, min(next_power_of_2(rows), _KEYS_PER_PROGRAM // w))
     kern.topk_merge_chunk_kernel[(cdiv(rows, rows_per_program),)](
-        logits, logits.stride(0), state, state.stride(0),
+        logits, logits.stride(0), state, state.stride(0), candidates, candidates.stride(0),
         rows, row_base, win_a, win_b, n_keys, key_limit, next_n, ctx_stride,
         lo, width,
         out, out.stride(0), out if values is None else values, 0 if values is None else values.stride(0),
@@ -159,10 +171,12 @@ def _chunks(n_keys: int, chunk_k: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + chunk_k, n_keys)) for lo in range(0, max(n_keys, 1), chunk_k)]
 
 
-def _state_buffer(rows: int, topk: int, n_chunks: int, device) -> torch.Tensor:
-    # One chunk merges straight from an empty state into the result: no state needed.
-    shape = (rows, state_width(topk)) if n_chunks > 1 else (1, state_width(topk))
-    return torch.empty(shape, dtype=torch.int64, device=device)
+def _workspace(rows: int, topk: int, n_chunks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(state, candidates)``: ``W`` int64 keys a row each. One chunk merges straight from an
+    empty state into the result: no state needed then."""
+    w = state_width(topk)
+    state = torch.empty((rows, w) if n_chunks > 1 else (1, w), dtype=torch.int64, device=device)
+    return state, torch.empty((rows, w), dtype=torch.int64, device=device)
 
 
 # ---------------------------------------------------------------------------------------
@@ -190,7 +204,7 @@ def _mqa_topk(
     head_dim = q.shape[2] * 2 if fmt == "mxfp4" else q.shape[2]
     cfg = prefill.resolve_config(fmt, q.shape[1], head_dim, s_q, None, logits_dtype, capability_major(q.device))
     chunks = _chunks(s_k, chunk_k)
-    state = _state_buffer(min(s_q, chunk_q), topk, len(chunks), q.device)
+    state, candidates = _workspace(min(s_q, chunk_q), topk, len(chunks), q.device)
     with deferred():  # a chunk's errors surface at the next call, not the next chunk
         for r0 in range(0, max(s_q, 1), chunk_q):
             r1 = min(r0 + chunk_q, s_q)
@@ -204,7 +218,7 @@ def _mqa_topk(
                 logits = tilefuse.fp8_fp4_mqa_logits(q_rows, (k[lo:hi], k_scale[lo:hi]), weights[rows], ks_c, ke_c,
                                                      clean_logits=False, logits_dtype=logits_dtype, config=cfg)
                 if r1 > r0:
-                    _merge(logits, state, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out[rows],
+                    _merge(logits, state, candidates, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out[rows],
                            None if values is None else values[rows], topk, kern.WIN_PREFILL,
                            first=c == 0, final=c == len(chunks) - 1)
 
@@ -320,7 +334,7 @@ def _paged_mqa_topk(
     mode = kern.WIN_DECODE_1D if context_lens.dim() == 1 else kern.WIN_DECODE_2D
     ctx_stride = context_lens.stride(0) if context_lens.dim() == 2 else 1
     chunks = _chunks(covered, chunk_k)
-    state = _state_buffer(b * next_n, topk, len(chunks), q.device)
+    state, candidates = _workspace(b * next_n, topk, len(chunks), q.device)
     with deferred():  # a chunk's errors surface at the next call, not the next chunk
         for c, (lo, hi) in enumerate(chunks):
             width = hi - lo
@@ -330,8 +344,8 @@ def _paged_mqa_topk(
             logits = tilefuse.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, lens_c, table_c, meta_c, width,
                                                        False, logits_dtype, indices, config=cfg)
             if b:
-                _merge(logits, state, lo, width, context_lens, context_lens, max_context_len, covered, next_n,
-                       ctx_stride, 0, out, values, topk, mode, first=c == 0, final=c == len(chunks) - 1)
+                _merge(logits, state, candidates, lo, width, context_lens, context_lens, max_context_len, covered,
+                       next_n, ctx_stride, 0, out, values, topk, mode, first=c == 0, final=c == len(chunks) - 1)
 
 
 @_paged_mqa_topk.register_fake
