@@ -556,6 +556,7 @@ def test_bench_suite_rows_and_checks():
     rows = torch.tensor([1, 3])
     check_some, _ = suite.make_checks(logits[rows], valid[rows], 16, rows, 5)
     assert check_some(good)["passed"] and not check_some(swapped)["passed"]
+    assert suite.check_shape(logits, (5, 300))["passed"] and not suite.check_shape(logits, (5, 299))["passed"]
 
 
 def test_merge_kernel_compiles_for_hopper_without_spills_that_matter():

@@ -9,6 +9,8 @@ top-k 2048. Each row times, in one rotation:
 * ``tilefuse`` — :func:`tilefuse.fp8_fp4_mqa_topk` / :func:`tilefuse.fp8_fp4_paged_mqa_topk`
   (the subject; ``peer_ratio`` is its speedup over each pair);
 * ``tilefuse+torch.topk`` — the tilefuse logits op (clean) then ``torch.topk``;
+* ``tilefuse logits`` — the tilefuse logits op alone (unclean, as the fused op's chunks run
+  it): the fused op less this row is what the chunked merge costs;
 * ``deep_gemm+torch.topk`` — DeepGEMM's logits (clean) then ``torch.topk``, when
   ``import deep_gemm`` works (FP8 only).
 
@@ -140,6 +142,15 @@ def make_checks(logits: torch.Tensor, valid: torch.Tensor, topk: int, rows: torc
     return check_fused, check_pair
 
 
+def check_shape(out, shape: tuple[int, int]) -> dict:
+    """The logits-only row's check: its output's shape (its values are the logits op's tests')."""
+    got = tuple(getattr(out, "shape", ()))
+    res = {"passed": got == shape}
+    if got != shape:
+        res["failed"] = f"output {got}, expected {shape}"
+    return res
+
+
 def _pairs_flops(spec: Spec, valid_pairs: int) -> int:
     return 2 * valid_pairs * spec.heads * HEAD_DIM
 
@@ -178,6 +189,8 @@ def prefill_case(spec: Spec, device: str, peer=None, peer_skip: str | None = Non
             Impl("tilefuse+torch.topk",
                  lambda: torch.topk(tilefuse.fp8_fp4_mqa_logits(qq, kv, w, ks, ke), spec.topk, dim=1),
                  lambda out: check_pair(tuple(t.cpu() for t in out))),
+            Impl("tilefuse logits", lambda: tilefuse.fp8_fp4_mqa_logits(qq, kv, w, ks, ke, clean_logits=False),
+                 lambda out: check_shape(out, (s_q, s_k))),
         ]
         skipped = skipped_peer("deep_gemm+torch.topk", peer, peer_skip, spec.fmt)
         if skipped is not None:
@@ -252,6 +265,9 @@ def decode_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None
                  lambda: torch.topk(tilefuse.fp8_fp4_paged_mqa_logits(qq, cache, w, ctx, table, meta, max_len, True),
                                     min(spec.topk, max_len), dim=1),
                  lambda out: check_pair(tuple(t.cpu() for t in out))),
+            Impl("tilefuse logits",
+                 lambda: tilefuse.fp8_fp4_paged_mqa_logits(qq, cache, w, ctx, table, meta, max_len, False),
+                 lambda out: check_shape(out, (rows_total, max_len))),
         ]
         skipped = skipped_peer("deep_gemm+torch.topk", peer, peer_skip, spec.fmt)
         if skipped is not None:
