@@ -190,8 +190,11 @@ def topk_merge_chunk_kernel(
     walk_hi = tl.max(tl.where(lo < hi, hi, 0), axis=0)
     row_logits = logits_ptr + row[:, None] * stride_l
     col = tl.arange(0, BLOCK)
-    for b0 in range(walk_lo, walk_hi, BLOCK):
-        pos = b0 + col[None, :]
+    # One block past the walk's end (nothing inside it) merges what the buffers still hold.
+    # Counted from the span, so that no loop bound passes the int32 range.
+    n_blocks = tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), BLOCK) + 1
+    for i in range(0, n_blocks):
+        pos = walk_lo + i * BLOCK + col[None, :]
         inside = (pos >= lo[:, None]) & (pos < hi[:, None])
         v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
         keys = _order_keys(v, pos)
@@ -200,12 +203,11 @@ def topk_merge_chunk_kernel(
         # Slots count[r] .. count[r] + BLOCK - 1 < W: in the buffer whatever the values.
         tl.store(cand_rows + (count[:, None] + tl.cumsum(taken, axis=1) - 1), keys, mask=above)
         count += tl.sum(taken, axis=1)
-        if tl.max(count, axis=0) > W - BLOCK:
+        most = tl.max(count, axis=0)
+        if (most > W - BLOCK) | ((i == n_blocks - 1) & (most > 0)):
             state = _merge_candidates(state, cand_rows, count, slot, ROWS, W, LOG_W)
             kth = _kth(state, slot, TOPK)
             count = tl.zeros([ROWS], tl.int32)
-    if tl.max(count, axis=0) > 0:
-        state = _merge_candidates(state, cand_rows, count, slot, ROWS, W, LOG_W)
     if FINAL:
         out = live[:, None] & (slot[None, :] < TOPK)
         empty = state == EMPTY_KEY
