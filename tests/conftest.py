@@ -28,9 +28,14 @@ ON_GPU = DEVICE == "cuda"
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    # Emulations of several ranks (or of an sm_100 kernel) on CPU tensors: they need the
+    # interpreter, which this process turns on only where no GPU runs the kernels.
+    skip_interpreter = pytest.mark.skip(reason="CPU-interpreter test (CPU machines and CI run it)")
     for item in items:
         if "gpu" in item.keywords and not ON_GPU:
             item.add_marker(skip_gpu)
+        if "interpreter" in item.keywords and ON_GPU:
+            item.add_marker(skip_interpreter)
 
 
 def skip_reason(report) -> str:
@@ -55,6 +60,14 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture
+def on_device():
+    """Tensors made inside the test are on the test device (the GPU where there is one, else
+    the CPU through the interpreter)."""
+    with torch.device(DEVICE):
+        yield
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from tilefuse import reference as R
 from tilefuse._errors import error_record
 from tilefuse.indexer import _prefill_kernel_sm100 as k100
 
+pytestmark = pytest.mark.interpreter
 S_Q, S_K, H = 37, 300, 8  # 3 query blocks of 16 (the last partial) x 3 key tiles of 128 (the last partial)
 
 

@@ -11,19 +11,11 @@ from tilefuse.bench.suites.tp import fused_variants, shapes
 from tilefuse.tp import GemmConfig, Trace, default_config, gemm
 from tilefuse.tp.trace import chrome_trace
 
-from ..conftest import DEVICE, ON_GPU
+from ..conftest import ON_GPU
 
 ag = importlib.import_module("tilefuse.tp._ag_gemm")
 rs = importlib.import_module("tilefuse.tp._gemm_rs")
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def on_device():
-    """Tensors made inside the test are on the test device (the GPU where there is one, else
-    the CPU through the interpreter)."""
-    with torch.device(DEVICE):
-        yield
 
 
 @pytest.mark.parametrize("m,n,k,layout,dtype", [(48, 40, 24, "kn", torch.bfloat16), (33, 24, 40, "nk", torch.float16)])

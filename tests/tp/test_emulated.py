@@ -16,6 +16,7 @@ from tilefuse.tp import gemm
 from tilefuse.tp._emulate import emulate_ag_gemm, emulate_gemm_rs
 from tilefuse.tp._gemm_core import GemmConfig
 
+pytestmark = pytest.mark.interpreter
 CFG = GemmConfig(16, 16, 16, 2, 1, 4)
 
 

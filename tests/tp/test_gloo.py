@@ -151,12 +151,13 @@ def _compiled_tp_layer(td, dist, rank, world):
     assert torch.equal(y, eager)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_nccl_path_with_gloo_processes(world):
     mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
 
 
-def test_needs_a_process_group():
+def test_needs_a_process_group(on_device):
     import tilefuse.tp as td
 
     a = torch.randn(8, 16).to(torch.bfloat16)

@@ -89,6 +89,7 @@ class Captured:
         return self.run()
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("world", [2, 3])
 def test_gemm_rs_capture_eager_replay_interleavings(world):
     """capture A / eager B / replay A / eager B / replay A / eager C on one set of workspaces:
@@ -126,6 +127,7 @@ def test_gemm_rs_capture_eager_replay_interleavings(world):
     eager("B", 31)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("design", ["push", "ce"])
 def test_ag_gemm_capture_eager_replay_interleavings(design):
     """The same for ag_gemm (W = 2): capture A, then eager B (more bands: more flags) and replays

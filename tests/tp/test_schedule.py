@@ -143,7 +143,7 @@ def test_program_tiles():
 @pytest.mark.parametrize("world,order,lag", [(2, "arrival", 0), (4, "owner_last", 0), (8, "arrival", 0),
                                              (3, "natural", 0), (2, "owner_last", 2), (4, "owner_last", 1),
                                              (3, "owner_last", 50)])
-def test_kernel_visits_tiles_in_the_python_order(world, order, lag):
+def test_kernel_visits_tiles_in_the_python_order(world, order, lag, on_device):
     """The persistent kernel's tile decode equals TileSchedule.decode (read back from a trace)."""
     torch.manual_seed(world)
     cfg = GemmConfig(16, 16, 16, 2, 1, 4)

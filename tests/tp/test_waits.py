@@ -27,6 +27,7 @@ def signals(ws):
     return ws.view(P.SIG_OFFSET.value, (ws.world,), torch.int32)
 
 
+@pytest.mark.interpreter
 def test_barrier_with_arrived_peers_signals_and_consumes():
     wss = emulated_workspaces(3, 64, 1 << 16)
     me = wss[1]
@@ -39,6 +40,7 @@ def test_barrier_with_arrived_peers_signals_and_consumes():
     assert int(me.err[0]) == 0
 
 
+@pytest.mark.interpreter
 def test_barrier_with_a_missing_peer_records_and_raises():
     wss = emulated_workspaces(4, 64, 1 << 16)
     me = wss[2]
@@ -53,6 +55,7 @@ def test_barrier_with_a_missing_peer_records_and_raises():
     assert "tilefuse.tp.ag_gemm" in str(ei.value) and ei.value.record["chunk"] == 3
 
 
+@pytest.mark.interpreter
 def test_missing_chunk_times_out_in_the_gemm_naming_the_chunk():
     """ag_gemm where rank 1's rows never arrive at rank 0: rank 0's tiles of chunk 1 time out."""
     world, mc, k, n = 2, 32, 16, 16
@@ -74,6 +77,7 @@ def test_missing_chunk_times_out_in_the_gemm_naming_the_chunk():
     assert wss[0].err.tolist() == rec
 
 
+@pytest.mark.interpreter
 def test_gemm_rs_missing_partial_times_out():
     world, mc, k, n = 2, 16, 16, 16
     a = torch.randn(mc * world, k).to(torch.bfloat16)
@@ -108,6 +112,7 @@ def test_timeout_units():
         P.timeout_units(0, "cuda")
 
 
+@pytest.mark.interpreter
 def test_emulation_without_go_words_times_out_in_push():
     """The push kernel's programs wait for the start barrier's go word before a remote store."""
     world, mc, k, n = 2, 16, 16, 16
@@ -124,6 +129,7 @@ def test_emulation_without_go_words_times_out_in_push():
     assert all(int(w.err[0]) == 0 for w in wss2) and not any(o.isnan().any() for o in outs)
 
 
+@pytest.mark.interpreter
 def test_no_store_into_a_peer_after_a_failed_start_barrier():
     """Without the start barrier's go word the senders time out and then leave every peer's
     workspace as it was: no data, no flags (the peer may have gone, or reused the memory)."""

@@ -187,6 +187,8 @@ _CHECKED_MAX = 4096
 
 def _check_inputs(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype):
     """Validate shapes, dtypes, strides and devices; return ``(fmt, S_q, H, D, S_k)``."""
+    if torch.compiler.is_compiling():  # a traced tensor has no data pointer to sign
+        return _check_inputs_full(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype)
     try:
         device_index = q.get_device()  # -1: not a CUDA tensor
         sig = (q.dtype, q.shape, q.stride(), device_index, q.data_ptr() & 15,
@@ -204,7 +206,7 @@ def _check_inputs(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dty
     result = _check_inputs_full(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype)
     # CUDA tensors only: whether others are valid depends on more than the signature (the
     # interpreter, the device type).
-    if device_index >= 0 and not torch.compiler.is_compiling():
+    if device_index >= 0:
         if len(_CHECKED) >= _CHECKED_MAX:
             _CHECKED.clear()
         _CHECKED[sig] = result

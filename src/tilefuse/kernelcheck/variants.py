@@ -195,6 +195,9 @@ def _specialise(name: str, value, constexpr: bool, specialised: bool = True):
         return "arg", f"tensordesc<{_dtype_name(value.base.dtype)}{list(value.block_shape)}>", False
     if hasattr(value, "__mangle__") and hasattr(value, "layout"):  # a Gluon descriptor: its type names the layout
         return "arg", value.__mangle__(), False
+    if hasattr(value, "layout") and hasattr(value, "block_shape"):  # the same before triton 3.8 (no __mangle__)
+        block = ",".join(str(v) for v in value.block_shape)
+        return "arg", f"tensordesc<{_dtype_name(value.base.dtype)}[{block}],{value.layout!r}>", False
     raise TypeError(f"argument {name}: cannot specialise a {type(value).__name__}")
 
 
