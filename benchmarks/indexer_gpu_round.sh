@@ -5,7 +5,7 @@
 #   PART=verify bash benchmarks/indexer_gpu_round.sh   # GPU tests, prefill A/B vs $AB_BASE, host cost
 #   PART=ab-peer / PART=final: A/B over $AB_TREES while DeepGEMM builds, then host cost and peer rows
 #   PART=tests: the README's test command, then the whole suite split over processes
-#   PART=decode: the decode schedule grid beside DeepGEMM; PART=topk: top-k tests and speed
+#   PART=decode: the decode schedule grid beside DeepGEMM; PART=topk: top-k speed
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
 #   PART="tests decode": several parts, in order
 # DeepGEMM comes from an ignored copy of shared/peers/deepgemm at $PEERS (default .peers/deepgemm),
@@ -118,8 +118,7 @@ case "$part" in
     done; done
     step host-prefill 25 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
     ;;
-  topk)  # the fused top-k's GPU tests, then its speed beside the unfused pairs
-    shards tests-topk 120 4 tests/indexer/test_topk.py
+  topk)  # the fused top-k's speed beside the unfused pairs (its tests are in PART=tests)
     wait_deepgemm
     step bench-topk "${TOPK_S:-150}" python3 -m tilefuse.cli bench topk -o "$OUT/topk.json" --samples 10 \
       --shapes ${TOPK_SHAPES:-2048x32768 4096x65536 64x1x32768 256x2x65536}

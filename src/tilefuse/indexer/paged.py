@@ -641,7 +641,8 @@ def _make_plan(fmt, b, next_n, h, d, block_kv, q, kv_cache, context_lens, indice
     )
     tail = _paged_launch.arg_names[_PAGED_RUNTIME_ARGS:]
     at = tail.index("kv_desc")
-    before, after = tuple(consts[n] for n in tail[:at]), tuple(consts[n] for n in tail[at + 1:])
+    assert tail[at + 1] == "sf_desc"
+    before, after = tuple(consts[n] for n in tail[:at]), tuple(consts[n] for n in tail[at + 2:])
     launch_key = (before, after, cfg.num_warps, cfg.num_stages)
     return _Plan(b, next_n, block_kv, cfg, chunk_pages, groups, page_unit, q_unit, consts, tma, before, after,
                  launch_key, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
@@ -706,10 +707,15 @@ def _launch(plan: _Plan, q, q_sf, kv_cache, weights, context_lens, block_table, 
         return
     b = plan.batch
     chunks_per_request = cdiv(max_context_len, plan.chunk_pages * plan.block_kv)
-    kv_desc = None
+    kv_desc = sf_desc = None
     if plan.tma is not None:
         rows, dq, box, dtype = plan.tma
         kv_desc = host_descriptor(TensorDescriptor, kv_cache.view(dtype), [rows, dq], [dq, 1], [box, dq])
+        # The scale words: page p's at byte p * page_stride + block_kv * dq, 4 bytes a token.
+        words = kv_cache.view(torch.int32 if plan.consts["FMT"] else torch.float32)
+        nb, block_kv = kv_cache.shape[:2]
+        scales = words.as_strided((nb, block_kv), (words.stride(0), 1), words.storage_offset() + block_kv * dq // 4)
+        sf_desc = host_descriptor(TensorDescriptor, scales, [nb, block_kv], [words.stride(0), 1], [1, box])
     # Besides the plan: what Triton specialises on that the plan's layout key leaves open.
     key = (plan.launch_key, q.dtype, weights.dtype, out.dtype, q.data_ptr() % 16 == 0,
            kv_cache.data_ptr() % 16 == 0)
@@ -720,7 +726,7 @@ def _launch(plan: _Plan, q, q_sf, kv_cache, weights, context_lens, block_table, 
         q.stride(0) // plan.q_unit, q.stride(1) // plan.q_unit, q.stride(2) // plan.q_unit,
         q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
         weights.stride(0), context_lens.stride(0), block_table.stride(0),
-        kv_cache.stride(0) // plan.page_unit, out.stride(0), *plan.consts_before_desc, kv_desc,
+        kv_cache.stride(0) // plan.page_unit, out.stride(0), *plan.consts_before_desc, kv_desc, sf_desc,
         *plan.consts_after_desc,
     ), plan.options)
 
