@@ -32,8 +32,7 @@ which page ``p``'s values are rows ``p * page_bytes / DQ`` on. A tile is one box
 ``BOX_N = min(BLOCK_N, BLOCK_KV)`` rows per page it covers, each scored as its own dot, so the
 per-element address math and the page-id ``tl.gather`` go: one scalar page id per box (a
 masked sum over the chunk's id vector, one warp reduction) and one TMA copy, pipelined like the
-pointer loads; the box's scales likewise, one row of ``sf_desc``, a ``[num_blocks, BLOCK_KV]``
-view of the pages' scale words (row stride the page stride). The launch takes this path only where the layout
+pointer loads. Scales keep the pointer load. The launch takes this path only where the layout
 allows it (``paged._tma_view``) and gives the gather path's bits.
 
 Bad values never lead to an access out of bounds: lengths are clamped to the output width, a
@@ -136,7 +135,7 @@ def paged_logits_kernel(
     D: tl.constexpr, BLOCK_KV: tl.constexpr, FMT: tl.constexpr, CTX_2D: tl.constexpr, CLEAN: tl.constexpr,
     HAS_INDICES: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, MAX_CHUNK_PAGES: tl.constexpr,
     PAGE_UNIT: tl.constexpr, Q_UNIT: tl.constexpr, BLOCK_FILL: tl.constexpr, NUM_STAGES: tl.constexpr, G: tl.constexpr,
-    HEAD_SUM_MMA: tl.constexpr, kv_desc, sf_desc, TMA: tl.constexpr,
+    HEAD_SUM_MMA: tl.constexpr, kv_desc, TMA: tl.constexpr,
 ):
     DQ: tl.constexpr = D // 2 if FMT == FMT_MXFP4 else D  # value bytes per token
     SF_OFFSET: tl.constexpr = BLOCK_KV * DQ // 4  # first scale of a page, in 4-byte words
@@ -230,12 +229,10 @@ def paged_logits_kernel(
                     # A key without a page loads row 0 (and scores NaN): the box never leaves the view.
                     row = tl.where(page_ok, page * page_rows + slot0, 0).to(tl.int32)
                     k_raw = kv_desc.load([row, 0])
-                    # The box's scales: one row of the [pages, BLOCK_KV] scale view, so that they
-                    # are in flight as many tiles ahead as the values (a pointer load here got one
-                    # buffer fewer from the pipeliner, and its latency showed at every tile).
-                    k_sf = tl.reshape(sf_desc.load([tl.where(page_ok, page, 0).to(tl.int32), slot0]), [BOX_N])
                     j = j0 + box
                     j_ok = j < hi_tok
+                    k_sf = tl.load(kv_sf_ptr + page * page_bytes // 4 + SF_OFFSET + slot0 + box, mask=j_ok & page_ok,
+                                   other=0)
                     _score_keys(k_raw, k_sf, j, j_ok, page_ok, q_op, w, w_sel, row_end, out_rows, row_ok,
                                 BOX_N, D, FMT, ROWS, HEADS_P, CLEAN, HEAD_SUM_MMA)
         else:
