@@ -98,7 +98,7 @@ case "$part" in
     ;;
   tests)  # the README's test command on this image (no dev tools), then the whole suite split over processes
     step readme-tests 60 bash scripts/test.sh tests/test_config.py tests/test_skip_summary.py
-    shards tests-all "${TESTS_S:-330}" "${TEST_PROCS:-12}" tests
+    shards tests-all "${TESTS_S:-330}" "${TEST_PROCS:-12}" tests ${TESTS_K:+-k "$TESTS_K"}
     ;;
   decode)  # the decode kernel's schedule grid beside DeepGEMM at the rows furthest behind it
     wait_deepgemm
