@@ -6,6 +6,7 @@
 #   PART=ab-peer / PART=final: A/B over $AB_TREES while DeepGEMM builds, then host cost and peer rows
 #   PART=tests: the README's test command, then the whole suite split over processes
 #   PART=decode: the decode schedule grid beside DeepGEMM; PART=topk: top-k speed
+#   PART=table: bench paged at the decode table's rows beside DeepGEMM
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
 #   PART="tests decode": several parts, in order
 # DeepGEMM comes from an ignored copy of shared/peers/deepgemm at $PEERS (default .peers/deepgemm),
@@ -64,7 +65,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|decode|host|topk)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|decode|table|host|topk)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -105,6 +106,10 @@ case "$part" in
     step paged-sweep "${SWEEP_S:-220}" python3 benchmarks/paged_sweep.py --grid schedule --samples 15 \
       --output "$OUT/paged-sweep-schedule.json" --rows ${DECODE_ROWS:-1x1x131072 1x1x8192 8x1x32768 \
       8x1x32768/32 32x1x8192 32x1x4096 64x1x8192 64x2x8192 128x1x32768 256x2x8192 1024x1x1024}
+    ;;
+  table)  # the decode rows of the paged issue's table beside DeepGEMM (bench paged)
+    wait_deepgemm
+    step bench-paged 90 python3 -m tilefuse.cli bench paged -o "$OUT/paged.json" -q --shapes $DECODE_SHAPES
     ;;
   host)  # host cost of $AB_PREV (a src tree) and this tree alternately on one machine
     wait_deepgemm
