@@ -275,11 +275,16 @@ def decode_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None
         else:
             dg_ctx = paged_row_ends(ctx, spec.next_n)  # the 1-D lengths' rows, as DeepGEMM takes them
             dg_meta = peer.get_paged_mqa_logits_metadata(dg_ctx, BLOCK_KV, _num_workers(device))
-            impls.append(Impl(
-                "deep_gemm+torch.topk",
-                lambda: torch.topk(peer.fp8_paged_mqa_logits(qq[0], cache, w, dg_ctx, table, dg_meta, max_len, True),
-                                   min(spec.topk, max_len), dim=1),
-                lambda out: check_pair(tuple(t.cpu() for t in out))))
+            # DeepGEMM's SM90 kernel cleans only with 1-D lengths: its unclean logits, the rows'
+            # windows masked to -inf (part of the pair's cost), then the top-k.
+            outside = ~paged_valid_mask(ctx, spec.next_n, max_len)
+
+            def deep_gemm_pair():
+                logits = peer.fp8_paged_mqa_logits(qq[0], cache, w, dg_ctx, table, dg_meta, max_len, False)
+                return torch.topk(logits.masked_fill_(outside, float("-inf")), min(spec.topk, max_len), dim=1)
+
+            impls.append(Impl("deep_gemm+torch.topk", deep_gemm_pair,
+                              lambda out: check_pair(tuple(t.cpu() for t in out))))
         return impls
 
     params = spec.params()
