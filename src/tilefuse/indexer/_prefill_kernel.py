@@ -200,11 +200,15 @@ def prefill_logits_kernel(
             return
     stride_out = _row_stride(stride_out, out_ptr)
     q0 = pid_q * BLOCK_Q
-    n0, rows, cols, row_ok, ks, ke, out_rows, no_keys = tile_windows(
-        pid_q, pid_n, ks_ptr, ke_ptr, out_ptr, stride_out, S_q, S_k, n_cols, err_ptr, COMPRESSED, BLOCK_Q, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    rows = q0 + tl.arange(0, BLOCK_Q)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < S_q
+    ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
     valid = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None]) & row_ok[:, None]
+    out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_out
 
-    if no_keys:
+    if tile_sees_no_keys(ks, ke, row_ok, n0, S_k, BLOCK_N):
         fill_skipped_tile(out_rows, cols, n0, row_ok, S_k, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N)
         return
 
