@@ -128,21 +128,6 @@ def tile_sees_no_keys(ks, ke, row_ok, n0, S_k, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def tile_windows(pid_q, pid_n, ks_ptr, ke_ptr, out_ptr, stride_out, S_q, S_k, n_cols, err_ptr,
-                 COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A (BLOCK_Q rows, BLOCK_N keys) tile's coordinates and windows (``load_windows``, bad ones
-    recorded by the programs of the first key block), its rows' output pointers, and whether it
-    needs no math (``tile_sees_no_keys``)."""
-    n0 = pid_n * BLOCK_N
-    rows = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    cols = n0 + tl.arange(0, BLOCK_N)
-    row_ok = rows < S_q
-    ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
-    out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_out
-    return n0, rows, cols, row_ok, ks, ke, out_rows, tile_sees_no_keys(ks, ke, row_ok, n0, S_k, BLOCK_N)
-
-
-@triton.jit
 def _store_logits(val, out_rows, key, ks, valid, row_ok, S_k, full, CLEAN: tl.constexpr, COMPRESSED: tl.constexpr):
     """Store a logits tile in either orientation ([row, key] or [key, row]): every operand comes
     broadcastable to ``val`` in that orientation (``out_rows`` the rows' base pointers, ``key``

@@ -28,7 +28,8 @@ from tilefuse.indexer._prefill_kernel import (
     FMT_MXFP4,
     _store_logits,
     fill_skipped_tile,
-    tile_windows,
+    load_windows,
+    tile_sees_no_keys,
 )
 
 # Launch tile (see the kernel for why): BLOCK_N is the MMA's M and must stay 128.
@@ -55,10 +56,14 @@ def prefill_logits_mx_kernel(
     pid_n = tl.program_id(0)
     pid_q = tl.program_id(1)
     q0 = pid_q * BLOCK_Q
-    n0, rows, cols, row_ok, ks, ke, out_rows, no_keys = tile_windows(
-        pid_q, pid_n, ks_ptr, ke_ptr, out_ptr, stride_out, S_q, S_k, n_cols, err_ptr, COMPRESSED, BLOCK_Q, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    rows = q0 + tl.arange(0, BLOCK_Q)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < S_q
+    ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
+    out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_out
 
-    if no_keys:
+    if tile_sees_no_keys(ks, ke, row_ok, n0, S_k, BLOCK_N):
         fill_skipped_tile(out_rows, cols, n0, row_ok, S_k, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N)
         return
 

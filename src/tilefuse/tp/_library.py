@@ -27,13 +27,6 @@ def _n(b: torch.Tensor, b_layout: str) -> int:
     return b.shape[1] if b_layout == "kn" else b.shape[0]
 
 
-def _run(op: str, x: torch.Tensor, b: torch.Tensor, group_name: str, b_layout: str) -> torch.Tensor:
-    from tilefuse.tp import _ag_gemm, _gemm_rs
-
-    fn = _ag_gemm.ag_gemm if op == "ag_gemm" else _gemm_rs.gemm_rs
-    return fn(x, b, group=_group(group_name), b_layout=b_layout)
-
-
 def _fake(x: torch.Tensor, b: torch.Tensor, group_name: str, b_layout: str, gathers: bool) -> torch.Tensor:
     """The output's shape: the rows of all ranks (``gathers``) or of one rank's chunk."""
     world = _group(group_name).size()
@@ -44,7 +37,9 @@ def _fake(x: torch.Tensor, b: torch.Tensor, group_name: str, b_layout: str, gath
 @torch.library.custom_op("tilefuse::ag_gemm", mutates_args=())
 def ag_gemm_op(a_shard: torch.Tensor, b: torch.Tensor, group_name: str, b_layout: str = "kn") -> torch.Tensor:
     """``all_gather(a_shard, dim 0) @ b`` over the group named ``group_name``."""
-    return _run("ag_gemm", a_shard, b, group_name, b_layout)
+    from tilefuse.tp._ag_gemm import ag_gemm
+
+    return ag_gemm(a_shard, b, group=_group(group_name), b_layout=b_layout)
 
 
 ag_gemm_op.register_fake(lambda a_shard, b, group_name, b_layout="kn": _fake(a_shard, b, group_name, b_layout, True))
@@ -53,7 +48,9 @@ ag_gemm_op.register_fake(lambda a_shard, b, group_name, b_layout="kn": _fake(a_s
 @torch.library.custom_op("tilefuse::gemm_rs", mutates_args=())
 def gemm_rs_op(a: torch.Tensor, b: torch.Tensor, group_name: str, b_layout: str = "kn") -> torch.Tensor:
     """``reduce_scatter(a @ b, dim 0, sum)`` over the group named ``group_name``."""
-    return _run("gemm_rs", a, b, group_name, b_layout)
+    from tilefuse.tp._gemm_rs import gemm_rs
+
+    return gemm_rs(a, b, group=_group(group_name), b_layout=b_layout)
 
 
 gemm_rs_op.register_fake(lambda a, b, group_name, b_layout="kn": _fake(a, b, group_name, b_layout, False))
