@@ -254,8 +254,9 @@ def test_specialisation_key_does_not_move_with_shapes():
 
 
 def test_registry_compiles_ints_as_unspecialised():
-    (v,) = [v for v in V.variants("indexer.paged") if v.name.startswith("fp8 D128 H64 next_n1 kv64")
-            and v.name.endswith("s3 tma")]
+    # Any TMA variant of the FP8 default: the tile shape and stages are tunables, not what is tested.
+    v = next(v for v in V.variants("indexer.paged") if v.name.startswith("fp8 D128 H64 next_n1 kv64")
+             and v.name.endswith(" tma"))
     for arg in kern.DYNAMIC_ARGS:
         assert arg in v.signature and arg not in v.aligned, arg
 
