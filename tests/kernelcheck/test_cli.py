@@ -3,6 +3,7 @@ kernel; known issues on reports made up for the test)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -59,7 +60,7 @@ def fake_compiles(monkeypatch):
     configuration passes except LISTED, which spills ``spill[0]`` bytes."""
     spill = [0]
 
-    def compile_many(items, jobs=1, sass=True, on_report=None):
+    def compile_many(items, jobs=1, sass=True, on_report=None, compile_timeout=600.0):
         reports = []
         for i, (v, t) in enumerate(items):
             s = spill[0] if v.name == LISTED else 0
@@ -95,6 +96,21 @@ def test_new_failures_exit_1(fake_compiles, capsys):
     assert captured.err == ""  # --quiet: no progress
     assert "FAIL: spills 160 B stored" in captured.out
     assert f"{COUNT} compiles, 1 failing a check, 0 known issue(s) (failing: {KERNEL})" in captured.out
+
+
+def test_compile_only_fails_on_compiles_not_spills(fake_compiles, monkeypatch, capsys):
+    fake_compiles[0] = 160
+    assert cli.main(["--kernel", KERNEL, "--target", TARGET, "-q", "--compile-only"]) == 0
+    spilling = cli.compile_many
+
+    def one_broken(items, **kw):
+        reports = spilling(items, **kw)
+        reports[0] = dataclasses.replace(reports[0], ok=False, error="did not compile within 120 s")
+        return reports
+
+    monkeypatch.setattr(cli, "compile_many", one_broken)
+    assert cli.main(["--kernel", KERNEL, "--target", TARGET, "-q", "--compile-only"]) == 1
+    assert "did not compile within 120 s" in capsys.readouterr().out
 
 
 def test_fixed_known_issue_is_reported(fake_compiles, capsys):

@@ -199,6 +199,18 @@ def test_a_crashed_worker_raises():
         compile_many([(missing, "sm_90a")], sass=False)
 
 
+def test_a_compile_past_its_time_fails_its_report_only():
+    """A compile that outlasts ``compile_timeout`` (here every one: the worker's start counts)
+    is a failed report naming the limit; its worker is replaced for the next pair."""
+    items = [(TOYS["axpy"], "sm_90a"), (TOYS["spill"], "sm_90a")]
+    streamed = []
+    reports = compile_many(items, sass=False, compile_timeout=0.2, on_report=lambda i, r: streamed.append(i))
+    assert sorted(streamed) == [0, 1]
+    for (v, t), r in zip(items, reports):
+        assert (r.variant, r.target, r.ok) == (v.name, t, False)
+        assert "did not compile within 0 s" in r.error
+
+
 def test_toy_dot_uses_wgmma_on_sm90(toys):
     r = toys["dot", "sm_90a"]
     assert r.ok and checks.failures(r) == []

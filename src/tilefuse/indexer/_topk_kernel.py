@@ -180,7 +180,10 @@ def topk_merge_chunk_kernel(
     slot = tl.arange(0, W)
     cell = row[:, None] * stride_s + slot[None, :]
     if FIRST:
-        state = tl.full([ROWS, W], EMPTY_KEY, tl.int64)
+        # Empty, as a load that reads nothing: with a constant here, triton 3.6 never finishes
+        # compiling the variants that store the state at small ROWS x W (its layout-conversion
+        # pass loops); the load gives the state the layout of its store.
+        state = tl.load(state_ptr + cell, mask=row[:, None] < 0, other=EMPTY_KEY)
     else:
         state = tl.load(state_ptr + cell)
     kth = _kth(state, slot, TOPK)

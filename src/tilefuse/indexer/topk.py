@@ -67,6 +67,9 @@ _MIN_STATE = 16
 # Keys a merge program holds (ROWS x W): small top-k values share a program between rows.
 # A prediction, not a measurement.
 _KEYS_PER_PROGRAM = 2048
+# ... and at least one a lane of a warp: triton 3.6 never finishes compiling a [1, 16] state
+# (its layout-conversion pass loops).
+_MIN_KEYS_PER_PROGRAM = 32
 _MAX_TOPK = 1 << 16
 _MAX_POSITION = 2**31 - 2  # keys hold 0x7FFFFFFF - position in 31 bits, above the empty slot
 
@@ -154,7 +157,7 @@ def _merge(logits, state, candidates, lo: int, width: int, win_a, win_b, n_keys:
     ``state`` (``candidates``: the kernel's scratch, one buffer a row); ``row_base`` is the first
     row's index in the op's output (for error messages)."""
     rows, w = out.shape[0], state_width(topk)
-    rows_per_program = max(1, min(next_power_of_2(rows), _KEYS_PER_PROGRAM // w))
+    rows_per_program = max(_MIN_KEYS_PER_PROGRAM // w, 1, min(next_power_of_2(rows), _KEYS_PER_PROGRAM // w))
     kern.topk_merge_chunk_kernel[(cdiv(rows, rows_per_program),)](
         logits, logits.stride(0), state, state.stride(0), candidates, candidates.stride(0),
         rows, row_base, win_a, win_b, n_keys, key_limit, next_n, ctx_stride,

@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sass", action="store_true", help="skip the SASS disassembly (faster; PTX counts only)")
     p.add_argument("--failures-only", action="store_true",
                    help="print only configurations that fail a check (known issues included)")
+    p.add_argument("--compile-timeout", type=float, default=600.0, metavar="S",
+                   help="a compile taking longer fails its configuration (default 600 s)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="exit 1 only where a configuration does not compile (spills are reported, not failed)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
     return p
 
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         print("tilefuse kernels: --jobs must be >= 1", file=sys.stderr)
         return 2
-    reports = compile_many(items, jobs=args.jobs, sass=not args.no_sass,
+    reports = compile_many(items, jobs=args.jobs, sass=not args.no_sass, compile_timeout=args.compile_timeout,
                            on_report=None if args.quiet else _progress(items, args.jobs))
     for t in targets:
         for kernel in dict.fromkeys(v.kernel for v in vs):
@@ -144,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
                            for (v, _), r, a in zip(items, reports, accepted)]}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
+    if args.compile_only:
+        broken = [r for r in reports if not r.ok]
+        for r in broken:
+            print(f"did not compile: {r.kernel} {r.target} {r.variant}: {r.error}")
+        return 1 if broken else 0
     return 1 if new else 0
 
 

@@ -307,54 +307,83 @@ def compile_variant(variant: Variant, target: str, sass: bool = True) -> KernelR
 
 
 def compile_many(items: list[tuple[Variant, str]], jobs: int = 1, sass: bool = True, timeout: float = 1800.0,
-                 on_report: Callable[[int, KernelReport], None] | None = None) -> list[KernelReport]:
+                 on_report: Callable[[int, KernelReport], None] | None = None,
+                 compile_timeout: float = 600.0) -> list[KernelReport]:
     """Compile ``(variant, target)`` pairs in ``jobs`` worker processes; reports in input order.
 
     Workers run ``python -m tilefuse.kernelcheck.compile`` with this process's ``sys.path``,
     without ``TRITON_INTERPRET``, and with a private Triton cache directory. Each writes a
     report as soon as it has one, so ``on_report(index into items, report)`` is called for each
-    pair while the others still compile (in completion order).
+    pair while the others still compile (in completion order). A compile that takes longer
+    than ``compile_timeout`` seconds (a compiler pass that never ends) is a failed report
+    saying so; its worker is replaced for the pairs after it.
 
     Raises:
-        RuntimeError: a worker failed (the message carries its stderr).
+        RuntimeError: a worker failed (the message carries its stderr), or all the compiles
+            took longer than ``timeout``.
     """
     if not items:
         return []
     jobs = max(1, min(jobs, len(items)))
-    chunks = [list(range(i, len(items), jobs)) for i in range(jobs)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     results: list[KernelReport | None] = [None] * len(items)
     with tempfile.TemporaryDirectory(prefix="tilefuse-kernelcheck-") as tmp:
         env["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton-cache")
-        workers = []
-        for w, idx in enumerate(chunks):
-            inp, out = os.path.join(tmp, f"in{w}.json"), os.path.join(tmp, f"out{w}.jsonl")
+        started = 0
+
+        def start(idx: list[int]) -> _Worker:
+            nonlocal started
+            inp, out = os.path.join(tmp, f"in{started}.json"), os.path.join(tmp, f"out{started}.jsonl")
             jobs_in = [{"variant": items[i][0].to_dict(), "target": items[i][1]} for i in idx]
             with open(inp, "w") as f:
                 json.dump({"sys_path": sys.path, "sass": sass, "jobs": jobs_in}, f)
             open(out, "w").close()
-            err = open(os.path.join(tmp, f"err{w}.txt"), "w+")
+            err = open(os.path.join(tmp, f"err{started}.txt"), "w+")
+            started += 1
             p = subprocess.Popen([sys.executable, "-m", "tilefuse.kernelcheck.compile", inp, out],
                                  env=env, stdout=subprocess.DEVNULL, stderr=err)
-            workers.append(_Worker(p, idx, open(out), err))
+            return _Worker(p, idx, open(out), err, since=time.monotonic())
+
+        def report(i: int, r: KernelReport) -> None:
+            results[i] = r
+            if on_report is not None:
+                on_report(i, r)
 
         def collect(worker: _Worker) -> None:
             for line in worker.new_lines():
-                i = worker.idx[worker.done]
-                results[i] = KernelReport.from_dict(json.loads(line))
+                report(worker.idx[worker.done], KernelReport.from_dict(json.loads(line)))
                 worker.done += 1
-                if on_report is not None:
-                    on_report(i, results[i])
+                worker.since = time.monotonic()
 
+        def stop(worker: _Worker) -> None:
+            if worker.proc.poll() is None:
+                worker.proc.kill()
+                worker.proc.wait()
+            worker.out.close()
+            worker.err.close()
+
+        workers = [start(list(range(i, len(items), jobs))) for i in range(jobs)]
         deadline = time.monotonic() + timeout
         try:
             while any(w.proc.poll() is None for w in workers):
-                for w in workers:
+                for k, w in enumerate(workers):
+                    if w.out.closed:  # timed out on its last pair
+                        continue
                     collect(w)
+                    if w.proc.poll() is None and time.monotonic() - w.since > compile_timeout:
+                        variant, target = items[w.idx[w.done]]
+                        report(w.idx[w.done], KernelReport(
+                            variant.kernel, variant.name, target, ok=False, num_warps=variant.num_warps,
+                            num_stages=variant.num_stages, compile_seconds=compile_timeout,
+                            error=f"did not compile within {compile_timeout:.0f} s (a compiler pass that never ends?)"))
+                        stop(w)
+                        workers[k] = start(w.idx[w.done + 1:]) if w.done + 1 < len(w.idx) else w
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"kernel compiles did not finish within {timeout:.0f} s")
                 time.sleep(0.1)
             for w in workers:
+                if w.out.closed:
+                    continue
                 collect(w)
                 w.err.seek(0)
                 log = w.err.read()
@@ -362,11 +391,8 @@ def compile_many(items: list[tuple[Variant, str]], jobs: int = 1, sass: bool = T
                     raise RuntimeError(f"kernel compile worker failed ({w.proc.returncode}):\n{log[-4000:]}")
         finally:
             for w in workers:
-                if w.proc.poll() is None:
-                    w.proc.kill()
-                    w.proc.wait()
-                w.out.close()
-                w.err.close()
+                if not w.out.closed:
+                    stop(w)
     return results  # type: ignore[return-value]
 
 
@@ -378,6 +404,7 @@ class _Worker:
     idx: list[int]
     out: IO[str]
     err: IO[str]
+    since: float  # when it started or last reported
     done: int = 0
     partial: str = ""
 

@@ -6,7 +6,9 @@ and its spill stores are within the entry's budget. The tests also fail on an en
 longer matches a failure (fixed: delete the entry) or no configuration at all (renamed: update
 it). So the list only shrinks, and a regression in a listed configuration still fails.
 
-An entry: (kernel, target glob, configuration glob, spill budget in bytes stored, why).
+An entry: (kernel, target glob, configuration glob, spill budget in bytes stored, why, and
+optionally the Triton versions it was seen with, a glob: ptxas's register targets differ
+between the CPU pin and the GPU image's Triton). Entries for another Triton are ignored.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class KnownSpill(NamedTuple):
     configuration: str  # glob
     budget: int  # bytes of spill stores allowed
     why: str
+    triton: str = "*"  # glob on triton.__version__
 
 
 _ENTRIES = [
@@ -39,6 +42,15 @@ _ENTRIES = [
     # (20 B since the kernel clamps and checks the windows itself, 16 before.)
     ("indexer.prefill", "sm_100a", "fp8 * relu_via_abs=*", 24,
      "Triton loop on sm_100a with the linear term's operands beside the key tile (option, timed on Hopper only)"),
+    # Top-k merge: ptxas holds some 8-warp variants to 80 (sm_90a) or 128 registers, and the
+    # bitonic network's index arithmetic spills a few words; which ones depends on the Triton.
+    ("indexer.topk_merge", "sm_90a", "k2048 *", 24, "ptxas's 80-register target for the 8-warp sort network",
+     "3.8*"),
+    ("indexer.topk_merge", "sm_100a", "k40 W64 rows32 *", 8, "ptxas's 128-register target, 32 rows a program",
+     "3.8*"),
+    ("indexer.topk_merge", "sm_100a", "k100 W128 rows16 *", 32, "ptxas's 128-register target, 16 rows a program"),
+    ("indexer.topk_merge", "*", "k16 W16 rows128 *", 32, "ptxas's 128-register target, 128 rows a program",
+     "3.6*"),
     # Persistent GEMM: the masked (unaligned) epilogue builds a pointer per element (on sm_90a
     # it no longer spills since the per-tile clock read went under TRACE); the reduce-scatter
     # epilogues hold the accumulator while loading every peer's partial.
@@ -48,9 +60,15 @@ _ENTRIES = [
 KNOWN_SPILLS = [KnownSpill(*e) for e in _ENTRIES]
 
 
+def _for_this_triton() -> list[KnownSpill]:
+    import triton
+
+    return [e for e in KNOWN_SPILLS if fnmatch.fnmatch(triton.__version__, e.triton)]
+
+
 def entries(kernel: str, target: str) -> list[KnownSpill]:
-    """The entries of ``kernel`` whose target glob matches ``target``."""
-    return [e for e in KNOWN_SPILLS if e.kernel == kernel and fnmatch.fnmatch(target, e.target)]
+    """The entries of ``kernel`` whose target glob matches ``target``, for this Triton."""
+    return [e for e in _for_this_triton() if e.kernel == kernel and fnmatch.fnmatch(target, e.target)]
 
 
 def matching(report: KernelReport) -> list[KnownSpill]:

@@ -604,6 +604,53 @@ def paged_schedule_variants() -> list[Variant]:
     return _unique(out)
 
 
+def topk_merge_variants() -> list[Variant]:
+    """``topk_merge_chunk_kernel`` as the top-k ops' chunk loop launches it (``topk._merge``):
+    topk 2048 (DeepSeek-V3.2's) in each window mode, the first, middle, last and only chunk,
+    fp32 and bf16 logits, with and without values; smaller top-k values (16, 40, 100, 512: rows
+    shared by a program) at one row and at 300, first/middle/last/only chunk."""
+    import torch
+
+    from tilefuse.indexer import topk
+
+    path = f"{topk.kern.__name__}:topk_merge_chunk_kernel"
+    modes = {topk.kern.WIN_PREFILL: "prefill", topk.kern.WIN_DECODE_1D: "decode1d",
+             topk.kern.WIN_DECODE_2D: "decode2d"}
+    chunks = ((True, False, "first"), (False, False, "middle"), (False, True, "last"), (True, True, "only"))
+    out = []
+
+    def one(k, rows, mode, first, final, chunk, logits_dtype=torch.float32, values=False):
+        width, next_n = 301, 2 if mode != topk.kern.WIN_PREFILL else 1
+        logits = torch.empty(rows, width, dtype=logits_dtype)
+        state, candidates = topk._workspace(rows, k, 2, "cpu")
+        win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
+        idx = torch.empty(rows, k, dtype=torch.int32)
+        vals = torch.empty(rows, k, dtype=logits_dtype) if values else None
+        with tracing(path) as launches:
+            topk._merge(logits, state, candidates, 37, width, win, win, 5000, 5000, next_n,
+                        win.stride(0) if win.dim() == 2 else 1, 0, idx, vals, k, mode, first, final)
+        (launch,) = launches
+        c = launch.arguments
+        extras = [x for x, on in ((f"logits={_short(logits_dtype)}", logits_dtype != torch.float32),
+                                  ("values", values)) if on]
+        name = (f"k{k} W{c['W']} rows{c['ROWS']} {modes[mode]} {chunk} w{launch.options['num_warps']}"
+                + "".join(" " + x for x in extras))
+        out.append(variant_of(launch, "indexer.topk_merge", name))
+
+    for mode in modes:
+        for first, final, chunk in chunks:
+            one(2048, 64, mode, first, final, chunk)
+    for first, final, chunk in chunks:
+        one(2048, 64, topk.kern.WIN_PREFILL, first, final, chunk, logits_dtype=torch.bfloat16)
+    for dtype in (torch.float32, torch.bfloat16):
+        one(2048, 64, topk.kern.WIN_PREFILL, False, True, "last", logits_dtype=dtype, values=True)
+    for k in (16, 40, 100, 512):
+        for rows in (1, 300):
+            for first, final, chunk in chunks:
+                one(k, rows, topk.kern.WIN_PREFILL, first, final, chunk, values=final)
+    return _unique(out)
+
+
 # --------------------------------------------------------------------------------------
 # Tensor-parallel GEMMs (persistent GEMM core and communication kernels)
 # --------------------------------------------------------------------------------------
@@ -820,6 +867,7 @@ KERNELS: dict[str, tuple[Callable[[], list[Variant]], str]] = {
     "indexer.prefill_gluon": (prefill_gluon_variants, "tilefuse.indexer._prefill_kernel_gluon"),
     "indexer.paged": (paged_variants, "tilefuse.indexer._paged_kernel"),
     "indexer.paged_schedule": (paged_schedule_variants, "tilefuse.indexer._paged_kernel"),
+    "indexer.topk_merge": (topk_merge_variants, "tilefuse.indexer._topk_kernel"),
     "tp.gemm": (tp_gemm_variants, "tilefuse.tp._gemm_core"),
     "tp.comm": (tp_comm_variants, "tilefuse.tp._comm_kernels"),
     "tp.rs_gluon": (tp_rs_gluon_variants, "tilefuse.tp._gemm_rs_gluon"),
