@@ -234,7 +234,7 @@ def test_prefill_monotone_logits(order):
     """Logits monotone in the key position (per-key FP8 scales): ascending, every key beats the
     running bar and the candidate buffer fills at every block; descending, none after the first."""
     s_q, s_k, h, d = 8, 700, 4, 32
-    qq = F.quantize_q(torch.ones(s_q, h, d).to(torch.bfloat16), "fp8")
+    qq = F.quantize_q(torch.ones(s_q, h, d, device=DEVICE).to(torch.bfloat16), "fp8")
     k, scale = F.quantize_k(torch.ones(s_k, d).to(torch.bfloat16), "fp8")
     ramp = 1 + torch.arange(s_k, dtype=torch.float32) / 1024
     kk = (k.to(DEVICE), (scale * (ramp if order == "ascending" else ramp.flip(0))).to(DEVICE))

@@ -42,6 +42,9 @@ _ENTRIES = [
     # (20 B since the kernel clamps and checks the windows itself, 16 before.)
     ("indexer.prefill", "sm_100a", "fp8 * relu_via_abs=*", 24,
      "Triton loop on sm_100a with the linear term's operands beside the key tile (option, timed on Hopper only)"),
+    # Decode with triton 3.6 on sm_100a: the 2-D lengths' loads beside two rows of 64 heads.
+    ("indexer.paged", "sm_100a", "fp8 D128 H64 next_n2 * ctx2d tma", 8, "next_n 2 with 2-D lengths at 168 registers",
+     "3.6*"),
     # Top-k merge: ptxas holds some 8-warp variants to 80 (sm_90a) or 128 registers, and the
     # bitonic network's index arithmetic spills a few words; which ones depends on the Triton.
     ("indexer.topk_merge", "sm_90a", "k2048 *", 24, "ptxas's 80-register target for the 8-warp sort network",

@@ -181,6 +181,10 @@ def _specialise(name: str, value, constexpr: bool, specialised: bool = True):
         return "const", value, False
     if isinstance(value, bool):
         return "arg", "u1", False
+    if isinstance(value, int) and name.endswith("_addr"):
+        # A device address passed as an int: 64 bits on any GPU whatever the traced value (the
+        # TP builders trace on emulated workspaces, whose addresses can be small).
+        return "arg", "i64", specialised and value % 16 == 0
     if isinstance(value, int) and not specialised:
         return "arg", "i32" if -(2**31) <= value < 2**31 else "i64", False
     if isinstance(value, int):
@@ -606,9 +610,10 @@ def paged_schedule_variants() -> list[Variant]:
 
 def topk_merge_variants() -> list[Variant]:
     """``topk_merge_chunk_kernel`` as the top-k ops' chunk loop launches it (``topk._merge``):
-    topk 2048 (DeepSeek-V3.2's) in each window mode, the first, middle, last and only chunk,
-    fp32 and bf16 logits, with and without values; smaller top-k values (16, 40, 100, 512: rows
-    shared by a program) at one row and at 300, first/middle/last/only chunk."""
+    topk 2048 (DeepSeek-V3.2's) at the first, middle, last and only chunk of prefill windows,
+    the first and only chunk of both decode windows, the last chunk with values from fp32 and
+    bf16 logits; smaller top-k values (16, 40, 100, 512: rows shared by a program) at one row
+    and at 300, first/middle/last/only chunk."""
     import torch
 
     from tilefuse.indexer import topk
@@ -637,12 +642,12 @@ def topk_merge_variants() -> list[Variant]:
                 + "".join(" " + x for x in extras))
         out.append(variant_of(launch, "indexer.topk_merge", name))
 
-    for mode in modes:
-        for first, final, chunk in chunks:
-            one(2048, 64, mode, first, final, chunk)
     for first, final, chunk in chunks:
-        one(2048, 64, topk.kern.WIN_PREFILL, first, final, chunk, logits_dtype=torch.bfloat16)
-    for dtype in (torch.float32, torch.bfloat16):
+        one(2048, 64, topk.kern.WIN_PREFILL, first, final, chunk)
+    for mode in (topk.kern.WIN_DECODE_1D, topk.kern.WIN_DECODE_2D):  # the window loads differ
+        for first, final, chunk in (chunks[0], chunks[3]):
+            one(2048, 64, mode, first, final, chunk)
+    for dtype in (torch.float32, torch.bfloat16):  # the logits load and the values' store
         one(2048, 64, topk.kern.WIN_PREFILL, False, True, "last", logits_dtype=dtype, values=True)
     for k in (16, 40, 100, 512):
         for rows in (1, 300):
