@@ -7,6 +7,7 @@
 #   PART=tests: the README's test command, then the whole suite split over processes
 #   PART=decode: the decode schedule grid beside DeepGEMM; PART=topk: top-k speed
 #   PART=table: bench paged at the decode table's rows beside DeepGEMM
+#   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
 #   PART="tests decode": several parts, in order
 # DeepGEMM comes from an ignored copy of shared/peers/deepgemm at $PEERS (default .peers/deepgemm),
@@ -100,6 +101,15 @@ case "$part" in
   tests)  # the README's test command on this image (no dev tools), then the whole suite split over processes
     step readme-tests 60 bash scripts/test.sh tests/test_config.py tests/test_skip_summary.py
     shards tests-all "${TESTS_S:-330}" "${TEST_PROCS:-12}" tests ${TESTS_K:+-k "$TESTS_K"}
+    ;;
+  sweeps)  # the contract sweeps (decode logits, fused top-k), a new sample each round ($SEED), and DeepGEMM's tests
+    step gpu-sweep "${SWEEP_S:-150}" python3 -m tests.indexer.gpu_sweep --budget-s $(( ${SWEEP_S:-150} - 20 )) \
+      --seed "${SEED:-1}" --large
+    step topk-sweep "${TOPK_SWEEP_S:-150}" python3 -m tests.indexer.topk_gpu_sweep \
+      --budget-s $(( ${TOPK_SWEEP_S:-150} - 20 )) --seed "${SEED:-1}"
+    wait_deepgemm
+    step deepgemm-tests "${DG_S:-150}" python3 benchmarks/deepgemm_tests.py --cases "${DG_CASES:-200}" \
+      --seed "${SEED:-1}"
     ;;
   decode)  # the decode kernel's schedule grid beside DeepGEMM at the rows furthest behind it
     wait_deepgemm

@@ -10,6 +10,7 @@ ties, NaN, -inf) with small candidate buffers, so they are merged many times a c
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -407,6 +408,16 @@ def test_decode_empty_batch_and_zero_columns():
     empty = tilefuse.fp8_fp4_paged_mqa_topk((case.qq[0][:0], None), case.cache, case.w[:0], case.ctx[:0],
                                             case.table[:0], case.meta, case.max_context_len, 8)
     assert empty.shape == (0, 8)
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_gpu_sweep_sample(i):
+    """Four cases of the GPU contract sweep (``tests/indexer/topk_gpu_sweep.py``) at up to 300 keys."""
+    from . import topk_gpu_sweep as sweep
+
+    case = random.Random(40).sample(sweep.contract_cases(), 4)[i]
+    sweep.run_case(case, seed=41 + i, small_chunk=i % 2 == 0, max_keys=300)
+    tilefuse.check_errors()
 
 
 # ---------------------------------------------------------------------------------------
