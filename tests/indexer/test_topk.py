@@ -145,7 +145,7 @@ def test_merge_decode_windows(ctx_2d, logits_dtype):
 
 def test_merge_long_rows_wide_state():
     """topk 128 (a buffer of 128, scan blocks of 32) over 2000 keys in one and in four chunks:
-    random, ascending and descending rows, one program a row."""
+    random, ascending and descending rows, the three in one program."""
     rows, n, k_top = 3, 2000, 128
     g = torch.Generator().manual_seed(31)
     logits = torch.cat([_pattern(p, 1, n, g) for p in ("random", "ascending", "descending")]).to(DEVICE)
@@ -154,6 +154,24 @@ def test_merge_long_rows_wide_state():
     for chunk_k in (n, 512):
         idx, val = merge_chunks(logits, ks, ke, k_top, chunk_k)
         assert torch.equal(idx, ref_idx) and _equal(val, ref_val)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_merge_one_row_a_program_with_the_histogram_bar(pattern):
+    """One row a launch, so one program a row and the first chunk's histogram sets the bar:
+    1000 keys, topk 40, a whole row and random windows, in one chunk and in chunks of 300."""
+    n, k_top = 1000, 40
+    g = torch.Generator().manual_seed(50 + len(pattern))
+    logits = _pattern(pattern, 3, n, g).to(DEVICE)
+    ks, ke = W.random_windows(3, n, g, DEVICE, overhang=10)
+    ks[0], ke[0] = 0, n
+    for r in range(3):
+        one = slice(r, r + 1)
+        ref_idx, ref_val = R.topk_of_logits(logits[one], R.window_mask(ks[one], ke[one], n), k_top)
+        for chunk_k in (n, 300):
+            idx, val = merge_chunks(logits[one], ks[one], ke[one], k_top, chunk_k)
+            assert torch.equal(idx, ref_idx) and _equal(val, ref_val), (r, chunk_k)
 
 
 # ---------------------------------------------------------------------------------------

@@ -146,6 +146,33 @@ def _merge_candidates(state, cand_rows, count, slot, ROWS: tl.constexpr, W: tl.c
 
 
 # Runtime ints that change with the shape or the chunk: not specialised, so no recompiles.
+@triton.jit
+def _radix_bar(row_logits, lo, hi, walk_lo, n_scan, chunk_lo, kth, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+               BITS: tl.constexpr):
+    """One row's bar raised by a histogram of its keys in this chunk (ROWS = 1): the keys' top
+    ``log2 BINS`` bits (an arithmetic shift keeps their order) counted over the ``n_scan`` blocks
+    of the walk (2^BITS bins); the highest bin whose keys and those of the bins above number ``TOPK`` or more
+    holds the chunk's TOPK-th key, which the final TOPK-th key cannot be below. So every key
+    below that bin's lowest key can be dropped: the bar becomes that key - 1, if higher."""
+    BINS: tl.constexpr = 1 << BITS
+    SHIFT: tl.constexpr = 64 - BITS
+    col = tl.arange(0, BLOCK)
+    hist = tl.zeros([BINS], tl.int32)
+    for i in range(0, n_scan):
+        pos = walk_lo + i * BLOCK + col
+        inside = (pos >= lo) & (pos < hi)
+        v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
+        bins = ((_order_keys(v, pos) >> SHIFT) + BINS // 2).to(tl.int32)
+        hist += tl.histogram(bins, BINS, mask=inside)
+    # Keys in bins >= b, for b from the top: the first rank that reaches TOPK names the bin.
+    from_top = tl.cumsum(tl.flip(hist, 0), 0)
+    rank = tl.min(tl.where(from_top >= TOPK, tl.arange(0, BINS), BINS), axis=0)
+    b = BINS - 1 - rank
+    # Bin 0 (and no bin: fewer keys than TOPK) raise nothing; bin 0's lowest key is EMPTY_KEY.
+    edge = (b - BINS // 2).to(tl.int64) << SHIFT
+    return tl.where(b > 0, tl.maximum(kth, edge - 1), kth)
+
+
 @triton.jit(do_not_specialize=["n_rows", "row_base", "stride_l", "stride_s", "stride_c", "n_keys", "key_limit",
                                "next_n", "ctx_stride", "chunk_lo", "chunk_width", "stride_i", "stride_v"])
 def topk_merge_chunk_kernel(
@@ -157,7 +184,7 @@ def topk_merge_chunk_kernel(
     idx_ptr, stride_i, val_ptr, stride_v,
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
-    FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr,
+    FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, RADIX_BITS: tl.constexpr = 0,
 ):
     """ROWS rows a program: merge each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) into its state; FIRST starts from an empty state (and checks the
@@ -196,6 +223,10 @@ def topk_merge_chunk_kernel(
     # One block past the walk's end (nothing inside it) merges what the buffers still hold.
     # Counted from the span, so that no loop bound passes the int32 range.
     n_blocks = tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), BLOCK) + 1
+    if RADIX_BITS > 0 and FIRST:  # later chunks: the state's bar is already the k-th of more keys
+        tl.static_assert(ROWS == 1)
+        kth = _radix_bar(logits_ptr + row * stride_l, lo, hi, walk_lo, n_blocks - 1, chunk_lo, kth, TOPK, BLOCK,
+                         RADIX_BITS)
     for i in range(0, n_blocks):
         pos = walk_lo + i * BLOCK + col[None, :]
         inside = (pos >= lo[:, None]) & (pos < hi[:, None])

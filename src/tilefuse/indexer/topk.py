@@ -70,6 +70,10 @@ _KEYS_PER_PROGRAM = 2048
 # ... and at least one a lane of a warp: triton 3.6 never finishes compiling a [1, 16] state
 # (its layout-conversion pass loops).
 _MIN_KEYS_PER_PROGRAM = 32
+# One row a program: a histogram of the first chunk's keys (2^10 bins of their top bits) sets
+# the first bar before the scan (_topk_kernel._radix_bar). A prediction, not a measurement
+# (NOTES); 11 bits cut no more sorts in simulation and spilled with triton 3.6.
+_RADIX_BITS = 10
 _MAX_TOPK = 1 << 16
 _MAX_POSITION = 2**31 - 2  # keys hold 0x7FFFFFFF - position in 31 bits, above the empty slot
 
@@ -165,7 +169,8 @@ def _merge(logits, state, candidates, lo: int, width: int, win_a, win_b, n_keys:
         out, out.stride(0), out if values is None else values, 0 if values is None else values.stride(0),
         error_record(out.device),
         TOPK=topk, W=w, LOG_W=w.bit_length() - 1, ROWS=rows_per_program, MODE=mode, FIRST=first, FINAL=final,
-        WRITE_VALUES=values is not None, num_warps=max(1, min(8, rows_per_program * w // 256)),
+        WRITE_VALUES=values is not None, RADIX_BITS=_RADIX_BITS if rows_per_program == 1 else 0,
+        num_warps=max(1, min(8, rows_per_program * w // 256)),
     )
 
 

@@ -38,17 +38,20 @@ _ENTRIES = [
     # push the 64x128 tile just past 255 registers.
     ("indexer.prefill", "sm_90a", "mxfp8 * full*", 128, "MXFP8 bf16-upcast tile at the register limit"),
     # Prefill options (not the defaults).
-    ("indexer.prefill", "sm_90a", "mxfp4 * head_unroll=2*", 64, "two heads' upcast operands live at once"),
-    # (20 B since the kernel clamps and checks the windows itself, 16 before.)
+    ("indexer.prefill", "sm_90a", "mxfp4 * head_unroll=2*", 64, "two heads' upcast operands live at once", "3.8*"),
+    ("indexer.prefill", "sm_90a", "mxfp4 * head_unroll=2*", 96, "two heads' upcast operands live at once", "3.6*"),
+    # (20 B since the kernel clamps and checks the windows itself, 16 before; none with 3.6.)
     ("indexer.prefill", "sm_100a", "fp8 * relu_via_abs=*", 24,
-     "Triton loop on sm_100a with the linear term's operands beside the key tile (option, timed on Hopper only)"),
+     "Triton loop on sm_100a with the linear term's operands beside the key tile (option, timed on Hopper only)",
+     "3.8*"),
     # Decode with triton 3.6 on sm_100a: the 2-D lengths' loads beside two rows of 64 heads.
     ("indexer.paged", "sm_100a", "fp8 D128 H64 next_n2 * ctx2d tma", 8, "next_n 2 with 2-D lengths at 168 registers",
      "3.6*"),
+    ("indexer.paged", "sm_100a", "mxfp4 D128 H64 next_n2 * ctx2d", 48, "MXFP4 dequantised tile beside two rows",
+     "3.6*"),
     # Top-k merge: ptxas holds some 8-warp variants to 80 (sm_90a) or 128 registers, and the
     # bitonic network's index arithmetic spills a few words; which ones depends on the Triton.
-    ("indexer.topk_merge", "sm_90a", "k2048 *", 24, "ptxas's 80-register target for the 8-warp sort network",
-     "3.8*"),
+    ("indexer.topk_merge", "sm_90a", "k2048 *", 24, "ptxas's 80-register target for the 8-warp sort network"),
     ("indexer.topk_merge", "sm_100a", "k40 W64 rows32 *", 8, "ptxas's 128-register target, 32 rows a program",
      "3.8*"),
     ("indexer.topk_merge", "sm_100a", "k100 W128 rows16 *", 32, "ptxas's 128-register target, 16 rows a program"),
@@ -58,7 +61,9 @@ _ENTRIES = [
     # it no longer spills since the per-tile clock read went under TRACE); the reduce-scatter
     # epilogues hold the accumulator while loading every peer's partial.
     ("tp.gemm", "sm_100a", "gemm * unaligned*", 100, "masked epilogue of an unaligned chunk"),
-    ("tp.gemm", "*", "gemm_rs*", 2600, "reduce-scatter epilogue: accumulator plus peer partials"),
+    ("tp.gemm", "sm_90a", "gemm * unaligned*", 256, "masked epilogue of an unaligned chunk", "3.6*"),
+    ("tp.gemm", "*", "gemm_rs*", 2600, "reduce-scatter epilogue: accumulator plus peer partials", "3.8*"),
+    ("tp.gemm", "*", "gemm_rs*", 2700, "reduce-scatter epilogue: accumulator plus peer partials", "3.6*"),
 ]
 KNOWN_SPILLS = [KnownSpill(*e) for e in _ENTRIES]
 
