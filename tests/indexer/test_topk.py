@@ -67,14 +67,15 @@ def merge_chunks(logits, ks, ke, k_top, chunk_k, mode=kern.WIN_PREFILL, next_n=1
     Prefill: windows ``[ks, ke)``; decode: ``ks`` are the lengths (1-D or 2-D), ``ke`` unused."""
     rows, n = logits.shape
     chunks = topk._chunks(n, chunk_k)
-    state, candidates = topk._workspace(rows, k_top, len(chunks), logits.device)
+    state, candidates, counts = topk._workspace(rows, k_top, len(chunks), logits.device)
     candidates.fill_(7)  # scratch: nothing may depend on what it held
+    counts.fill_(99)  # the first chunk starts the carried counts
     out = torch.full((rows, k_top), 12345, dtype=torch.int32, device=logits.device)
     values = torch.empty((rows, k_top), dtype=logits.dtype, device=logits.device)
     ctx_stride = ks.stride(0) if ks.dim() == 2 else 1
     for c, (lo, hi) in enumerate(chunks):
-        topk._merge(logits[:, lo:hi].contiguous(), state, candidates, lo, hi - lo, ks, ke, n, n, next_n, ctx_stride,
-                    0, out, values, k_top, mode, first=c == 0, final=c == len(chunks) - 1)
+        topk._merge(logits[:, lo:hi].contiguous(), state, candidates, counts, lo, hi - lo, ks, ke, n, n, next_n,
+                    ctx_stride, 0, out, values, k_top, mode, first=c == 0, final=c == len(chunks) - 1)
     tilefuse.check_errors()
     return out, values
 

@@ -17,10 +17,12 @@ between chunks and in registers inside one; its ``topk``-th key is the bar a new
 A chunk is scanned in blocks of ``W / 4`` columns: the keys above the bar are compacted (a
 prefix sum of the mask gives each its slot) into the row's candidate buffer of ``W`` keys in
 global memory, and the buffer is merged into the state only when it could overflow with the
-next block, and at the chunk's end. The merge sorts the buffer ascending, takes the
-elementwise maximum with the descending state (the ``W`` largest of both, as a bitonic
-sequence) and sorts that with a bitonic merge (``log2 W`` stages); then the bar rises. Keys
-below a bar are below the final ``topk``-th key (bars only rise), so dropping them is exact.
+next block, and at the last chunk's end (its keys and count carry over the other chunk ends).
+The merge sorts the buffer ascending, takes the elementwise maximum with the descending state
+(the ``W`` largest of both, as a bitonic sequence) and sorts that with a bitonic merge
+(``log2 W`` stages); then the bar rises. Keys below a bar are below the final ``topk``-th key
+(bars only rise), so dropping them is exact. A program of one row first raises its bar from a
+histogram of the first chunk's keys (``_radix_bar``).
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ def _radix_bar(row_logits, lo, hi, walk_lo, n_scan, chunk_lo, kth, TOPK: tl.cons
 def topk_merge_chunk_kernel(
     logits_ptr, stride_l,
     state_ptr, stride_s,
-    cand_ptr, stride_c,
+    cand_ptr, stride_c, count_ptr,
     n_rows, row_base, win_a_ptr, win_b_ptr, n_keys, key_limit, next_n, ctx_stride,
     chunk_lo, chunk_width,
     idx_ptr, stride_i, val_ptr, stride_v,
@@ -189,7 +191,9 @@ def topk_merge_chunk_kernel(
     """ROWS rows a program: merge each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) into its state; FIRST starts from an empty state (and checks the
     rows' windows), FINAL writes the first TOPK indices (and values) instead of the state.
-    ``cand_ptr`` holds W keys a row (the candidate buffer, scratch within one launch).
+    ``cand_ptr`` holds W keys a row (the candidate buffer) and ``count_ptr`` how many each row's
+    holds between launches: the buffer is merged when it could overflow and at the last chunk
+    only, so its keys carry over chunk ends (FIRST starts it empty).
 
     The rows walk the union of their windows in blocks of W / 4 columns (rows of one program
     have near windows in the usual layouts: causal, zig-zag, decode), each row masked to its
@@ -215,17 +219,25 @@ def topk_merge_chunk_kernel(
         state = tl.load(state_ptr + cell)
     kth = _kth(state, slot, TOPK)
     cand_rows = cand_ptr + row[:, None] * stride_c
-    count = tl.zeros([ROWS], tl.int32)  # keys in each row's candidate buffer, <= W - BLOCK between blocks
+    # Keys in each row's candidate buffer, <= W - BLOCK between blocks (and chunks).
+    if FIRST:
+        count = tl.zeros([ROWS], tl.int32)
+    else:
+        count = tl.load(count_ptr + row, mask=live, other=0)
     walk_lo = tl.min(tl.where(lo < hi, lo, chunk_lo + chunk_width), axis=0)
     walk_hi = tl.max(tl.where(lo < hi, hi, 0), axis=0)
     row_logits = logits_ptr + row[:, None] * stride_l
     col = tl.arange(0, BLOCK)
-    # One block past the walk's end (nothing inside it) merges what the buffers still hold.
-    # Counted from the span, so that no loop bound passes the int32 range.
-    n_blocks = tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), BLOCK) + 1
+    # Counted from the span, so that no loop bound passes the int32 range; at the last chunk one
+    # block past the walk's end (nothing inside it) merges what the buffers still hold.
+    n_span = tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), BLOCK)
+    if FINAL:
+        n_blocks = n_span + 1
+    else:
+        n_blocks = n_span
     if RADIX_BITS > 0 and FIRST:  # later chunks: the state's bar is already the k-th of more keys
         tl.static_assert(ROWS == 1)
-        kth = _radix_bar(logits_ptr + row * stride_l, lo, hi, walk_lo, n_blocks - 1, chunk_lo, kth, TOPK, BLOCK,
+        kth = _radix_bar(logits_ptr + row * stride_l, lo, hi, walk_lo, n_span, chunk_lo, kth, TOPK, BLOCK,
                          RADIX_BITS)
     for i in range(0, n_blocks):
         pos = walk_lo + i * BLOCK + col[None, :]
@@ -238,7 +250,7 @@ def topk_merge_chunk_kernel(
         tl.store(cand_rows + (count[:, None] + tl.cumsum(taken, axis=1) - 1), keys, mask=above)
         count += tl.sum(taken, axis=1)
         most = tl.max(count, axis=0)
-        if (most > W - BLOCK) | ((i == n_blocks - 1) & (most > 0)):
+        if (most > W - BLOCK) | (FINAL & (i == n_blocks - 1) & (most > 0)):
             state = _merge_candidates(state, cand_rows, count, slot, ROWS, W, LOG_W)
             kth = _kth(state, slot, TOPK)
             count = tl.zeros([ROWS], tl.int32)
@@ -254,3 +266,4 @@ def topk_merge_chunk_kernel(
             tl.store(val_ptr + row[:, None] * stride_v + slot[None, :], val.to(val_ptr.dtype.element_ty), mask=out)
     else:
         tl.store(state_ptr + cell, state, mask=live[:, None])
+        tl.store(count_ptr + row, count, mask=live)

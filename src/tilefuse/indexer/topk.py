@@ -155,15 +155,16 @@ def _outputs(rows: int, topk: int, logits_dtype, device, out, return_values: boo
     return out, values
 
 
-def _merge(logits, state, candidates, lo: int, width: int, win_a, win_b, n_keys: int, key_limit: int, next_n: int,
-           ctx_stride: int, row_base: int, out, values, topk: int, mode: int, first: bool, final: bool) -> None:
+def _merge(logits, state, candidates, counts, lo: int, width: int, win_a, win_b, n_keys: int, key_limit: int,
+           next_n: int, ctx_stride: int, row_base: int, out, values, topk: int, mode: int, first: bool,
+           final: bool) -> None:
     """Merge logits columns ``[0, width)`` (positions ``lo + c``) of every row of ``out`` into
-    ``state`` (``candidates``: the kernel's scratch, one buffer a row); ``row_base`` is the first
+    ``state`` (``candidates``: one buffer a row, ``counts``: its keys between chunks); ``row_base`` is the first
     row's index in the op's output (for error messages)."""
     rows, w = out.shape[0], state_width(topk)
     rows_per_program = max(_MIN_KEYS_PER_PROGRAM // w, 1, min(next_power_of_2(rows), _KEYS_PER_PROGRAM // w))
     kern.topk_merge_chunk_kernel[(cdiv(rows, rows_per_program),)](
-        logits, logits.stride(0), state, state.stride(0), candidates, candidates.stride(0),
+        logits, logits.stride(0), state, state.stride(0), candidates, candidates.stride(0), counts,
         rows, row_base, win_a, win_b, n_keys, key_limit, next_n, ctx_stride,
         lo, width,
         out, out.stride(0), out if values is None else values, 0 if values is None else values.stride(0),
@@ -179,12 +180,15 @@ def _chunks(n_keys: int, chunk_k: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + chunk_k, n_keys)) for lo in range(0, max(n_keys, 1), chunk_k)]
 
 
-def _workspace(rows: int, topk: int, n_chunks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(state, candidates)``: ``W`` int64 keys a row each. One chunk merges straight from an
-    empty state into the result: no state needed then."""
+def _workspace(rows: int, topk: int, n_chunks: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(state, candidates, counts)``: ``W`` int64 keys a row each, and an int32 count a row of
+    the candidates carried between chunks. One chunk merges straight from an empty state into
+    the result: no state or count needed then."""
     w = state_width(topk)
-    state = torch.empty((rows, w) if n_chunks > 1 else (1, w), dtype=torch.int64, device=device)
-    return state, torch.empty((rows, w), dtype=torch.int64, device=device)
+    kept = rows if n_chunks > 1 else 1
+    state = torch.empty((kept, w), dtype=torch.int64, device=device)
+    counts = torch.empty(kept, dtype=torch.int32, device=device)
+    return state, torch.empty((rows, w), dtype=torch.int64, device=device), counts
 
 
 # ---------------------------------------------------------------------------------------
@@ -212,7 +216,7 @@ def _mqa_topk(
     head_dim = q.shape[2] * 2 if fmt == "mxfp4" else q.shape[2]
     cfg = prefill.resolve_config(fmt, q.shape[1], head_dim, s_q, None, logits_dtype, capability_major(q.device))
     chunks = _chunks(s_k, chunk_k)
-    state, candidates = _workspace(min(s_q, chunk_q), topk, len(chunks), q.device)
+    state, candidates, counts = _workspace(min(s_q, chunk_q), topk, len(chunks), q.device)
     with deferred():  # a chunk's errors surface at the next call, not the next chunk
         for r0 in range(0, max(s_q, 1), chunk_q):
             r1 = min(r0 + chunk_q, s_q)
@@ -226,7 +230,7 @@ def _mqa_topk(
                 logits = tilefuse.fp8_fp4_mqa_logits(q_rows, (k[lo:hi], k_scale[lo:hi]), weights[rows], ks_c, ke_c,
                                                      clean_logits=False, logits_dtype=logits_dtype, config=cfg)
                 if r1 > r0:
-                    _merge(logits, state, candidates, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out[rows],
+                    _merge(logits, state, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out[rows],
                            None if values is None else values[rows], topk, kern.WIN_PREFILL,
                            first=c == 0, final=c == len(chunks) - 1)
 
@@ -342,7 +346,7 @@ def _paged_mqa_topk(
     mode = kern.WIN_DECODE_1D if context_lens.dim() == 1 else kern.WIN_DECODE_2D
     ctx_stride = context_lens.stride(0) if context_lens.dim() == 2 else 1
     chunks = _chunks(covered, chunk_k)
-    state, candidates = _workspace(b * next_n, topk, len(chunks), q.device)
+    state, candidates, counts = _workspace(b * next_n, topk, len(chunks), q.device)
     with deferred():  # a chunk's errors surface at the next call, not the next chunk
         for c, (lo, hi) in enumerate(chunks):
             width = hi - lo
@@ -352,8 +356,9 @@ def _paged_mqa_topk(
             logits = tilefuse.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, lens_c, table_c, meta_c, width,
                                                        False, logits_dtype, indices, config=cfg)
             if b:
-                _merge(logits, state, candidates, lo, width, context_lens, context_lens, max_context_len, covered,
-                       next_n, ctx_stride, 0, out, values, topk, mode, first=c == 0, final=c == len(chunks) - 1)
+                _merge(logits, state, candidates, counts, lo, width, context_lens, context_lens, max_context_len,
+                       covered, next_n, ctx_stride, 0, out, values, topk, mode, first=c == 0,
+                       final=c == len(chunks) - 1)
 
 
 @_paged_mqa_topk.register_fake

@@ -627,12 +627,12 @@ def topk_merge_variants() -> list[Variant]:
     def one(k, rows, mode, first, final, chunk, logits_dtype=torch.float32, values=False):
         width, next_n = 301, 2 if mode != topk.kern.WIN_PREFILL else 1
         logits = torch.empty(rows, width, dtype=logits_dtype)
-        state, candidates = topk._workspace(rows, k, 2, "cpu")
+        state, candidates, counts = topk._workspace(rows, k, 2, "cpu")
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
         idx = torch.empty(rows, k, dtype=torch.int32)
         vals = torch.empty(rows, k, dtype=logits_dtype) if values else None
         with tracing(path) as launches:
-            topk._merge(logits, state, candidates, 37, width, win, win, 5000, 5000, next_n,
+            topk._merge(logits, state, candidates, counts, 37, width, win, win, 5000, 5000, next_n,
                         win.stride(0) if win.dim() == 2 else 1, 0, idx, vals, k, mode, first, final)
         (launch,) = launches
         c = launch.arguments
