@@ -67,9 +67,47 @@ def contract_cases() -> list[SweepCase]:
     return out
 
 
-def sample_cases(n: int, seed: int) -> list[SweepCase]:
-    cases = contract_cases()
-    return cases if n >= len(cases) else random.Random(seed).sample(cases, n)
+def add_sweep_arguments(ap: argparse.ArgumentParser, budget_s: float) -> None:
+    """The options every contract sweep takes: --all, --sample, --budget-s, --seed."""
+    ap.add_argument("--all", action="store_true", help="every case of the contract")
+    ap.add_argument("--sample", type=int, default=None, help="cases to sample (default: fit --budget-s)")
+    ap.add_argument("--budget-s", type=float, default=budget_s, help="stop sampling after this many seconds")
+    ap.add_argument("--seed", type=int, default=0, help="sample seed (a new one each round)")
+
+
+def pick_cases(cases: list, args) -> tuple[list, float | None]:
+    """The cases to run and the time budget: all of them in order (--all), a seeded sample
+    (--sample N), or all of them shuffled by the seed until --budget-s has passed."""
+    if args.all:
+        return cases, None
+    if args.sample is not None:
+        return (cases if args.sample >= len(cases) else random.Random(args.seed).sample(cases, args.sample)), None
+    cases = list(cases)
+    random.Random(args.seed).shuffle(cases)
+    return cases, args.budget_s
+
+
+def run_cases(cases: list, run_one, budget_s: float | None) -> tuple[int, list[str]]:
+    """``run_one(i, case)`` for each case until the budget has passed, then
+    ``tilefuse.check_errors()``; every failure is printed and named in the result, and a CUDA
+    error ends the sweep (the context is gone). Returns (cases run, names of those that failed)."""
+    import tilefuse
+
+    t0 = time.perf_counter()
+    failed, done = [], 0
+    for i, case in enumerate(cases):
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            break
+        try:
+            run_one(i, case)
+            tilefuse.check_errors()
+        except Exception as e:  # report every failure, then exit nonzero
+            failed.append(case.name())
+            print(f"FAIL  {case.name()}: {type(e).__name__}: {str(e)[:500]}", flush=True)
+            if "illegal memory access" in str(e) or "CUDA error" in str(e):
+                break
+        done += 1
+    return done, failed
 
 
 def run_case(case: SweepCase, seed: int, lens=None, chunk: int | None = None) -> None:
@@ -163,22 +201,15 @@ def run_large_logits(min_elements: int = 2**31 + 2**20, device: str = "cuda", wi
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--all", action="store_true", help="every case of the contract")
-    ap.add_argument("--sample", type=int, default=None, help="cases to sample (default: fit --budget-s)")
-    ap.add_argument("--budget-s", type=float, default=540.0, help="stop sampling after this many seconds")
-    ap.add_argument("--seed", type=int, default=0, help="sample seed (a new one each round)")
+    add_sweep_arguments(ap, budget_s=540.0)
     ap.add_argument("--large", action="store_true", help="also the >4 GiB cache and >2^31-element logits")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_sweep: needs a CUDA GPU (the CPU run is tests/indexer/test_paged_bounds.py)", file=sys.stderr)
         return 2
-    import tilefuse
-
-    cases = contract_cases() if args.all else sample_cases(args.sample or len(contract_cases()), args.seed)
-    if not args.all and args.sample is None:
-        random.Random(args.seed).shuffle(cases)
+    cases, budget_s = pick_cases(contract_cases(), args)
     t0 = time.perf_counter()
-    failed, done = [], 0
+    failed = []
     if args.large:
         for fn in (run_large_cache, run_large_logits):
             try:
@@ -188,19 +219,10 @@ def main(argv=None) -> int:
             except Exception as e:  # report every failure, then exit nonzero
                 failed.append(fn.__name__)
                 print(f"FAIL  {fn.__name__}: {type(e).__name__}: {e}", flush=True)
-    for i, case in enumerate(cases):
-        if not args.all and args.sample is None and time.perf_counter() - t0 > args.budget_s:
-            break
-        try:
-            # Every other case with a small chunk, so that requests cross chunk ends.
-            run_case(case, seed=args.seed * 100_003 + i, chunk=None if i % 2 else 2 * max(64, case.block_kv))
-            tilefuse.check_errors()
-        except Exception as e:
-            failed.append(case.name())
-            print(f"FAIL  {case.name()}: {type(e).__name__}: {str(e)[:500]}", flush=True)
-            if "illegal memory access" in str(e) or "CUDA error" in str(e):
-                break  # the context is gone: nothing later can run
-        done += 1
+    # Every other case with a small chunk, so that requests cross chunk ends.
+    done, failed_cases = run_cases(cases, lambda i, case: run_case(
+        case, seed=args.seed * 100_003 + i, chunk=None if i % 2 else 2 * max(64, case.block_kv)), budget_s)
+    failed += failed_cases
     print(f"{done} of {len(cases)} contract cases run in {time.perf_counter() - t0:.0f} s, {len(failed)} failed")
     return 1 if failed else 0
 

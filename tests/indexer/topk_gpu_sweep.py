@@ -67,11 +67,6 @@ def contract_cases() -> list[TopkCase]:
     return out
 
 
-def sample_cases(n: int, seed: int) -> list[TopkCase]:
-    cases = contract_cases()
-    return cases if n >= len(cases) else random.Random(seed).sample(cases, n)
-
-
 def run_case(case: TopkCase, seed: int, small_chunk: bool, max_keys: int) -> None:
     """Build the inputs (keys up to about ``max_keys`` a row), run the fused op and check it
     against the unfused pair; raises AssertionError on a difference."""
@@ -108,35 +103,19 @@ def run_case(case: TopkCase, seed: int, small_chunk: bool, max_keys: int) -> Non
 
 
 def main(argv=None) -> int:
+    from .gpu_sweep import add_sweep_arguments, pick_cases, run_cases
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--all", action="store_true", help="every case of the contract")
-    ap.add_argument("--sample", type=int, default=None, help="cases to sample (default: fit --budget-s)")
-    ap.add_argument("--budget-s", type=float, default=300.0, help="stop sampling after this many seconds")
-    ap.add_argument("--seed", type=int, default=0, help="sample seed (a new one each round)")
+    add_sweep_arguments(ap, budget_s=300.0)
     ap.add_argument("--max-keys", type=int, default=20000, help="keys a row at most (default 20000)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("topk_gpu_sweep: needs a CUDA GPU (the CPU run is tests/indexer/test_topk.py)", file=sys.stderr)
         return 2
-    import tilefuse
-
-    cases = contract_cases() if args.all else sample_cases(args.sample or len(contract_cases()), args.seed)
-    if not args.all and args.sample is None:
-        random.Random(args.seed).shuffle(cases)
+    cases, budget_s = pick_cases(contract_cases(), args)
     t0 = time.perf_counter()
-    failed, done = [], 0
-    for i, case in enumerate(cases):
-        if not args.all and args.sample is None and time.perf_counter() - t0 > args.budget_s:
-            break
-        try:
-            run_case(case, seed=args.seed * 100_003 + i, small_chunk=i % 2 == 0, max_keys=args.max_keys)
-            tilefuse.check_errors()
-        except Exception as e:  # report every failure, then exit nonzero
-            failed.append(case.name())
-            print(f"FAIL  {case.name()}: {type(e).__name__}: {str(e)[:500]}", flush=True)
-            if "illegal memory access" in str(e) or "CUDA error" in str(e):
-                break  # the context is gone: nothing later can run
-        done += 1
+    done, failed = run_cases(cases, lambda i, case: run_case(
+        case, seed=args.seed * 100_003 + i, small_chunk=i % 2 == 0, max_keys=args.max_keys), budget_s)
     print(f"{done} of {len(cases)} top-k contract cases run in {time.perf_counter() - t0:.0f} s, {len(failed)} failed")
     return 1 if failed else 0
 

@@ -147,15 +147,14 @@ def _merge_candidates(state, cand_rows, count, slot, ROWS: tl.constexpr, W: tl.c
     return _merge_bitonic(tl.maximum(state, _sort_rows(cand, ROWS, W, LOG_W, 0)), ROWS, W, LOG_W, 1)
 
 
-# Runtime ints that change with the shape or the chunk: not specialised, so no recompiles.
 @triton.jit
 def _radix_bar(row_logits, lo, hi, walk_lo, n_scan, chunk_lo, kth, TOPK: tl.constexpr, BLOCK: tl.constexpr,
                BITS: tl.constexpr):
     """One row's bar raised by a histogram of its keys in this chunk (ROWS = 1): the keys' top
-    ``log2 BINS`` bits (an arithmetic shift keeps their order) counted over the ``n_scan`` blocks
-    of the walk (2^BITS bins); the highest bin whose keys and those of the bins above number ``TOPK`` or more
-    holds the chunk's TOPK-th key, which the final TOPK-th key cannot be below. So every key
-    below that bin's lowest key can be dropped: the bar becomes that key - 1, if higher."""
+    BITS bits (an arithmetic shift keeps their order) counted over the ``n_scan`` blocks of the
+    walk; the highest bin whose keys and those of the bins above number ``TOPK`` or more holds
+    the chunk's TOPK-th key, which the final TOPK-th key cannot be below. So every key below
+    that bin's lowest key can be dropped: the bar becomes that key - 1, if higher."""
     BINS: tl.constexpr = 1 << BITS
     SHIFT: tl.constexpr = 64 - BITS
     col = tl.arange(0, BLOCK)
@@ -175,6 +174,7 @@ def _radix_bar(row_logits, lo, hi, walk_lo, n_scan, chunk_lo, kth, TOPK: tl.cons
     return tl.where(b > 0, tl.maximum(kth, edge - 1), kth)
 
 
+# Runtime ints that change with the shape or the chunk: not specialised, so no recompiles.
 @triton.jit(do_not_specialize=["n_rows", "row_base", "stride_l", "stride_s", "stride_c", "n_keys", "key_limit",
                                "next_n", "ctx_stride", "chunk_lo", "chunk_width", "stride_i", "stride_v"])
 def topk_merge_chunk_kernel(

@@ -159,8 +159,8 @@ def _merge(logits, state, candidates, counts, lo: int, width: int, win_a, win_b,
            next_n: int, ctx_stride: int, row_base: int, out, values, topk: int, mode: int, first: bool,
            final: bool) -> None:
     """Merge logits columns ``[0, width)`` (positions ``lo + c``) of every row of ``out`` into
-    ``state`` (``candidates``: one buffer a row, ``counts``: its keys between chunks); ``row_base`` is the first
-    row's index in the op's output (for error messages)."""
+    ``state`` (``candidates``: one buffer a row, ``counts``: its keys between chunks);
+    ``row_base`` is the first row's index in the op's output (for error messages)."""
     rows, w = out.shape[0], state_width(topk)
     rows_per_program = max(_MIN_KEYS_PER_PROGRAM // w, 1, min(next_power_of_2(rows), _KEYS_PER_PROGRAM // w))
     kern.topk_merge_chunk_kernel[(cdiv(rows, rows_per_program),)](
