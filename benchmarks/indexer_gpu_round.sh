@@ -5,6 +5,8 @@
 #   PART=verify bash benchmarks/indexer_gpu_round.sh   # GPU tests, prefill A/B vs $AB_BASE, host cost
 #   PART=ab-peer / PART=final: A/B over $AB_TREES while DeepGEMM builds, then host cost and peer rows
 #   PART=tests: the README's test command, then the whole suite split over processes
+#   PART=suite: the README's test command on the whole suite (xdist where the image has it, else
+#     split over processes), the two contract sweeps beside it, then top-k speed
 #   PART=decode: the decode schedule grid beside DeepGEMM; PART=topk: top-k speed
 #   PART=table: bench paged at the decode table's rows beside DeepGEMM
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
@@ -41,7 +43,7 @@ shards() {  # shards NAME SECONDS N PYTEST_ARGS...: the selected tests split ove
   python3 -m pytest -q -p no:cacheprovider --collect-only "$@" 2>/dev/null | grep '::' >"$ids"
   for ((i = 0; i < n; i++)); do
     awk -v n="$n" -v i="$i" 'NR % n == i' "$ids" >"$ids.$i"
-    [ -s "$ids.$i" ] && timeout -k 5 "$limit" xargs -d "\n" -a "$ids.$i" python3 -m pytest -q -p no:cacheprovider \
+    [ -s "$ids.$i" ] && TILEFUSE_TEST_COMPILE_JOBS=2 timeout -k 5 "$limit" xargs -d "\n" -a "$ids.$i" python3 -m pytest -q -p no:cacheprovider \
       >"$LOGS/$name.$i.log" 2>&1 &
   done
   wait
@@ -66,7 +68,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|decode|table|host|topk)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|decode|table|host|topk)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -101,6 +103,20 @@ case "$part" in
   tests)  # the README's test command on this image (no dev tools), then the whole suite split over processes
     step readme-tests 60 bash scripts/test.sh tests/test_config.py tests/test_skip_summary.py
     shards tests-all "${TESTS_S:-330}" "${TEST_PROCS:-12}" tests ${TESTS_K:+-k "$TESTS_K"}
+    ;;
+  suite)  # the README's test command on the whole suite, the contract sweeps beside it
+    python3 -c "import xdist" 2>/dev/null && echo "pytest-xdist: installed" | tee -a "$OUT/summary.txt" \
+      || echo "pytest-xdist: not installed" | tee -a "$OUT/summary.txt"
+    (step gpu-sweep "${SWEEP_S:-120}" python3 -m tests.indexer.gpu_sweep --budget-s $(( ${SWEEP_S:-120} - 20 )) \
+      --seed "${SEED:-1}" --large
+     step topk-sweep "${TOPK_SWEEP_S:-120}" python3 -m tests.indexer.topk_gpu_sweep \
+      --budget-s $(( ${TOPK_SWEEP_S:-120} - 20 )) --seed "${SEED:-1}") &
+    if python3 -c "import xdist" 2>/dev/null; then
+      step readme-tests "${TESTS_S:-400}" bash scripts/test.sh
+    else
+      shards tests-all "${TESTS_S:-400}" "${TEST_PROCS:-12}" tests
+    fi
+    wait
     ;;
   sweeps)  # the contract sweeps (decode logits, fused top-k), a new sample each round ($SEED), and DeepGEMM's tests
     step gpu-sweep "${SWEEP_S:-150}" python3 -m tests.indexer.gpu_sweep --budget-s $(( ${SWEEP_S:-150} - 20 )) \

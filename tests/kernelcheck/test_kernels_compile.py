@@ -3,13 +3,16 @@
 in ``tilefuse.kernelcheck.known_issues``, each within its budget.
 
 The compiles run in worker processes without ``TRITON_INTERPRET`` (``compile_many``); one test
-per (kernel, target, first word of the configuration) keeps the groups small enough to
-spread over the test workers.
+per (kernel, target, first word of the configuration, slice of at most ``_GROUP_SIZE``) keeps
+the groups small enough to spread evenly over xdist workers. A session not split by xdist (the
+README's test command on a GPU image without it) compiles its selected groups once, in one
+pool of a worker per core, at its first group.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import os
 
 import pytest
 
@@ -24,10 +27,34 @@ def _part(v: variants.Variant) -> str:
     return v.name.split(" ")[0].split("[")[0]
 
 
-GROUPS: dict[tuple[str, str, str], list[variants.Variant]] = {}
+_GROUP_SIZE = 8
+_by_part: dict[tuple[str, str, str], list[variants.Variant]] = {}
 for _v in ALL:
     for _t in _v.targets:
-        GROUPS.setdefault((_v.kernel, _t, _part(_v)), []).append(_v)
+        _by_part.setdefault((_v.kernel, _t, _part(_v)), []).append(_v)
+GROUPS: dict[tuple[str, str, str, str], list[variants.Variant]] = {
+    (*key, str(i // _GROUP_SIZE)): vs[i:i + _GROUP_SIZE]
+    for key, vs in _by_part.items() for i in range(0, len(vs), _GROUP_SIZE)
+}
+_reports: dict[tuple[str, str, str], KernelReport] = {}  # (kernel, variant name, target) -> report
+
+
+def _compile_group(group, session) -> list[KernelReport]:
+    """The group's reports: under xdist compiled on its share of the cores, else from one pool
+    over every group this session selected (filled at its first group)."""
+    items = [(v, group[1]) for v in GROUPS[group]]
+    # TILEFUSE_TEST_COMPILE_JOBS: the pool's size where several pytest processes share the cores
+    cores = int(os.environ.get("TILEFUSE_TEST_COMPILE_JOBS", 0)) or os.cpu_count() or 1
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        return compile_many(items, jobs=max(1, cores // workers), sass=False)
+    if not _reports:
+        selected = [it.callspec.params["group"] for it in session.items
+                    if getattr(it, "originalname", None) == "test_compiles_on_the_fast_path"]
+        every = [(v, g[1]) for g in selected for v in GROUPS[g]]
+        for (v, t), r in zip(every, compile_many(every, jobs=cores, sass=False)):
+            _reports[v.kernel, v.name, t] = r
+    return [_reports[v.kernel, v.name, t] for v, t in items]
 
 
 def test_registry_covers_every_kernel():
@@ -65,10 +92,9 @@ def test_known_issues_accept_spills_within_budget_only():
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS), ids=lambda g: "-".join(g))
-def test_compiles_on_the_fast_path(group):
-    kernel, target, _ = group
-    group_variants = GROUPS[group]
-    reports = compile_many([(v, target) for v in group_variants], jobs=1, sass=False)
+def test_compiles_on_the_fast_path(group, request):
+    kernel, target = group[:2]
+    reports = _compile_group(group, request.session)
     unexpected = []
     for r in reports:
         fails = checks.failures(r)
