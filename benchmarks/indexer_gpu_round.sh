@@ -9,6 +9,8 @@
 #     split over processes), the two contract sweeps beside it, then top-k speed
 #   PART=decode: the decode schedule grid beside DeepGEMM; PART=topk: top-k speed
 #   PART=table: bench paged at the decode table's rows beside DeepGEMM
+#   PART=closing: the README's two commands side by side (test suite, demo), then top-k speed and
+#     the top-k A/B over $AB_TREES
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
 #   PART="tests decode": several parts, in order
@@ -68,7 +70,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|decode|table|host|topk)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|table|host|topk)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -117,6 +119,16 @@ case "$part" in
       shards tests-all "${TESTS_S:-400}" "${TEST_PROCS:-12}" tests
     fi
     wait
+    ;;
+  closing)  # the README's two commands side by side, then top-k speed and its A/B (timed alone)
+    step readme-tests "${TESTS_S:-380}" bash scripts/test.sh &
+    PLOT="$OUT/indexer.png" step readme-demo "${DEMO_S:-300}" bash scripts/demo.sh -o "$OUT/indexer.json" &
+    wait
+    wait_deepgemm
+    step bench-topk "${TOPK_S:-100}" python3 -m tilefuse.cli bench topk -o "$OUT/topk.json" --samples 10 \
+      --shapes ${TOPK_SHAPES:-2048x32768 2048x131072 64x1x32768 256x2x65536}
+    step topk-ab "${AB_S:-90}" python3 benchmarks/prefill_ab.py ${AB_TREES:-.ab/now .} --op topk --rounds 1 \
+      --output "$OUT/topk-ab.json"
     ;;
   sweeps)  # the contract sweeps (decode logits, fused top-k), a new sample each round ($SEED), and DeepGEMM's tests
     step gpu-sweep "${SWEEP_S:-150}" python3 -m tests.indexer.gpu_sweep --budget-s $(( ${SWEEP_S:-150} - 20 )) \

@@ -3,9 +3,10 @@
 Each tree (a directory holding ``src/tilefuse``, e.g. ``git archive <commit> src | tar -x -C
 DIR``) is timed in its own process; the order of the trees rotates every round, and each
 shape's time is the median over rounds of the per-round medians. FP8, H64 D128, causal
-windows, clean logits; a CUDA graph of 5 calls per sample.
+windows, clean logits; a CUDA graph of 5 calls per sample. ``--op topk``: the fused prefill
+top-k (``fp8_fp4_mqa_topk``, k 2048) at ``TOPK_SHAPES`` instead.
 
-    python benchmarks/prefill_ab.py TREE [TREE ...] [--rounds 3] [--output ab.json]
+    python benchmarks/prefill_ab.py TREE [TREE ...] [--rounds 3] [--op topk] [--output ab.json]
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ SHAPES = [  # (S_q, S_k, logits dtype)
     (128, 32768, "float32"),
 ]
 
+TOPK_SHAPES = [(2048, 32768, "float32"), (2048, 131072, "float32")]
+
 _CHILD = r"""
 import json, sys, torch, tilefuse
-shapes = json.loads(sys.argv[1])
+shapes, op = json.loads(sys.argv[1]), sys.argv[2]
 g = torch.Generator(device="cuda").manual_seed(0)
 res = {}
 for s_q, s_k, dt in shapes:
@@ -35,7 +38,10 @@ for s_q, s_k, dt in shapes:
     ke = torch.arange(s_k - s_q + 1, s_k + 1, dtype=torch.int32, device="cuda")
     ks = torch.zeros(s_q, dtype=torch.int32, device="cuda")
     dtype = getattr(torch, dt)
-    fn = lambda: tilefuse.fp8_fp4_mqa_logits((q, None), (k, ksc), w, ks, ke, True, 0, dtype)
+    if op == "topk":
+        fn = lambda: tilefuse.fp8_fp4_mqa_topk((q, None), (k, ksc), w, ks, ke, 2048, dtype)
+    else:
+        fn = lambda: tilefuse.fp8_fp4_mqa_logits((q, None), (k, ksc), w, ks, ke, True, 0, dtype)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -55,9 +61,9 @@ print("RESULT " + json.dumps(res))
 """
 
 
-def _run_tree(tree: str, shapes) -> dict:
+def _run_tree(tree: str, shapes, op: str = "logits") -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.abspath(tree), "src"))
-    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(shapes)], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(shapes), op], env=env, capture_output=True,
                          text=True, timeout=300)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -69,15 +75,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trees", nargs="+")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--shapes", type=int, default=len(SHAPES), help="time the first N shapes only")
+    ap.add_argument("--shapes", type=int, default=None, help="time the first N shapes only")
+    ap.add_argument("--op", choices=("logits", "topk"), default="logits")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
-    shapes = SHAPES[:a.shapes]
+    shapes = (TOPK_SHAPES if a.op == "topk" else SHAPES)[:a.shapes]
     per_round: dict[str, list[dict]] = {t: [] for t in a.trees}
     for r in range(a.rounds):
         order = a.trees[r % len(a.trees):] + a.trees[:r % len(a.trees)]
         for tree in order:
-            per_round[tree].append(_run_tree(tree, shapes))
+            per_round[tree].append(_run_tree(tree, shapes, a.op))
             print(f"round {r} {tree} done", flush=True)
     table = {t: {k: statistics.median(rnd[k] for rnd in rounds) for k in rounds[0]}
              for t, rounds in per_round.items()}

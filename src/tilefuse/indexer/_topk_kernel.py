@@ -12,17 +12,18 @@ Keys are unique per row (the position is in them), so the order is total and the
 exact whatever the ties. ``INT64_MIN`` is the empty slot (no valid key reaches it: positions
 stay below ``2^31 - 1``); it decodes to index ``-1`` and value ``-inf``.
 
-A row's state is ``W`` keys (``W`` a power of two >= topk) sorted descending in a workspace
-between chunks and in registers inside one; its ``topk``-th key is the bar a new key must beat.
-A chunk is scanned in blocks of ``W / 4`` columns: the keys above the bar are compacted (a
-prefix sum of the mask gives each its slot) into the row's candidate buffer of ``W`` keys in
-global memory, and the buffer is merged into the state only when it could overflow with the
-next block, and at the last chunk's end (its keys and count carry over the other chunk ends).
-The merge sorts the buffer ascending, takes the elementwise maximum with the descending state
-(the ``W`` largest of both, as a bitonic sequence) and sorts that with a bitonic merge
-(``log2 W`` stages); then the bar rises. Keys below a bar are below the final ``topk``-th key
-(bars only rise), so dropping them is exact. A program of one row first raises its bar from a
-histogram of the first chunk's keys (``_radix_bar``).
+A row's candidates live in a buffer of ``CAP = 2 W`` keys (``W`` a power of two >= topk) in
+global memory, with a count and a bar carried between chunks: every key in the buffer is above
+the bar, and the row's final ``topk`` keys are among them. A chunk is scanned in blocks of
+``W / 2`` columns: the keys above the bar are compacted into the buffer (a prefix sum of the
+mask gives each its slot). When the buffer could overflow with the next block, a **select**
+shrinks it to exactly its ``topk`` largest keys: the buffer is loaded into registers, a radix
+select finds its ``topk``-th key (a histogram of one digit of the keys per pass, from the top
+digit down, among the keys that share the digits chosen so far, until the bin holding the
+``topk``-th key holds no other key it must separate), the keys at or above it are compacted
+back and it becomes the bar. Keys below a bar are below the final ``topk``-th key (bars only
+rise), so dropping them is exact. The last chunk ends with a select and one bitonic sort of the
+``W`` survivors: a row is sorted once, whatever its length.
 """
 
 from __future__ import annotations
@@ -129,78 +130,94 @@ def _merge_bitonic(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, 
 
 
 @triton.jit
-def _kth(state, slot, TOPK: tl.constexpr):
-    """Each row's TOPK-th key (the bar a new key must clear), ``[ROWS]``."""
-    return tl.max(tl.where(slot[None, :] == TOPK - 1, state, EMPTY_KEY), axis=1)
+def _select(cand_rows, count, bar, slot, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr,
+            DIGIT: tl.constexpr):
+    """Each row's buffer (its first ``count`` keys) cut to its TOPK largest keys, compacted to
+    the buffer's start: ``(count, bar)`` after it. Rows holding TOPK keys or fewer keep them.
 
-
-@triton.jit
-def _merge_candidates(state, cand_rows, count, slot, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr):
-    """``state`` with each row's first ``count`` keys of its candidate buffer merged in."""
-    # The candidates were stored by other threads of the program; the barrier after the load
-    # keeps the next block's stores behind it.
-    tl.debug_barrier()
-    cand = tl.load(cand_rows + slot[None, :], mask=slot[None, :] < count[:, None], other=EMPTY_KEY)
-    tl.debug_barrier()
-    # Candidates ascending against the state descending: the elementwise maximum is the W
-    # largest of both, bitonic.
-    return _merge_bitonic(tl.maximum(state, _sort_rows(cand, ROWS, W, LOG_W, 0)), ROWS, W, LOG_W, 1)
-
-
-@triton.jit
-def _radix_bar(row_logits, lo, hi, walk_lo, n_scan, chunk_lo, kth, TOPK: tl.constexpr, BLOCK: tl.constexpr,
-               BITS: tl.constexpr):
-    """One row's bar raised by a histogram of its keys in this chunk (ROWS = 1): the keys' top
-    BITS bits (an arithmetic shift keeps their order) counted over the ``n_scan`` blocks of the
-    walk; the highest bin whose keys and those of the bins above number ``TOPK`` or more holds
-    the chunk's TOPK-th key, which the final TOPK-th key cannot be below. So every key below
-    that bin's lowest key can be dropped: the bar becomes that key - 1, if higher."""
-    BINS: tl.constexpr = 1 << BITS
-    SHIFT: tl.constexpr = 64 - BITS
-    col = tl.arange(0, BLOCK)
-    hist = tl.zeros([BINS], tl.int32)
-    for i in range(0, n_scan):
-        pos = walk_lo + i * BLOCK + col
-        inside = (pos >= lo) & (pos < hi)
-        v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
-        bins = ((_order_keys(v, pos) >> SHIFT) + BINS // 2).to(tl.int32)
-        hist += tl.histogram(bins, BINS, mask=inside)
-    # Keys in bins >= b, for b from the top: the first rank that reaches TOPK names the bin.
-    from_top = tl.cumsum(tl.flip(hist, 0), 0)
-    rank = tl.min(tl.where(from_top >= TOPK, tl.arange(0, BINS), BINS), axis=0)
-    b = BINS - 1 - rank
-    # Bin 0 (and no bin: fewer keys than TOPK) raise nothing; bin 0's lowest key is EMPTY_KEY.
-    edge = (b - BINS // 2).to(tl.int64) << SHIFT
-    return tl.where(b > 0, tl.maximum(kth, edge - 1), kth)
+    Radix select on the int64 keys, DIGIT bits a pass from the top: the histogram of the digit
+    over the keys that share the digits chosen so far (``prefix``) names the bin of the
+    ``need``-th largest; once that bin holds exactly the ``need`` keys still wanted, every key
+    at or above its lowest possible key is kept (TOPK keys: keys are unique)."""
+    BINS: tl.constexpr = 1 << DIGIT
+    PASSES: tl.constexpr = (64 + DIGIT - 1) // DIGIT
+    TOP_SHIFT: tl.constexpr = 64 - DIGIT
+    tl.debug_barrier()  # the buffer was stored by other threads of the program
+    x = tl.load(cand_rows + slot[None, :], mask=slot[None, :] < count[:, None], other=EMPTY_KEY)
+    valid = slot[None, :] < count[:, None]
+    bins_of_row = tl.arange(0, ROWS)[:, None] * BINS
+    b_idx = tl.arange(0, BINS)[None, :]
+    need = tl.where(count > TOPK, TOPK, 0).to(tl.int32)  # 0: the row keeps all it holds
+    prefix = tl.zeros([ROWS], tl.int64)  # the chosen digits as a signed number
+    thr = tl.full([ROWS], EMPTY_KEY + 1, tl.int64)  # keep keys >= thr
+    d = 0
+    while (d < PASSES) & (tl.max(need, axis=0) > 0):
+        shift = TOP_SHIFT - d * DIGIT
+        shift = tl.maximum(shift, 0)
+        width = tl.minimum(DIGIT, TOP_SHIFT + DIGIT - d * DIGIT)  # the last digit may be narrower
+        top = x >> shift  # the key's digits down to this one, signed
+        if d == 0:
+            in_prefix = valid
+            digit = (top + BINS // 2).to(tl.int32)
+        else:
+            in_prefix = valid & ((top >> width) == prefix[:, None])
+            digit = (top & ((1 << width) - 1)).to(tl.int32)
+        live = in_prefix & (need[:, None] > 0)
+        hist = tl.reshape(tl.histogram(tl.reshape(bins_of_row + digit, [ROWS * CAP]), ROWS * BINS,
+                                       mask=tl.reshape(live, [ROWS * CAP])), [ROWS, BINS])
+        # Keys in bins >= b, counted from the top: the bin where that reaches need.
+        from_top = tl.flip(tl.cumsum(tl.flip(hist, 1), 1), 1)
+        b = tl.max(tl.where(from_top >= need[:, None], b_idx, -1), axis=1)
+        in_b = tl.sum(tl.where(b_idx == b[:, None], hist, 0), axis=1)
+        above = tl.sum(tl.where(b_idx > b[:, None], hist, 0), axis=1)
+        active = need > 0
+        if d == 0:
+            chosen = (b - BINS // 2).to(tl.int64)
+        else:
+            chosen = (prefix << width) | b.to(tl.int64)
+        need_b = need - above
+        done = active & (in_b == need_b)
+        thr = tl.where(done, chosen << shift, thr)
+        prefix = tl.where(active, chosen, prefix)
+        need = tl.where(done, 0, tl.where(active, need_b, need))
+        d += 1
+    keep = valid & (x >= thr[:, None])
+    taken = keep.to(tl.int32)
+    new_count = tl.sum(taken, axis=1)
+    new_bar = tl.min(tl.where(keep, x, 0x7FFFFFFFFFFFFFFF), axis=1)
+    shrunk = count > TOPK
+    tl.debug_barrier()  # every thread has loaded the buffer before it is overwritten
+    tl.store(cand_rows + (tl.cumsum(taken, axis=1) - 1), x, mask=keep & shrunk[:, None])
+    count = tl.where(shrunk, new_count, count)
+    bar = tl.where(shrunk, new_bar, bar)
+    return count, bar
 
 
 # Runtime ints that change with the shape or the chunk: not specialised, so no recompiles.
-@triton.jit(do_not_specialize=["n_rows", "row_base", "stride_l", "stride_s", "stride_c", "n_keys", "key_limit",
+@triton.jit(do_not_specialize=["n_rows", "row_base", "stride_l", "stride_c", "n_keys", "key_limit",
                                "next_n", "ctx_stride", "chunk_lo", "chunk_width", "stride_i", "stride_v"])
 def topk_merge_chunk_kernel(
     logits_ptr, stride_l,
-    state_ptr, stride_s,
-    cand_ptr, stride_c, count_ptr,
+    bar_ptr, cand_ptr, stride_c, count_ptr,
     n_rows, row_base, win_a_ptr, win_b_ptr, n_keys, key_limit, next_n, ctx_stride,
     chunk_lo, chunk_width,
     idx_ptr, stride_i, val_ptr, stride_v,
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
-    FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, RADIX_BITS: tl.constexpr = 0,
+    FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, DIGIT: tl.constexpr,
 ):
-    """ROWS rows a program: merge each row's valid keys of logits columns ``[0, chunk_width)``
-    (positions ``chunk_lo + c``) into its state; FIRST starts from an empty state (and checks the
-    rows' windows), FINAL writes the first TOPK indices (and values) instead of the state.
-    ``cand_ptr`` holds W keys a row (the candidate buffer) and ``count_ptr`` how many each row's
-    holds between launches: the buffer is merged when it could overflow and at the last chunk
-    only, so its keys carry over chunk ends (FIRST starts it empty).
+    """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
+    (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
+    a row; ``count_ptr`` / ``bar_ptr``: its count and bar between launches). FIRST starts empty
+    (and checks the rows' windows), FINAL writes the first TOPK indices (and values).
 
-    The rows walk the union of their windows in blocks of W / 4 columns (rows of one program
+    The rows walk the union of their windows in blocks of W / 2 columns (rows of one program
     have near windows in the usual layouts: causal, zig-zag, decode), each row masked to its
-    own; the candidates of all rows are merged when any row's buffer could overflow."""
+    own; the buffers of all rows are cut (``_select``) when any could overflow."""
     tl.static_assert(W >= TOPK)
     tl.static_assert(W == 1 << LOG_W)
-    BLOCK: tl.constexpr = W // 4
+    CAP: tl.constexpr = 2 * W
+    BLOCK: tl.constexpr = W // 2
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     live = row < n_rows
     row = tl.where(live, row, 0)  # dead rows reread row 0 and store nothing
@@ -208,62 +225,47 @@ def topk_merge_chunk_kernel(
                              FIRST)
     lo = tl.maximum(start, chunk_lo)
     hi = tl.where(live, tl.minimum(end, chunk_lo + chunk_width), lo)
-    slot = tl.arange(0, W)
-    cell = row[:, None] * stride_s + slot[None, :]
-    if FIRST:
-        # Empty, as a load that reads nothing: with a constant here, triton 3.6 never finishes
-        # compiling the variants that store the state at small ROWS x W (its layout-conversion
-        # pass loops); the load gives the state the layout of its store.
-        state = tl.load(state_ptr + cell, mask=row[:, None] < 0, other=EMPTY_KEY)
-    else:
-        state = tl.load(state_ptr + cell)
-    kth = _kth(state, slot, TOPK)
     cand_rows = cand_ptr + row[:, None] * stride_c
-    # Keys in each row's candidate buffer, <= W - BLOCK between blocks (and chunks).
+    slot = tl.arange(0, CAP)
     if FIRST:
         count = tl.zeros([ROWS], tl.int32)
+        bar = tl.full([ROWS], EMPTY_KEY, tl.int64)
     else:
         count = tl.load(count_ptr + row, mask=live, other=0)
+        bar = tl.load(bar_ptr + row, mask=live, other=EMPTY_KEY)
     walk_lo = tl.min(tl.where(lo < hi, lo, chunk_lo + chunk_width), axis=0)
     walk_hi = tl.max(tl.where(lo < hi, hi, 0), axis=0)
     row_logits = logits_ptr + row[:, None] * stride_l
     col = tl.arange(0, BLOCK)
-    # Counted from the span, so that no loop bound passes the int32 range; at the last chunk one
-    # block past the walk's end (nothing inside it) merges what the buffers still hold.
-    n_span = tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), BLOCK)
-    if FINAL:
-        n_blocks = n_span + 1
-    else:
-        n_blocks = n_span
-    if RADIX_BITS > 0 and FIRST:  # later chunks: the state's bar is already the k-th of more keys
-        tl.static_assert(ROWS == 1)
-        kth = _radix_bar(logits_ptr + row * stride_l, lo, hi, walk_lo, n_span, chunk_lo, kth, TOPK, BLOCK,
-                         RADIX_BITS)
+    # Counted from the span, so that no loop bound passes the int32 range.
+    n_blocks = tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), BLOCK)
     for i in range(0, n_blocks):
         pos = walk_lo + i * BLOCK + col[None, :]
         inside = (pos >= lo[:, None]) & (pos < hi[:, None])
         v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
         keys = _order_keys(v, pos)
-        above = inside & (keys > kth[:, None])
+        above = inside & (keys > bar[:, None])
         taken = above.to(tl.int32)
-        # Slots count[r] .. count[r] + BLOCK - 1 < W: in the buffer whatever the values.
+        # Slots count[r] .. count[r] + BLOCK - 1 < CAP: in the buffer whatever the values.
         tl.store(cand_rows + (count[:, None] + tl.cumsum(taken, axis=1) - 1), keys, mask=above)
         count += tl.sum(taken, axis=1)
-        most = tl.max(count, axis=0)
-        if (most > W - BLOCK) | (FINAL & (i == n_blocks - 1) & (most > 0)):
-            state = _merge_candidates(state, cand_rows, count, slot, ROWS, W, LOG_W)
-            kth = _kth(state, slot, TOPK)
-            count = tl.zeros([ROWS], tl.int32)
+        if tl.max(count, axis=0) > CAP - BLOCK:
+            count, bar = _select(cand_rows, count, bar, slot, TOPK, ROWS, CAP, DIGIT)
     if FINAL:
-        out = live[:, None] & (slot[None, :] < TOPK)
+        count, bar = _select(cand_rows, count, bar, slot, TOPK, ROWS, CAP, DIGIT)
+        tl.debug_barrier()
+        w_slot = tl.arange(0, W)
+        x = tl.load(cand_rows + w_slot[None, :], mask=w_slot[None, :] < count[:, None], other=EMPTY_KEY)
+        state = _sort_rows(x, ROWS, W, LOG_W, 1)
+        out = live[:, None] & (w_slot[None, :] < TOPK)
         empty = state == EMPTY_KEY
         idx = tl.where(empty, -1, -state.to(tl.int32) + _POS_MASK)  # the low 32 bits
-        tl.store(idx_ptr + row[:, None] * stride_i + slot[None, :], idx, mask=out)
+        tl.store(idx_ptr + row[:, None] * stride_i + w_slot[None, :], idx, mask=out)
         if WRITE_VALUES:
             hi_bits = (state >> 32).to(tl.int32)
             bits = tl.where(hi_bits >= 0, hi_bits, hi_bits ^ _POS_MASK)
             val = tl.where(empty, float("-inf"), bits.to(tl.float32, bitcast=True))
-            tl.store(val_ptr + row[:, None] * stride_v + slot[None, :], val.to(val_ptr.dtype.element_ty), mask=out)
+            tl.store(val_ptr + row[:, None] * stride_v + w_slot[None, :], val.to(val_ptr.dtype.element_ty), mask=out)
     else:
-        tl.store(state_ptr + cell, state, mask=live[:, None])
         tl.store(count_ptr + row, count, mask=live)
+        tl.store(bar_ptr + row, bar, mask=live)

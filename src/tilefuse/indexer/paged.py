@@ -51,6 +51,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilefuse import _config, _errors, _validate, formats
 from tilefuse._config import apply_override, register_config
+from tilefuse._device import capability_major
 from tilefuse._errors import error_record, raise_pending_fast
 from tilefuse._jit import Launcher, cdiv, host_descriptor, next_power_of_2
 from tilefuse._validate import expect, expect_int, expect_tensor
@@ -81,7 +82,12 @@ class PagedConfig:
     the per-element gather; where the cache's layout does not allow it (a page stride that is
     not a multiple of the value bytes per token, tiles that do not split into boxes of >= 64
     keys inside pages, an offset that is not a multiple of 16 bytes) the gather runs, with the
-    same results.
+    same results. ``gluon``: FP8 on an sm_90 GPU, the Gluon kernel (``_paged_kernel_gluon.py``:
+    each tile's MMA runs under the previous tile's epilogue; TMA key loads whatever ``tma``
+    says, ``num_stages`` key buffers (at least 2), 4 warps, or 8 where ``num_warps`` >= 8 and
+    ``rows`` is even) where it applies: 64-key tiles, at most 128 dot columns (``rows`` x padded
+    heads), a cache whose value rows the TMA view reads (pages of a multiple of 64 tokens, or
+    of 8, 16 or 32: one box per page); elsewhere the Triton kernel runs.
     """
 
     block_n: int = 128  # keys per tile: a power of two >= 16, independent of the page size
@@ -92,6 +98,7 @@ class PagedConfig:
     block_fill: int = 1024  # columns per store of the -inf tail when cleaning
     head_sum_mma: bool = False  # the head sum as a tf32 dot
     tma: bool = False  # the key values by TMA
+    gluon: bool = False  # the Gluon kernel (sm_90, FP8) where it applies
 
 
 register_config("paged", PagedConfig)
@@ -176,7 +183,8 @@ def resolve_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
 _TMA_MAX_BOX, _TMA_MAX_ROWS = 256, 2**31
 
 
-def _tma_view(kv_cache: torch.Tensor, value_bytes: int, block_n: int) -> tuple[int, int] | None:
+def _tma_view(kv_cache: torch.Tensor, value_bytes: int, block_n: int, split_boxes: bool = False
+              ) -> tuple[int, int] | None:
     """``(rows, box)`` of the TMA key loads on this cache, or None where the gather must run
     (decided from shapes, strides and the storage offset only).
 
@@ -186,14 +194,16 @@ def _tma_view(kv_cache: torch.Tensor, value_bytes: int, block_n: int) -> tuple[i
     ``min(block_n, block_kv)`` rows per page it covers. Needs a page stride that is a multiple
     of ``value_bytes``, tiles that split into whole boxes inside pages, boxes of at least 64
     rows where they are smaller than the tile (a smaller dot does not run on wgmma), a 16-byte
-    aligned start and int32 row coordinates.
+    aligned start and int32 row coordinates. ``split_boxes`` (the Gluon kernel: a tile's boxes
+    land in one buffer and make one MMA): boxes smaller than the tile down to 8 rows, so that
+    each starts on a whole swizzle pattern of the buffer.
     """
     nb, block_kv = kv_cache.shape[:2]
     page_stride = kv_cache.stride(0)
     box = min(block_n, block_kv)
     rows = ((nb - 1) * page_stride + block_kv * value_bytes) // value_bytes
     ok = (page_stride % value_bytes == 0 and (block_kv % block_n == 0 or block_n % block_kv == 0)
-          and (box == block_n or box >= 64) and box <= _TMA_MAX_BOX
+          and (box == block_n or box >= (8 if split_boxes else 64)) and box <= _TMA_MAX_BOX
           and kv_cache.storage_offset() % 16 == 0 and rows < _TMA_MAX_ROWS)
     return (rows, box) if ok else None
 
@@ -528,6 +538,12 @@ class _Plan:
     consts_after_desc: tuple
     launch_key: tuple
     options: dict
+    # The kernel: the Gluon one (``_paged_kernel_gluon``) or the Triton one; its launcher
+    # (``launch(key, grid, args, options)``) and the key descriptor's constructor
+    # (``kv_descriptor(values, rows, value_bytes, box)``).
+    gluon: bool
+    launch: object
+    kv_descriptor: object
 
 
 def _check_inputs(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
@@ -630,7 +646,10 @@ def _make_plan(fmt, b, next_n, h, d, block_kv, q, kv_cache, context_lens, indice
     heads_p = max(next_power_of_2(h), _MIN_DOT // cfg.rows)
     groups = cdiv(next_n, cfg.rows)
     dq = _value_bytes(d, fmt)
-    view = _tma_view(kv_cache, dq, cfg.block_n) if cfg.tma else None
+    view = _gluon_view(cfg, fmt, q.device, cfg.rows * heads_p, kv_cache, dq)
+    gluon = view is not None
+    if not gluon:
+        view = _tma_view(kv_cache, dq, cfg.block_n) if cfg.tma else None
     tma = None if view is None else (view[0], dq, view[1], torch.int8 if fmt == "mxfp4" else FP8_DTYPE)
     consts = dict(
         NEXT_N=next_n, NEXT_N_P=next_power_of_2(next_n), NUM_HEADS=h, HEADS_P=heads_p, D=d,
@@ -640,12 +659,46 @@ def _make_plan(fmt, b, next_n, h, d, block_kv, q, kv_cache, context_lens, indice
         BLOCK_FILL=cfg.block_fill,
         NUM_STAGES=cfg.num_stages, G=groups, HEAD_SUM_MMA=cfg.head_sum_mma, TMA=tma is not None,
     )
-    tail = _paged_launch.arg_names[_PAGED_RUNTIME_ARGS:]
+    if gluon:
+        from tilefuse.indexer import _paged_kernel_gluon as gk
+
+        # The ring holds num_stages tiles (at least 2); 4 or 8 warps (a parameter of the kernel).
+        consts.update(NUM_BUF=max(2, cfg.num_stages), num_warps=gk.num_warps_for(cfg.rows, cfg.rows * heads_p,
+                                                                                  cfg.num_warps))
+        names, launch, kv_descriptor, options = gk.arg_names, gk.launch, gk.kv_descriptor, {}
+    else:
+        names, launch, kv_descriptor = _paged_launch.arg_names, _paged_launch, _triton_kv_descriptor
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    tail = names[_PAGED_RUNTIME_ARGS:]
     at = tail.index("kv_desc")
     before, after = tuple(consts[n] for n in tail[:at]), tuple(consts[n] for n in tail[at + 1:])
-    launch_key = (before, after, cfg.num_warps, cfg.num_stages)
+    launch_key = (gluon, before, after, cfg.num_warps, cfg.num_stages)
     return _Plan(b, next_n, block_kv, cfg, chunk_pages, groups, page_unit, q_unit, consts, tma, before, after,
-                 launch_key, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                 launch_key, options, gluon, launch, kv_descriptor)
+
+
+# The Gluon kernel's tile (``_paged_kernel_gluon``): 64 keys, at most 128 (row, head) columns.
+_GLUON_BLOCK_N, _GLUON_MAX_COLUMNS = 64, 128
+
+
+def _is_sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and capability_major(device) == 9
+
+
+def _gluon_view(cfg: PagedConfig, fmt: str, device, columns: int, kv_cache: torch.Tensor,
+                value_bytes: int) -> tuple[int, int] | None:
+    """The TMA view (``_tma_view``, a tile's boxes in one buffer) of the Gluon kernel where
+    ``cfg`` asks for it and it runs: FP8, 64-key tiles, at most 128 dot columns, an sm_90 GPU;
+    else None (the Triton kernel runs)."""
+    if not (cfg.gluon and fmt == "fp8" and cfg.block_n == _GLUON_BLOCK_N and columns <= _GLUON_MAX_COLUMNS):
+        return None
+    if not _is_sm90(device):
+        return None
+    return _tma_view(kv_cache, value_bytes, cfg.block_n, split_boxes=True)
+
+
+def _triton_kv_descriptor(values: torch.Tensor, rows: int, value_bytes: int, box: int):
+    return host_descriptor(TensorDescriptor, values, [rows, value_bytes], [value_bytes, 1], [box, value_bytes])
 
 
 def _layout(t):
@@ -696,7 +749,8 @@ def _new_out(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 _paged_launch = Launcher(kern.paged_logits_kernel)
-# The arguments before the first constexpr (kv_desc, a runtime one, comes among the constexprs).
+# The arguments before the first constexpr (kv_desc, a runtime one, comes among the constexprs):
+# the Gluon kernel's first ones are the same.
 _PAGED_RUNTIME_ARGS = _paged_launch.arg_names.index("NEXT_N")
 
 
@@ -710,11 +764,11 @@ def _launch(plan: _Plan, q, q_sf, kv_cache, weights, context_lens, block_table, 
     kv_desc = None
     if plan.tma is not None:
         rows, dq, box, dtype = plan.tma
-        kv_desc = host_descriptor(TensorDescriptor, kv_cache.view(dtype), [rows, dq], [dq, 1], [box, dq])
+        kv_desc = plan.kv_descriptor(kv_cache.view(dtype), rows, dq, box)
     # Besides the plan: what Triton specialises on that the plan's layout key leaves open.
     key = (plan.launch_key, q.dtype, weights.dtype, out.dtype, q.data_ptr() % 16 == 0,
            kv_cache.data_ptr() % 16 == 0)
-    _paged_launch(key, (plan.groups * b * chunks_per_request,), (
+    plan.launch(key, (plan.groups * b * chunks_per_request,), (
         q, q_sf if q_sf is not None else context_lens, kv_cache, weights, context_lens, block_table,
         indices if indices is not None else context_lens, out, error_record(q.device),
         b, max_context_len, block_table.shape[1], kv_cache.shape[0], plan.chunk_pages, chunks_per_request,
@@ -741,7 +795,7 @@ def _paged_mqa_logits(
     clean_logits: bool,
     config: list[int],
 ) -> None:
-    # The int fields, then the flags (head_sum_mma, tma) as bools.
+    # The int fields, then the flags (head_sum_mma, tma, gluon) as bools.
     cfg = PagedConfig(*config[:6], *(bool(v) for v in config[6:]))
     plan = _plan_for(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
                      clean_logits, out.dtype, indices, out, cfg)

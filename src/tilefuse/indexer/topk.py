@@ -19,14 +19,14 @@ the op picks for all S_q rows passed explicitly; decode: block-table columns
 ``[lo / block_kv, hi / block_kv)`` with 2-D lengths shifted and clamped), so every value is
 the unfused op's value by construction: a logit depends on its own (row, key) only, and slices
 start on whole tiles (prefill: 128 rows, 256 keys) or pages (decode). A Triton kernel
-(``_topk_kernel``) then merges the chunk into a running per-row top-k of int64 keys: only
-the keys above a row's running ``topk``-th key are collected, and sorted into the state a
-buffer at a time. The workspace is one chunk of logits plus ``2 W`` keys per row of the block
-(the state and the candidate buffer, ``W = next_pow2(topk)``), independent of S_k;
-:func:`topk_bytes_moved` gives the traffic beside the unfused pair's.
+(``_topk_kernel``) then collects the chunk's keys above each row's running bar into a per-row
+candidate buffer of int64 keys, cut back to its ``topk`` largest by a radix select whenever it
+could overflow; the last chunk sorts each row's ``topk`` once. The workspace is one chunk of
+logits plus ``2 W`` keys (the buffer, ``W = next_pow2(topk)``), a count and a bar per row of the
+block, independent of S_k; :func:`topk_bytes_moved` gives the traffic beside the unfused pair's.
 
-The result is always sorted: the merge keeps each row's state sorted anyway, so an unsorted
-variant would save only the final copy (no option is offered for it).
+The result is always sorted: the one sort a row is a small part of the work (an unsorted
+variant is not offered).
 
 These ops add no host synchronisation of their own: window and length errors are found by the
 merge kernel and raised at the next op call or by :func:`tilefuse.check_errors` (see
@@ -52,7 +52,7 @@ from tilefuse.indexer import paged, prefill
 
 _INDEX_DTYPE = torch.int32
 # Logits bytes one prefill chunk may take: about an H200's L2 (50 MB) less room for the keys
-# and the states. A prediction, not a measurement (``tilefuse bench topk --chunk-k/--chunk-q``
+# and the candidate buffers. A prediction, not a measurement (``tilefuse bench topk --chunk-k/--chunk-q``
 # sweeps it).
 _WORKSPACE_BYTES = 32 << 20
 _MIN_CHUNK, _MAX_CHUNK = 2048, 65536
@@ -64,30 +64,30 @@ _ROW_BLOCK = 128
 _PREFILL_KEY_TILE = 256
 # Smallest state: the kernels' blocks are at least 16 wide.
 _MIN_STATE = 16
-# Keys a merge program holds (ROWS x W): small top-k values share a program between rows.
-# A prediction, not a measurement.
-_KEYS_PER_PROGRAM = 2048
-# ... and at least one a lane of a warp: triton 3.6 never finishes compiling a [1, 16] state
-# (its layout-conversion pass loops).
+# One row a merge program on a GPU (a program's per-row vectors are replicated in every thread:
+# at 8 or more rows the select spills hundreds of bytes), but at least 32 keys a program: triton
+# 3.6 never finishes compiling a [1, 16] state (its layout-conversion pass loops). Through the
+# interpreter (CPU tensors) rows share programs up to this many keys: its cost is per program
+# and operation, and the kernel's code is the same for any row count.
 _MIN_KEYS_PER_PROGRAM = 32
-# One row a program: a histogram of the first chunk's keys (2^10 bins of their top bits) sets
-# the first bar before the scan (_topk_kernel._radix_bar). A prediction, not a measurement
-# (NOTES); 11 bits cut no more sorts in simulation and spilled with triton 3.6.
-_RADIX_BITS = 10
+_INTERPRETER_KEYS_PER_PROGRAM = 2048
+# Histogram bins of one radix-select pass over a program's rows (ROWS x 2^digit): 8-bit digits
+# at one row, narrower ones where rows share a program, so the histogram stays this small.
+_SELECT_BINS = 256
 _MAX_TOPK = 1 << 16
 _MAX_POSITION = 2**31 - 2  # keys hold 0x7FFFFFFF - position in 31 bits, above the empty slot
 
 
 def state_width(topk: int) -> int:
-    """Keys kept per row between chunks (and the candidate buffer's size): the next power of two
-    >= topk."""
+    """``W``: the next power of two >= topk (the final sort's width; the candidate buffer holds
+    ``2 W`` keys)."""
     return max(_MIN_STATE, next_power_of_2(topk))
 
 
 def default_chunk_k(topk: int, align: int) -> int:
-    """Key columns per chunk: ``8 W`` within [2048, 65536], rounded up to ``align``. A row's state
-    moves ``16 W`` bytes per chunk (loaded and stored as int64), so 8 W columns of fp32 logits
-    (written and read: 64 W bytes) keep the state's traffic a quarter of the logits'."""
+    """Key columns per chunk: ``8 W`` within [2048, 65536], rounded up to ``align`` (each chunk is
+    one logits launch and one merge launch; at 8 W columns of fp32 a chunk of 512 rows stays
+    within ``_WORKSPACE_BYTES``)."""
     chunk = min(_MAX_CHUNK, max(_MIN_CHUNK, 8 * state_width(topk)))
     return cdiv(chunk, align) * align
 
@@ -106,25 +106,26 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
     ``rows`` x ``n_keys`` logits of ``logits_bytes`` each. Unfused: the logits op writes them
     and a top-k reads them at least once, then writes int32 indices. Chunked (these ops): the
     same logits writes and reads, but into a workspace of ``min(rows, chunk_q) * chunk_k`` logits
-    and as many states and candidate buffers (in L2 when they fit, so they need not reach HBM),
-    plus the state (``W`` int64 keys a row) stored after every chunk but the last and loaded
-    before every chunk but the first, plus the indices. The candidates (keys above a row's
-    running bar, each stored and loaded once) depend on the values: ``candidates_random`` is
-    their bytes for keys in random order, about ``topk * (1 + ln(n / topk))`` a row of ``n``
-    keys (a bar that rises at every key; it rises a buffer at a time, so a little more); keys
-    in ascending order make every key a candidate.
+    and as many candidate buffers (``2 W`` int64 keys a row; in L2 when they fit, so they need
+    not reach HBM), plus a row's count and bar (12 bytes) stored after every chunk but the last
+    and loaded before every chunk but the first, plus the indices. The candidates (keys above a
+    row's running bar, each stored once and loaded once or twice) depend on the values:
+    ``candidates_random`` is their bytes for keys in random order, about
+    ``topk * (1 + ln(n / topk))`` a row of ``n`` keys (a bar that rises at every key; it rises
+    a select at a time, so a little more); keys in ascending order make every key a candidate.
     Inputs (q, keys, weights) are read alike by both and left out.
     """
     logits = rows * n_keys * logits_bytes
     indices = rows * topk * 4
     chunks = max(1, cdiv(n_keys, chunk_k))
-    state = rows * state_width(topk) * 8 * 2 * (chunks - 1)
+    state = rows * 12 * 2 * (chunks - 1)
     block = rows if chunk_q is None else min(rows, chunk_q)
     per_row = n_keys if n_keys <= topk else topk * (1 + math.log(n_keys / topk))
     return {
         "unfused": 2 * logits + indices,
         "chunked_total": 2 * logits + state + indices,
-        "chunked_workspace_bytes": block * (min(chunk_k, max(n_keys, 1)) * logits_bytes + 2 * state_width(topk) * 8),
+        "chunked_workspace_bytes": block * (min(chunk_k, max(n_keys, 1)) * logits_bytes + 2 * state_width(topk) * 8
+                                            + 12),
         "chunked_hbm_if_l2_resident": state + indices,
         "candidates_random": round(rows * per_row * 8 * 2),
     }
@@ -155,22 +156,26 @@ def _outputs(rows: int, topk: int, logits_dtype, device, out, return_values: boo
     return out, values
 
 
-def _merge(logits, state, candidates, counts, lo: int, width: int, win_a, win_b, n_keys: int, key_limit: int,
+def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, n_keys: int, key_limit: int,
            next_n: int, ctx_stride: int, row_base: int, out, values, topk: int, mode: int, first: bool,
            final: bool) -> None:
     """Merge logits columns ``[0, width)`` (positions ``lo + c``) of every row of ``out`` into
-    ``state`` (``candidates``: one buffer a row, ``counts``: its keys between chunks);
-    ``row_base`` is the first row's index in the op's output (for error messages)."""
+    its candidates (``candidates``: one buffer a row; ``counts``, ``bars``: its count and bar
+    between chunks); ``row_base`` is the first row's index in the op's output (for error
+    messages)."""
     rows, w = out.shape[0], state_width(topk)
-    rows_per_program = max(_MIN_KEYS_PER_PROGRAM // w, 1, min(next_power_of_2(rows), _KEYS_PER_PROGRAM // w))
+    rows_per_program = max(_MIN_KEYS_PER_PROGRAM // w, 1)
+    if logits.device.type == "cpu":
+        rows_per_program = max(rows_per_program, min(next_power_of_2(rows), _INTERPRETER_KEYS_PER_PROGRAM // w))
+    digit = max(2, min(8, (_SELECT_BINS // rows_per_program).bit_length() - 1))
     kern.topk_merge_chunk_kernel[(cdiv(rows, rows_per_program),)](
-        logits, logits.stride(0), state, state.stride(0), candidates, candidates.stride(0), counts,
+        logits, logits.stride(0), bars, candidates, candidates.stride(0), counts,
         rows, row_base, win_a, win_b, n_keys, key_limit, next_n, ctx_stride,
         lo, width,
         out, out.stride(0), out if values is None else values, 0 if values is None else values.stride(0),
         error_record(out.device),
         TOPK=topk, W=w, LOG_W=w.bit_length() - 1, ROWS=rows_per_program, MODE=mode, FIRST=first, FINAL=final,
-        WRITE_VALUES=values is not None, RADIX_BITS=_RADIX_BITS if rows_per_program == 1 else 0,
+        WRITE_VALUES=values is not None, DIGIT=digit,
         num_warps=max(1, min(8, rows_per_program * w // 256)),
     )
 
@@ -181,14 +186,14 @@ def _chunks(n_keys: int, chunk_k: int) -> list[tuple[int, int]]:
 
 
 def _workspace(rows: int, topk: int, n_chunks: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(state, candidates, counts)``: ``W`` int64 keys a row each, and an int32 count a row of
-    the candidates carried between chunks. One chunk merges straight from an empty state into
-    the result: no state or count needed then."""
+    """``(bars, candidates, counts)``: a row's int64 bar, its buffer of ``2 W`` int64 keys and
+    its int32 count, carried between chunks. One chunk goes straight from empty to the result:
+    no bar or count needed then."""
     w = state_width(topk)
     kept = rows if n_chunks > 1 else 1
-    state = torch.empty((kept, w), dtype=torch.int64, device=device)
+    bars = torch.empty(kept, dtype=torch.int64, device=device)
     counts = torch.empty(kept, dtype=torch.int32, device=device)
-    return state, torch.empty((rows, w), dtype=torch.int64, device=device), counts
+    return bars, torch.empty((rows, 2 * w), dtype=torch.int64, device=device), counts
 
 
 # ---------------------------------------------------------------------------------------
@@ -216,7 +221,7 @@ def _mqa_topk(
     head_dim = q.shape[2] * 2 if fmt == "mxfp4" else q.shape[2]
     cfg = prefill.resolve_config(fmt, q.shape[1], head_dim, s_q, None, logits_dtype, capability_major(q.device))
     chunks = _chunks(s_k, chunk_k)
-    state, candidates, counts = _workspace(min(s_q, chunk_q), topk, len(chunks), q.device)
+    bars, candidates, counts = _workspace(min(s_q, chunk_q), topk, len(chunks), q.device)
     with deferred():  # a chunk's errors surface at the next call, not the next chunk
         for r0 in range(0, max(s_q, 1), chunk_q):
             r1 = min(r0 + chunk_q, s_q)
@@ -230,7 +235,7 @@ def _mqa_topk(
                 logits = tilefuse.fp8_fp4_mqa_logits(q_rows, (k[lo:hi], k_scale[lo:hi]), weights[rows], ks_c, ke_c,
                                                      clean_logits=False, logits_dtype=logits_dtype, config=cfg)
                 if r1 > r0:
-                    _merge(logits, state, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out[rows],
+                    _merge(logits, bars, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out[rows],
                            None if values is None else values[rows], topk, kern.WIN_PREFILL,
                            first=c == 0, final=c == len(chunks) - 1)
 
@@ -346,7 +351,7 @@ def _paged_mqa_topk(
     mode = kern.WIN_DECODE_1D if context_lens.dim() == 1 else kern.WIN_DECODE_2D
     ctx_stride = context_lens.stride(0) if context_lens.dim() == 2 else 1
     chunks = _chunks(covered, chunk_k)
-    state, candidates, counts = _workspace(b * next_n, topk, len(chunks), q.device)
+    bars, candidates, counts = _workspace(b * next_n, topk, len(chunks), q.device)
     with deferred():  # a chunk's errors surface at the next call, not the next chunk
         for c, (lo, hi) in enumerate(chunks):
             width = hi - lo
@@ -356,7 +361,7 @@ def _paged_mqa_topk(
             logits = tilefuse.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, lens_c, table_c, meta_c, width,
                                                        False, logits_dtype, indices, config=cfg)
             if b:
-                _merge(logits, state, candidates, counts, lo, width, context_lens, context_lens, max_context_len,
+                _merge(logits, bars, candidates, counts, lo, width, context_lens, context_lens, max_context_len,
                        covered, next_n, ctx_stride, 0, out, values, topk, mode, first=c == 0,
                        final=c == len(chunks) - 1)
 

@@ -49,18 +49,21 @@ _ENTRIES = [
      "3.6*"),
     ("indexer.paged", "sm_100a", "mxfp4 D128 H64 next_n2 * ctx2d", 48, "MXFP4 dequantised tile beside two rows",
      "3.6*"),
-    # Top-k merge: ptxas holds its 8-warp variants to 80 or 128 registers (which ones moves with
-    # the Triton and the target), and the sort network's index arithmetic spills a few words.
-    ("indexer.topk_merge", "sm_90a", "k2048 *", 32, "ptxas's 80-register target for the 8-warp sort network"),
-    ("indexer.topk_merge", "sm_100a", "k2048 *", 16, "ptxas's 80-register target for the 8-warp sort network",
-     "3.6*"),
-    ("indexer.topk_merge", "sm_100a", "k100 W128 rows16 *", 64, "ptxas's 128-register target, 16 rows a program"),
-    ("indexer.topk_merge", "sm_90a", "k100 W128 rows16 *", 8, "ptxas's 128-register target, 16 rows a program",
+    # Top-k merge: ptxas holds the 8-warp variants (topk 2048) to 128 registers and the small
+    # ones to what their warps allow; the select's 2 W keys in registers and the final sort's
+    # index arithmetic spill a few words (which variants moves with the Triton and the target).
+    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 prefill last*", 64, "select and final sort at 128 registers",
      "3.8*"),
-    ("indexer.topk_merge", "*", "k40 W64 rows32 *", 32, "ptxas's 128-register target, 32 rows a program", "3.8*"),
-    ("indexer.topk_merge", "*", "k16 W16 rows128 *", 48, "ptxas's 128-register target, 128 rows a program",
+    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * only w8", 56, "select and final sort at 128 registers",
+     "3.8*"),
+    ("indexer.topk_merge", "sm_90a", "k16 W16 rows2 prefill only*", 16, "two rows a warp", "3.8*"),
+    ("indexer.topk_merge", "sm_100a", "k16 W16 rows2 *", 16, "two rows a warp", "3.8*"),
+    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * first w8", 24, "scan and select at 128 registers", "3.6*"),
+    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 decode1d first*", 8, "scan and select at 128 registers",
      "3.6*"),
-    ("indexer.topk_merge", "*", "k512 W512 rows4 *", 24, "ptxas's 128-register target, 4 rows a program", "3.6*"),
+    ("indexer.topk_merge", "*", "k16 W16 rows2 prefill last*", 24, "two rows a warp", "3.6*"),
+    ("indexer.topk_merge", "*", "k100 W128 rows1 prefill * values", 32, "one warp at 128 registers", "3.6*"),
+    ("indexer.topk_merge", "sm_90a", "k512 W512 rows1 prefill *", 72, "two warps at 128-168 registers", "3.6*"),
     # Persistent GEMM: the masked (unaligned) epilogue builds a pointer per element (on sm_90a
     # it no longer spills since the per-tile clock read went under TRACE); the reduce-scatter
     # epilogues hold the accumulator while loading every peer's partial.

@@ -590,6 +590,74 @@ def paged_variants() -> list[Variant]:
     return _unique(out)
 
 
+def paged_gluon_variants() -> list[Variant]:
+    """``paged_logits_gluon_kernel`` (Hopper only) as ``fp8_fp4_paged_mqa_logits`` launches it with
+    ``PagedConfig(gluon=True)`` on an sm_90 GPU (the dispatch's device test made to say so): FP8
+    D = 128, 64-key tiles, the ring as deep as the config's ``num_stages`` (3 or 4), 4 warps;
+    H 16, 32 and 64 at next_n 1 and 2 (one and two query rows per dot: 16 to 128
+    columns), 32-, 64- and 128-token pages (two boxes per tile, one, half a page), 1-D and 2-D
+    lengths, cleaning, bf16 weights + logits, varlen ``indices``, four rows per dot (next_n 4,
+    H 16), D = 64 and D = 32; as options 3 and 6 buffers, and 8 warps (two warpgroups, one per
+    query row) at two and four rows."""
+    import torch
+
+    from tilefuse.indexer import _paged_kernel_gluon as gk
+    from tilefuse.indexer import paged
+
+    path = f"{gk.__name__}:paged_logits_gluon_kernel"
+    f32, bf16 = torch.float32, torch.bfloat16
+    batch, max_len = 3, 301
+    out = []
+
+    def one(h, next_n, block_kv, d=128, ctx_2d=False, clean=False, w_dtype=f32, out_dtype=f32, indices=False,
+            num_stages=None, num_warps=None, origin="default"):
+        lens = torch.tensor([37, max_len, 150], dtype=torch.int32)
+        ctx = torch.stack([lens - next_n + 1 + t for t in range(next_n)], dim=1) if ctx_2d else lens
+        pages = -(-max_len // block_kv)
+        cache = paged.new_paged_kv_cache(batch * pages, block_kv, d, "fp8")
+        table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+        q = (_values((batch, next_n, h, d), "fp8"), None)
+        idx = torch.arange(batch, dtype=torch.int32) if indices else None
+        meta = paged._schedule(ctx, block_kv, 5)  # the op reads its shape only
+        default = paged.default_paged_config("fp8", next_n, h, d, block_kv)
+        cfg = dataclasses.replace(default, block_n=64, gluon=True, num_stages=num_stages or default.num_stages,
+                                  num_warps=num_warps or default.num_warps)
+        with tracing(path) as launches, mock.patch.object(paged, "_is_sm90", lambda device: True):
+            paged._plans.clear()  # plans made without the GPU test would keep the Triton kernel
+            try:
+                paged.fp8_fp4_paged_mqa_logits(q, cache, _weights(batch * next_n, h, w_dtype), ctx, table, meta,
+                                               max_len, clean, out_dtype, idx, config=cfg)
+            finally:
+                paged._plans.clear()
+        (launch,) = launches
+        c = launch.arguments
+        extras = [x for x, on in (("ctx2d", ctx_2d), ("clean", clean), (f"w={_short(w_dtype)}", w_dtype != f32),
+                                  (f"out={_short(out_dtype)}", out_dtype != f32), ("indices", indices)) if on]
+        name = (f"fp8 D{d} H{h} next_n{next_n} kv{block_kv} rows{c['ROWS']}x{c['HEADS_P']} n{c['BLOCK_N']} "
+                f"w{c['num_warps']} buf{c['NUM_BUF']}" + "".join(" " + x for x in extras))
+        out.append(variant_of(launch, "indexer.paged_gluon", name, origin, ("sm_90a",)))
+
+    for h in (16, 32, 64):
+        for next_n in (1, 2):
+            one(h, next_n, 64)
+    one(64, 1, 32, clean=True)
+    one(16, 2, 32, ctx_2d=True, clean=True)
+    one(32, 2, 128, ctx_2d=True)
+    one(64, 2, 64, ctx_2d=True, clean=True, w_dtype=bf16, out_dtype=bf16)
+    one(64, 1, 64, indices=True)
+    one(16, 4, 64, clean=True)
+    one(32, 1, 64, d=64, ctx_2d=True)
+    one(16, 2, 32, d=32, clean=True)
+    one(64, 1, 64, num_stages=3, origin="option")
+    one(64, 2, 32, num_stages=3, origin="option")
+    # Two warpgroups, one query row's columns each (PagedConfig(num_warps=8)).
+    one(64, 2, 64, num_warps=8, origin="option")
+    one(32, 2, 32, ctx_2d=True, clean=True, num_warps=8, origin="option")
+    one(16, 4, 64, clean=True, num_warps=8, origin="option")
+    one(64, 2, 64, num_stages=6, num_warps=8, origin="option")
+    return _unique(out)
+
+
 def paged_schedule_variants() -> list[Variant]:
     """``paged_schedule_kernel`` as ``get_paged_mqa_logits_metadata`` launches it: 1-D and 2-D
     lengths."""
@@ -612,8 +680,10 @@ def topk_merge_variants() -> list[Variant]:
     """``topk_merge_chunk_kernel`` as the top-k ops' chunk loop launches it (``topk._merge``):
     topk 2048 (DeepSeek-V3.2's) at the first, middle, last and only chunk of prefill windows,
     the first and only chunk of both decode windows, the last chunk with values from fp32 and
-    bf16 logits; smaller top-k values (16, 40, 100, 512: rows shared by a program) at one row
-    and at 300, first/middle/last/only chunk."""
+    bf16 logits; smaller top-k values (16, 40, 100, 512) at first/middle/last/only chunk. The
+    rows a program holds are the GPU's (the interpreter's larger row blocks turned off)."""
+    from unittest import mock
+
     import torch
 
     from tilefuse.indexer import topk
@@ -627,12 +697,12 @@ def topk_merge_variants() -> list[Variant]:
     def one(k, rows, mode, first, final, chunk, logits_dtype=torch.float32, values=False):
         width, next_n = 301, 2 if mode != topk.kern.WIN_PREFILL else 1
         logits = torch.empty(rows, width, dtype=logits_dtype)
-        state, candidates, counts = topk._workspace(rows, k, 2, "cpu")
+        bars, candidates, counts = topk._workspace(rows, k, 2, "cpu")
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
         idx = torch.empty(rows, k, dtype=torch.int32)
         vals = torch.empty(rows, k, dtype=logits_dtype) if values else None
-        with tracing(path) as launches:
-            topk._merge(logits, state, candidates, counts, 37, width, win, win, 5000, 5000, next_n,
+        with tracing(path) as launches, mock.patch.object(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0):
+            topk._merge(logits, bars, candidates, counts, 37, width, win, win, 5000, 5000, next_n,
                         win.stride(0) if win.dim() == 2 else 1, 0, idx, vals, k, mode, first, final)
         (launch,) = launches
         c = launch.arguments
@@ -650,9 +720,8 @@ def topk_merge_variants() -> list[Variant]:
     for dtype in (torch.float32, torch.bfloat16):  # the logits load and the values' store
         one(2048, 64, topk.kern.WIN_PREFILL, False, True, "last", logits_dtype=dtype, values=True)
     for k in (16, 40, 100, 512):
-        for rows in (1, 300):
-            for first, final, chunk in chunks:
-                one(k, rows, topk.kern.WIN_PREFILL, first, final, chunk, values=final)
+        for first, final, chunk in chunks:
+            one(k, 300, topk.kern.WIN_PREFILL, first, final, chunk, values=final)
     return _unique(out)
 
 
@@ -871,6 +940,7 @@ KERNELS: dict[str, tuple[Callable[[], list[Variant]], str]] = {
     "indexer.prefill_sm100": (prefill_sm100_variants, "tilefuse.indexer._prefill_kernel_sm100"),
     "indexer.prefill_gluon": (prefill_gluon_variants, "tilefuse.indexer._prefill_kernel_gluon"),
     "indexer.paged": (paged_variants, "tilefuse.indexer._paged_kernel"),
+    "indexer.paged_gluon": (paged_gluon_variants, "tilefuse.indexer._paged_kernel_gluon"),
     "indexer.paged_schedule": (paged_schedule_variants, "tilefuse.indexer._paged_kernel"),
     "indexer.topk_merge": (topk_merge_variants, "tilefuse.indexer._topk_kernel"),
     "tp.gemm": (tp_gemm_variants, "tilefuse.tp._gemm_core"),
