@@ -165,9 +165,12 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     messages)."""
     rows, w = out.shape[0], state_width(topk)
     rows_per_program = max(_MIN_KEYS_PER_PROGRAM // w, 1)
-    if logits.device.type == "cpu":
-        rows_per_program = max(rows_per_program, min(next_power_of_2(rows), _INTERPRETER_KEYS_PER_PROGRAM // w))
     digit = max(2, min(8, (_SELECT_BINS // rows_per_program).bit_length() - 1))
+    # The interpreter: row blocks and the fewest select passes (the kernel registry sets the
+    # row cap to 0 to compile the GPU's launches).
+    if logits.device.type == "cpu" and _INTERPRETER_KEYS_PER_PROGRAM:
+        rows_per_program = max(rows_per_program, min(next_power_of_2(rows), _INTERPRETER_KEYS_PER_PROGRAM // w))
+        digit = 8
     kern.topk_merge_chunk_kernel[(cdiv(rows, rows_per_program),)](
         logits, logits.stride(0), bars, candidates, candidates.stride(0), counts,
         rows, row_base, win_a, win_b, n_keys, key_limit, next_n, ctx_stride,
