@@ -3,10 +3,13 @@
 What the floor under an op's eager cost is made of: ``kernel[grid](...)`` (Triton's binder,
 specialisation key, cache lookup, launcher), the compiled kernel's launcher called directly
 (what is left once the key is known), each with and without host tensor descriptors, and a
-CUDA-graph-free ``torch.empty`` for scale. Back-to-back calls, host time per call without a
-sync (the GPU work is a few microseconds, below the host time).
+CUDA-graph-free ``torch.empty`` for scale. Then the TP GEMM core's eager call at a small M
+taken apart stage by stage (the whole call, the launch by key with its arguments built, the
+direct C launch with its arguments flattened, the flattening alone, Triton's own launcher
+for the same key) beside cuBLAS. Back-to-back calls, host time per call without a sync (the
+GPU work is a few microseconds, below the host time).
 
-    python benchmarks/launch_cost.py [--calls 5000] [--output launch-cost.json]
+    python benchmarks/launch_cost.py [--calls 5000] [--tp-m 64] [--output launch-cost.json]
 """
 
 from __future__ import annotations
@@ -66,9 +69,53 @@ def _direct(compiled, grid, args):
     return call
 
 
+def tp_gemm_rows(m: int, n: int, k: int, calls: int) -> dict:
+    """Stages of one eager ``tilefuse.tp.gemm`` call at ``m x n x k`` (bf16), beside cuBLAS."""
+    from tilefuse import _jit
+    from tilefuse.tp import _gemm_core as core
+
+    dev = "cuda"
+    a = torch.randn(m, k, device=dev).to(torch.bfloat16)
+    b = torch.randn(k, n, device=dev).to(torch.bfloat16)
+    out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+    launched = []
+    real = core._gemm_launcher
+
+    def recording(key, grid, args, options):
+        launched.append((key, grid, args, options))
+        real(key, grid, args, options)
+
+    core._gemm_launcher = recording
+    try:
+        for _ in range(3):  # compile, prove the direct call, then one plain call recorded
+            core.gemm(a, b, out)
+    finally:
+        core._gemm_launcher = real
+    key, grid, args, options = launched[-1]
+    tag = f"tp.gemm {m}x{n}x{k}"
+    rows = {
+        f"{tag}: whole call": _per_call_us(lambda: core.gemm(a, b, out), calls),
+        f"{tag}: Launcher, arguments built": _per_call_us(lambda: real(key, grid, args, options), calls),
+    }
+    entry = real._compiled[key]
+    run, function, meta = entry[3], entry[4], entry[5]
+    if isinstance(run, _jit._DirectLaunch):
+        g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
+        stream = torch._C._cuda_getCurrentRawStream(0)
+        flat = tuple(run.flatten(args))
+        base = (g0, g1, g2, stream, function, run.coop, run.pdl, None, None, meta, None, None, None)
+        rows[f"{tag}: C launcher, arguments flattened"] = _per_call_us(lambda: run.raw(*base, *flat), calls)
+        rows[f"{tag}: flattening alone"] = _per_call_us(lambda: run.flatten(args), calls)
+        rows[f"{tag}: Triton's launcher (no direct call)"] = _per_call_us(
+            lambda: run.run(g0, g1, g2, stream, function, meta, None, None, None, *args), calls)
+    rows[f"torch.matmul {m}x{n}x{k} (cuBLAS)"] = _per_call_us(lambda: torch.matmul(a, b, out=out), calls)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--tp-m", type=int, nargs="*", default=[64], help="M of the TP GEMM core rows (N 4096, K 1024)")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     dev = "cuda"
@@ -99,6 +146,8 @@ def main() -> None:
     rows["TensorDescriptor() x2"] = _per_call_us(descs, a.calls)
     rows["torch.empty(128, 4096)"] = _per_call_us(lambda: torch.empty(128, 4096, device=dev), a.calls)
     rows["current raw stream"] = _per_call_us(lambda: torch._C._cuda_getCurrentRawStream(0), a.calls)
+    for m in a.tp_m:
+        rows.update(tp_gemm_rows(m, 4096, 1024, a.calls))
 
     width = max(map(len, rows))
     for name, us in rows.items():

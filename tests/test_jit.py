@@ -74,31 +74,43 @@ def _desc_copy_kernel(src_desc, dst_ptr, stride_dst, scale, ROWS: tl.constexpr, 
 @pytest.mark.gpu
 def test_launcher_with_host_descriptors_on_new_tensors_every_call():
     """Direct launches of a descriptor kernel: each call's new tensors and scalars are what the
-    kernel sees (the descriptor expansion of the direct path, where it is used, included)."""
+    kernel sees (the direct C launch with its remembered descriptor encodings, where it is used,
+    included), and a descriptor over a buffer seen before reads that buffer's new contents."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     launcher = _jit.Launcher(_desc_copy_kernel)
     rows, cols = 64, 32
-    for i in range(5):
+    kept = torch.randn(rows * 2, cols, device="cuda")
+    for i in range(8):
         n = rows * (i % 3 + 1)
-        src = torch.randn(n, cols, device="cuda")
+        src = kept if i % 2 else torch.randn(n, cols, device="cuda")
+        if i % 2:
+            src.normal_()
+            n = src.shape[0]
         dst = torch.full((n, cols), float("nan"), device="cuda")
         desc = _jit.host_descriptor(TensorDescriptor, src, [n, cols], [cols, 1], [rows, cols])
         launcher(("copy",), (n // rows,), (desc, dst, dst.stride(0), float(i + 1), rows, cols), {"num_warps": 4})
         assert torch.equal(dst, src * (i + 1)), i
     run = launcher._compiled[("copy",)][3]
-    if triton.__version__.startswith("3.6"):  # the expansion is proven on the first direct launch
-        assert getattr(run.launch, "__func__", None) is _jit._DescriptorExpansion._launch
+    if triton.__version__.startswith("3.6"):  # the direct call is proven on the second launch
+        assert isinstance(run, _jit._DirectLaunch) and run.maps
 
 
-_WRAPPER_SRC = '''
-_BASE_ARGS_FORMAT_LEN = 3
+_FAKE_DRIVER_SRC = '''
+_BASE_ARGS_FORMAT = "iiiKKppOOOOOO"
+_BASE_ARGS_FORMAT_LEN = len(_BASE_ARGS_FORMAT)
+encodes = []
 
 def make_tensordesc_arg(arg, meta):
-    return [("map", arg.base, meta), *arg.shape, *arg.strides]
+    encodes.append(arg)
+    if meta is None:
+        return [arg.base, *arg.shape, *arg.strides]
+    return [("map", arg.base.data_ptr(), meta["tag"], tuple(arg.shape), tuple(arg.strides)), *arg.shape, *arg.strides]
 
 def wrap(launcher, signature, tensordesc_meta):
     indices = {i for i, sig in enumerate(signature) if sig.startswith("tensordesc")}
+    if not indices:
+        return launcher
 
     def inner(*args):
         final = list(args[:_BASE_ARGS_FORMAT_LEN])
@@ -111,46 +123,113 @@ def wrap(launcher, signature, tensordesc_meta):
                 final.append(arg)
         return launcher(*final)
     return inner
+
+class CLauncher:  # stands for the compiled C function: records what it is given
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *flat):
+        self.calls.append(flat)
+
+class CudaLauncher:
+    def __init__(self, signature, meta, scratch=0):
+        self.c = CLauncher()
+        self.launch = wrap(self.c, signature, meta)
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+
+    def __call__(self, gx, gy, gz, stream, function, *args):
+        self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None, *args)
 '''
 
 
-def test_descriptor_expansion_matches_a_python_wrapper_and_declines_others():
-    """On a launcher shaped like triton 3.6's (a Python loop over the arguments), the sliced
-    expansion hands the launcher what the loop does, for new descriptors every call; a wrapper
-    of another shape keeps its own path."""
+@pytest.fixture
+def fake_driver():
+    """A module shaped like triton 3.6's CUDA driver: ``CudaLauncher`` over a recording C
+    launcher, with Triton's Python loop that expands host descriptors."""
+    import sys
+    import types
+
+    module = types.ModuleType("fake_triton36_driver")
+    sys.modules[module.__name__] = module
+    try:
+        exec(_FAKE_DRIVER_SRC, module.__dict__)  # noqa: S102 (the classes must belong to a real module)
+        yield module
+    finally:
+        del sys.modules[module.__name__]
+
+
+def _base(gx=2):
+    return (gx, 1, 1, "stream", "function", ("meta",), None, None, None)
+
+
+def test_direct_launch_gives_the_c_launcher_what_triton_does(fake_driver):
+    """The direct call hands the C launcher Triton's arguments: tensors as their addresses,
+    each host descriptor as Triton encodes it (encoded once per address, shape and strides:
+    a new buffer, shape or stride encodes again, a descriptor seen before does not)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    namespace: dict = {}
-    exec(_WRAPPER_SRC, namespace)  # noqa: S102 (a module-like namespace for the wrapper's globals)
-    calls = []
+    signature = ["*fp32", "tensordesc<fp32[4, 8]>", "constexpr", "i32", "tensordesc<fp32[4, 8]>"]
+    run = fake_driver.CudaLauncher(signature, [{"tag": "m0"}, {"tag": "m1"}])
+    out = torch.zeros(16)
+    weights = torch.zeros(64, 8)
 
-    class FakeCudaLauncher:
-        def __init__(self, signature):
-            self.launch = namespace["wrap"](lambda *flat: calls.append(flat), signature, ["m0", "m1"])
+    def desc(t, rows=None):
+        rows = t.shape[0] if rows is None else rows
+        return TensorDescriptor(t, [rows, 8], [8, 1], [4, 8])
 
-        def __call__(self, grid, stream, *args):
-            self.launch(grid, stream, "scratch", *args)
+    args = (out, desc(torch.zeros(12, 8)), 3, 7, desc(weights))
+    direct = _jit._DirectLaunch.of(run, args)
+    assert direct is not None and direct.descs == (1, 4) and direct.tensors == (0,)
+    assert direct.proven_on((*_base(), *args))
+    encoded = len(fake_driver.encodes)
+    for step in range(4):
+        x = torch.randn(8 + 4 * step, 8)
+        call = (out, desc(x), 3, 7 + step, desc(weights, rows=64 if step < 3 else 32))
+        run(*_base(step + 1), *call)
+        direct(*_base(step + 1), *call)
+        theirs, ours = run.c.calls[-2], run.c.calls[-1]
+        assert len(ours) == len(theirs) and ours[13] == out.data_ptr() and theirs[13] is out
+        assert ours[:13] == theirs[:13] and ours[14:] == theirs[14:], step
+    # Triton encoded 4 + 4 descriptors; the direct call: the 4 new x's, weights once more at 32 rows
+    assert len(fake_driver.encodes) - encoded == 8 + 5
 
-    def descs(n):
-        return [TensorDescriptor(torch.zeros(n, 8), [n, 8], [8, 1], [4, 8]) for _ in range(2)]
 
-    signature = ["i32", "tensordesc<fp32[4, 8]>", "constexpr", "tensordesc<fp32[4, 8]>", "i32"]
-    run = FakeCudaLauncher(signature)
-    d0, d1 = descs(4)
-    args = (7, d0, 3, d1, 9)
-    expansion = _jit._DescriptorExpansion.of(run, args)
-    assert expansion is not None and expansion.positions == (1, 3)
-    assert expansion.proven_on((1, "s", *args))
-    triton_way = calls.pop()
-    e0, e1 = descs(12)
-    for launch in (run, expansion.fast_run):
-        launch(1, "s", 7, e0, 3, e1, 9)
-    assert calls[0] == calls[1] and len(calls[1]) == len(triton_way)
-    # (grid, stream, scratch, 7, map, 12, 8, 8, 1, 3, map, ...)
-    assert calls[1][4] == ("map", e0.base, "m0") and calls[1][10] == ("map", e1.base, "m1")
+def test_direct_launch_encodes_a_descriptor_passed_twice_once(fake_driver):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    signature = ["tensordesc<fp32[4, 8]>"] * 3
+    run = fake_driver.CudaLauncher(signature, [{"tag": "a"}, {"tag": "a"}, {"tag": "b"}])
+    x = torch.zeros(8, 8)
+    d = TensorDescriptor(x, [8, 8], [8, 1], [4, 8])
+    direct = _jit._DirectLaunch.of(run, (d, d, d))
+    assert direct.proven_on((*_base(), d, d, d))
+    fake_driver.encodes.clear()
+    direct(*_base(), d, d, TensorDescriptor(x, [8, 8], [8, 1], [4, 8]))
+    maps = [a for a in run.c.calls[-1] if isinstance(a, tuple) and a[0] == "map"]
+    assert [m[2] for m in maps] == ["a", "a", "b"] and len(fake_driver.encodes) == 0  # all remembered
+    y = torch.zeros(8, 8)
+    e = TensorDescriptor(y, [8, 8], [8, 1], [4, 8])
+    direct(*_base(), e, e, e)
+    assert fake_driver.encodes == [e, e]  # once for the pair of tag a, once for tag b
+
+
+def test_direct_launch_without_descriptors_and_declined_launchers(fake_driver):
+    signature = ["*fp32", "i32", "constexpr"]
+    run = fake_driver.CudaLauncher(signature, [])
+    x = torch.zeros(4)
+    direct = _jit._DirectLaunch.of(run, (x, 5, 2))
+    assert direct is not None and direct.cell is None and direct.proven_on((*_base(), x, 5, 2))
+    y = torch.zeros(8)
+    direct(*_base(), y, 6, 2)
+    assert run.c.calls[-1] == (*_base()[:5], False, True, None, None, *_base()[5:], y.data_ptr(), 6, 2)
+    # scratch buffers to allocate, another base format, another launcher class: Triton's path
+    assert _jit._DirectLaunch.of(fake_driver.CudaLauncher(signature, [], scratch=128), (x, 5, 2)) is None
+    fake_driver._BASE_ARGS_FORMAT = "iiiKKpOOOOOO"
+    assert _jit._DirectLaunch.of(run, (x, 5, 2)) is None
 
     class OtherLauncher:
         def launch(self, *args):
-            calls.append(args)
+            pass
 
-    assert _jit._DescriptorExpansion.of(OtherLauncher(), args) is None
+    assert _jit._DirectLaunch.of(OtherLauncher(), (x, 5, 2)) is None

@@ -13,12 +13,14 @@ anywhere), or every new value class is a new compile on the hot path.
   computed on any machine (no GPU, also under ``TRITON_INTERPRET=1``), as the CUDA launcher
   computes it.
 * :func:`host_descriptor`: a host tensor descriptor without its constructor's checks, for
-  launch paths whose arguments were validated already.
+  launch paths whose arguments were validated already; :func:`rebased_descriptor`, a copy
+  over another tensor of the same layout.
 * :func:`cdiv`, :func:`next_power_of_2`: host-side integer helpers (Triton's are
   ``ConstexprFunction`` wrappers costing microseconds per call on a launch path).
 * :class:`Launcher`: launches a kernel by a key its caller computes, calling the compiled
   kernel's launcher directly once that key has been launched through ``kernel[grid](...)``:
-  Triton's binder and cache lookup cost more host time than the launch itself.
+  Triton's binder and cache lookup cost more host time than the launch itself. On triton 3.6
+  the launches after that call its C launcher directly (:class:`_DirectLaunch`).
 """
 
 from __future__ import annotations
@@ -146,6 +148,16 @@ def host_descriptor(cls, base, shape, strides, block_shape, **fields):
     return desc
 
 
+def rebased_descriptor(desc, base):
+    """A copy of the host descriptor ``desc`` over ``base``, a tensor of the same dtype, shape
+    and strides (what the caller's cached plan knows); ``rebased_descriptor(desc, None)`` is a
+    template that keeps no tensor alive."""
+    copy_ = object.__new__(desc.__class__)
+    copy_.__dict__.update(desc.__dict__)
+    copy_.base = base
+    return copy_
+
+
 # ---------------------------------------------------------------------------------------
 # Direct launches
 # ---------------------------------------------------------------------------------------
@@ -199,8 +211,9 @@ class Launcher:
     the value classes of ints that are not ``do_not_specialize``, ints past int32). The first
     launch of a key on a device goes through ``kernel[grid](...)`` (compiling if needed); the
     next ones call the compiled kernel's launcher with the same arguments, as Triton's own
-    ``run`` ends. Launch hooks installed in ``triton.knobs`` (profilers) and the interpreter
-    take the ordinary path every time. :func:`set_launch_audit` checks the keys.
+    ``run`` ends (on triton 3.6, from the third launch of a key, its C launcher). Launch hooks
+    installed in ``triton.knobs`` (profilers) and the interpreter take the ordinary path every
+    time. :func:`set_launch_audit` checks the keys.
     """
 
     __slots__ = ("fn", "kernel", "name", "arg_names", "_direct", "_compiled", "_audited")
@@ -246,25 +259,23 @@ class Launcher:
         from triton.runtime import driver
 
         active = driver.active
-        run = compiled.run  # the launcher (its handles were loaded by the launch that just ran)
-        if any(_is_host_descriptor(a) for a in args):
-            run = _UnprovenLaunch(run)  # the next launch may prove a faster descriptor expansion
+        run = _UnprovenLaunch(compiled.run)  # the next launch may prove the direct call (_DirectLaunch)
         self._compiled[key] = (active.get_current_device(), active.get_current_device, active.get_current_stream,
                                run, compiled.function, compiled.packed_metadata, knobs.runtime)
 
     def _prove(self, key, run, args: tuple):
-        """A launch that also decides ``key``'s launcher from now on: the compiled launcher
-        with :class:`_DescriptorExpansion`'s expansion where, on this launch, it hands Triton's
-        launcher exactly what Triton's own expansion does; else Triton's."""
+        """A launch that also decides ``key``'s launcher from now on: :class:`_DirectLaunch`
+        where, on this launch, it hands Triton's C launcher exactly what Triton's own Python
+        layers do; else Triton's launcher."""
         entry = self._compiled[key]
         self._compiled[key] = (*entry[:3], run, *entry[4:])
-        expansion = _DescriptorExpansion.of(run, args)
-        if expansion is None:
+        direct = _DirectLaunch.of(run, args)
+        if direct is None:
             return run
 
         def proving(*launch_args):
-            if expansion.proven_on(launch_args):
-                self._compiled[key] = (*entry[:3], expansion.fast_run, *entry[4:])
+            if direct.proven_on(launch_args):
+                self._compiled[key] = (*entry[:3], direct, *entry[4:])
 
         return proving
 
@@ -279,14 +290,17 @@ class Launcher:
 
 
 # ---------------------------------------------------------------------------------------
-# Host tensor descriptors without Triton's per-call argument walk
+# Triton 3.6's launcher without its Python layers
 # ---------------------------------------------------------------------------------------
-# Triton 3.6 expands host descriptors in Python: a loop over every kernel argument (constexprs
-# included, 30-45 for these kernels) rebuilding the argument list, about 10 us a launch on an
-# H200 host. The expansion below slices the argument tuple around the descriptors' positions
-# and expands each with Triton's own function. It is only used for a compiled kernel after one
-# launch has shown that it hands Triton's launcher exactly what Triton's own expansion does;
-# any other Triton (3.8 walks the arguments in C++) keeps Triton's path.
+# Between a compiled kernel's ``run`` and its C launcher, triton 3.6 runs Python: a scratch
+# allocation check, then (for host descriptors) a loop over every kernel argument, constexprs
+# included (30-45 for these kernels), that rebuilds the list and encodes a TMA descriptor per
+# host descriptor. The C launcher then asks the driver for the attributes of every tensor
+# argument (``cuPointerGetAttribute``, skipped for plain ints). ``_DirectLaunch`` calls the C
+# launcher itself with tensors as their addresses and each host descriptor's encoded map
+# remembered by (address, shape, strides): an engine's weights, caches and reused buffers
+# then encode nothing. It is only used for a compiled kernel after one launch has shown that
+# it hands the C launcher what Triton's own path does; any other Triton keeps Triton's path.
 
 
 def _is_host_descriptor(a) -> bool:
@@ -295,7 +309,7 @@ def _is_host_descriptor(a) -> bool:
 
 
 class _UnprovenLaunch:
-    """A remembered launcher whose next launch proves (or not) the faster expansion."""
+    """A remembered launcher whose next launch proves (or not) the direct call."""
 
     __slots__ = ("run",)
 
@@ -303,87 +317,132 @@ class _UnprovenLaunch:
         self.run = run
 
 
-class _DescriptorExpansion:
-    """A compiled kernel's host descriptors expanded by slicing the argument tuple around their
-    positions, each by Triton's own ``make_tensordesc_arg``; ``fast_run``: a copy of the
-    compiled launcher with this expansion in place of Triton's loop."""
+_TRITON36_BASE_FORMAT = "iiiKKppOOOOOO"  # grid x3, stream, function, cooperative, pdl, 2 scratch, 4 launch objects
+_MAX_MAPS = 512  # encoded descriptors kept per compiled kernel (an entry is ~200 bytes)
 
-    def __init__(self, run, launcher_cell, base_len: int, make, positions: tuple, meta: list):
-        self.run, self.cell, self.raw = run, launcher_cell, launcher_cell.cell_contents
-        self.base_len, self.make, self.positions, self.meta = base_len, make, positions, meta
-        self.fast_run = copy.copy(run)
-        self.fast_run.launch = self._launch
+
+class _DirectLaunch:
+    """Calls a compiled kernel's C launcher as ``CudaLauncher.__call__`` (triton 3.6) would,
+    with the same calling convention: ``(gx, gy, gz, stream, function, metadata,
+    launch_metadata, enter_hook, exit_hook, *kernel_args)``."""
+
+    __slots__ = ("run", "raw", "cell", "make", "coop", "pdl", "tensors", "descs", "meta", "meta_keys", "maps")
+
+    def __init__(self, run, raw, cell, make, tensors: tuple, descs: tuple, meta: list):
+        self.run, self.raw, self.cell, self.make = run, raw, cell, make
+        self.coop, self.pdl = run.launch_cooperative_grid, run.launch_pdl
+        self.tensors, self.descs, self.meta = tensors, descs, meta
+        self.meta_keys = [None if m is None else repr(sorted(m.items())) for m in meta]
+        self.maps: dict = {}
 
     @classmethod
     def of(cls, run, args: tuple):
-        """For Triton 3.6's ``CudaLauncher`` (its wrapper a Python loop over the arguments from
-        ``_BASE_ARGS_FORMAT_LEN`` on); None for any other wrapper."""
-        inner = getattr(run, "launch", None)
+        """For triton 3.6's ``CudaLauncher`` with no scratch buffers (its ``launch`` the C
+        launcher, or the Python wrapper that expands host descriptors around it); None for any
+        other launcher."""
+        import sys
+
+        module = sys.modules.get(type(run).__module__)
+        if (type(run).__name__ != "CudaLauncher" or getattr(module, "_BASE_ARGS_FORMAT", None) != _TRITON36_BASE_FORMAT
+                or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+                or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl")):
+            return None
+        make = getattr(module, "make_tensordesc_arg", None)
+        descs = tuple(i for i, a in enumerate(args) if _is_host_descriptor(a))
+        tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        inner = run.launch
         code = getattr(inner, "__code__", None)
-        if code is None or not inner.__closure__ or "launcher" not in code.co_freevars:
+        if not descs:  # Triton wraps the C launcher only for kernels with descriptors
+            return None if code is not None else cls(run, inner, None, make, tensors, (), [])
+        if code is None or make is None or not inner.__closure__ or "launcher" not in code.co_freevars:
             return None
         free = dict(zip(code.co_freevars, inner.__closure__))
-        base_len = inner.__globals__.get("_BASE_ARGS_FORMAT_LEN")
-        make = inner.__globals__.get("make_tensordesc_arg")
-        if not isinstance(base_len, int) or make is None or "tensordesc_meta" not in free:
+        if "tensordesc_meta" not in free:
             return None
-        positions = tuple(i for i, a in enumerate(args) if _is_host_descriptor(a))
         meta = free["tensordesc_meta"].cell_contents
-        if meta and len(meta) != len(positions):
+        if meta and len(meta) != len(descs):
             return None
-        return cls(run, free["launcher"], base_len, make, positions, list(meta) if meta else [None] * len(positions))
+        cell = free["launcher"]
+        return cls(run, cell.cell_contents, cell, make, tensors, descs, list(meta) if meta else [None] * len(descs))
 
-    def expand(self, kernel_args: tuple) -> list:
-        out, prev, make, meta = [], 0, self.make, self.meta
-        for j, p in enumerate(self.positions):
-            out += kernel_args[prev:p]
-            out += make(kernel_args[p], meta[j])
-            prev = p + 1
-        out += kernel_args[prev:]
-        return out
+    def flatten(self, kernel_args: tuple) -> list:
+        """The kernel arguments as the C launcher takes them."""
+        flat = list(kernel_args)
+        for i in self.tensors:
+            t = flat[i]
+            if t is not None:
+                flat[i] = t.data_ptr()
+        descs = self.descs
+        last = encoded = None
+        meta_keys = self.meta_keys
+        for j in range(len(descs) - 1, -1, -1):  # from the back: earlier positions stay put
+            p = descs[j]
+            desc = flat[p]
+            # one descriptor passed twice in a row, with the same encoding, is encoded once
+            if desc is not last or meta_keys[j] != meta_keys[j + 1] or meta_keys[j] is None:
+                last, encoded = desc, self._encoded(j, desc)
+            flat[p:p + 1] = encoded
+        return flat
 
-    def _launch(self, *launch_args):
-        n = self.base_len
-        return self.raw(*launch_args[:n], *self.expand(launch_args[n:]))
+    def _encoded(self, j: int, desc) -> list:
+        meta = self.meta[j]
+        if meta is None:  # Triton's decomposition holds the tensor itself: nothing to remember
+            return self.make(desc, None)
+        key = (self.meta_keys[j], desc.base.data_ptr(), *desc.shape, *desc.strides, desc.padding)
+        maps = self.maps
+        hit = maps.get(key)
+        if hit is None:
+            hit = self.make(desc, meta)
+            if len(maps) >= _MAX_MAPS:
+                maps.clear()
+            maps[key] = hit
+        return hit
+
+    def __call__(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter_hook, exit_hook, *kernel_args):
+        return self.raw(gx, gy, gz, stream, function, self.coop, self.pdl, None, None, metadata, launch_metadata,
+                        enter_hook, exit_hook, *self.flatten(kernel_args))
 
     def proven_on(self, launch_args: tuple) -> bool:
-        """Launch once through Triton's expansion (recording what goes in and what reaches its
-        launcher); True if this expansion gives the same from the same input."""
+        """Launch once through Triton's path (recording what reaches its C launcher); True if
+        the direct call gives the C launcher the same from the same arguments."""
         seen = {}
         raw, run = self.raw, self.run
-        inner = run.launch
 
         def recording_launcher(*flat):
             seen["out"] = flat
             return raw(*flat)
 
-        def recording_inner(*a):
-            seen["in"] = a
-            return inner(*a)
-
-        probe = copy.copy(run)
-        probe.launch = recording_inner
-        with _lock:
-            self.cell.cell_contents = recording_launcher
-            try:
-                probe(*launch_args)
-            finally:
-                self.cell.cell_contents = raw
-        if "in" not in seen or "out" not in seen or len(seen["in"]) < self.base_len:
+        if self.cell is None:
+            probe = copy.copy(run)
+            probe.launch = recording_launcher
+            probe(*launch_args)
+        else:
+            with _lock:
+                self.cell.cell_contents = recording_launcher
+                try:
+                    run(*launch_args)
+                finally:
+                    self.cell.cell_contents = raw
+        if "out" not in seen or len(launch_args) < 9:
             return False
+        gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_ = launch_args[:9]
         try:
-            ours = (*seen["in"][:self.base_len], *self.expand(seen["in"][self.base_len:]))
-        except Exception:  # a wrapper of another shape: Triton's path stays
+            ours = (gx, gy, gz, stream, function, self.coop, self.pdl, None, None, metadata, launch_metadata, enter,
+                    exit_, *self.flatten(launch_args[9:]))
+        except Exception:  # arguments of another shape: Triton's path stays
             return False
-        return len(ours) == len(seen["out"]) and all(_same_argument(a, b) for a, b in zip(ours, seen["out"]))
+        theirs = seen["out"]
+        return len(ours) == len(theirs) and all(_same_argument(a, b) for a, b in zip(ours, theirs))
 
 
 def _same_argument(a, b) -> bool:
-    """Equal launcher arguments: the same object, equal scalars, or two fresh expansions of one
-    descriptor (objects of the same class, like the two tensor maps one descriptor gives; never
-    two different tensors)."""
+    """Equal launcher arguments: the same object, equal scalars, a tensor's address for the
+    tensor (the C launcher reads the same pointer), or two encodings of one descriptor (objects
+    of the same class, like the two tensor maps one descriptor gives; never two tensors)."""
     if a is b:
         return True
+    if isinstance(b, torch.Tensor):
+        return a.__class__ is int and a == b.data_ptr()
     if a.__class__ is not b.__class__ or isinstance(a, torch.Tensor):
         return False
     return a == b if isinstance(a, (int, float, str)) else True

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tilefuse._jit import Launcher, cdiv
+from tilefuse._jit import Launcher, cdiv, rebased_descriptor
 from tilefuse._validate import check_kernel_device
 from tilefuse.tp import _primitives as P
 from tilefuse.tp._common import tensor_desc as _desc
@@ -496,12 +496,12 @@ def gemm(
                   b_layout, config, chunks, order, rank, lag, num_programs)
         plan = _plain_plans.get(layout)
         if plan is not None:  # checked and planned for this layout: the descriptors are the call's
-            key, grid, tail, options, (a_block, b_block, c_block) = plan
+            key, grid, tail, options, (a_template, b_template, c_template) = plan
             if out is None:
                 out = torch.empty(a.shape[0], tail[0], dtype=a.dtype, device=a.device)
-            a_desc, c_desc = _desc(a, a_block), _desc(out, c_block)
-            _gemm_launcher(key, grid, (a_desc, a_desc, _desc(b, b_block), c_desc, c_desc, out, a.shape[0], *tail),
-                           options)
+            a_desc, c_desc = rebased_descriptor(a_template, a), rebased_descriptor(c_template, out)
+            _gemm_launcher(key, grid, (a_desc, a_desc, rebased_descriptor(b_template, b), c_desc, c_desc, out,
+                                       a.shape[0], *tail), options)
             return out
     k, n = check_operands(a, b, b_layout)
     m = a.shape[0]
@@ -516,14 +516,15 @@ def gemm(
     if layout is not None:
         if len(_plain_plans) >= _MAX_PLANS:
             _plain_plans.clear()
-        blocks = (args[0].block_shape, args[2].block_shape, args[3].block_shape)  # a, b, out
-        _plain_plans[layout] = (key, grid, args[7:], options, blocks)
+        templates = tuple(rebased_descriptor(args[i], None) for i in (0, 2, 3))  # a, b, out
+        _plain_plans[layout] = (key, grid, args[7:], options, templates)
     _gemm_launcher(key, grid, args, options)
     return out
 
 
 # Plain GEMM launches by argument layout (shapes, strides, dtypes, devices, alignment, options):
-# the checks and the plan run once per layout, the descriptors every call.
+# the checks and the plan run once per layout; each call copies the layout's descriptors over
+# its tensors.
 _plain_plans: dict[tuple, tuple] = {}
 _MAX_PLANS = 1024
 
