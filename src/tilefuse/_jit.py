@@ -370,7 +370,7 @@ class _DirectLaunch:
         flat = list(kernel_args)
         for i in self.tensors:
             t = flat[i]
-            if t is not None:
+            if t is not None and t.__class__ is not int:  # (an address passed as an int stays one)
                 flat[i] = t.data_ptr()
         descs = self.descs
         last = encoded = None
