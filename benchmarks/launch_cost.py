@@ -5,8 +5,8 @@ specialisation key, cache lookup, launcher), the compiled kernel's launcher call
 (what is left once the key is known), each with and without host tensor descriptors, and a
 CUDA-graph-free ``torch.empty`` for scale. Then the TP GEMM core's eager call at a small M
 taken apart stage by stage (the whole call, the launch by key with its arguments built, the
-direct C launch with its arguments flattened, the flattening alone, Triton's own launcher
-for the same key) beside cuBLAS. Back-to-back calls, host time per call without a sync (the
+bound launch, the direct C launch with its arguments flattened, the flattening alone,
+Triton's own launcher for the same key) beside cuBLAS. Back-to-back calls, host time per call without a sync (the
 GPU work is a few microseconds, below the host time).
 
     python benchmarks/launch_cost.py [--calls 5000] [--tp-m 64] [--output launch-cost.json]
@@ -81,13 +81,17 @@ def tp_gemm_rows(m: int, n: int, k: int, calls: int) -> dict:
     launched = []
     real = core._gemm_launcher
 
-    def recording(key, grid, args, options):
-        launched.append((key, grid, args, options))
-        real(key, grid, args, options)
+    class Recording:  # the op's launcher, recording what it is asked to launch
+        def __call__(self, key, grid, args, options):
+            launched.append((key, grid, args, options))
+            real(key, grid, args, options)
 
-    core._gemm_launcher = recording
+        def bind(self, key, grid, args):
+            return real.bind(key, grid, args)
+
+    core._gemm_launcher = Recording()
     try:
-        for _ in range(3):  # compile, prove the direct call, then one plain call recorded
+        for _ in range(3):  # compile, prove the direct call (the last call recorded), then a bound launch
             core.gemm(a, b, out)
     finally:
         core._gemm_launcher = real
@@ -99,6 +103,9 @@ def tp_gemm_rows(m: int, n: int, k: int, calls: int) -> dict:
     }
     entry = real._compiled[key]
     run, function, meta = entry[3], entry[4], entry[5]
+    bound = real.bind(key, grid, args)
+    if bound is not None:
+        rows[f"{tag}: bound launch alone"] = _per_call_us(bound, calls)
     if isinstance(run, _jit._DirectLaunch):
         g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
         stream = torch._C._cuda_getCurrentRawStream(0)

@@ -233,3 +233,45 @@ def test_direct_launch_without_descriptors_and_declined_launchers(fake_driver):
             pass
 
     assert _jit._DirectLaunch.of(OtherLauncher(), (x, 5, 2)) is None
+
+
+def test_bound_launch_is_the_direct_call_with_its_arguments_flattened_once(fake_driver, monkeypatch):
+    """``Launcher.bind``: a zero-argument launch handing the C launcher what the direct call
+    does (the stream read at each launch), flattened once; it declines (False, nothing launched)
+    under a launch hook, a redirect or another current device, and is not made in audit mode or
+    before the key's direct call is proven."""
+    from types import SimpleNamespace
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    signature = ["*fp32", "tensordesc<fp32[4, 8]>", "i32"]
+    run = fake_driver.CudaLauncher(signature, [{"tag": "m"}])
+    x, out = torch.zeros(8, 8), torch.zeros(4)
+    args = (out, TensorDescriptor(x, [8, 8], [8, 1], [4, 8]), 5)
+    direct = _jit._DirectLaunch.of(run, args)
+    assert direct.proven_on((*_base(), *args))
+    launcher = _jit.Launcher(_plain_kernel)
+    runtime = SimpleNamespace(launch_enter_hook=None)
+    device = {"now": 0}
+    streams = iter(range(100, 200))
+    launcher._direct = True
+    launcher._compiled[("k",)] = (0, lambda: device["now"], lambda d: next(streams), direct, "function", ("meta",),
+                                  runtime)
+    monkeypatch.setattr(_jit, "_audit", True)
+    assert launcher.bind(("k",), (3, 2), args) is None
+    monkeypatch.setattr(_jit, "_audit", False)
+    assert launcher.bind(("other",), (3, 2), args) is None
+    bound = launcher.bind(("k",), (3, 2), args)
+    fake_driver.encodes.clear()
+    assert bound() and bound()
+    direct(3, 2, 1, 102, "function", ("meta",), None, None, None, *args)
+    first, second, by_direct = run.c.calls[-3:]
+    assert first[3] == 100 and second[3] == 101 and first[4:] == second[4:] == by_direct[4:]
+    assert first[:3] == (3, 2, 1) and len(fake_driver.encodes) == 0
+    calls = len(run.c.calls)
+    for off in ({"hook": True}, {"device": 1}, {"redirect": True}):
+        runtime.launch_enter_hook = SimpleNamespace(calls=[print]) if "hook" in off else None
+        device["now"] = off.get("device", 0)
+        launcher._direct = "redirect" not in off
+        assert bound() is False, off
+    assert len(run.c.calls) == calls

@@ -249,6 +249,33 @@ class Launcher:
         else:
             self.fn[grid](**self._by_name(args), **(options or {}))
 
+    def bind(self, key, grid, args: tuple):
+        """``self(key, grid, args)`` as a zero-argument launch whose arguments are flattened once,
+        for a caller that knows its next calls pass the same arguments (the same tensors'
+        addresses, shapes and strides, the same scalars): it then keeps the bound launch per
+        tensor addresses. None where the key has no proven direct launch yet (or in audit mode).
+        The bound launch returns False and launches nothing where this launcher would not call
+        directly now (a launch hook, a redirect, another current device): call it then."""
+        if _audit or not self._direct:
+            return None
+        hit = self._compiled.get(key)
+        if hit is None or hit[3].__class__ is not _DirectLaunch or None in hit[3].meta:
+            return None  # (an encoding Triton leaves to the launcher would hold a tensor alive)
+        device, current_device, stream_of, run, function, metadata, runtime = hit
+        n = len(grid)
+        gx, gy, gz = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
+        raw = run.raw
+        tail = (function, run.coop, run.pdl, None, None, metadata, None, None, None, *run.flatten(args))
+        launcher = self
+
+        def launch() -> bool:
+            if not launcher._direct or not _hooks_idle(runtime.launch_enter_hook) or current_device() != device:
+                return False
+            raw(gx, gy, gz, stream_of(device), *tail)
+            return True
+
+        return launch
+
     def _by_name(self, args: tuple) -> dict:
         # By keyword: a parameter named like a launch option (a Gluon kernel's ``num_warps``)
         # is then also taken as that option, which triton 3.6 does only for keywords.
