@@ -86,8 +86,8 @@ def tp_gemm_rows(m: int, n: int, k: int, calls: int) -> dict:
             launched.append((key, grid, args, options))
             real(key, grid, args, options)
 
-        def bind(self, key, grid, args):
-            return real.bind(key, grid, args)
+        def bind(self, key, grid, args, options=None):
+            return real.bind(key, grid, args, options)
 
     core._gemm_launcher = Recording()
     try:
@@ -103,7 +103,7 @@ def tp_gemm_rows(m: int, n: int, k: int, calls: int) -> dict:
     }
     entry = real._compiled[key]
     run, function, meta = entry[3], entry[4], entry[5]
-    bound = real.bind(key, grid, args)
+    bound = real.bind(key, grid, args, options)
     if bound is not None:
         rows[f"{tag}: bound launch alone"] = _per_call_us(bound, calls)
     if isinstance(run, _jit._DirectLaunch):

@@ -238,8 +238,8 @@ def test_direct_launch_without_descriptors_and_declined_launchers(fake_driver):
 def test_bound_launch_is_the_direct_call_with_its_arguments_flattened_once(fake_driver, monkeypatch):
     """``Launcher.bind``: a zero-argument launch handing the C launcher what the direct call
     does (the stream read at each launch), flattened once; it declines (False, nothing launched)
-    under a launch hook, a redirect or another current device, and is not made in audit mode or
-    before the key's direct call is proven."""
+    under a launch hook, a redirect or another current device, and is not made before the key's
+    direct call is proven."""
     from types import SimpleNamespace
 
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -257,11 +257,12 @@ def test_bound_launch_is_the_direct_call_with_its_arguments_flattened_once(fake_
     launcher._direct = True
     launcher._compiled[("k",)] = (0, lambda: device["now"], lambda d: next(streams), direct, "function", ("meta",),
                                   runtime)
+    audited = []
     monkeypatch.setattr(_jit, "_audit", True)
-    assert launcher.bind(("k",), (3, 2), args) is None
-    monkeypatch.setattr(_jit, "_audit", False)
+    monkeypatch.setattr(_jit.Launcher, "_audit", lambda self, key, a, options: audited.append(key))
     assert launcher.bind(("other",), (3, 2), args) is None
     bound = launcher.bind(("k",), (3, 2), args)
+    assert audited == [("other",), ("k",)]  # (audit mode, as in the test suite: once a bind)
     fake_driver.encodes.clear()
     assert bound() and bound()
     direct(3, 2, 1, 102, "function", ("meta",), None, None, None, *args)

@@ -249,15 +249,18 @@ class Launcher:
         else:
             self.fn[grid](**self._by_name(args), **(options or {}))
 
-    def bind(self, key, grid, args: tuple):
-        """``self(key, grid, args)`` as a zero-argument launch whose arguments are flattened once,
-        for a caller that knows its next calls pass the same arguments (the same tensors'
-        addresses, shapes and strides, the same scalars): it then keeps the bound launch per
-        tensor addresses. None where the key has no proven direct launch yet (or in audit mode).
-        The bound launch returns False and launches nothing where this launcher would not call
-        directly now (a launch hook, a redirect, another current device): call it then."""
-        if _audit or not self._direct:
+    def bind(self, key, grid, args: tuple, options: dict | None = None):
+        """``self(key, grid, args, options)`` as a zero-argument launch whose arguments are
+        flattened once, for a caller that knows its next calls pass the same arguments (the same
+        tensors' addresses, shapes and strides, the same scalars): it then keeps the bound launch
+        per tensor addresses. None where the key has no proven direct launch yet. The bound
+        launch returns False and launches nothing where this launcher would not call directly now
+        (a launch hook, a redirect, another current device): call it then. In audit mode the
+        key is audited here, once for all the bound launches."""
+        if not self._direct:
             return None
+        if _audit:
+            self._audit(key, args, options)
         hit = self._compiled.get(key)
         if hit is None or hit[3].__class__ is not _DirectLaunch or None in hit[3].meta:
             return None  # (an encoding Triton leaves to the launcher would hold a tensor alive)

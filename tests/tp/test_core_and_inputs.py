@@ -67,7 +67,7 @@ def test_gemm_planned_layout_binds_launches_per_tensor_addresses(on_device, monk
         def __call__(self, key, grid, args, options):
             calls.append(("launch", args[5].data_ptr(), args[0].base.data_ptr(), args[2].base.data_ptr()))
 
-        def bind(self, key, grid, args):
+        def bind(self, key, grid, args, options):
             ptrs = (args[0].base.data_ptr(), args[2].base.data_ptr(), args[5].data_ptr())
 
             def bound():

@@ -506,7 +506,7 @@ def gemm(
             a_desc, c_desc = rebased_descriptor(a_template, a), rebased_descriptor(c_template, out)
             args = (a_desc, a_desc, rebased_descriptor(b_template, b), c_desc, c_desc, out, a.shape[0], *tail)
             _gemm_launcher(key, grid, args, options)
-            launch = _gemm_launcher.bind(key, grid, args)
+            launch = _gemm_launcher.bind(key, grid, args, options)
             if launch is not None:
                 if len(bound) >= _MAX_BOUND:
                     bound.clear()
