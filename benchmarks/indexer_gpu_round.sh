@@ -47,7 +47,7 @@ shards() {  # shards NAME SECONDS N PYTEST_ARGS...: the selected tests split ove
   python3 -m pytest -q -p no:cacheprovider --collect-only "$@" 2>/dev/null | grep '::' >"$ids"
   for ((i = 0; i < n; i++)); do
     awk -v n="$n" -v i="$i" 'NR % n == i' "$ids" >"$ids.$i"
-    [ -s "$ids.$i" ] && TILEFUSE_TEST_COMPILE_JOBS=2 timeout -k 5 "$limit" xargs -d "\n" -a "$ids.$i" python3 -m pytest -q -p no:cacheprovider \
+    [ -s "$ids.$i" ] && TILEFUSE_TEST_COMPILE_JOBS=2 TILEFUSE_TEST_INSTAFAIL=1 timeout -k 5 "$limit" xargs -d "\n" -a "$ids.$i" python3 -m pytest -q -p no:cacheprovider \
       >"$LOGS/$name.$i.log" 2>&1 &
   done
   wait

@@ -6,6 +6,7 @@ before any tilefuse kernel module is imported.
 
 import contextlib
 import os
+import sys
 from collections import Counter
 
 import pytest
@@ -36,6 +37,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "interpreter" in item.keywords and ON_GPU:
             item.add_marker(skip_interpreter)
+
+
+def pytest_runtest_logreport(report):
+    """With ``TILEFUSE_TEST_INSTAFAIL=1`` (the GPU rounds' time-limited shards) a failure is
+    written out as it happens, so a run stopped at its deadline still says what failed and why."""
+    if report.failed and os.environ.get("TILEFUSE_TEST_INSTAFAIL") == "1":
+        sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+        sys.stderr.flush()
 
 
 def skip_reason(report) -> str:
