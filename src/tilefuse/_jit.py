@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import functools
 import os
+import sys
 import threading
 
 import torch
@@ -142,9 +143,8 @@ def host_descriptor(cls, base, shape, strides, block_shape, **fields):
         template = cls(base, list(shape), list(strides), list(block_shape), **fields)
         template.base = None  # the template keeps no tensor alive
         _templates[key] = template
-    desc = object.__new__(cls)
-    desc.__dict__.update(template.__dict__)
-    desc.base, desc.shape, desc.strides = base, shape, strides
+    desc = rebased_descriptor(template, base)
+    desc.shape, desc.strides = shape, strides
     return desc
 
 
@@ -370,8 +370,6 @@ class _DirectLaunch:
         """For triton 3.6's ``CudaLauncher`` with no scratch buffers (its ``launch`` the C
         launcher, or the Python wrapper that expands host descriptors around it); None for any
         other launcher."""
-        import sys
-
         module = sys.modules.get(type(run).__module__)
         if (type(run).__name__ != "CudaLauncher" or getattr(module, "_BASE_ARGS_FORMAT", None) != _TRITON36_BASE_FORMAT
                 or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
