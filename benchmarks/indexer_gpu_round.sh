@@ -14,7 +14,7 @@
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
 #   PART=launch: after a launch-path change: its GPU tests, the launch cost taken apart (TP GEMM core
-#     beside cuBLAS), the decode host cost, then tests/tp and the indexer tests (xdist)
+#     beside cuBLAS), the decode host cost, then tests/tp and the indexer tests split over processes
 #   PART="tests decode": several parts, in order
 # DeepGEMM comes from an ignored copy of shared/peers/deepgemm at $PEERS (default .peers/deepgemm),
 # built once per machine. Result files go to $OUT (default out/), the step logs to $OUT/logs.tgz.

@@ -6,8 +6,9 @@ specialisation key, cache lookup, launcher), the compiled kernel's launcher call
 CUDA-graph-free ``torch.empty`` for scale. Then the TP GEMM core's eager call at a small M
 taken apart stage by stage (the whole call, the launch by key with its arguments built, the
 bound launch, the direct C launch with its arguments flattened, the flattening alone,
-Triton's own launcher for the same key) beside cuBLAS. Back-to-back calls, host time per call without a sync (the
-GPU work is a few microseconds, below the host time).
+Triton's own launcher for the same key) beside cuBLAS. Back-to-back calls, host time per call
+without a sync (the GPU work is a few microseconds, below the host time; at large M the queue
+fills and the rows read the GPU's pace).
 
     python benchmarks/launch_cost.py [--calls 5000] [--tp-m 64] [--output launch-cost.json]
 """
