@@ -15,6 +15,7 @@
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
 #   PART=launch: after a launch-path change: its GPU tests, the launch cost taken apart (TP GEMM core
 #     beside cuBLAS), the decode host cost, then tests/tp and the indexer tests split over processes
+#     (LAUNCH_TESTS=0 leaves those to a later PART=tests)
 #   PART="tests decode": several parts, in order
 # DeepGEMM comes from an ignored copy of shared/peers/deepgemm at $PEERS (default .peers/deepgemm),
 # built once per machine. Result files go to $OUT (default out/), the step logs to $OUT/logs.tgz.
@@ -167,7 +168,7 @@ case "$part" in
     step tests-jit 40 python3 -m pytest -q -p no:cacheprovider tests/test_jit.py
     step launch-cost 45 python3 benchmarks/launch_cost.py --calls 2000 --tp-m 64 4096 --output "$OUT/launch-cost.json"
     step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
-    shards tests-launch "${TESTS_S:-120}" "${TEST_PROCS:-12}" tests/tp tests/indexer/test_paged.py \
+    [ "${LAUNCH_TESTS:-1}" = 1 ] && shards tests-launch "${TESTS_S:-120}" "${TEST_PROCS:-12}" tests/tp tests/indexer/test_paged.py \
       tests/indexer/test_topk.py tests/indexer/test_warmup.py tests/indexer/test_prefill.py ${TESTS_K:+-k "$TESTS_K"}
     ;;
   topk)  # the fused top-k's speed beside the unfused pairs (its tests are in PART=tests)
