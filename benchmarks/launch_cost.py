@@ -5,7 +5,7 @@ specialisation key, cache lookup, launcher), the compiled kernel's launcher call
 (what is left once the key is known), each with and without host tensor descriptors, and a
 CUDA-graph-free ``torch.empty`` for scale. Then the TP GEMM core's eager call at a small M
 taken apart stage by stage (the whole call, the launch by key with its arguments built, the
-bound launch, the direct C launch with its arguments flattened, the flattening alone,
+partial launch given the call's three tensors, the direct C launch with its arguments flattened, the flattening alone,
 Triton's own launcher for the same key) beside cuBLAS. Back-to-back calls, host time per call
 without a sync (the GPU work is a few microseconds, below the host time; at large M the queue
 fills and the rows read the GPU's pace).
@@ -87,12 +87,12 @@ def tp_gemm_rows(m: int, n: int, k: int, calls: int) -> dict:
             launched.append((key, grid, args, options))
             real(key, grid, args, options)
 
-        def bind(self, key, grid, args, options=None):
-            return real.bind(key, grid, args, options)
+        def partial(self, key, grid, args, options=None, live=()):
+            return real.partial(key, grid, args, options, live)
 
     core._gemm_launcher = Recording()
     try:
-        for _ in range(3):  # compile, prove the direct call (the last call recorded), then a bound launch
+        for _ in range(3):  # compile, prove the direct call (the last call recorded), then a partial launch
             core.gemm(a, b, out)
     finally:
         core._gemm_launcher = real
@@ -104,9 +104,9 @@ def tp_gemm_rows(m: int, n: int, k: int, calls: int) -> dict:
     }
     entry = real._compiled[key]
     run, function, meta = entry[3], entry[4], entry[5]
-    bound = real.bind(key, grid, args, options)
-    if bound is not None:
-        rows[f"{tag}: bound launch alone"] = _per_call_us(bound, calls)
+    partial = real.partial(key, grid, args, options, live=((0, 1), 2, (3, 4, 5)))
+    if partial is not None:
+        rows[f"{tag}: partial launch alone"] = _per_call_us(lambda: partial(a, b, out), calls)
     if isinstance(run, _jit._DirectLaunch):
         g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
         stream = torch._C._cuda_getCurrentRawStream(0)

@@ -235,44 +235,64 @@ def test_direct_launch_without_descriptors_and_declined_launchers(fake_driver):
     assert _jit._DirectLaunch.of(OtherLauncher(), (x, 5, 2)) is None
 
 
-def test_bound_launch_is_the_direct_call_with_its_arguments_flattened_once(fake_driver, monkeypatch):
-    """``Launcher.bind``: a zero-argument launch handing the C launcher what the direct call
-    does (the stream read at each launch), flattened once; it declines (False, nothing launched)
-    under a launch hook, a redirect or another current device, and is not made before the key's
-    direct call is proven."""
-    from types import SimpleNamespace
-
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    signature = ["*fp32", "tensordesc<fp32[4, 8]>", "i32"]
-    run = fake_driver.CudaLauncher(signature, [{"tag": "m"}])
-    x, out = torch.zeros(8, 8), torch.zeros(4)
-    args = (out, TensorDescriptor(x, [8, 8], [8, 1], [4, 8]), 5)
-    direct = _jit._DirectLaunch.of(run, args)
-    assert direct.proven_on((*_base(), *args))
+def _launcher_over(direct, runtime, device):
     launcher = _jit.Launcher(_plain_kernel)
-    runtime = SimpleNamespace(launch_enter_hook=None)
-    device = {"now": 0}
     streams = iter(range(100, 200))
     launcher._direct = True
     launcher._compiled[("k",)] = (0, lambda: device["now"], lambda d: next(streams), direct, "function", ("meta",),
                                   runtime)
+    return launcher
+
+
+def test_partial_launch_is_the_direct_call_with_the_live_arguments_replaced(fake_driver, monkeypatch):
+    """``Launcher.partial``: a launch handing the C launcher what the direct call does for the
+    bound arguments with the live ones replaced (tensors as addresses, a descriptor rebased on
+    the tensor passed, encoded once per address, once for a pair), the stream read at each
+    launch; it declines (False, nothing launched) under a launch hook, a redirect or another
+    current device, and is not made before the key's direct call is proven."""
+    from types import SimpleNamespace
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    signature = ["tensordesc<fp32[4, 8]>", "tensordesc<fp32[4, 8]>", "*fp32", "i32", "*fp32",
+                 "tensordesc<fp32[4, 8]>"]
+    run = fake_driver.CudaLauncher(signature, [{"tag": "a"}, {"tag": "a"}, {"tag": "w"}])
+
+    def desc(t):
+        return TensorDescriptor(t, [8, 8], [8, 1], [4, 8])
+
+    x, out, keep, w = torch.zeros(8, 8), torch.zeros(4), torch.zeros(2), torch.zeros(8, 8)
+    args = (desc(x), desc(x), out, 5, keep, desc(w))
+    direct = _jit._DirectLaunch.of(run, args)
+    assert direct.proven_on((*_base(), *args))
+    runtime = SimpleNamespace(launch_enter_hook=None)
+    device = {"now": 0}
+    launcher = _launcher_over(direct, runtime, device)
     audited = []
     monkeypatch.setattr(_jit, "_audit", True)
     monkeypatch.setattr(_jit.Launcher, "_audit", lambda self, key, a, options: audited.append(key))
-    assert launcher.bind(("other",), (3, 2), args) is None
-    bound = launcher.bind(("k",), (3, 2), args)
-    assert audited == [("other",), ("k",)]  # (audit mode, as in the test suite: once a bind)
+    assert launcher.partial(("other",), (3, 2), args, live=((0, 1), 2)) is None
+    launch = launcher.partial(("k",), (3, 2), args, live=((0, 1), 2))
+    assert audited == [("other",), ("k",)] and launch.keeps == (keep,)
     fake_driver.encodes.clear()
-    assert bound() and bound()
-    direct(3, 2, 1, 102, "function", ("meta",), None, None, None, *args)
-    first, second, by_direct = run.c.calls[-3:]
-    assert first[3] == 100 and second[3] == 101 and first[4:] == second[4:] == by_direct[4:]
-    assert first[:3] == (3, 2, 1) and len(fake_driver.encodes) == 0
+    for step in range(3):
+        y, o = torch.randn(8, 8), torch.zeros(4)
+        assert launch(y, o)
+        direct(3, 2, 1, 200 + step, "function", ("meta",), None, None, None, desc(y), desc(y), o, 5, keep, desc(w))
+        ours, theirs = run.c.calls[-2:]
+        assert ours[3] == 100 + step and ours[:3] == (3, 2, 1)
+        assert ours[4:] == theirs[4:], step
+    # each y once per caller (the pair encoded once), w never (bound, or remembered)
+    assert len(fake_driver.encodes) == 3 + 3
+    assert launch(y, torch.zeros(4))  # y's address seen: nothing encoded
+    assert len(fake_driver.encodes) == 3 + 3
     calls = len(run.c.calls)
     for off in ({"hook": True}, {"device": 1}, {"redirect": True}):
         runtime.launch_enter_hook = SimpleNamespace(calls=[print]) if "hook" in off else None
         device["now"] = off.get("device", 0)
         launcher._direct = "redirect" not in off
-        assert bound() is False, off
+        assert launch(y, o) is False, off
     assert len(run.c.calls) == calls
+    launcher._direct = True
+    with pytest.raises(ValueError, match="not a tensor"):
+        launcher.partial(("k",), (3, 2), args, live=(3,))

@@ -249,14 +249,19 @@ class Launcher:
         else:
             self.fn[grid](**self._by_name(args), **(options or {}))
 
-    def bind(self, key, grid, args: tuple, options: dict | None = None):
-        """``self(key, grid, args, options)`` as a zero-argument launch whose arguments are
-        flattened once, for a caller that knows its next calls pass the same arguments (the same
-        tensors' addresses, shapes and strides, the same scalars): it then keeps the bound launch
-        per tensor addresses. None where the key has no proven direct launch yet. The bound
-        launch returns False and launches nothing where this launcher would not call directly now
-        (a launch hook, a redirect, another current device): call it then. In audit mode the
-        key is audited here, once for all the bound launches."""
+    def partial(self, key, grid, args: tuple, options: dict | None = None, live: tuple = ()):
+        """``self(key, grid, args, options)`` as a launch of the same arguments except at the
+        positions ``live`` names, flattened once, for a caller whose next calls differ only
+        there: ``launch(*values)`` passes ``values[i]`` at position ``live[i]`` (a tuple of
+        positions: at each of them), a tensor where ``args`` has a tensor, and where it has a
+        host descriptor, a tensor with the address of the descriptor's base (the descriptor is
+        that one rebased, its encoding remembered per address). Everything else (shapes,
+        strides, scalars, the grid) is the caller's promise; tensors left constant are kept
+        alive by the launch (``launch.keeps``).
+        None where the key has no proven direct launch yet. The launch returns False and
+        launches nothing where this launcher would not call directly now (a launch hook, a
+        redirect, another current device): call it then. In audit mode the key is audited
+        here, once for all the launches."""
         if not self._direct:
             return None
         if _audit:
@@ -266,17 +271,60 @@ class Launcher:
             return None  # (an encoding Triton leaves to the launcher would hold a tensor alive)
         device, current_device, stream_of, run, function, metadata, runtime = hit
         n = len(grid)
-        gx, gy, gz = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
-        raw = run.raw
-        tail = (function, run.coop, run.pdl, None, None, metadata, None, None, None, *run.flatten(args))
-        launcher = self
+        scope = {"raw": run.raw, "stream_of": stream_of, "current_device": current_device, "device": device,
+                 "runtime": runtime, "idle": _hooks_idle, "launcher": self}
+        # Before the stream (read per launch): the grid; after it, the launch objects.
+        scope["head"] = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
+        scope["mid"] = (function, run.coop, run.pdl, None, None, metadata, None, None, None)
+        where = {p: i for i, ps in enumerate(live) for p in (ps if isinstance(ps, tuple) else (ps,))}
+        descs = dict(zip(run.descs, range(len(run.descs))))
+        parts, pending, encoders = [], [], {}
 
-        def launch() -> bool:
-            if not launcher._direct or not _hooks_idle(runtime.launch_enter_hook) or current_device() != device:
-                return False
-            raw(gx, gy, gz, stream_of(device), *tail)
-            return True
+        def constants(values):
+            pending.extend(values)
 
+        def flush():
+            if pending:
+                name = f"c{len(scope)}"
+                scope[name] = tuple(pending)
+                parts.append(f"*{name}")
+                pending.clear()
+
+        for p, a in enumerate(args):
+            i = where.get(p)
+            if p in descs:
+                if i is None:
+                    constants(run._encoded(descs[p], a))
+                    continue
+                flush()
+                j = descs[p]
+                layout = (i, run.meta_keys[j], *a.shape, *a.strides, a.padding)
+                same = encoders.get(layout)
+                if same is not None:  # one descriptor passed twice: encoded once per launch
+                    parts.append(f"*{same}")
+                    continue
+                scope[f"e{p}"] = _remembered_encoding(run, j, a)
+                encoders[layout] = f"x{p}"
+                parts.append(f"*(x{p} := e{p}(v{i}))")
+            elif i is not None:
+                if p not in run.tensors:
+                    raise ValueError(f"{self.name}: live argument {self.arg_names[p]} is not a tensor")
+                flush()
+                parts.append(f"v{i}.data_ptr()")
+            elif p in run.tensors and a is not None and a.__class__ is not int:
+                constants((a.data_ptr(),))
+            else:
+                constants((a,))
+        flush()
+        params = ", ".join(f"v{i}" for i in range(len(live)))
+        src = (f"def launch({params}):\n"
+               "    if not launcher._direct or not idle(runtime.launch_enter_hook) or current_device() != device:\n"
+               "        return False\n"
+               f"    raw(*head, stream_of(device), *mid, {', '.join(parts)})\n"
+               "    return True\n")
+        exec(src, scope)  # noqa: S102 (generated from positions, no outside text)
+        launch = scope["launch"]
+        launch.keeps = tuple(a for p, a in enumerate(args) if p in run.tensors and p not in where)
         return launch
 
     def _by_name(self, args: tuple) -> dict:
@@ -461,6 +509,26 @@ class _DirectLaunch:
             return False
         theirs = seen["out"]
         return len(ours) == len(theirs) and all(_same_argument(a, b) for a, b in zip(ours, theirs))
+
+
+def _remembered_encoding(run: _DirectLaunch, j: int, template):
+    """``encode(base)``: the encoded host descriptor ``template`` rebased onto ``base``,
+    remembered per base address (the shape and strides are the template's)."""
+    maps: dict = {}
+    meta, make = run.meta[j], run.make
+    template = rebased_descriptor(template, None)
+
+    def encode(base) -> list:
+        address = base.data_ptr()
+        hit = maps.get(address)
+        if hit is None:
+            hit = make(rebased_descriptor(template, base), meta)
+            if len(maps) >= _MAX_MAPS:
+                maps.clear()
+            maps[address] = hit
+        return hit
+
+    return encode
 
 
 def _same_argument(a, b) -> bool:

@@ -775,6 +775,19 @@ def test_out_buffer_is_written_and_reused(logits_dtype):
     assert buf[:, :3].isnan().all() and buf[:, 3 + case.max_context_len:].isnan().all(), "wrote outside out"
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_one_layout_with_new_tensors_every_call(fmt):
+    """Calls of one argument layout reuse its plan and, on a GPU, its partial launch: each
+    call's own tensors (queries, cache, weights, lengths, table, output) are the ones read and
+    written, in any order of calls."""
+    cases = [Case(fmt, lens=(70, 0, 129), next_n=2, block_kv=32, seed=40 + i) for i in range(3)]
+    outs = [torch.full((6, cases[0].max_context_len), float("nan"), device=DEVICE) for _ in range(2)]
+    for step, i in enumerate((0, 1, 2, 0, 2, 1, 1, 0)):
+        own = step % 3 == 0
+        got = cases[i].run(clean=True) if own else cases[i].run(clean=True, out=outs[step % 2])
+        cases[i].check(got, True, own_out=own)
+
+
 def test_out_buffer_bad_layouts_raise():
     case = Case("fp8", lens=(70, 129), next_n=1, block_kv=32, seed=25)
     good = torch.empty(2, case.max_context_len, device=DEVICE)

@@ -52,10 +52,10 @@ def test_gemm_planned_layout_takes_each_calls_tensors(on_device):
     assert not torch.equal(results[0][0], results[1][0])
 
 
-def test_gemm_planned_layout_binds_launches_per_tensor_addresses(on_device, monkeypatch):
-    """On a planned layout, tensors at addresses launched on before take the launch bound to
-    them (nothing rebuilt); new addresses, or a bound launch that declines, take the launcher,
-    with the call's own tensors."""
+def test_gemm_planned_layout_takes_its_partial_launch_with_the_calls_tensors(on_device, monkeypatch):
+    """On a planned layout, once its launch is proven direct, calls pass their own tensors to
+    the layout's partial launch (nothing rebuilt); one that declines takes the launcher, with
+    the call's own tensors."""
     from tilefuse.tp import _gemm_core as core
 
     calls = []
@@ -63,37 +63,43 @@ def test_gemm_planned_layout_binds_launches_per_tensor_addresses(on_device, monk
     class FakeLauncher:  # launches nothing: records what the op asks for
         def __init__(self):
             self.declines = False
+            self.proven = False
 
         def __call__(self, key, grid, args, options):
-            calls.append(("launch", args[5].data_ptr(), args[0].base.data_ptr(), args[2].base.data_ptr()))
+            calls.append(("launch", args[0].base.data_ptr(), args[2].base.data_ptr(), args[5].data_ptr()))
 
-        def bind(self, key, grid, args, options):
-            ptrs = (args[0].base.data_ptr(), args[2].base.data_ptr(), args[5].data_ptr())
+        def partial(self, key, grid, args, options, live):
+            assert live == ((0, 1), 2, (3, 4, 5))
+            assert args[1] is args[0] and args[4] is args[3]
+            if not self.proven:  # (the launcher proves a key's direct call on its third launch)
+                self.proven = True
+                return None
 
-            def bound():
+            def launch(a, b, out):
                 if self.declines:
                     return False
-                calls.append(("bound", *ptrs))
+                calls.append(("partial", a.data_ptr(), b.data_ptr(), out.data_ptr()))
                 return True
 
-            return bound
+            return launch
 
     fake = FakeLauncher()
     monkeypatch.setattr(core, "_gemm_launcher", fake)
     monkeypatch.setattr(core, "_plain_plans", {})
     cfg = GemmConfig(16, 16, 16, 2, 1, 4)
     a, b = torch.randn(32, 24).to(torch.bfloat16), torch.randn(24, 40).to(torch.bfloat16)
+    a2 = torch.randn(32, 24).to(torch.bfloat16)
     out, out2 = torch.empty(32, 40, dtype=torch.bfloat16), torch.empty(32, 40, dtype=torch.bfloat16)
-    for o in (out, out, out, out2, out2, out):
-        core.gemm(a, b, o, config=cfg)
+    for x, o in ((a, out), (a, out), (a, out), (a2, out2), (a, out2), (a2, out)):
+        core.gemm(x, b, o, config=cfg)
     kinds = [c[0] for c in calls]
-    # the first call plans, the second launches and binds, then bound; a new output the same
-    assert kinds == ["launch", "launch", "bound", "launch", "bound", "bound"]
-    assert calls[2][1:] == (a.data_ptr(), b.data_ptr(), out.data_ptr())
-    assert calls[4][3] == out2.data_ptr() and calls[5][3] == out.data_ptr()
+    # the first call plans, the next two launch (the partial launch made after the second), then partial
+    assert kinds == ["launch", "launch", "launch", "partial", "partial", "partial"]
+    assert calls[3][1:] == (a2.data_ptr(), b.data_ptr(), out2.data_ptr())
+    assert calls[4][1] == a.data_ptr() and calls[5][1:] == (a2.data_ptr(), b.data_ptr(), out.data_ptr())
     fake.declines = True
     core.gemm(a, b, out, config=cfg)
-    assert calls[-1] == ("launch", out.data_ptr(), a.data_ptr(), b.data_ptr())
+    assert calls[-1] == ("launch", a.data_ptr(), b.data_ptr(), out.data_ptr())
 
 
 def test_gemm_bad_inputs(on_device, monkeypatch):

@@ -415,11 +415,7 @@ def kv_descriptor(values, rows: int, d: int, box: int):
     return host_descriptor(TensorDescriptor, values, [rows, d], [d, 1], [box, d], layout=_smem_layout(d))
 
 
-_launcher = Launcher(paged_logits_gluon_kernel)
-arg_names = _launcher.arg_names
-
-
-def launch(key, grid, args: tuple, options: dict | None = None) -> None:
-    """``args``: every parameter of ``paged_logits_gluon_kernel`` in order (``num_warps`` among
-    them: Triton takes the launch option from it); ``key`` determines the compile."""
-    _launcher(key, grid, args, options)
+# ``launcher(key, grid, args, options)``: ``args`` every parameter of ``paged_logits_gluon_kernel``
+# in order (``num_warps`` among them: Triton takes the launch option from it).
+launcher = Launcher(paged_logits_gluon_kernel)
+arg_names = launcher.arg_names

@@ -538,12 +538,14 @@ class _Plan:
     consts_after_desc: tuple
     launch_key: tuple
     options: dict
-    # The kernel: the Gluon one (``_paged_kernel_gluon``) or the Triton one; its launcher
-    # (``launch(key, grid, args, options)``) and the key descriptor's constructor
-    # (``kv_descriptor(values, rows, value_bytes, box)``).
+    # The kernel: the Gluon one (``_paged_kernel_gluon``) or the Triton one; its Launcher and
+    # the key descriptor's constructor (``kv_descriptor(values, rows, value_bytes, box)``).
     gluon: bool
-    launch: object
+    launcher: Launcher
     kv_descriptor: object
+    # Partial launches (Launcher.partial) by the alignment of the two specialised pointers:
+    # what a call passes is its tensors, everything else is this plan's.
+    fast: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 def _check_inputs(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
@@ -665,16 +667,16 @@ def _make_plan(fmt, b, next_n, h, d, block_kv, q, kv_cache, context_lens, indice
         # The ring holds num_stages tiles (at least 2); 4 or 8 warps (a parameter of the kernel).
         consts.update(NUM_BUF=max(2, cfg.num_stages), num_warps=gk.num_warps_for(cfg.rows, cfg.rows * heads_p,
                                                                                   cfg.num_warps))
-        names, launch, kv_descriptor, options = gk.arg_names, gk.launch, gk.kv_descriptor, {}
+        names, launcher, kv_descriptor, options = gk.arg_names, gk.launcher, gk.kv_descriptor, {}
     else:
-        names, launch, kv_descriptor = _paged_launch.arg_names, _paged_launch, _triton_kv_descriptor
+        names, launcher, kv_descriptor = _paged_launch.arg_names, _paged_launch, _triton_kv_descriptor
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     tail = names[_PAGED_RUNTIME_ARGS:]
     at = tail.index("kv_desc")
     before, after = tuple(consts[n] for n in tail[:at]), tuple(consts[n] for n in tail[at + 1:])
     launch_key = (gluon, before, after, cfg.num_warps, cfg.num_stages)
     return _Plan(b, next_n, block_kv, cfg, chunk_pages, groups, page_unit, q_unit, consts, tma, before, after,
-                 launch_key, options, gluon, launch, kv_descriptor)
+                 launch_key, options, gluon, launcher, kv_descriptor)
 
 
 # The Gluon kernel's tile (``_paged_kernel_gluon``): 64 keys, at most 128 (row, head) columns.
@@ -701,13 +703,6 @@ def _triton_kv_descriptor(values: torch.Tensor, rows: int, value_bytes: int, box
     return host_descriptor(TensorDescriptor, values, [rows, value_bytes], [value_bytes, 1], [box, value_bytes])
 
 
-def _layout(t):
-    if t.__class__ is not torch.Tensor:
-        if not isinstance(t, torch.Tensor):
-            return None if t is None else type(t)  # the checks reject it
-    return t.shape, t.stride(), t.dtype, t.device
-
-
 # Launch plans by argument layout (shapes, strides, dtypes, devices, scalars, overrides): the
 # checks and the heuristics run once per layout, a dict lookup afterwards.
 _plans: dict[tuple, _Plan] = {}
@@ -715,18 +710,28 @@ _MAX_PLANS = 4096
 
 
 def _plan_for(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits,
-              logits_dtype, indices, out, config) -> _Plan:
-    compiling = torch.compiler.is_compiling()
+              logits_dtype, indices, out, config, compiling: bool = False) -> _Plan:
     key = None
     if not compiling:
         overrides = _config._overrides.get("paged")
-        # Modulo 16: the scale words need 4, the TMA path 16.
-        offset = kv_cache.storage_offset() % 16 if isinstance(kv_cache, torch.Tensor) else None
-        key = (_layout(q), _layout(q_sf), _layout(kv_cache), offset,
-               _layout(weights), _layout(context_lens), _layout(block_table), _layout(schedule_meta),
-               _layout(indices), _layout(out), max_context_len, bool(clean_logits), logits_dtype, config,
-               tuple(sorted(overrides.items())) if overrides else None)
-        plan = _plans.get(key)
+        try:  # what the checks read, spelled out (a call per tensor costs more than the lookup)
+            key = (q.shape, q.stride(), q.dtype, q.get_device(), q.is_cuda,
+                   None if q_sf is None else (q_sf.shape, q_sf.stride(), q_sf.dtype, q_sf.get_device()),
+                   # modulo 16: the scale words need 4, the TMA path 16
+                   kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.get_device(),
+                   kv_cache.storage_offset() % 16,
+                   weights.shape, weights.stride(), weights.dtype, weights.get_device(),
+                   context_lens.shape, context_lens.stride(), context_lens.dtype, context_lens.get_device(),
+                   block_table.shape, block_table.stride(), block_table.dtype, block_table.get_device(),
+                   schedule_meta.shape, schedule_meta.stride(), schedule_meta.dtype, schedule_meta.get_device(),
+                   None if indices is None else (indices.shape, indices.stride(), indices.dtype,
+                                                 indices.get_device()),
+                   None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
+                   max_context_len.__class__, max_context_len, bool(clean_logits), logits_dtype, config,
+                   tuple(sorted(overrides.items())) if overrides else None)
+            plan = _plans.get(key)
+        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say which
+            key = plan = None
         if plan is not None:
             return plan
     fmt, b, next_n, h, d, block_kv = _check_inputs(q, q_sf, kv_cache, weights, context_lens, block_table,
@@ -759,25 +764,35 @@ def _launch(plan: _Plan, q, q_sf, kv_cache, weights, context_lens, block_table, 
     """One kernel launch into ``out`` (already checked)."""
     if out.numel() == 0:
         return
+    # Besides the plan: what Triton specialises on that the plan's layout key leaves open.
+    aligned = (q.data_ptr() % 16 == 0, kv_cache.data_ptr() % 16 == 0)
+    sf = q_sf if q_sf is not None else context_lens  # (an unused pointer argument)
+    idx = indices if indices is not None else context_lens
+    fast = plan.fast.get(aligned)
+    if fast is not None and fast(q, sf, kv_cache, weights, context_lens, block_table, idx, out):
+        return
     b = plan.batch
     chunks_per_request = cdiv(max_context_len, plan.chunk_pages * plan.block_kv)
     kv_desc = None
     if plan.tma is not None:
         rows, dq, box, dtype = plan.tma
         kv_desc = plan.kv_descriptor(kv_cache.view(dtype), rows, dq, box)
-    # Besides the plan: what Triton specialises on that the plan's layout key leaves open.
-    key = (plan.launch_key, q.dtype, weights.dtype, out.dtype, q.data_ptr() % 16 == 0,
-           kv_cache.data_ptr() % 16 == 0)
-    plan.launch(key, (plan.groups * b * chunks_per_request,), (
-        q, q_sf if q_sf is not None else context_lens, kv_cache, weights, context_lens, block_table,
-        indices if indices is not None else context_lens, out, error_record(q.device),
-        b, max_context_len, block_table.shape[1], kv_cache.shape[0], plan.chunk_pages, chunks_per_request,
-        q.stride(0) // plan.q_unit, q.stride(1) // plan.q_unit, q.stride(2) // plan.q_unit,
-        q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
-        weights.stride(0), context_lens.stride(0), block_table.stride(0),
-        kv_cache.stride(0) // plan.page_unit, out.stride(0), *plan.consts_before_desc, kv_desc,
-        *plan.consts_after_desc,
-    ), plan.options)
+    key = (plan.launch_key, q.dtype, weights.dtype, out.dtype, *aligned)
+    grid = (plan.groups * b * chunks_per_request,)
+    args = (q, sf, kv_cache, weights, context_lens, block_table, idx, out, error_record(q.device),
+            b, max_context_len, block_table.shape[1], kv_cache.shape[0], plan.chunk_pages, chunks_per_request,
+            q.stride(0) // plan.q_unit, q.stride(1) // plan.q_unit, q.stride(2) // plan.q_unit,
+            q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
+            weights.stride(0), context_lens.stride(0), block_table.stride(0),
+            kv_cache.stride(0) // plan.page_unit, out.stride(0), *plan.consts_before_desc, kv_desc,
+            *plan.consts_after_desc)
+    plan.launcher(key, grid, args, plan.options)
+    if fast is None:
+        # the tensors change per call (the cache also as the key descriptor's base); the rest is the plan's
+        cache_at = (2,) if kv_desc is None else (2, _PAGED_RUNTIME_ARGS + len(plan.consts_before_desc))
+        fast = plan.launcher.partial(key, grid, args, plan.options, live=(0, 1, cache_at, 3, 4, 5, 6, 7))
+        if fast is not None:
+            plan.fast[aligned] = fast
 
 
 @torch.library.custom_op("tilefuse::paged_mqa_logits", mutates_args=("out",))
@@ -881,14 +896,15 @@ def fp8_fp4_paged_mqa_logits(
     q_values, q_sf = split_query(q)
     if isinstance(q_values, torch.Tensor):
         raise_pending_fast(q_values.device)
+    compiling = torch.compiler.is_compiling()
     plan = _plan_for(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-                     clean_logits, logits_dtype, indices, out, config)
+                     clean_logits, logits_dtype, indices, out, config, compiling)
     if _errors.checked() and _errors.host_reads_possible(q_values.device):
         _check_values(context_lens, block_table, schedule_meta, indices, kv_cache.shape[0], plan.block_kv,
                       max_context_len)
     if out is None:
         out = _new_out(plan.batch * plan.next_n, max_context_len, logits_dtype, q_values.device)
-    if torch.compiler.is_compiling():
+    if compiling:
         _paged_mqa_logits(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, indices, out,
                           max_context_len, bool(clean_logits), [int(v) for v in dataclasses.astuple(plan.cfg)])
     else:  # eager: the launch without the dispatcher's cost

@@ -496,21 +496,17 @@ def gemm(
                   b_layout, config, chunks, order, rank, lag, num_programs)
         plan = _plain_plans.get(layout)
         if plan is not None:  # checked and planned for this layout: the descriptors are the call's
-            key, grid, tail, options, (a_template, b_template, c_template), bound = plan
+            key, grid, tail, options, (a_template, b_template, c_template), fast = plan
             if out is None:
                 out = torch.empty(a.shape[0], tail[0], dtype=a.dtype, device=a.device)
-            addresses = (a.data_ptr(), b.data_ptr(), out.data_ptr())
-            launch = bound.get(addresses)
-            if launch is not None and launch():
+            launch = fast[0]
+            if launch is not None and launch(a, b, out):
                 return out
             a_desc, c_desc = rebased_descriptor(a_template, a), rebased_descriptor(c_template, out)
             args = (a_desc, a_desc, rebased_descriptor(b_template, b), c_desc, c_desc, out, a.shape[0], *tail)
             _gemm_launcher(key, grid, args, options)
-            launch = _gemm_launcher.bind(key, grid, args, options)
-            if launch is not None:
-                if len(bound) >= _MAX_BOUND:
-                    bound.clear()
-                bound[addresses] = launch
+            if launch is None:  # a, b and out change per call: the descriptors over them and C's pointer
+                fast[0] = _gemm_launcher.partial(key, grid, args, options, live=((0, 1), 2, (3, 4, 5)))
             return out
     k, n = check_operands(a, b, b_layout)
     m = a.shape[0]
@@ -526,18 +522,17 @@ def gemm(
         if len(_plain_plans) >= _MAX_PLANS:
             _plain_plans.clear()
         templates = tuple(rebased_descriptor(args[i], None) for i in (0, 2, 3))  # a, b, out
-        _plain_plans[layout] = (key, grid, args[7:], options, templates, {})
+        _plain_plans[layout] = (key, grid, args[7:], options, templates, [None])
     _gemm_launcher(key, grid, args, options)
     return out
 
 
 # Plain GEMM launches by argument layout (shapes, strides, dtypes, devices, alignment, options):
-# the checks and the plan run once per layout; a call copies the layout's descriptors over its
-# tensors, or, for tensors at addresses the layout has launched on before, makes the launch
-# bound to them (Launcher.bind: nothing rebuilt, nothing flattened).
+# the checks and the plan run once per layout; once the layout's launch is proven direct, a call
+# passes its three tensors to the layout's partial launch (Launcher.partial: nothing rebuilt,
+# the descriptors' encodings remembered per address).
 _plain_plans: dict[tuple, tuple] = {}
 _MAX_PLANS = 1024
-_MAX_BOUND = 256  # bound launches per layout (an engine's layers share a layout: weights x activations)
 
 
 @functools.lru_cache(maxsize=256)
