@@ -200,6 +200,56 @@ def _hooks_idle(hook) -> bool:
     return hook is None or not getattr(hook, "calls", True)
 
 
+_recording: list | None = None
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """Inside the block, every :class:`Launcher` launch (of this thread's calls: one recording
+    at a time) is also appended to the yielded list as ``(launcher, key, grid, args, options)``,
+    for :func:`replay`."""
+    global _recording
+    with _lock:
+        if _recording is not None:
+            raise RuntimeError("recorded_launches: already recording")
+        _recording = launches = []
+    try:
+        yield launches
+    finally:
+        _recording = None
+
+
+NOT_REPLAYABLE = "not replayable"
+
+
+def replay(launches: list, inputs: tuple, keep: tuple = ()):
+    """The recorded ``launches`` as a tuple of partial launches (:meth:`Launcher.partial`), each
+    taking ``*inputs`` of a later call: every tensor argument, and every host descriptor's base,
+    that is one of ``inputs`` (by identity) is passed per call, the other arguments are bound.
+    :data:`NOT_REPLAYABLE` where an argument is a tensor that is neither an input nor one of
+    ``keep`` (a buffer the call allocated: a later call's would differ), or a descriptor over
+    one; None where a launch has no proven direct call yet (try again later)."""
+    where = {id(t): i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
+    kept = {id(t) for t in keep}
+    out = []
+    for launcher, key, grid, args, options in launches:
+        live = [[] for _ in inputs]
+        for p, a in enumerate(args):
+            tensor = a.base if _is_host_descriptor(a) else a
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            i = where.get(id(tensor))
+            if i is not None:
+                live[i].append(p)
+            elif id(tensor) not in kept:
+                return NOT_REPLAYABLE
+        launch = launcher.partial(key, grid, args, options, live=tuple(tuple(ps) for ps in live))
+        if launch is None:
+            return None
+        out.append(launch)
+    return tuple(out)
+
+
 class Launcher:
     """Launches one ``@triton.jit`` (or Gluon) kernel by a key its caller computes.
 
@@ -230,6 +280,8 @@ class Launcher:
         _launchers.append(self)
 
     def __call__(self, key, grid, args: tuple, options: dict | None = None) -> None:
+        if _recording is not None:
+            _recording.append((self, key, grid, args, options))
         if _audit:
             self._audit(key, args, options)
         if self._direct:
@@ -260,12 +312,13 @@ class Launcher:
         alive by the launch (``launch.keeps``).
         None where the key has no proven direct launch yet. The launch returns False and
         launches nothing where this launcher would not call directly now (a launch hook, a
-        redirect, another current device): call it then. In audit mode the key is audited
-        here, once for all the launches."""
-        if not self._direct:
-            return None
+        redirect, another current device): call it then. Where launches are never direct (the
+        interpreter, a redirect) it launches ``kernel[grid](...)`` with the values put in. In
+        audit mode the key is audited here, once for all the launches."""
         if _audit:
             self._audit(key, args, options)
+        if not self._direct:  # the interpreter, or a redirect: the ordinary launch with the values put in
+            return self._substituting(grid, args, options, live)
         hit = self._compiled.get(key)
         if hit is None or hit[3].__class__ is not _DirectLaunch or None in hit[3].meta:
             return None  # (an encoding Triton leaves to the launcher would hold a tensor alive)
@@ -325,6 +378,29 @@ class Launcher:
         exec(src, scope)  # noqa: S102 (generated from positions, no outside text)
         launch = scope["launch"]
         launch.keeps = tuple(a for p, a in enumerate(args) if p in run.tensors and p not in where)
+        return launch
+
+    def _substituting(self, grid, args: tuple, options: dict | None, live: tuple):
+        """What :meth:`partial` gives where launches are not direct: ``kernel[grid](...)`` of
+        ``args`` with the values put in (a descriptor rebased on its value, viewed as its base's
+        dtype), so the interpreter runs what the direct launch would."""
+        slots = [(p, i, _is_host_descriptor(args[p])) for i, ps in enumerate(live)
+                 for p in (ps if isinstance(ps, tuple) else (ps,))]
+        bound = list(args)
+
+        def launch(*values) -> bool:
+            call = list(bound)
+            for p, i, desc in slots:
+                v = values[i]
+                if desc:
+                    base = bound[p].base
+                    call[p] = rebased_descriptor(bound[p], v if v.dtype == base.dtype else v.view(base.dtype))
+                else:
+                    call[p] = v
+            self.fn[grid](**self._by_name(call), **(options or {}))
+            return True
+
+        launch.keeps = ()
         return launch
 
     def _by_name(self, args: tuple) -> dict:

@@ -99,7 +99,7 @@ def test_dispatch_takes_the_gluon_kernel_where_it_runs(monkeypatch):
     # (16-token pages: D = 64, so that the page stride is a multiple of the value rows.)
     for block_kv, d, box in ((64, 128, 64), (32, 128, 32), (16, 64, 16), (128, 128, 64), (256, 128, 64)):
         plan = _plan(monkeypatch, block_kv=block_kv, d=d, config=_config(1, 64, d, block_kv))
-        assert plan.gluon and plan.launch == gk.launch and plan.kv_descriptor == gk.kv_descriptor, block_kv
+        assert plan.gluon and plan.launcher is gk.launcher and plan.kv_descriptor == gk.kv_descriptor, block_kv
         assert plan.tma[1:] == (d, box, FP8_DTYPE)
         assert plan.consts["NUM_BUF"] == plan.cfg.num_stages and plan.options == {}
     # Two rows per dot at 64 heads (128 columns), four at 16, D = 64.
@@ -126,7 +126,7 @@ def test_dispatch_falls_back_to_the_triton_kernel(monkeypatch):
     }
     for why, kw in cases.items():
         plan = _plan(monkeypatch, **kw)
-        assert not plan.gluon and plan.launch is paged._paged_launch, why
+        assert not plan.gluon and plan.launcher is paged._paged_launch, why
         assert "NUM_BUF" not in plan.consts and plan.options["num_warps"] == plan.cfg.num_warps, why
 
 

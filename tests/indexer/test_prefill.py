@@ -800,6 +800,34 @@ def test_out_buffer_is_written_and_reused(layout, poisoned):
         assert storage[:, cols:].isnan().all(), "the op wrote past the buffer's columns"
 
 
+@pytest.mark.parametrize("fmt,config", [
+    ("fp8", SMALL), ("fp8", None), ("fp8", dataclasses.replace(SMALL, heads_on_n=True)),
+    ("mxfp4", SMALL), ("mxfp4", dataclasses.replace(SMALL, fp4_via_fp8=True))])
+def test_one_layout_with_new_tensors_every_call(fmt, config, poisoned, monkeypatch):
+    """Eager calls of one layout replay the launches of the first ones with their own tensors
+    (new queries, keys, weights, windows and outputs every call, in any order); the paths that
+    allocate buffers of their own per call (MX rows renormalised) run the ordinary path every
+    time."""
+    monkeypatch.setattr(prefill, "_REPLAYS", {})
+    s_q, s_k = 24, 152
+    buf = torch.full((s_q, s_k), float("nan"), device=DEVICE)
+    inputs = []
+    for seed in (1, 2, 3):
+        q, k, w, qq, kk = make_inputs(s_q, s_k, 8, 64, fmt, seed=seed)
+        ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(seed), empty_fraction=0.2,
+                                  device=DEVICE)
+        inputs.append((q, k, w, qq, kk, ks, ke))
+    for step, i in enumerate((0, 1, 2, 0, 2, 1, 1)):
+        q, k, w, qq, kk, ks, ke = inputs[i]
+        own = step % 2 == 0
+        got = run(qq, kk, w, ks, ke, config=config) if own else run(qq, kk, w, ks, ke, config=config, out=buf)
+        check_logits(got, qq, kk, q, k, w, ks, ke, fmt)
+    entries = list(prefill._REPLAYS.values())
+    replayed = [v for v in entries if v.__class__ is tuple]
+    renormalised = config is not None and config.fp4_via_fp8
+    assert len(entries) == 2 and len(replayed) == (0 if renormalised else 2), entries
+
+
 def test_fp8_mqa_logits_takes_out():
     _, _, w, qq, kk = make_inputs(16, 64, 4, 32, "fp8", seed=1)
     ks, ke = W.causal_tail(16, 64, device=DEVICE)

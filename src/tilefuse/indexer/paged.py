@@ -49,7 +49,7 @@ import dataclasses
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tilefuse import _config, _errors, _validate, formats
+from tilefuse import _config, _errors, _interpreter, _validate, formats
 from tilefuse._config import apply_override, register_config
 from tilefuse._device import capability_major
 from tilefuse._errors import error_record, raise_pending_fast
@@ -463,26 +463,52 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
         ValueError: a bad shape, ``block_kv`` or ``num_sms`` < 1, ``indices`` with next_n > 1,
             a CPU tensor without Triton's interpreter.
     """
+    compiling = torch.compiler.is_compiling()
+    key = None
+    if not compiling:
+        try:  # what the checks read; on the CPU, whether it runs at all depends on the interpreter
+            key = (context_lens.shape, context_lens.stride(), context_lens.dtype, context_lens.get_device(),
+                   context_lens.is_cuda or _interpreter.interpreter_enabled(), block_kv.__class__, block_kv,
+                   num_sms.__class__, num_sms, None if indices is None else (
+                       indices.shape, indices.stride(), indices.dtype, indices.get_device()))
+            hit = _schedule_launches.get(key)
+        except (AttributeError, TypeError):  # the checks say what is wrong
+            key = hit = None
+        if hit is not None:
+            launch, device = hit
+            meta = torch.empty(num_sms + 1, 2, dtype=torch.int32, device=device)
+            if launch(context_lens, meta):
+                return meta
     _check_context_lens(context_lens)
     expect_int(block_kv, "block_kv", 1)
     expect_int(num_sms, "num_sms", 1)
     if indices is not None:
         next_n = context_lens.shape[1] if context_lens.dim() == 2 else 1
         _check_indices(indices, context_lens.shape[0], next_n, context_lens.device)
-    if torch.compiler.is_compiling():
+    if compiling:
         return _schedule(context_lens, block_kv, num_sms)
     _validate.check_kernel_device(context_lens, "context_lens")
     meta = torch.empty((num_sms + 1, 2), dtype=torch.int32, device=context_lens.device)
     ctx_2d = context_lens.dim() == 2
     next_n = context_lens.shape[1] if ctx_2d else 1
     consts = (next_n, next_power_of_2(next_n), ctx_2d, block_kv, _META_BLOCK_B, _META_BLOCK_W)
-    _schedule_launch(consts, (cdiv(num_sms + 1, _META_BLOCK_W),), (
-        context_lens, meta, context_lens.shape[0], context_lens.stride(0), num_sms, *consts), _SCHEDULE_OPTIONS)
+    grid = (cdiv(num_sms + 1, _META_BLOCK_W),)
+    args = (context_lens, meta, context_lens.shape[0], context_lens.stride(0), num_sms, *consts)
+    _schedule_launch(consts, grid, args, _SCHEDULE_OPTIONS)
+    if key is not None and hit is None:
+        launch = _schedule_launch.partial(consts, grid, args, _SCHEDULE_OPTIONS, live=(0, 1))
+        if launch is not None:
+            if len(_schedule_launches) >= _MAX_PLANS:
+                _schedule_launches.clear()
+            _schedule_launches[key] = (launch, meta.device)
     return meta
 
 
 _schedule_launch = Launcher(kern.paged_schedule_kernel)
 _SCHEDULE_OPTIONS = {"num_warps": 4}
+# Metadata launches by argument layout (what the checks read, the scalars): partial launches
+# taking the call's lengths and its new output (Launcher.partial).
+_schedule_launches: dict[tuple, tuple] = {}
 
 
 def _check_values(context_lens, block_table, schedule_meta, indices, num_blocks: int, block_kv: int,
