@@ -11,6 +11,7 @@
 #   PART=table: bench paged at the decode table's rows beside DeepGEMM
 #   PART=closing: the README's two commands side by side (test suite, demo), then top-k speed and
 #     the top-k A/B over $AB_TREES
+#   PART=eager: the eager cost per call (launch cost taken apart, decode and prefill) beside DeepGEMM
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
 #   PART=launch: after a launch-path change: its GPU tests, the launch cost taken apart (TP GEMM core
@@ -73,7 +74,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|table|host|topk)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|table|host|topk|eager)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -171,6 +172,12 @@ case "$part" in
     step host-prefill 35 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
     [ "${LAUNCH_TESTS:-1}" = 1 ] && shards tests-launch "${TESTS_S:-120}" "${TEST_PROCS:-12}" tests/tp tests/indexer/test_paged.py \
       tests/indexer/test_topk.py tests/indexer/test_warmup.py tests/indexer/test_prefill.py ${TESTS_K:+-k "$TESTS_K"}
+    ;;
+  eager)  # the eager cost per call beside DeepGEMM and cuBLAS (after the other parts: timed alone)
+    wait_deepgemm
+    step launch-cost 45 python3 benchmarks/launch_cost.py --calls 2000 --tp-m 64 4096 --output "$OUT/launch-cost.json"
+    step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
+    step host-prefill 40 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
     ;;
   topk)  # the fused top-k's speed beside the unfused pairs (its tests are in PART=tests)
     wait_deepgemm

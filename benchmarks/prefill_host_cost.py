@@ -8,7 +8,8 @@ descriptor) comes on top. On a GPU without ``--stub`` the real kernels run at a 
 (the GPU time stays below the host time) and the host time is the time to enqueue the calls,
 read without a sync; the wall time per call after a final sync and the GPU time of one call (a
 CUDA graph) are printed beside it: where the GPU time is the larger, host and wall both read
-it (the queue fills), and ``--stub`` gives the host part.
+it (the queue fills), and ``--stub`` gives the host part. DeepGEMM's ``fp8_mqa_logits`` is
+timed the same way in the same run where ``import deep_gemm`` works.
 
     python benchmarks/prefill_host_cost.py [--stub] [--calls 2000] [--output host-cost.json]
 """
@@ -76,14 +77,17 @@ def _case(fmt: str, s_q: int, s_k: int, h: int, d: int, device: str):
     return q, kv, w, ks, ke
 
 
-def _calls(fmt: str, s_q: int, s_k: int, device: str) -> dict:
-    """The calls an engine makes (H64 D128, clean_logits=False): new output, out=, DeepGEMM's FP8 name."""
+def _calls(fmt: str, s_q: int, s_k: int, device: str, peer=None) -> dict:
+    """The calls an engine makes (H64 D128, clean_logits=False): new output, out=, DeepGEMM's FP8
+    name; ``peer``: the deep_gemm module, whose own call is added (FP8) for the same run."""
     q, kv, w, ks, ke = _case(fmt, s_q, s_k, 64, 128, device)
     out = torch.empty(s_q, s_k, device=device)
     calls = {"new output": lambda: tilefuse.fp8_fp4_mqa_logits(q, kv, w, ks, ke, False),
              "out=": lambda: tilefuse.fp8_fp4_mqa_logits(q, kv, w, ks, ke, False, out=out)}
     if fmt == "fp8":
         calls["fp8_mqa_logits"] = lambda: tilefuse.fp8_mqa_logits(q[0], kv, w, ks, ke, False)
+        if peer is not None:
+            calls["deep_gemm"] = lambda: peer.fp8_mqa_logits(q[0], kv, w, ks, ke, clean_logits=False)
     return calls
 
 
@@ -112,9 +116,15 @@ def main(argv=None) -> int:
     stub = args.stub or device == "cpu"
     rows = []
     cases = [("fp8", 128, 4096), ("fp8", 16, 4096), ("mxfp8", 128, 4096), ("mxfp4", 128, 4096)]
+    peer = None
+    if not stub:
+        try:
+            import deep_gemm as peer
+        except ImportError:
+            pass
     with stubbed_kernels() if stub else contextlib.nullcontext():
         for fmt, s_q, s_k in cases:
-            for name, fn in _calls(fmt, s_q, s_k, device).items():
+            for name, fn in _calls(fmt, s_q, s_k, device, peer).items():
                 row = {"fmt": fmt, "s_q": s_q, "s_k": s_k, "call": name, "stub": stub, "device": device,
                        **time_calls(fn, args.calls, device)}
                 if not stub:  # where the GPU time is the larger, host and wall read it, not the host

@@ -296,3 +296,41 @@ def test_partial_launch_is_the_direct_call_with_the_live_arguments_replaced(fake
     launcher._direct = True
     with pytest.raises(ValueError, match="not a tensor"):
         launcher.partial(("k",), (3, 2), args, live=(3,))
+
+
+def test_replay_passes_the_inputs_and_a_new_scratch_buffer(fake_driver, monkeypatch):
+    """``replay``: the recorded launches with a later call's inputs put in and the scratch
+    buffers made anew (one allocation; a descriptor over one encoded at its new address);
+    NOT_REPLAYABLE for a tensor that is none of inputs, scratch or kept; None before the key's
+    direct call is proven."""
+    from types import SimpleNamespace
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    signature = ["tensordesc<fp32[4, 8]>", "*fp32", "i32", "*fp32", "tensordesc<fp32[4, 8]>"]
+    run = fake_driver.CudaLauncher(signature, [{"tag": "x"}, {"tag": "s"}])
+
+    def desc(t):
+        return TensorDescriptor(t, [8, 8], [8, 1], [4, 8])
+
+    x, out, err = torch.zeros(8, 8), torch.zeros(4), torch.zeros(2)
+    recording = _jit._Recording()
+    buf = torch.zeros(8, 8)
+    recording.scratch.append(buf)
+    args = (desc(x), out, 5, err, desc(buf))
+    direct = _jit._DirectLaunch.of(run, args)
+    assert direct.proven_on((*_base(), *args))
+    launcher = _launcher_over(direct, SimpleNamespace(launch_enter_hook=None), {"now": 0})
+    monkeypatch.setattr(_jit.Launcher, "_audit", lambda self, key, a, options: None)  # (a fake kernel's arguments)
+    recording.launches.append((launcher, ("k",), (3,), args, None))
+    assert _jit.replay(recording, (x, out)) is _jit.NOT_REPLAYABLE  # err is neither input nor kept
+    entry = launcher._compiled.pop(("k",))
+    assert _jit.replay(recording, (x, out), keep=(err,)) is None  # (no direct call for the key yet)
+    launcher._compiled[("k",)] = entry
+    replayed = _jit.replay(recording, (x, out), keep=(err,))
+    y, o = torch.randn(8, 8), torch.zeros(4)
+    assert replayed(y, o)
+    call = run.c.calls[-1]
+    maps = [a for a in call if isinstance(a, tuple) and a[0] == "map"]
+    assert maps[0][1:3] == (y.data_ptr(), "x") and maps[1][2] == "s" and maps[1][1] != buf.data_ptr()
+    assert o.data_ptr() in call and err.data_ptr() in call and 5 in call

@@ -200,40 +200,88 @@ def _hooks_idle(hook) -> bool:
     return hook is None or not getattr(hook, "calls", True)
 
 
-_recording: list | None = None
+class _Recording:
+    __slots__ = ("thread", "launches", "scratch")
+
+    def __init__(self):
+        self.thread = threading.get_ident()
+        self.launches: list = []  # (launcher, key, grid, args, options)
+        self.scratch: list = []  # tensors made by scratch()
+
+
+_recording: _Recording | None = None  # one at a time, of one thread's calls
 
 
 @contextlib.contextmanager
 def recorded_launches():
-    """Inside the block, every :class:`Launcher` launch (of this thread's calls: one recording
-    at a time) is also appended to the yielded list as ``(launcher, key, grid, args, options)``,
-    for :func:`replay`."""
+    """Inside the block, every :class:`Launcher` launch of this thread is also recorded as
+    ``(launcher, key, grid, args, options)``, and every :func:`scratch` buffer, for
+    :func:`replay`. Yields the recording, or None while another one is in progress (then
+    nothing is recorded)."""
     global _recording
     with _lock:
         if _recording is not None:
-            raise RuntimeError("recorded_launches: already recording")
-        _recording = launches = []
+            recording = None
+        else:
+            _recording = recording = _Recording()
     try:
-        yield launches
+        yield recording
     finally:
-        _recording = None
+        if recording is not None:
+            _recording = None
+
+
+def _recording_here() -> _Recording | None:
+    recording = _recording
+    return recording if recording is not None and recording.thread == threading.get_ident() else None
+
+
+def scratch(*size: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.empty(*size, dtype=dtype, device=device)`` for a buffer an op writes and reads
+    within one call (its kernels only: never returned, never read on the host); a replay of
+    the call (:func:`replay`) gives each later call a new one."""
+    t = torch.empty(*size, dtype=dtype, device=device)
+    if _recording is not None:
+        recording = _recording_here()
+        if recording is not None:
+            recording.scratch.append(t)
+    return t
 
 
 NOT_REPLAYABLE = "not replayable"
+_SCRATCH_ALIGN = 256
 
 
-def replay(launches: list, inputs: tuple, keep: tuple = ()):
-    """The recorded ``launches`` as a tuple of partial launches (:meth:`Launcher.partial`), each
-    taking ``*inputs`` of a later call: every tensor argument, and every host descriptor's base,
-    that is one of ``inputs`` (by identity) is passed per call, the other arguments are bound.
-    :data:`NOT_REPLAYABLE` where an argument is a tensor that is neither an input nor one of
-    ``keep`` (a buffer the call allocated: a later call's would differ), or a descriptor over
-    one; None where a launch has no proven direct call yet (try again later)."""
+class _Address:
+    """An address standing for a tensor where only its address is read (a TMA encoding)."""
+
+    __slots__ = ("address",)
+
+    def __init__(self, address: int):
+        self.address = address
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def replay(recording: _Recording, inputs: tuple, keep: tuple = ()):
+    """The recorded launches as one ``run(*inputs) -> bool`` for a later call of the same
+    layout: every tensor argument, and every host descriptor's base, that is one of ``inputs``
+    (by identity) is that call's, each :func:`scratch` buffer is a new one (one allocation for
+    all), the other arguments are bound (:meth:`Launcher.partial`). ``run`` returns False where
+    a launch declined (nothing launched after it: make the call the ordinary way).
+    :data:`NOT_REPLAYABLE` where an argument is a tensor that is none of those nor one of
+    ``keep``; None where a launch has no proven direct call yet (try again later)."""
+    n_in = len(inputs)
+    scratch_ = recording.scratch
     where = {id(t): i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
+    where.update((id(t), n_in + j) for j, t in enumerate(scratch_))
     kept = {id(t) for t in keep}
-    out = []
-    for launcher, key, grid, args, options in launches:
-        live = [[] for _ in inputs]
+    direct = all(launcher._direct for launcher, *_ in recording.launches)
+    addresses = tuple(range(n_in, n_in + len(scratch_))) if direct else ()
+    partials = []
+    for launcher, key, grid, args, options in recording.launches:
+        live = [[] for _ in range(n_in + len(scratch_))]
         for p, a in enumerate(args):
             tensor = a.base if _is_host_descriptor(a) else a
             if not isinstance(tensor, torch.Tensor):
@@ -243,11 +291,49 @@ def replay(launches: list, inputs: tuple, keep: tuple = ()):
                 live[i].append(p)
             elif id(tensor) not in kept:
                 return NOT_REPLAYABLE
-        launch = launcher.partial(key, grid, args, options, live=tuple(tuple(ps) for ps in live))
+        launch = launcher.partial(key, grid, args, options, live=tuple(tuple(ps) for ps in live),
+                                  addresses=addresses)
         if launch is None:
             return None
-        out.append(launch)
-    return tuple(out)
+        partials.append(launch)
+    if not scratch_:
+        if len(partials) == 1:
+            return partials[0]
+
+        def run(*values) -> bool:
+            for launch in partials:
+                if not launch(*values):
+                    return False
+            return True
+
+        return run
+    offsets, total = [], 0
+    for t in scratch_:
+        offsets.append(total)
+        total += -(-t.untyped_storage().nbytes() // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+    device = scratch_[0].device
+    if direct:
+        def run(*values) -> bool:
+            buffer = torch.empty(total, dtype=torch.uint8, device=device)  # (alive until the launches are queued)
+            base = buffer.data_ptr()
+            at = [base + o for o in offsets]
+            for launch in partials:
+                if not launch(*values, *at):
+                    return False
+            return True
+
+        return run
+    views = [(o, t.shape, t.stride(), t.dtype) for o, t in zip(offsets, scratch_)]
+
+    def run(*values) -> bool:
+        buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        bufs = [buffer[o:].view(dtype).as_strided(shape, stride) for o, shape, stride, dtype in views]
+        for launch in partials:
+            if not launch(*values, *bufs):
+                return False
+        return True
+
+    return run
 
 
 class Launcher:
@@ -281,7 +367,9 @@ class Launcher:
 
     def __call__(self, key, grid, args: tuple, options: dict | None = None) -> None:
         if _recording is not None:
-            _recording.append((self, key, grid, args, options))
+            recording = _recording_here()
+            if recording is not None:
+                recording.launches.append((self, key, grid, args, options))
         if _audit:
             self._audit(key, args, options)
         if self._direct:
@@ -301,7 +389,8 @@ class Launcher:
         else:
             self.fn[grid](**self._by_name(args), **(options or {}))
 
-    def partial(self, key, grid, args: tuple, options: dict | None = None, live: tuple = ()):
+    def partial(self, key, grid, args: tuple, options: dict | None = None, live: tuple = (),
+                addresses: tuple = ()):
         """``self(key, grid, args, options)`` as a launch of the same arguments except at the
         positions ``live`` names, flattened once, for a caller whose next calls differ only
         there: ``launch(*values)`` passes ``values[i]`` at position ``live[i]`` (a tuple of
@@ -309,7 +398,8 @@ class Launcher:
         host descriptor, a tensor with the address of the descriptor's base (the descriptor is
         that one rebased, its encoding remembered per address). Everything else (shapes,
         strides, scalars, the grid) is the caller's promise; tensors left constant are kept
-        alive by the launch (``launch.keeps``).
+        alive by the launch (``launch.keeps``). The values whose indices are in ``addresses``
+        are passed as addresses (ints) instead of tensors (direct launches only).
         None where the key has no proven direct launch yet. The launch returns False and
         launches nothing where this launcher would not call directly now (a launch hook, a
         redirect, another current device): call it then. Where launches are never direct (the
@@ -356,14 +446,14 @@ class Launcher:
                 if same is not None:  # one descriptor passed twice: encoded once per launch
                     parts.append(f"*{same}")
                     continue
-                scope[f"e{p}"] = _remembered_encoding(run, j, a)
+                scope[f"e{p}"] = _remembered_encoding(run, j, a, i in addresses)
                 encoders[layout] = f"x{p}"
                 parts.append(f"*(x{p} := e{p}(v{i}))")
             elif i is not None:
                 if p not in run.tensors:
                     raise ValueError(f"{self.name}: live argument {self.arg_names[p]} is not a tensor")
                 flush()
-                parts.append(f"v{i}.data_ptr()")
+                parts.append(f"v{i}" if i in addresses else f"v{i}.data_ptr()")
             elif p in run.tensors and a is not None and a.__class__ is not int:
                 constants((a.data_ptr(),))
             else:
@@ -587,18 +677,19 @@ class _DirectLaunch:
         return len(ours) == len(theirs) and all(_same_argument(a, b) for a, b in zip(ours, theirs))
 
 
-def _remembered_encoding(run: _DirectLaunch, j: int, template):
-    """``encode(base)``: the encoded host descriptor ``template`` rebased onto ``base``,
-    remembered per base address (the shape and strides are the template's)."""
+def _remembered_encoding(run: _DirectLaunch, j: int, template, by_address: bool = False):
+    """``encode(base)``: the encoded host descriptor ``template`` rebased onto ``base`` (a
+    tensor, or with ``by_address`` its address), remembered per base address (the shape and
+    strides are the template's)."""
     maps: dict = {}
     meta, make = run.meta[j], run.make
     template = rebased_descriptor(template, None)
 
     def encode(base) -> list:
-        address = base.data_ptr()
+        address = base if by_address else base.data_ptr()
         hit = maps.get(address)
         if hit is None:
-            hit = make(rebased_descriptor(template, base), meta)
+            hit = make(rebased_descriptor(template, _Address(address) if by_address else base), meta)
             if len(maps) >= _MAX_MAPS:
                 maps.clear()
             maps[address] = hit

@@ -802,12 +802,12 @@ def test_out_buffer_is_written_and_reused(layout, poisoned):
 
 @pytest.mark.parametrize("fmt,config", [
     ("fp8", SMALL), ("fp8", None), ("fp8", dataclasses.replace(SMALL, heads_on_n=True)),
-    ("mxfp4", SMALL), ("mxfp4", dataclasses.replace(SMALL, fp4_via_fp8=True))])
+    ("mxfp4", SMALL), ("mxfp4", dataclasses.replace(SMALL, fp4_via_fp8=True)),
+    ("mxfp8", dataclasses.replace(SMALL, mxfp8_via_f16=True)), ("fp8", dataclasses.replace(SMALL, relu_via_abs=2))])
 def test_one_layout_with_new_tensors_every_call(fmt, config, poisoned, monkeypatch):
     """Eager calls of one layout replay the launches of the first ones with their own tensors
-    (new queries, keys, weights, windows and outputs every call, in any order); the paths that
-    allocate buffers of their own per call (MX rows renormalised) run the ordinary path every
-    time."""
+    (new queries, keys, weights, windows and outputs every call, in any order) and new scratch
+    buffers (the MX rows renormalised, the linear term of relu_via_abs)."""
     monkeypatch.setattr(prefill, "_REPLAYS", {})
     s_q, s_k = 24, 152
     buf = torch.full((s_q, s_k), float("nan"), device=DEVICE)
@@ -824,8 +824,7 @@ def test_one_layout_with_new_tensors_every_call(fmt, config, poisoned, monkeypat
         check_logits(got, qq, kk, q, k, w, ks, ke, fmt)
     entries = list(prefill._REPLAYS.values())
     replayed = [v for v in entries if v.__class__ is tuple]
-    renormalised = config is not None and config.fp4_via_fp8
-    assert len(entries) == 2 and len(replayed) == (0 if renormalised else 2), entries
+    assert len(entries) == 2 and len(replayed) == 2, entries
 
 
 def test_fp8_mqa_logits_takes_out():

@@ -49,7 +49,7 @@ import dataclasses
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tilefuse import _config, _errors, _interpreter, _validate, formats
+from tilefuse import _config, _errors, _validate, formats
 from tilefuse._config import apply_override, register_config
 from tilefuse._device import capability_major
 from tilefuse._errors import error_record, raise_pending_fast
@@ -468,7 +468,7 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
     if not compiling:
         try:  # what the checks read; on the CPU, whether it runs at all depends on the interpreter
             key = (context_lens.shape, context_lens.stride(), context_lens.dtype, context_lens.get_device(),
-                   context_lens.is_cuda or _interpreter.interpreter_enabled(), block_kv.__class__, block_kv,
+                   context_lens.is_cuda or _validate.interpreter_enabled(), block_kv.__class__, block_kv,
                    num_sms.__class__, num_sms, None if indices is None else (
                        indices.shape, indices.stride(), indices.dtype, indices.get_device()))
             hit = _schedule_launches.get(key)
@@ -741,7 +741,8 @@ def _plan_for(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_me
     if not compiling:
         overrides = _config._overrides.get("paged")
         try:  # what the checks read, spelled out (a call per tensor costs more than the lookup)
-            key = (q.shape, q.stride(), q.dtype, q.get_device(), q.is_cuda,
+            # (on the CPU, whether it runs at all depends on the interpreter)
+            key = (q.shape, q.stride(), q.dtype, q.get_device(), q.is_cuda or _validate.interpreter_enabled(),
                    None if q_sf is None else (q_sf.shape, q_sf.stride(), q_sf.dtype, q_sf.get_device()),
                    # modulo 16: the scale words need 4, the TMA path 16
                    kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.get_device(),

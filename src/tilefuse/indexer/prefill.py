@@ -15,7 +15,7 @@ import functools
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tilefuse import _config, _errors, _interpreter, _jit
+from tilefuse import _config, _errors, _jit, _validate
 from tilefuse._config import apply_override, register_config
 from tilefuse._errors import check_errors, error_record
 from tilefuse._jit import Launcher, cdiv, host_descriptor, next_power_of_2
@@ -511,9 +511,9 @@ def linear_term_parts(q: torch.Tensor, weights: torch.Tensor, parts: int):
     """For ``relu_via_abs``: (E4M3 parts ``[S_q, parts * D]`` of ``sum_h w_h q_h / c``, fp32
     ``w / c`` ``[S_q, H]``, fp32 ``c / 2`` ``[S_q]``) with ``c`` a power of two per row."""
     s_q, h, d = q.shape
-    lin = torch.empty((s_q, parts * d), dtype=FP8_DTYPE, device=q.device)
-    w_scaled = torch.empty((s_q, h), dtype=torch.float32, device=q.device)
-    half_scale = torch.empty(s_q, dtype=torch.float32, device=q.device)
+    lin = _jit.scratch(s_q, parts * d, dtype=FP8_DTYPE, device=q.device)
+    w_scaled = _jit.scratch(s_q, h, dtype=torch.float32, device=q.device)
+    half_scale = _jit.scratch(s_q, dtype=torch.float32, device=q.device)
     if s_q:
         consts = (h, next_power_of_2(h), d, parts)
         _linear_parts((consts, weights.dtype), (s_q,), (q, q.stride(0), weights, weights.stride(0), lin, w_scaled,
@@ -545,13 +545,14 @@ def _renormalise_rows(q, q_sf, weights, k, k_scale, fmt: str, d: int, fix_q_rows
     n_fix_q = cdiv(s_q, fix_q_rows)
     n_fix_k = cdiv(s_k, fix_k_rows)
     # Separate tensors: on the host one torch.empty costs about what carving a typed view out
-    # of a shared workspace does (benchmarks/NOTES.md). Sizes as varargs parse faster than a tuple.
-    q_rows = torch.empty(s_q, h, d, dtype=dtype, device=dev)
-    w_rows = torch.empty(s_q, h, dtype=torch.float32, device=dev)
-    fix_q = torch.empty(n_fix_q, dtype=torch.int32, device=dev)
-    k_rows = torch.empty(s_k, d, dtype=dtype, device=dev)
-    k_row_scale = torch.empty(s_k, dtype=torch.float32, device=dev)
-    fix_k = torch.empty(n_fix_k, dtype=torch.int32, device=dev)
+    # of a shared workspace does (benchmarks/NOTES.md); a replayed call (tilefuse._jit.replay)
+    # allocates them as one buffer. Sizes as varargs parse faster than a tuple.
+    q_rows = _jit.scratch(s_q, h, d, dtype=dtype, device=dev)
+    w_rows = _jit.scratch(s_q, h, dtype=torch.float32, device=dev)
+    fix_q = _jit.scratch(n_fix_q, dtype=torch.int32, device=dev)
+    k_rows = _jit.scratch(s_k, d, dtype=dtype, device=dev)
+    k_row_scale = _jit.scratch(s_k, dtype=torch.float32, device=dev)
+    fix_k = _jit.scratch(n_fix_k, dtype=torch.int32, device=dev)
     grid = (max(cdiv(s_q * h, _RENORM_ROWS), n_fix_q) + max(cdiv(s_k, _RENORM_ROWS), n_fix_k),)
     consts = (h, next_power_of_2(h), d, FORMAT_CODE[fmt], _SPAN_EXACT[fmt], _FOLD_EXP_LIMIT, _RENORM_ROWS, fix_q_rows,
               fix_k_rows)
@@ -672,19 +673,17 @@ def fp8_fp4_mqa_logits(
                               None if schedule_meta is None else (schedule_meta.shape, schedule_meta.stride(),
                                                                   schedule_meta.dtype, schedule_meta.get_device()),
                               # on the CPU, whether it runs at all depends on the interpreter
-                              sig[3] >= 0 or _interpreter.interpreter_enabled())
+                              sig[3] >= 0 or _validate.interpreter_enabled())
                 entry = _REPLAYS.get(replay_key)
         except (AttributeError, TypeError, RuntimeError):  # the checks below say what is wrong
             sig = replay_key = None
         if entry.__class__ is tuple:  # this call's launches are the entry's, with its own tensors
-            launches, s_q, cols, device = entry
+            run, s_q, cols, device = entry
             _errors.raise_pending_fast(device)
             if out is None:
                 out = _new_logits(s_q, cols, logits_dtype, device)
-            for launch in launches:
-                if not launch(q_values, q_sf, k, k_scale, weights, ks, ke, out):
-                    break  # (a launch hook, a redirect, another current device: the ordinary path)
-            else:
+            # (False: a launch hook, a redirect, another current device: the ordinary path)
+            if run(q_values, q_sf, k, k_scale, weights, ks, ke, out):
                 return out
     fmt, s_q, h, d, s_k = _check_inputs(q_values, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype,
                                         sig)
@@ -721,10 +720,9 @@ def fp8_fp4_mqa_logits(
 
 
 # Eager calls by everything their host work depends on (the argument signature, clean, config,
-# overrides, the layouts of out and schedule_meta): the launches the call made, as partial
-# launches taking the next call's tensors (tilefuse._jit.replay), so that a call of a known
-# layout checks nothing and builds nothing. NOT_REPLAYABLE where a call allocates buffers of
-# its own (the MX paths on Hopper, relu_via_abs); an int counts the tries while a launch is not
+# overrides, the layouts of out and schedule_meta): the launches the call made, replayed with
+# the next call's tensors and new scratch buffers (tilefuse._jit.replay), so that a call of a
+# known layout checks nothing and builds nothing; an int counts the tries while a launch is not
 # yet direct (it is from a key's second launch on a GPU).
 _REPLAYS: dict[tuple, object] = {}
 _REPLAYS_MAX = 4096
@@ -734,9 +732,11 @@ _REPLAY_TRIES = 4
 def _run_recorded(replay_key, tries: int, inputs: tuple, clean: bool, max_seqlen_k: int, cfg: PrefillConfig,
                   s_q: int, cols: int) -> None:
     q = inputs[0]
-    with _jit.recorded_launches() as launches:
+    with _jit.recorded_launches() as recording:
         _run(*inputs[:7], clean, max_seqlen_k, cfg, inputs[7])
-    replayed = _jit.replay(launches, inputs, keep=(_ERR_RECORDS.get(q.device),))
+    if recording is None:  # another thread is recording: next time
+        return
+    replayed = _jit.replay(recording, inputs, keep=(_ERR_RECORDS.get(q.device),))
     if replayed is None:
         replayed = tries + 1 if tries + 1 < _REPLAY_TRIES else _jit.NOT_REPLAYABLE
     elif replayed is not _jit.NOT_REPLAYABLE:
