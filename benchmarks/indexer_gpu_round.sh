@@ -11,7 +11,8 @@
 #   PART=table: bench paged at the decode table's rows beside DeepGEMM
 #   PART=closing: the README's two commands side by side (test suite, demo), then top-k speed and
 #     the top-k A/B over $AB_TREES
-#   PART=eager: the eager cost per call (launch cost taken apart, decode and prefill) beside DeepGEMM
+#   PART=eager: the eager cost per call (launch cost taken apart, decode and prefill) beside DeepGEMM,
+#     then the serving loop
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
 #   PART=launch: after a launch-path change: its GPU tests, the launch cost taken apart (TP GEMM core
@@ -178,6 +179,7 @@ case "$part" in
     step launch-cost 45 python3 benchmarks/launch_cost.py --calls 2000 --tp-m 64 4096 --output "$OUT/launch-cost.json"
     step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
     step host-prefill 40 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
+    step bench-serving "${SERVING_S:-100}" python3 -m tilefuse.cli bench serving --steps 4 -o "$OUT/serving.json"
     ;;
   topk)  # the fused top-k's speed beside the unfused pairs (its tests are in PART=tests)
     wait_deepgemm
