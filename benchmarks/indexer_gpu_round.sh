@@ -59,7 +59,7 @@ shards() {  # shards NAME SECONDS N PYTEST_ARGS...: the selected tests split ove
 }
 host_steps() {  # the eager cost per call: prefill (wrapper alone, then whole calls), paged, a profile, TP core
     step host-prefill-stub 20 python3 benchmarks/prefill_host_cost.py --stub --calls 1000
-    step host-prefill 30 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
+    step host-prefill 30 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
     step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
     step host-profile 60 python3 benchmarks/host_profile.py --calls 300
     step tp-host 30 python3 -m tilefuse.bench.suites.tp host --m 4096 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
@@ -164,13 +164,13 @@ case "$part" in
       PYTHONPATH="$PWD/$tree/src" step "tp-host-$tag" 15 python3 -m tilefuse.bench.suites.tp host --m 64 --n 4096 \
         --k 1024 --json "$OUT/tp-host-$tag.jsonl"
     done; done
-    step host-prefill 25 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
+    step host-prefill 25 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
     ;;
   launch)  # after a launch-path change: timing alone first, then the tests side by side
     step tests-jit 40 python3 -m pytest -q -p no:cacheprovider tests/test_jit.py
     step launch-cost 45 python3 benchmarks/launch_cost.py --calls 2000 --tp-m 64 4096 --output "$OUT/launch-cost.json"
     step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
-    step host-prefill 35 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
+    step host-prefill 35 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
     [ "${LAUNCH_TESTS:-1}" = 1 ] && shards tests-launch "${TESTS_S:-120}" "${TEST_PROCS:-12}" tests/tp tests/indexer/test_paged.py \
       tests/indexer/test_topk.py tests/indexer/test_warmup.py tests/indexer/test_prefill.py ${TESTS_K:+-k "$TESTS_K"}
     ;;
@@ -193,7 +193,7 @@ case "$part" in
     step prefill-ab 130 python3 benchmarks/prefill_ab.py ${AB_TREES:-.ab/c0 .} --rounds 3 \
       --output "$OUT/prefill-ab.json"
     wait_deepgemm
-    step host-prefill 30 python3 benchmarks/prefill_host_cost.py --calls 1000 --output "$OUT/prefill-host-cost.json"
+    step host-prefill 30 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
     step host-prefill-stub 20 python3 benchmarks/prefill_host_cost.py --stub --calls 1000
     step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
     step bench-paged 70 python3 -m tilefuse.cli bench paged -o "$OUT/paged.json" -q --shapes $DECODE_SHAPES
