@@ -6,8 +6,9 @@ specialisation key, cache lookup, launcher), the compiled kernel's launcher call
 CUDA-graph-free ``torch.empty`` for scale. Then the TP GEMM core's eager call at a small M
 taken apart stage by stage (the whole call, the launch by key with its arguments built, the
 partial launch given the call's three tensors, the direct C launch with its arguments
-flattened, the flattening alone, Triton's own launcher for the same key) beside cuBLAS. Back-to-back calls, host time per call
-without a sync (the GPU work is a few microseconds, below the host time). At large M the GPU
+flattened, the flattening alone, Triton's own launcher for the same key) beside cuBLAS.
+Back-to-back calls, host time per call without a sync (the GPU work is a few microseconds,
+below the host time). At large M the GPU
 time is the larger and the launch queue fills part way through a round: those rows are neither
 host time nor GPU time (``tilefuse.bench.suites.tp host`` times that shape).
 
