@@ -8,9 +8,9 @@ taken apart stage by stage (the whole call, the launch by key with its arguments
 partial launch given the call's three tensors, the direct C launch with its arguments
 flattened, the flattening alone, Triton's own launcher for the same key) beside cuBLAS.
 Back-to-back calls, host time per call without a sync (the GPU work is a few microseconds,
-below the host time). At large M the GPU
-time is the larger and the launch queue fills part way through a round: those rows are neither
-host time nor GPU time (``tilefuse.bench.suites.tp host`` times that shape).
+below the host time). At large M the GPU time is the larger and the launch queue fills part way
+through a round: those rows are neither host time nor GPU time (``tilefuse.bench.suites.tp
+host`` times that shape).
 
     python benchmarks/launch_cost.py [--calls 5000] [--tp-m 64] [--output launch-cost.json]
 """
