@@ -20,7 +20,11 @@ anywhere), or every new value class is a new compile on the hot path.
 * :class:`Launcher`: launches a kernel by a key its caller computes, calling the compiled
   kernel's launcher directly once that key has been launched through ``kernel[grid](...)``:
   Triton's binder and cache lookup cost more host time than the launch itself. On triton 3.6
-  the launches after that call its C launcher directly (:class:`_DirectLaunch`).
+  the launches after that call its C launcher directly (:class:`_DirectLaunch`);
+  :meth:`Launcher.partial` binds every argument of such a launch but the tensors a caller
+  passes per call.
+* :func:`recorded_launches`, :func:`scratch`, :func:`replay`: an op's launches recorded once
+  per argument layout and replayed for the next calls with their tensors (new scratch buffers).
 """
 
 from __future__ import annotations
