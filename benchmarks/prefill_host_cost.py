@@ -135,7 +135,7 @@ def main(argv=None) -> int:
             for name, fn in _calls(fmt, s_q, s_k, device, peer).items():
                 row = {"fmt": fmt, "s_q": s_q, "s_k": s_k, "call": name, "stub": stub, "device": device,
                        **time_calls(fn, args.calls, device)}
-                if not stub:  # where the GPU time is the larger, host and wall read it, not the host
+                if not stub:  # where the GPU time is the larger, the wall time reads it, not the host's
                     row["gpu_us"] = graph_gpu_us(fn, 5)
                 rows.append(row)
                 gpu = f"   gpu {row['gpu_us']:8.1f} us" if "gpu_us" in row else "   (kernels stubbed)"

@@ -300,44 +300,40 @@ def replay(recording: _Recording, inputs: tuple, keep: tuple = ()):
         if launch is None:
             return None
         partials.append(launch)
-    if not scratch_:
-        if len(partials) == 1:
-            return partials[0]
+    if not scratch_ and len(partials) == 1:
+        return partials[0]
+    carve = None  # buffer -> the scratch values a replayed call passes
+    if scratch_:
+        offsets, total = [], 0
+        for t in scratch_:
+            offsets.append(total)
+            total += -(-t.untyped_storage().nbytes() // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+        device = scratch_[0].device
+        if direct:
+            def carve(buffer):
+                base = buffer.data_ptr()
+                return [base + o for o in offsets]
+        else:
+            views = [(o, t.shape, t.stride(), t.dtype) for o, t in zip(offsets, scratch_)]
 
-        def run(*values) -> bool:
-            for launch in partials:
-                if not launch(*values):
-                    return False
-            return True
-
-        return run
-    offsets, total = [], 0
-    for t in scratch_:
-        offsets.append(total)
-        total += -(-t.untyped_storage().nbytes() // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
-    device = scratch_[0].device
-    if direct:
-        def run(*values) -> bool:
-            buffer = torch.empty(total, dtype=torch.uint8, device=device)  # (alive until the launches are queued)
-            base = buffer.data_ptr()
-            at = [base + o for o in offsets]
-            for launch in partials:
-                if not launch(*values, *at):
-                    return False
-            return True
-
-        return run
-    views = [(o, t.shape, t.stride(), t.dtype) for o, t in zip(offsets, scratch_)]
+            def carve(buffer):
+                return [buffer[o:].view(dtype).as_strided(shape, stride) for o, shape, stride, dtype in views]
 
     def run(*values) -> bool:
-        buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        bufs = [buffer[o:].view(dtype).as_strided(shape, stride) for o, shape, stride, dtype in views]
+        if carve is not None:
+            buffer = torch.empty(total, dtype=torch.uint8, device=device)  # (alive until the launches are queued)
+            values = (*values, *carve(buffer))
         for launch in partials:
-            if not launch(*values, *bufs):
+            if not launch(*values):
                 return False
         return True
 
     return run
+
+
+def _live_slots(live: tuple) -> list:
+    """``(position, value index)`` of each position :meth:`Launcher.partial`'s ``live`` names."""
+    return [(p, i) for i, ps in enumerate(live) for p in (ps if isinstance(ps, tuple) else (ps,))]
 
 
 class Launcher:
@@ -423,7 +419,7 @@ class Launcher:
         # Before the stream (read per launch): the grid; after it, the launch objects.
         scope["head"] = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
         scope["mid"] = (function, run.coop, run.pdl, None, None, metadata, None, None, None)
-        where = {p: i for i, ps in enumerate(live) for p in (ps if isinstance(ps, tuple) else (ps,))}
+        where = dict(_live_slots(live))
         descs = dict(zip(run.descs, range(len(run.descs))))
         parts, pending, encoders = [], [], {}
 
@@ -478,8 +474,7 @@ class Launcher:
         """What :meth:`partial` gives where launches are not direct: ``kernel[grid](...)`` of
         ``args`` with the values put in (a descriptor rebased on its value, viewed as its base's
         dtype), so the interpreter runs what the direct launch would."""
-        slots = [(p, i, _is_host_descriptor(args[p])) for i, ps in enumerate(live)
-                 for p in (ps if isinstance(ps, tuple) else (ps,))]
+        slots = [(p, i, _is_host_descriptor(args[p])) for p, i in _live_slots(live)]
         bound = list(args)
 
         def launch(*values) -> bool:
