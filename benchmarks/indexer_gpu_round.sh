@@ -18,6 +18,8 @@
 #   PART=launch: after a launch-path change: its GPU tests, the launch cost taken apart (TP GEMM core
 #     beside cuBLAS), the decode and prefill host cost, then tests/tp and the indexer tests split over processes
 #     (LAUNCH_TESTS=0 leaves those to a later PART=tests)
+#   PART=serving: after a serving-path change: its tests (jit, TP, indexer) split over processes
+#     while DeepGEMM builds (then PART=eager times the calls)
 #   PART="tests decode": several parts, in order
 # DeepGEMM comes from an ignored copy of shared/peers/deepgemm at $PEERS (default .peers/deepgemm),
 # built once per machine. Result files go to $OUT (default out/), the step logs to $OUT/logs.tgz.
@@ -75,7 +77,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|table|host|topk|eager)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|table|host|topk|eager|serving)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -172,6 +174,10 @@ case "$part" in
     step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
     step host-prefill 35 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
     [ "${LAUNCH_TESTS:-1}" = 1 ] && shards tests-launch "${TESTS_S:-120}" "${TEST_PROCS:-12}" tests/tp tests/indexer/test_paged.py \
+      tests/indexer/test_topk.py tests/indexer/test_warmup.py tests/indexer/test_prefill.py ${TESTS_K:+-k "$TESTS_K"}
+    ;;
+  serving)  # a serving-path change's tests, split over processes (DeepGEMM builds meanwhile)
+    shards tests-serving "${TESTS_S:-150}" "${TEST_PROCS:-12}" tests/test_jit.py tests/tp tests/indexer/test_paged.py \
       tests/indexer/test_topk.py tests/indexer/test_warmup.py tests/indexer/test_prefill.py ${TESTS_K:+-k "$TESTS_K"}
     ;;
   eager)  # the eager cost per call beside DeepGEMM and cuBLAS (after the other parts: timed alone)

@@ -3,8 +3,9 @@
 Eager, back to back, default settings: ``calls`` launches timed on the host wall clock and
 divided (the GPU work of a B = 32, ctx 4096 call is a few microseconds, so the host and launch
 path bounds it); the metadata op the same way, and its GPU time inside a CUDA graph of
-``calls`` replays. DeepGEMM in the same run when ``import deep_gemm`` works. Then the
-compiles seen over 12 random (B, max_context_len) pairs after the warm-up calls.
+``calls`` replays; each again with the batch size and max_context_len new every call (a decode
+loop past its captured graphs). DeepGEMM in the same run when ``import deep_gemm`` works. Then
+the compiles seen over 12 random (B, max_context_len) pairs after the warm-up calls.
 
     python benchmarks/paged_host_cost.py --output paged-host-cost.json
 
@@ -14,6 +15,7 @@ Without a GPU it runs a few calls through the interpreter (the numbers then say 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sys
@@ -108,15 +110,48 @@ def main(argv=None) -> int:
             record(f"deep_gemm {fmt} B{batch} ctx{ctx} eager", per_call_us(
                 lambda: deep_gemm.fp8_paged_mqa_logits(qq[0], cache, w, lens, table, dg_meta, ctx, False), calls,
                 sync))
-        return lens
+        # A decode loop past its captured batch sizes: B (within 8 of ``batch``, one of DeepGEMM's
+        # 32-request metadata classes) and max_context_len new every call, views made beforehand.
+        b_lo = max(1, batch - 7)
+        views = {b: (tuple(None if t is None else t[:b] for t in qq), w[:b], lens[:b], table[:b],
+                     tilefuse.get_paged_mqa_logits_metadata(lens[:b], BLOCK_KV, num_sms))
+                 for b in range(b_lo, batch + 1)}
+        steps = itertools.count()
+
+        def ours():
+            i = next(steps)
+            q_, w_, lens_, table_, meta_ = views[b_lo + i % (batch - b_lo + 1)]
+            tilefuse.fp8_fp4_paged_mqa_logits(q_, cache, w_, lens_, table_, meta_, ctx + i)
+
+        name = f"B{b_lo}-{batch} ctx{ctx}, B and max_context_len new every call"
+        record(f"tilefuse {fmt} {name}", per_call_us(ours, calls, sync))
+        if fmt == "fp8" and deep_gemm is not None:
+            dg_metas = {b: deep_gemm.get_paged_mqa_logits_metadata(v[2], BLOCK_KV, num_sms) for b, v in views.items()}
+            dg_steps = itertools.count()
+
+            def theirs():
+                i = next(dg_steps)
+                b = b_lo + i % (batch - b_lo + 1)
+                q_, w_, lens_, table_, _ = views[b]
+                deep_gemm.fp8_paged_mqa_logits(q_[0], cache, w_, lens_, table_, dg_metas[b], ctx + i, False)
+
+            record(f"deep_gemm {fmt} {name}", per_call_us(theirs, calls, sync))
+        return lens, views
 
     for fmt in ("fp8", "mxfp8", "mxfp4"):
-        lens = measure(fmt)
+        lens, views = measure(fmt)
     record(f"tilefuse metadata B{batch} eager", per_call_us(
         lambda: tilefuse.get_paged_mqa_logits_metadata(lens, BLOCK_KV, num_sms), calls, sync))
     if deep_gemm is not None:
         record(f"deep_gemm metadata B{batch} eager", per_call_us(
             lambda: deep_gemm.get_paged_mqa_logits_metadata(lens, BLOCK_KV, num_sms), calls, sync))
+    batches = [v[2] for v in views.values()]
+    for name, fn in (("tilefuse", tilefuse.get_paged_mqa_logits_metadata),
+                     ("deep_gemm", deep_gemm and deep_gemm.get_paged_mqa_logits_metadata)):
+        if fn is not None:
+            steps = itertools.count()
+            record(f"{name} metadata B{min(views)}-{batch} eager, B new every call", per_call_us(
+                lambda fn=fn, steps=steps: fn(batches[next(steps) % len(batches)], BLOCK_KV, num_sms), calls, sync))
     if gpu:
         record(f"tilefuse metadata B{batch} GPU time in a graph", graph_gpu_us(
             lambda: tilefuse.get_paged_mqa_logits_metadata(lens, BLOCK_KV, num_sms), 20))

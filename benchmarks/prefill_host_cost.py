@@ -9,8 +9,10 @@ and the host time is the time to enqueue the calls, read without a sync, the bes
 rounds; the wall time per call after a final sync and the GPU time of one call (a CUDA graph)
 are printed beside it. A round's launches must stay below what the launch queue holds (about a
 thousand: ``--calls 250`` for the three-launch MX paths), or the host time reads the GPU's pace
-where the GPU time is the larger. DeepGEMM's ``fp8_mqa_logits`` is timed the same way in the
-same run where ``import deep_gemm`` works.
+where the GPU time is the larger. Each shape is timed twice: the same sizes every call, and
+new sizes every call (a chunked prefill: S_q and S_k change from chunk to chunk, so no call
+finds one of the same sizes before it). DeepGEMM's ``fp8_mqa_logits`` is timed the same way in
+the same run where ``import deep_gemm`` works (its kernel does not compile per size).
 
     python benchmarks/prefill_host_cost.py [--stub] [--calls 250] [--output host-cost.json]
 """
@@ -92,6 +94,40 @@ def _calls(fmt: str, s_q: int, s_k: int, device: str, peer=None) -> dict:
     return calls
 
 
+def _new_size_calls(fmt: str, s_q: int, s_k: int, device: str, n: int, peer=None) -> dict:
+    """The calls of a chunked prefill: S_q and S_k new every call (``n`` calls, none of the same
+    sizes: S_k grows by one key a call, S_q cycles over 8 values below ``s_q``), as views of
+    one set of operands made beforehand; ``out=`` as a slice of one caller-owned buffer."""
+    q, kv, w, ks, ke = _case(fmt, s_q, s_k + n, 64, 128, device)
+    buffer = torch.empty(s_q, -(-(s_k + n) // 16) * 16, device=device)  # rows 16-byte aligned
+    sizes = [(s_q - i % 8, s_k + i) for i in range(n)]
+    views = [((q[0][:a], None if q[1] is None else q[1][:a]), (kv[0][:b], kv[1][:b]), w[:a], ks[:a], ke[:a],
+              buffer[:a, :b]) for a, b in sizes]
+    steps = {"new": 0, "out": 0, "peer": 0}
+
+    def step(name):
+        i = steps[name]
+        steps[name] = i + 1
+        return views[i]
+
+    def new():
+        q_, kv_, w_, ks_, ke_, _ = step("new")
+        tilefuse.fp8_fp4_mqa_logits(q_, kv_, w_, ks_, ke_, False)
+
+    def into():
+        q_, kv_, w_, ks_, ke_, out_ = step("out")
+        tilefuse.fp8_fp4_mqa_logits(q_, kv_, w_, ks_, ke_, False, out=out_)
+
+    calls = {"new sizes, new output": new, "new sizes, out=": into}
+    if fmt == "fp8" and peer is not None:
+        def theirs():
+            q_, kv_, w_, ks_, ke_, _ = step("peer")
+            peer.fp8_mqa_logits(q_[0], kv_, w_, ks_, ke_, clean_logits=False)
+
+        calls["deep_gemm new sizes"] = theirs
+    return calls
+
+
 def time_calls(fn, calls: int, device: str, rounds: int = 3) -> dict:
     """Host and wall time per call, the best of ``rounds`` rounds of ``calls`` back-to-back
     calls (a sync before each): with fewer launches a round than the launch queue holds (about
@@ -141,6 +177,12 @@ def main(argv=None) -> int:
                 gpu = f"   gpu {row['gpu_us']:8.1f} us" if "gpu_us" in row else "   (kernels stubbed)"
                 print(f"{fmt:6} {s_q:5}/{s_k:<6} {name:15} host {row['host_us']:8.1f} us   "
                       f"wall {row['wall_us']:8.1f} us{gpu}")
+            for name, fn in _new_size_calls(fmt, s_q, s_k, device, 10 + 3 * args.calls, peer).items():
+                row = {"fmt": fmt, "s_q": s_q, "s_k": s_k, "call": name, "stub": stub, "device": device,
+                       **time_calls(fn, args.calls, device)}
+                rows.append(row)
+                print(f"{fmt:6} {s_q:5}/{s_k:<6} {name:15} host {row['host_us']:8.1f} us   "
+                      f"wall {row['wall_us']:8.1f} us")
     if args.output:
         with open(args.output, "w") as f:
             from tilefuse.bench.env import environment

@@ -294,8 +294,15 @@ def test_partial_launch_is_the_direct_call_with_the_live_arguments_replaced(fake
         assert launch(y, o) is False, off
     assert len(run.c.calls) == calls
     launcher._direct = True
-    with pytest.raises(ValueError, match="not a tensor"):
-        launcher.partial(("k",), (3, 2), args, live=(3,))
+    # a runtime int and the grid live too: what the direct call of those values passes
+    sized = launcher.partial(("k",), (3, 2), args, live=((0, 1), 2, 3), live_grid=(3, 4))
+    for n, gx in ((7, 9), (11, 1)):
+        assert sized(y, o, n, gx, 4)
+        direct(gx, 4, 1, 300 + n, "function", ("meta",), None, None, None, desc(y), desc(y), o, n, keep, desc(w))
+        ours, theirs = run.c.calls[-2:]
+        assert ours[:3] == (gx, 4, 1) and ours[4:] == theirs[4:]
+    with pytest.raises(ValueError, match="neither a tensor nor an int"):
+        launcher.partial(("k",), (3, 2), (*args[:3], 2.5, *args[4:]), live=(3,))
 
 
 def test_replay_passes_the_inputs_and_a_new_scratch_buffer(fake_driver, monkeypatch):

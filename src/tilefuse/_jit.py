@@ -390,16 +390,19 @@ class Launcher:
             self.fn[grid](**self._by_name(args), **(options or {}))
 
     def partial(self, key, grid, args: tuple, options: dict | None = None, live: tuple = (),
-                addresses: tuple = ()):
+                addresses: tuple = (), live_grid: tuple = ()):
         """``self(key, grid, args, options)`` as a launch of the same arguments except at the
         positions ``live`` names, flattened once, for a caller whose next calls differ only
         there: ``launch(*values)`` passes ``values[i]`` at position ``live[i]`` (a tuple of
-        positions: at each of them), a tensor where ``args`` has a tensor, and where it has a
-        host descriptor, a tensor with the address of the descriptor's base (the descriptor is
-        that one rebased, its encoding remembered per address). Everything else (shapes,
-        strides, scalars, the grid) is the caller's promise; tensors left constant are kept
-        alive by the launch (``launch.keeps``). The values whose indices are in ``addresses``
-        are passed as addresses (ints) instead of tensors (direct launches only).
+        positions: at each of them), a tensor where ``args`` has a tensor, an int where it has
+        a runtime int (one the kernel does not specialise: the key stays the caller's promise),
+        and where it has a host descriptor, a tensor with the address of the descriptor's base
+        (the descriptor is that one rebased, its encoding remembered per address). With
+        ``live_grid`` the grid is ``values[live_grid[0]], values[live_grid[1]], ...`` (the
+        dimensions not named are 1). Everything else (shapes, strides, scalars, the grid) is
+        the caller's promise; tensors left constant are kept alive by the launch
+        (``launch.keeps``). The values whose indices are in ``addresses`` are passed as
+        addresses (ints) instead of tensors (direct launches only).
         None where the key has no proven direct launch yet. The launch returns False and
         launches nothing where this launcher would not call directly now (a launch hook, a
         redirect, another current device): call it then. Where launches are never direct (the
@@ -408,7 +411,7 @@ class Launcher:
         if _audit:
             self._audit(key, args, options)
         if not self._direct:  # the interpreter, or a redirect: the ordinary launch with the values put in
-            return self._substituting(grid, args, options, live)
+            return self._substituting(grid, args, options, live, live_grid)
         hit = self._compiled.get(key)
         if hit is None or hit[3].__class__ is not _DirectLaunch or None in hit[3].meta:
             return None  # (an encoding Triton leaves to the launcher would hold a tensor alive)
@@ -418,6 +421,7 @@ class Launcher:
                  "runtime": runtime, "idle": _hooks_idle, "launcher": self}
         # Before the stream (read per launch): the grid; after it, the launch objects.
         scope["head"] = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
+        head = ", ".join([f"v{g}" for g in live_grid] + ["1"] * (3 - len(live_grid))) if live_grid else "*head"
         scope["mid"] = (function, run.coop, run.pdl, None, None, metadata, None, None, None)
         where = dict(_live_slots(live))
         descs = dict(zip(run.descs, range(len(run.descs))))
@@ -450,27 +454,30 @@ class Launcher:
                 encoders[layout] = f"x{p}"
                 parts.append(f"*(x{p} := e{p}(v{i}))")
             elif i is not None:
-                if p not in run.tensors:
-                    raise ValueError(f"{self.name}: live argument {self.arg_names[p]} is not a tensor")
                 flush()
-                parts.append(f"v{i}" if i in addresses else f"v{i}.data_ptr()")
+                if p in run.tensors:
+                    parts.append(f"v{i}" if i in addresses else f"v{i}.data_ptr()")
+                elif a.__class__ is int:
+                    parts.append(f"v{i}")
+                else:
+                    raise ValueError(f"{self.name}: live argument {self.arg_names[p]} is neither a tensor nor an int")
             elif p in run.tensors and a is not None and a.__class__ is not int:
                 constants((a.data_ptr(),))
             else:
                 constants((a,))
         flush()
-        params = ", ".join(f"v{i}" for i in range(len(live)))
+        params = ", ".join(f"v{i}" for i in range(max([len(live), *(g + 1 for g in live_grid)])))
         src = (f"def launch({params}):\n"
                "    if not launcher._direct or not idle(runtime.launch_enter_hook) or current_device() != device:\n"
                "        return False\n"
-               f"    raw(*head, stream_of(device), *mid, {', '.join(parts)})\n"
+               f"    raw({head}, stream_of(device), *mid, {', '.join(parts)})\n"
                "    return True\n")
         exec(src, scope)  # noqa: S102 (generated from positions, no outside text)
         launch = scope["launch"]
         launch.keeps = tuple(a for p, a in enumerate(args) if p in run.tensors and p not in where)
         return launch
 
-    def _substituting(self, grid, args: tuple, options: dict | None, live: tuple):
+    def _substituting(self, grid, args: tuple, options: dict | None, live: tuple, live_grid: tuple = ()):
         """What :meth:`partial` gives where launches are not direct: ``kernel[grid](...)`` of
         ``args`` with the values put in (a descriptor rebased on its value, viewed as its base's
         dtype), so the interpreter runs what the direct launch would."""
@@ -478,6 +485,7 @@ class Launcher:
         bound = list(args)
 
         def launch(*values) -> bool:
+            grid_ = tuple(values[g] for g in live_grid) if live_grid else grid
             call = list(bound)
             for p, i, desc in slots:
                 v = values[i]
@@ -486,7 +494,7 @@ class Launcher:
                     call[p] = rebased_descriptor(bound[p], v if v.dtype == base.dtype else v.view(base.dtype))
                 else:
                     call[p] = v
-            self.fn[grid](**self._by_name(call), **(options or {}))
+            self.fn[grid_](**self._by_name(call), **(options or {}))
             return True
 
         launch.keeps = ()

@@ -33,7 +33,8 @@ class Case:
     """A decode batch: unquantised inputs, quantised op inputs, a shuffled paged cache."""
 
     def __init__(self, fmt="fp8", lens=(70, 0, 129, 200), next_n=2, h=8, d=64, block_kv=32, ctx_2d=False,
-                 seed=0, weights_dtype=torch.float32, page_stride=None, extra_cols=5, num_sms=NUM_SMS):
+                 seed=0, weights_dtype=torch.float32, page_stride=None, extra_cols=5, num_sms=NUM_SMS,
+                 num_blocks=None, table_width=None):
         g = torch.Generator().manual_seed(seed)  # lengths and page shuffles
         gd = torch.Generator(device=DEVICE).manual_seed(seed)  # tensors, made where they are used
         lens = torch.tensor(lens, dtype=torch.int32)
@@ -51,8 +52,10 @@ class Case:
         else:
             self.ctx = lens
         pages = int(((lens.long() + block_kv - 1) // block_kv).sum())
-        cache, table = paged.make_paged_kv_cache(self.k, lens, block_kv, fmt, num_blocks=pages + 2,
+        cache, table = paged.make_paged_kv_cache(self.k, lens, block_kv, fmt, num_blocks=num_blocks or pages + 2,
                                                  page_stride=page_stride, generator=g)
+        if table_width is not None:  # a wider table, as an engine's fixed one
+            table = torch.nn.functional.pad(table, (0, table_width - table.shape[1]))
         # Poison a spare page (NaN values and scales) and point every unused table entry at it:
         # a read past a request's length would leak NaN into the logits.
         used = set(table[lens.to(DEVICE) > 0].flatten().tolist()) if pages else set()
@@ -446,6 +449,17 @@ def test_metadata_balance_and_zero_lengths(ctx_2d):
                 assert n == 0 or (b < 37 and 0 <= p < int(pages[b]))
 
 
+@pytest.mark.parametrize("ctx_2d", [False, True])
+def test_metadata_batch_changing_every_call(ctx_2d):
+    """One launch per layout serves every batch size: each call's split is the torch one's."""
+    g = torch.Generator().manual_seed(12)
+    for b in (5, 37, 1, 12, 37, 2, 0, 300, 5):  # (300: past one block of the kernel)
+        lens = torch.randint(0, 900, (b,), generator=g).to(torch.int32)
+        ctx = (torch.stack([lens // 3, lens], 1) if ctx_2d else lens).to(DEVICE)
+        meta = tilefuse.get_paged_mqa_logits_metadata(ctx, 64, 7)
+        assert torch.equal(meta.cpu(), paged._schedule(ctx, 64, 7).cpu()), b
+
+
 def test_metadata_empty_and_all_zero_batches():
     assert tilefuse.get_paged_mqa_logits_metadata(torch.zeros(0, dtype=torch.int32, device=DEVICE), 64, 4).tolist() \
         == [[0, 0]] * 5
@@ -786,6 +800,30 @@ def test_one_layout_with_new_tensors_every_call(fmt):
         own = step % 3 == 0
         got = cases[i].run(clean=True) if own else cases[i].run(clean=True, out=outs[step % 2])
         cases[i].check(got, True, own_out=own)
+
+
+def test_batch_size_and_width_changing_every_call():
+    """A decode loop past its captured batch sizes: the batch and max_context_len change every
+    call, the cache, table width and dtypes stay. One plan serves every batch of a size class
+    (0, 1, more) and its partial launch takes the sizes and grid per call; every call is
+    checked against the reference."""
+    specs = [(70, 0, 129), (200, 31), (5, 64, 300, 1), (129,), (300, 299, 0, 12), (33, 1)]
+    cases = [Case("fp8", lens=lens, next_n=1, block_kv=32, seed=60 + i, num_blocks=40, table_width=12,
+                  extra_cols=7 * i) for i, lens in enumerate(specs)]
+    before = set(paged._plans)
+    for case in cases + cases[::-1]:
+        case.check(case.run(clean=True), True)
+    assert len(set(paged._plans) - before) <= 2, "a plan per batch size or width"
+    # A plan in hand does not skip the checks of a batch that disagrees with q's.
+    case = cases[0]
+    with pytest.raises(ValueError, match="weights: expected"):
+        tilefuse.fp8_fp4_paged_mqa_logits(case.qq, case.cache, case.w[:-1], case.ctx, case.table, case.meta,
+                                          case.max_context_len)
+    with pytest.raises(ValueError, match="block_table: expected"):
+        tilefuse.fp8_fp4_paged_mqa_logits(case.qq, case.cache, case.w, case.ctx, case.table[:-1], case.meta,
+                                          case.max_context_len)
+    with pytest.raises(ValueError, match="out: expected"):
+        case.run(out=torch.empty(3, case.max_context_len + 1, device=DEVICE))
 
 
 def test_out_buffer_bad_layouts_raise():

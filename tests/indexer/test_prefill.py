@@ -827,6 +827,26 @@ def test_one_layout_with_new_tensors_every_call(fmt, config, poisoned, monkeypat
     assert len(entries) == 2 and len(replayed) == 2, entries
 
 
+def test_sizes_changing_every_call(checks_cached, monkeypatch):
+    """Chunked prefill: S_q and S_k change every call. The checks run once for the layout (the
+    signature leaves the sizes out and compares them per call), a size seen once builds no
+    replay, and every call is right; a call whose per-row tensors disagree with q still raises."""
+    monkeypatch.setattr(prefill, "_REPLAYS", {})
+    for i, (s_q, s_k) in enumerate(((24, 152), (40, 100), (17, 300), (24, 168), (64, 64), (3, 2))):
+        q, k, w, qq, kk = make_inputs(s_q, s_k, 8, 64, "fp8", seed=70 + i)
+        ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(i), empty_fraction=0.2,
+                                  device=DEVICE)
+        check_logits(run(qq, kk, w, ks, ke), qq, kk, q, k, w, ks, ke, "fp8")
+    assert len(checks_cached) == 1
+    assert set(prefill._REPLAYS.values()) == {0}, "a replay built for a size seen once"
+    with pytest.raises(ValueError, match="weights: expected"):
+        run(qq, kk, w[:-1], ks, ke)
+    with pytest.raises(ValueError, match=r"kv\[1\]: expected"):
+        run(qq, (kk[0], kk[1][:-1]), w, ks, ke)
+    with pytest.raises(ValueError, match="cu_seq_len_k_end"):
+        run(qq, kk, w, ks, ke[:-1])
+
+
 def test_fp8_mqa_logits_takes_out():
     _, _, w, qq, kk = make_inputs(16, 64, 4, 32, "fp8", seed=1)
     ks, ke = W.causal_tail(16, 64, device=DEVICE)

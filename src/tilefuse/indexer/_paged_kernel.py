@@ -274,30 +274,44 @@ def paged_schedule_kernel(ctx_ptr, meta_ptr, batch, stride_ctx, num_sms,
     (request, page) where page ``w * P // num_sms`` of the ``P`` pages laid end to end lies.
 
     One program per ``BLOCK_W`` workers; each walks the lengths twice (the total, then the
-    running page count): the request of target page ``p`` is the number of requests ending at
-    or before it, its page ``p`` minus the largest such end.
+    running page count; once where the batch fits one block of ``BLOCK_B``, its usual case):
+    the request of target page ``p`` is the number of requests ending at or before it, its
+    page ``p`` minus the largest such end.
     """
     w = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
     rows = tl.arange(0, BLOCK_B)
-    total = tl.cast(0, tl.int64)
-    for b0 in range(0, batch, BLOCK_B):
-        ext, _ = _key_extent_block(ctx_ptr, stride_ctx, b0 + rows, batch, NEXT_N, NEXT_N_P, CTX_2D)
-        total += tl.sum((ext + BLOCK_KV - 1) // BLOCK_KV, axis=0)
-    target = w.to(tl.int64) * total // num_sms
     req = tl.zeros((BLOCK_W,), tl.int64)
     start = tl.zeros((BLOCK_W,), tl.int64)
     carry = tl.cast(0, tl.int64)
-    for b0 in range(0, batch, BLOCK_B):
-        ext, ok = _key_extent_block(ctx_ptr, stride_ctx, b0 + rows, batch, NEXT_N, NEXT_N_P, CTX_2D)
-        ends = carry + tl.cumsum((ext + BLOCK_KV - 1) // BLOCK_KV, axis=0)
-        before = ok[:, None] & (ends[:, None] <= target[None, :])
-        req += tl.sum(before.to(tl.int64), axis=0)
-        start = tl.maximum(start, tl.max(tl.where(before, ends[:, None], 0), axis=0))
-        carry = tl.max(tl.where(ok, ends, carry), axis=0)
+    if batch <= BLOCK_B:
+        ext, ok = _key_extent_block(ctx_ptr, stride_ctx, rows, batch, NEXT_N, NEXT_N_P, CTX_2D)
+        target = w.to(tl.int64) * tl.sum((ext + BLOCK_KV - 1) // BLOCK_KV, axis=0) // num_sms
+        req, start, carry = _workers_in_block(ext, ok, carry, target, req, start, BLOCK_KV)
+    else:
+        total = tl.cast(0, tl.int64)
+        for b0 in range(0, batch, BLOCK_B):
+            ext, _ = _key_extent_block(ctx_ptr, stride_ctx, b0 + rows, batch, NEXT_N, NEXT_N_P, CTX_2D)
+            total += tl.sum((ext + BLOCK_KV - 1) // BLOCK_KV, axis=0)
+        target = w.to(tl.int64) * total // num_sms
+        for b0 in range(0, batch, BLOCK_B):
+            ext, ok = _key_extent_block(ctx_ptr, stride_ctx, b0 + rows, batch, NEXT_N, NEXT_N_P, CTX_2D)
+            req, start, carry = _workers_in_block(ext, ok, carry, target, req, start, BLOCK_KV)
     page = tl.where(req < batch, target - start, 0)
     live = w <= num_sms
     tl.store(meta_ptr + 2 * w, req.to(tl.int32), mask=live)
     tl.store(meta_ptr + 2 * w + 1, page.to(tl.int32), mask=live)
+
+
+@triton.jit
+def _workers_in_block(ext, ok, carry, target, req, start, BLOCK_KV: tl.constexpr):
+    """One block of requests (extents ``ext``, existing ``ok``, ``carry`` pages before it) into
+    each worker's running request count ``req`` and largest request end ``start`` at or before
+    its ``target`` page; returns them and the carry after the block."""
+    ends = carry + tl.cumsum((ext + BLOCK_KV - 1) // BLOCK_KV, axis=0)
+    before = ok[:, None] & (ends[:, None] <= target[None, :])
+    req += tl.sum(before.to(tl.int64), axis=0)
+    start = tl.maximum(start, tl.max(tl.where(before, ends[:, None], 0), axis=0))
+    return req, start, tl.max(tl.where(ok, ends, carry), axis=0)
 
 
 @triton.jit

@@ -467,17 +467,21 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
     key = None
     if not compiling:
         try:  # what the checks read; on the CPU, whether it runs at all depends on the interpreter
-            key = (context_lens.shape, context_lens.stride(), context_lens.dtype, context_lens.get_device(),
-                   context_lens.is_cuda or _validate.interpreter_enabled(), block_kv.__class__, block_kv,
-                   num_sms.__class__, num_sms, None if indices is None else (
-                       indices.shape, indices.stride(), indices.dtype, indices.get_device()))
+            # (the batch only as its class: the launch takes it per call)
+            b = context_lens.shape[0]
+            key = (context_lens.shape[1:], min(b, 2), context_lens.stride(), context_lens.dtype,
+                   context_lens.get_device(), context_lens.is_cuda or _validate.interpreter_enabled(),
+                   block_kv.__class__, block_kv, num_sms.__class__, num_sms, None if indices is None else (
+                       indices.dim(), indices.stride(), indices.dtype, indices.get_device()))
             hit = _schedule_launches.get(key)
-        except (AttributeError, TypeError):  # the checks say what is wrong
+            if hit is not None and indices is not None and indices.shape[0] != b:
+                hit = None
+        except (AttributeError, TypeError, IndexError):  # the checks say what is wrong
             key = hit = None
         if hit is not None:
             launch, device = hit
             meta = torch.empty(num_sms + 1, 2, dtype=torch.int32, device=device)
-            if launch(context_lens, meta):
+            if launch(context_lens, meta, b):
                 return meta
     _check_context_lens(context_lens)
     expect_int(block_kv, "block_kv", 1)
@@ -496,7 +500,7 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
     args = (context_lens, meta, context_lens.shape[0], context_lens.stride(0), num_sms, *consts)
     _schedule_launch(consts, grid, args, _SCHEDULE_OPTIONS)
     if key is not None and hit is None:
-        launch = _schedule_launch.partial(consts, grid, args, _SCHEDULE_OPTIONS, live=(0, 1))
+        launch = _schedule_launch.partial(consts, grid, args, _SCHEDULE_OPTIONS, live=(0, 1, 2))
         if launch is not None:
             if len(_schedule_launches) >= _MAX_PLANS:
                 _schedule_launches.clear()
@@ -506,8 +510,8 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
 
 _schedule_launch = Launcher(kern.paged_schedule_kernel)
 _SCHEDULE_OPTIONS = {"num_warps": 4}
-# Metadata launches by argument layout (what the checks read, the scalars): partial launches
-# taking the call's lengths and its new output (Launcher.partial).
+# Metadata launches by argument layout (what the checks read but the batch size, the scalars):
+# partial launches taking the call's lengths, batch size and new output (Launcher.partial).
 _schedule_launches: dict[tuple, tuple] = {}
 
 
@@ -544,13 +548,13 @@ def _check_values(context_lens, block_table, schedule_meta, indices, num_blocks:
 # ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """What one argument layout launches: checked once, then reused for every call with it."""
+    """What one argument layout launches: checked once, then reused for every call with it
+    whatever its batch size and ``max_context_len`` (those are checked and passed per call)."""
 
-    batch: int
     next_n: int
     block_kv: int
     cfg: PagedConfig
-    chunk_pages: int
+    chunk_pages: int  # pages per program fixed by ``cfg.chunk``; 0: picked per call (chunk_pages_for)
     groups: int
     page_unit: int
     q_unit: int
@@ -570,7 +574,7 @@ class _Plan:
     launcher: Launcher
     kv_descriptor: object
     # Partial launches (Launcher.partial) by the alignment of the two specialised pointers:
-    # what a call passes is its tensors, everything else is this plan's.
+    # what a call passes is its tensors, sizes and grid, everything else is this plan's.
     fast: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
@@ -661,10 +665,9 @@ def _check_inputs(q, q_sf, kv_cache, weights, context_lens, block_table, schedul
     return fmt, b, next_n, h, d, block_kv
 
 
-def _make_plan(fmt, b, next_n, h, d, block_kv, q, kv_cache, context_lens, indices, clean_logits, max_context_len,
-               config) -> _Plan:
+def _make_plan(fmt, next_n, h, d, block_kv, q, kv_cache, context_lens, indices, clean_logits, config) -> _Plan:
     cfg = resolve_paged_config(fmt, next_n, h, d, block_kv, config)
-    chunk_pages = cfg.chunk // block_kv if cfg.chunk else chunk_pages_for(b, max_context_len, block_kv, cfg.block_n)
+    chunk_pages = cfg.chunk // block_kv if cfg.chunk else 0
     # Constexpr size of the page-id vector: the largest chunk any call picks, so the per-call
     # choice never compiles.
     max_chunk_pages = max(chunk_pages, _pages_for(_MAX_CHUNK, block_kv, cfg.block_n))
@@ -701,7 +704,7 @@ def _make_plan(fmt, b, next_n, h, d, block_kv, q, kv_cache, context_lens, indice
     at = tail.index("kv_desc")
     before, after = tuple(consts[n] for n in tail[:at]), tuple(consts[n] for n in tail[at + 1:])
     launch_key = (gluon, before, after, cfg.num_warps, cfg.num_stages)
-    return _Plan(b, next_n, block_kv, cfg, chunk_pages, groups, page_unit, q_unit, consts, tma, before, after,
+    return _Plan(next_n, block_kv, cfg, chunk_pages, groups, page_unit, q_unit, consts, tma, before, after,
                  launch_key, options, gluon, launcher, kv_descriptor)
 
 
@@ -729,8 +732,11 @@ def _triton_kv_descriptor(values: torch.Tensor, rows: int, value_bytes: int, box
     return host_descriptor(TensorDescriptor, values, [rows, value_bytes], [value_bytes, 1], [box, value_bytes])
 
 
-# Launch plans by argument layout (shapes, strides, dtypes, devices, scalars, overrides): the
-# checks and the heuristics run once per layout, a dict lookup afterwards.
+# Launch plans by argument layout (shapes but the batch and ``max_context_len``, strides,
+# dtypes, devices, scalars, overrides): the checks and the heuristics run once per layout, a
+# dict lookup and a few integer compares afterwards. Sizes that change step to step (the batch,
+# ``max_context_len``) are in the key only as their class (0, 1, more: size-1 dims relax the
+# stride checks), so a decode loop past its captured batch sizes makes no plan per step.
 _plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096
 
@@ -741,35 +747,49 @@ def _plan_for(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_me
     if not compiling:
         overrides = _config._overrides.get("paged")
         try:  # what the checks read, spelled out (a call per tensor costs more than the lookup)
+            b = q.shape[0]
             # (on the CPU, whether it runs at all depends on the interpreter)
-            key = (q.shape, q.stride(), q.dtype, q.get_device(), q.is_cuda or _validate.interpreter_enabled(),
-                   None if q_sf is None else (q_sf.shape, q_sf.stride(), q_sf.dtype, q_sf.get_device()),
+            key = (q.shape[1:], min(b, 2), q.stride(), q.dtype, q.get_device(),
+                   q.is_cuda or _validate.interpreter_enabled(),
+                   None if q_sf is None else (q_sf.shape[1:], q_sf.stride(), q_sf.dtype, q_sf.get_device()),
                    # modulo 16: the scale words need 4, the TMA path 16
                    kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.get_device(),
                    kv_cache.storage_offset() % 16,
-                   weights.shape, weights.stride(), weights.dtype, weights.get_device(),
-                   context_lens.shape, context_lens.stride(), context_lens.dtype, context_lens.get_device(),
-                   block_table.shape, block_table.stride(), block_table.dtype, block_table.get_device(),
+                   weights.shape[1:], weights.stride(), weights.dtype, weights.get_device(),
+                   context_lens.shape[1:], context_lens.stride(), context_lens.dtype, context_lens.get_device(),
+                   block_table.shape[1:], block_table.stride(), block_table.dtype, block_table.get_device(),
                    schedule_meta.shape, schedule_meta.stride(), schedule_meta.dtype, schedule_meta.get_device(),
-                   None if indices is None else (indices.shape, indices.stride(), indices.dtype,
-                                                 indices.get_device()),
-                   None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
-                   max_context_len.__class__, max_context_len, bool(clean_logits), logits_dtype, config,
+                   None if indices is None else (indices.stride(), indices.dtype, indices.get_device()),
+                   None if out is None else (out.dim(), out.stride(), out.dtype, out.get_device()),
+                   max_context_len.__class__, min(max_context_len, 2), bool(clean_logits), logits_dtype, config,
                    tuple(sorted(overrides.items())) if overrides else None)
             plan = _plans.get(key)
-        except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say which
+            if plan is not None:
+                # The batch dims and the output's size against q's batch and max_context_len:
+                # anything else makes the full checks below say what is wrong.
+                rows = b * plan.next_n
+                if (weights.shape[0] == rows and context_lens.shape[0] == b and block_table.shape[0] == b
+                        and (q_sf is None or q_sf.shape[0] == b) and (indices is None or indices.shape[0] == b)
+                        and max_context_len < _MAX_RUNTIME_INT
+                        and (out is None or (out.shape[0] == rows and out.shape[1] == max_context_len
+                                             and (out.stride(0) >= max_context_len or rows <= 1)))):
+                    return plan
+                plan = None
+        except (AttributeError, TypeError, IndexError):  # not tensors, or unhashable: the checks say which
             key = plan = None
-        if plan is not None:
-            return plan
-    fmt, b, next_n, h, d, block_kv = _check_inputs(q, q_sf, kv_cache, weights, context_lens, block_table,
+    fmt, _, next_n, h, d, block_kv = _check_inputs(q, q_sf, kv_cache, weights, context_lens, block_table,
                                                    schedule_meta, max_context_len, logits_dtype, indices, out)
-    plan = _make_plan(fmt, b, next_n, h, d, block_kv, q, kv_cache, context_lens, indices, clean_logits,
-                      max_context_len, config)
-    if key is not None:
+    plan = _make_plan(fmt, next_n, h, d, block_kv, q, kv_cache, context_lens, indices, clean_logits, config)
+    if key is not None and max_context_len < _MAX_RUNTIME_INT:
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
     return plan
+
+
+# Sizes passed to the kernels as 32-bit ints (Triton compiles a 64-bit variant past this; the
+# ordinary launch path, not a plan's partial launch, takes such a call).
+_MAX_RUNTIME_INT = 2**31
 
 
 # ---------------------------------------------------------------------------------------
@@ -791,33 +811,37 @@ def _launch(plan: _Plan, q, q_sf, kv_cache, weights, context_lens, block_table, 
     """One kernel launch into ``out`` (already checked)."""
     if out.numel() == 0:
         return
+    b = q.shape[0]
+    chunk_pages = plan.chunk_pages or chunk_pages_for(b, max_context_len, plan.block_kv, plan.cfg.block_n)
+    chunks_per_request = cdiv(max_context_len, chunk_pages * plan.block_kv)
+    programs = plan.groups * b * chunks_per_request
     # Besides the plan: what Triton specialises on that the plan's layout key leaves open.
     aligned = (q.data_ptr() % 16 == 0, kv_cache.data_ptr() % 16 == 0)
     sf = q_sf if q_sf is not None else context_lens  # (an unused pointer argument)
     idx = indices if indices is not None else context_lens
     fast = plan.fast.get(aligned)
-    if fast is not None and fast(q, sf, kv_cache, weights, context_lens, block_table, idx, out):
+    if fast is not None and fast(q, sf, kv_cache, weights, context_lens, block_table, idx, out, b, max_context_len,
+                                 chunk_pages, chunks_per_request, out.stride(0), programs):
         return
-    b = plan.batch
-    chunks_per_request = cdiv(max_context_len, plan.chunk_pages * plan.block_kv)
     kv_desc = None
     if plan.tma is not None:
         rows, dq, box, dtype = plan.tma
         kv_desc = plan.kv_descriptor(kv_cache.view(dtype), rows, dq, box)
     key = (plan.launch_key, q.dtype, weights.dtype, out.dtype, *aligned)
-    grid = (plan.groups * b * chunks_per_request,)
     args = (q, sf, kv_cache, weights, context_lens, block_table, idx, out, error_record(q.device),
-            b, max_context_len, block_table.shape[1], kv_cache.shape[0], plan.chunk_pages, chunks_per_request,
+            b, max_context_len, block_table.shape[1], kv_cache.shape[0], chunk_pages, chunks_per_request,
             q.stride(0) // plan.q_unit, q.stride(1) // plan.q_unit, q.stride(2) // plan.q_unit,
             q_sf.stride(0) if q_sf is not None else 0, q_sf.stride(1) if q_sf is not None else 0,
             weights.stride(0), context_lens.stride(0), block_table.stride(0),
             kv_cache.stride(0) // plan.page_unit, out.stride(0), *plan.consts_before_desc, kv_desc,
             *plan.consts_after_desc)
-    plan.launcher(key, grid, args, plan.options)
-    if fast is None:
-        # the tensors change per call (the cache also as the key descriptor's base); the rest is the plan's
+    plan.launcher(key, (programs,), args, plan.options)
+    if fast is None and max_context_len < _MAX_RUNTIME_INT:
+        # the tensors, the sizes and the grid change per call (the cache also as the key
+        # descriptor's base); the rest is the plan's
         cache_at = (2,) if kv_desc is None else (2, _PAGED_RUNTIME_ARGS + len(plan.consts_before_desc))
-        fast = plan.launcher.partial(key, grid, args, plan.options, live=(0, 1, cache_at, 3, 4, 5, 6, 7))
+        fast = plan.launcher.partial(key, (programs,), args, plan.options,
+                                     live=(0, 1, cache_at, 3, 4, 5, 6, 7, 9, 10, 13, 14, 24), live_grid=(13,))
         if fast is not None:
             plan.fast[aligned] = fast
 
@@ -930,7 +954,7 @@ def fp8_fp4_paged_mqa_logits(
         _check_values(context_lens, block_table, schedule_meta, indices, kv_cache.shape[0], plan.block_kv,
                       max_context_len)
     if out is None:
-        out = _new_out(plan.batch * plan.next_n, max_context_len, logits_dtype, q_values.device)
+        out = _new_out(q_values.shape[0] * plan.next_n, max_context_len, logits_dtype, q_values.device)
     if compiling:
         _paged_mqa_logits(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, indices, out,
                           max_context_len, bool(clean_logits), [int(v) for v in dataclasses.astuple(plan.cfg)])

@@ -178,22 +178,32 @@ def check_window_bound(t: torch.Tensor, name: str, s_q: int) -> None:
         raise ValueError(f"{name}: expected a contiguous [{s_q}] tensor, got shape {tuple(t.shape)}")
 
 
-# Signatures of CUDA argument sets that passed _check_inputs (what it reads: dtypes, shapes,
-# strides, devices, base alignment, the scalars), with its result: an engine calls with a few
-# shapes over and over, and the lookup costs a third of the checks.
+# Signatures of CUDA argument sets that passed _check_inputs (what it reads: dtypes, shapes
+# but S_q and S_k, strides, devices, base alignment, the scalars), with the format, H and D:
+# an engine's chunks change S_q and S_k every call, and the lookup costs a third of the checks.
 _CHECKED: dict[tuple, tuple] = {}
 _CHECKED_MAX = 4096
 
 
 def _signature(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype) -> tuple:
-    """What _check_inputs reads; raises AttributeError or TypeError for non-tensors."""
-    return (q.dtype, q.shape, q.stride(), q.get_device(), q.data_ptr() & 15,
-            None if q_sf is None else (q_sf.dtype, q_sf.shape, q_sf.stride(), q_sf.get_device()),
-            k.dtype, k.shape, k.stride(), k.get_device(), k.data_ptr() & 15,
-            k_scale.dtype, k_scale.shape, k_scale.stride(), k_scale.get_device(),
-            weights.dtype, weights.shape, weights.stride(), weights.get_device(),
-            ks.dtype, ks.shape, ks.stride(), ks.get_device(), ke.dtype, ke.shape, ke.stride(), ke.get_device(),
-            max_seqlen_k.__class__, max_seqlen_k, logits_dtype)
+    """What _check_inputs reads but the sizes S_q and S_k (each only as its class, 0, 1 or
+    more; the call's sizes are compared by :func:`_sizes_agree`) and ``max_seqlen_k`` (as 0 or
+    not); raises AttributeError or TypeError for non-tensors."""
+    return (q.dtype, q.shape[1:], min(q.shape[0], 2), q.stride(), q.get_device(), q.data_ptr() & 15,
+            None if q_sf is None else (q_sf.dtype, q_sf.shape[1:], q_sf.stride(), q_sf.get_device()),
+            k.dtype, k.shape[1:], min(k.shape[0], 2), k.stride(), k.get_device(), k.data_ptr() & 15,
+            k_scale.dtype, k_scale.shape[1:], k_scale.stride(), k_scale.get_device(),
+            weights.dtype, weights.shape[1:], weights.stride(), weights.get_device(),
+            ks.dtype, ks.shape[1:], ks.stride(), ks.get_device(), ke.dtype, ke.shape[1:], ke.stride(), ke.get_device(),
+            max_seqlen_k.__class__, min(max_seqlen_k, 1), logits_dtype)
+
+
+def _sizes_agree(q, q_sf, k, k_scale, weights, ks, ke) -> bool:
+    """The sizes a signature leaves out agree: every per-row tensor has S_q rows, the key
+    scales S_k."""
+    s_q = q.shape[0]
+    return (weights.shape[0] == s_q and ks.shape[0] == s_q and ke.shape[0] == s_q
+            and k_scale.shape[0] == k.shape[0] and (q_sf is None or q_sf.shape[0] == s_q))
 
 
 def _check_inputs(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype, sig=None):
@@ -204,21 +214,23 @@ def _check_inputs(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dty
             return _check_inputs_full(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype)
         try:
             sig = _signature(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype)
-        except (AttributeError, TypeError, RuntimeError):  # not tensors, or no data pointer (tracing)
+        except (AttributeError, TypeError, RuntimeError, IndexError):  # not tensors, or no data pointer (tracing)
             return _check_inputs_full(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype)
     try:
         hit = _CHECKED.get(sig)
     except TypeError:  # unhashable
         return _check_inputs_full(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype)
-    if hit is not None:
-        return hit
+    if hit is not None and _sizes_agree(q, q_sf, k, k_scale, weights, ks, ke):
+        fmt, h, d = hit
+        return fmt, q.shape[0], h, d, k.shape[0]
     result = _check_inputs_full(q, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype)
     # CUDA tensors only: whether others are valid depends on more than the signature (the
     # interpreter, the device type).
-    if sig[3] >= 0:
+    if sig[4] >= 0:
         if len(_CHECKED) >= _CHECKED_MAX:
             _CHECKED.clear()
-        _CHECKED[sig] = result
+        fmt, _, h, d, _ = result
+        _CHECKED[sig] = (fmt, h, d)
     return result
 
 
@@ -667,15 +679,18 @@ def fp8_fp4_mqa_logits(
             sig = _signature(q_values, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype)
             if not _errors.checked():
                 overrides = _config._overrides.get("prefill")
-                replay_key = (sig, bool(clean_logits), config, tuple(sorted(overrides.items())) if overrides else None,
+                replay_key = (sig, q_values.shape[0], k.shape[0], max_seqlen_k, bool(clean_logits), config,
+                              tuple(sorted(overrides.items())) if overrides else None,
                               None if out is None else (out.shape, out.stride(), out.dtype, out.get_device(),
                                                         out.data_ptr() & 15),
                               None if schedule_meta is None else (schedule_meta.shape, schedule_meta.stride(),
                                                                   schedule_meta.dtype, schedule_meta.get_device()),
                               # on the CPU, whether it runs at all depends on the interpreter
-                              sig[3] >= 0 or _validate.interpreter_enabled())
+                              sig[4] >= 0 or _validate.interpreter_enabled())
                 entry = _REPLAYS.get(replay_key)
-        except (AttributeError, TypeError, RuntimeError):  # the checks below say what is wrong
+                if entry is not None and not _sizes_agree(q_values, q_sf, k, k_scale, weights, ks, ke):
+                    entry = None  # the checks below say which size disagrees
+        except (AttributeError, TypeError, RuntimeError, IndexError):  # the checks below say what is wrong
             sig = replay_key = None
         if entry.__class__ is tuple:  # this call's launches are the entry's, with its own tensors
             run, s_q, cols, device = entry
@@ -709,21 +724,24 @@ def fp8_fp4_mqa_logits(
     # rest of the host work together).
     if out is None:
         out = _new_logits(s_q, cols, logits_dtype, device)
-    if replay_key is None or entry is _jit.NOT_REPLAYABLE or entry.__class__ is tuple:
+    if replay_key is None or entry is None or entry is _jit.NOT_REPLAYABLE or entry.__class__ is tuple:
         _run(q_values, q_sf, k, k_scale, weights, ks, ke, clean, max_seqlen_k, _CONFIGS[key], out)
+        if entry is None and replay_key is not None:  # recorded at its second call: most chunks come once
+            _remember_replay(replay_key, 0)
     else:
-        _run_recorded(replay_key, entry or 0, (q_values, q_sf, k, k_scale, weights, ks, ke, out), clean,
+        _run_recorded(replay_key, entry, (q_values, q_sf, k, k_scale, weights, ks, ke, out), clean,
                       max_seqlen_k, _CONFIGS[key], s_q, cols)
     if checked_now:
         check_errors(device)
     return out
 
 
-# Eager calls by everything their host work depends on (the argument signature, clean, config,
-# overrides, the layouts of out and schedule_meta): the launches the call made, replayed with
-# the next call's tensors and new scratch buffers (tilefuse._jit.replay), so that a call of a
-# known layout checks nothing and builds nothing; an int counts the tries while a launch is not
-# yet direct (it is from a key's second launch on a GPU).
+# Eager calls by everything their host work depends on (the argument signature, the sizes,
+# clean, config, overrides, the layouts of out and schedule_meta): the launches the call made,
+# replayed with the next call's tensors and new scratch buffers (tilefuse._jit.replay), so that
+# a call of a known layout checks nothing and builds nothing. A layout's first call only marks
+# it (0); its next ones record, an int counting the tries while a launch is not yet direct (it
+# is from a key's second launch on a GPU).
 _REPLAYS: dict[tuple, object] = {}
 _REPLAYS_MAX = 4096
 _REPLAY_TRIES = 4
@@ -741,9 +759,13 @@ def _run_recorded(replay_key, tries: int, inputs: tuple, clean: bool, max_seqlen
         replayed = tries + 1 if tries + 1 < _REPLAY_TRIES else _jit.NOT_REPLAYABLE
     elif replayed is not _jit.NOT_REPLAYABLE:
         replayed = (replayed, s_q, cols, q.device)
+    _remember_replay(replay_key, replayed)
+
+
+def _remember_replay(replay_key, entry) -> None:
     if len(_REPLAYS) >= _REPLAYS_MAX:
         _REPLAYS.clear()
-    _REPLAYS[replay_key] = replayed
+    _REPLAYS[replay_key] = entry
 
 
 def fp8_mqa_logits(
