@@ -183,8 +183,8 @@ case "$part" in
   eager)  # the eager cost per call beside DeepGEMM and cuBLAS (after the other parts: timed alone)
     wait_deepgemm
     step launch-cost 45 python3 benchmarks/launch_cost.py --calls 2000 --tp-m 64 4096 --output "$OUT/launch-cost.json"
-    step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
-    step host-prefill 40 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
+    step host-paged 45 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
+    step host-prefill 60 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
     step bench-serving "${SERVING_S:-100}" python3 -m tilefuse.cli bench serving --steps 4 -o "$OUT/serving.json"
     ;;
   topk)  # the fused top-k's speed beside the unfused pairs (its tests are in PART=tests)
