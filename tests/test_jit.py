@@ -323,21 +323,72 @@ def test_replay_passes_the_inputs_and_a_new_scratch_buffer(fake_driver, monkeypa
     x, out, err = torch.zeros(8, 8), torch.zeros(4), torch.zeros(2)
     recording = _jit._Recording()
     buf = torch.zeros(8, 8)
-    recording.scratch.append(buf)
+    recording.scratch.append((buf, None))
     args = (desc(x), out, 5, err, desc(buf))
     direct = _jit._DirectLaunch.of(run, args)
     assert direct.proven_on((*_base(), *args))
     launcher = _launcher_over(direct, SimpleNamespace(launch_enter_hook=None), {"now": 0})
     monkeypatch.setattr(_jit.Launcher, "_audit", lambda self, key, a, options: None)  # (a fake kernel's arguments)
-    recording.launches.append((launcher, ("k",), (3,), args, None))
+    recording.launches.append((launcher, ("k",), (3,), args, None, None))
     assert _jit.replay(recording, (x, out)) is _jit.NOT_REPLAYABLE  # err is neither input nor kept
     entry = launcher._compiled.pop(("k",))
     assert _jit.replay(recording, (x, out), keep=(err,)) is None  # (no direct call for the key yet)
     launcher._compiled[("k",)] = entry
     replayed = _jit.replay(recording, (x, out), keep=(err,))
+    assert not replayed.size_free
     y, o = torch.randn(8, 8), torch.zeros(4)
-    assert replayed(y, o)
+    assert replayed(None, y, o)
     call = run.c.calls[-1]
     maps = [a for a in call if isinstance(a, tuple) and a[0] == "map"]
     assert maps[0][1:3] == (y.data_ptr(), "x") and maps[1][2] == "s" and maps[1][1] != buf.data_ptr()
     assert o.data_ptr() in call and err.data_ptr() in call and 5 in call
+
+
+def test_replay_follows_the_sizes_where_every_launch_says_how(fake_driver, monkeypatch):
+    """A recording whose launches and scratch buffers all say how they follow the op's sizes
+    (``sized``) replays calls of other sizes: the grid, the size argument and a descriptor's
+    rows come from the call's sizes (each (address, rows) encoded once), the scratch buffer is
+    sized for them; without ``sized`` on one of them the replay keeps the recorded sizes. A
+    recording with a launch around the Launchers is not replayable."""
+    from types import SimpleNamespace
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    signature = ["tensordesc<fp32[4, 8]>", "*fp32", "i32", "*fp32", "tensordesc<fp32[4, 8]>"]
+    run = fake_driver.CudaLauncher(signature, [{"tag": "x"}, {"tag": "s"}])
+
+    def desc(t):
+        return TensorDescriptor(t, [t.shape[0], 8], [8, 1], [4, 8])
+
+    x, out, err = torch.zeros(8, 8), torch.zeros(4), torch.zeros(2)
+    buf = torch.zeros(8, 8)
+    args = (desc(x), out, 8, err, desc(buf))
+    direct = _jit._DirectLaunch.of(run, args)
+    assert direct.proven_on((*_base(), *args))
+    launcher = _launcher_over(direct, SimpleNamespace(launch_enter_hook=None), {"now": 0})
+    monkeypatch.setattr(_jit.Launcher, "_audit", lambda self, key, a, options: None)
+
+    def sized(rows):
+        return (-(-rows // 4),), (rows,), (rows, rows)
+
+    def recording_with(launch_sized, scratch_sized, opaque=False):
+        recording = _jit._Recording()
+        recording.scratch.append((buf, scratch_sized))
+        recording.launches.append((launcher, ("k",), (2,), args, None, launch_sized))
+        recording.opaque = opaque
+        return recording
+
+    replayed = _jit.replay(recording_with((sized, (2,), (0, 4)), lambda rows: (rows, 8)), (x, out), keep=(err,))
+    assert replayed.size_free
+    for rows in (12, 5, 12):
+        y, o = torch.randn(rows, 8), torch.zeros(4)
+        encodes = len(fake_driver.encodes)
+        assert replayed((rows,), y, o)
+        call = run.c.calls[-1]
+        maps = [a for a in call if isinstance(a, tuple) and a[0] == "map"]
+        assert call[:3] == (-(-rows // 4), 1, 1) and rows in call[13:]
+        assert maps[0][1:4] == (y.data_ptr(), "x", (rows, 8)) and maps[1][2:4] == ("s", (rows, 8))
+        assert len(fake_driver.encodes) - encodes <= 2
+    fixed = _jit.replay(recording_with((sized, (2,), (0, 4)), None), (x, out), keep=(err,))
+    assert not fixed.size_free and fixed((12,), x, out) and run.c.calls[-1][:3] == (2, 1, 1)
+    assert _jit.replay(recording_with(None, None, opaque=True), (x, out), keep=(err,)) is _jit.NOT_REPLAYABLE

@@ -33,6 +33,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import math
 import os
 import sys
 import threading
@@ -205,12 +206,13 @@ def _hooks_idle(hook) -> bool:
 
 
 class _Recording:
-    __slots__ = ("thread", "launches", "scratch")
+    __slots__ = ("thread", "launches", "scratch", "opaque")
 
     def __init__(self):
         self.thread = threading.get_ident()
-        self.launches: list = []  # (launcher, key, grid, args, options)
-        self.scratch: list = []  # tensors made by scratch()
+        self.launches: list = []  # (launcher, key, grid, args, options, sized)
+        self.scratch: list = []  # (tensor, sized) of each scratch() buffer
+        self.opaque = False  # a launch went around the Launchers: the call cannot be replayed
 
 
 _recording: _Recording | None = None  # one at a time, of one thread's calls
@@ -219,7 +221,7 @@ _recording: _Recording | None = None  # one at a time, of one thread's calls
 @contextlib.contextmanager
 def recorded_launches():
     """Inside the block, every :class:`Launcher` launch of this thread is also recorded as
-    ``(launcher, key, grid, args, options)``, and every :func:`scratch` buffer, for
+    ``(launcher, key, grid, args, options, sized)``, and every :func:`scratch` buffer, for
     :func:`replay`. Yields the recording, or None while another one is in progress (then
     nothing is recorded)."""
     global _recording
@@ -240,16 +242,25 @@ def _recording_here() -> _Recording | None:
     return recording if recording is not None and recording.thread == threading.get_ident() else None
 
 
-def scratch(*size: int, dtype: torch.dtype, device) -> torch.Tensor:
+def scratch(*size: int, dtype: torch.dtype, device, sized=None) -> torch.Tensor:
     """``torch.empty(*size, dtype=dtype, device=device)`` for a buffer an op writes and reads
     within one call (its kernels only: never returned, never read on the host); a replay of
-    the call (:func:`replay`) gives each later call a new one."""
+    the call (:func:`replay`) gives each later call a new one. ``sized(*sizes)``: its size
+    for a replayed call of other sizes (see :func:`replay`)."""
     t = torch.empty(*size, dtype=dtype, device=device)
     if _recording is not None:
         recording = _recording_here()
         if recording is not None:
-            recording.scratch.append(t)
+            recording.scratch.append((t, sized))
     return t
+
+
+def opaque_launch() -> None:
+    """Say that the op launched a kernel around the :class:`Launcher` s (where a recording is
+    in progress, it is then not replayable)."""
+    recording = _recording_here() if _recording is not None else None
+    if recording is not None:
+        recording.opaque = True
 
 
 NOT_REPLAYABLE = "not replayable"
@@ -268,24 +279,43 @@ class _Address:
         return self.address
 
 
+def _aligned_bytes(shape, itemsize: int) -> int:
+    return -(-math.prod(shape) * itemsize // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+
+
 def replay(recording: _Recording, inputs: tuple, keep: tuple = ()):
-    """The recorded launches as one ``run(*inputs) -> bool`` for a later call of the same
-    layout: every tensor argument, and every host descriptor's base, that is one of ``inputs``
-    (by identity) is that call's, each :func:`scratch` buffer is a new one (one allocation for
-    all), the other arguments are bound (:meth:`Launcher.partial`). ``run`` returns False where
-    a launch declined (nothing launched after it: make the call the ordinary way).
+    """The recorded launches as one ``run(sizes, *inputs) -> bool`` for a later call: every
+    tensor argument, and every host descriptor's base, that is one of ``inputs`` (by identity)
+    is that call's, each :func:`scratch` buffer is a new one (one allocation for all), the
+    other arguments are bound (:meth:`Launcher.partial`). ``run`` returns False where a launch
+    declined (nothing launched after it: make the call the ordinary way).
+
+    Where every launch was made with ``sized`` and every scratch buffer with its ``sized``,
+    ``run.size_free`` is True and the replay serves calls of other sizes: ``sizes`` (a tuple
+    of ints the op defines) is passed to each launch's ``sized = (fn, int_positions,
+    desc_positions)``, whose ``fn(*sizes)`` gives ``(grid, ints, rows)``: the grid, the ints at
+    ``int_positions`` and the first dimension of the host descriptors at ``desc_positions``;
+    and to each scratch buffer's ``sized(*sizes)``, its shape. Otherwise ``sizes`` is ignored
+    and the call must have the recorded sizes.
+
     :data:`NOT_REPLAYABLE` where an argument is a tensor that is none of those nor one of
-    ``keep``; None where a launch has no proven direct call yet (try again later)."""
+    ``keep``, or the op launched around the Launchers (:func:`opaque_launch`), or launched
+    nothing; None where a launch has no proven direct call yet (try again later)."""
+    if recording.opaque or not recording.launches:
+        return NOT_REPLAYABLE
     n_in = len(inputs)
-    scratch_ = recording.scratch
+    scratch_ = [t for t, _ in recording.scratch]
+    n_fixed = n_in + len(scratch_)
+    size_free = (all(entry[5] is not None for entry in recording.launches)
+                 and all(f is not None for _, f in recording.scratch))
     where = {id(t): i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
     where.update((id(t), n_in + j) for j, t in enumerate(scratch_))
     kept = {id(t) for t in keep}
     direct = all(launcher._direct for launcher, *_ in recording.launches)
-    addresses = tuple(range(n_in, n_in + len(scratch_))) if direct else ()
+    addresses = tuple(range(n_in, n_fixed)) if direct else ()
     partials = []
-    for launcher, key, grid, args, options in recording.launches:
-        live = [[] for _ in range(n_in + len(scratch_))]
+    for launcher, key, grid, args, options, sized in recording.launches:
+        live = [[] for _ in range(n_fixed)]
         for p, a in enumerate(args):
             tensor = a.base if _is_host_descriptor(a) else a
             if not isinstance(tensor, torch.Tensor):
@@ -295,39 +325,62 @@ def replay(recording: _Recording, inputs: tuple, keep: tuple = ()):
                 live[i].append(p)
             elif id(tensor) not in kept:
                 return NOT_REPLAYABLE
-        launch = launcher.partial(key, grid, args, options, live=tuple(tuple(ps) for ps in live),
-                                  addresses=addresses)
+        live = [tuple(ps) for ps in live]
+        fn = live_grid = live_rows = None
+        if size_free:
+            fn, int_positions, desc_positions = sized
+            live += [(p,) for p in int_positions]
+            live_grid = tuple(range(len(live), len(live) + len(grid)))
+            first_row = len(live) + len(grid)
+            live_rows = {p: first_row + j for j, p in enumerate(desc_positions)}
+        launch = launcher.partial(key, grid, args, options, live=tuple(live), addresses=addresses,
+                                  live_grid=live_grid or (), live_rows=live_rows)
         if launch is None:
             return None
-        partials.append(launch)
-    if not scratch_ and len(partials) == 1:
-        return partials[0]
-    carve = None  # buffer -> the scratch values a replayed call passes
+        partials.append((launch, fn))
+
+    carve = None  # sizes -> (buffer, the scratch values a replayed call passes)
     if scratch_:
-        offsets, total = [], 0
-        for t in scratch_:
-            offsets.append(total)
-            total += -(-t.untyped_storage().nbytes() // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
         device = scratch_[0].device
+        specs = [(f, t.shape, t.dtype, t.element_size()) for t, f in recording.scratch]
+
+        def layout(sizes):
+            offsets, end, shapes = [], 0, []
+            for f, shape, _, itemsize in specs:
+                shape = f(*sizes) if size_free else shape
+                offsets.append(end)
+                shapes.append(shape)
+                end += _aligned_bytes(shape, itemsize)
+            return offsets, end, shapes
+
+        fixed = None if size_free else layout(None)
         if direct:
-            def carve(buffer):
-                base = buffer.data_ptr()
-                return [base + o for o in offsets]
+            def carve(sizes):
+                offsets, end, _ = layout(sizes) if size_free else fixed
+                base = torch.empty(end, dtype=torch.uint8, device=device)
+                return base, [base.data_ptr() + o for o in offsets]
         else:
-            views = [(o, t.shape, t.stride(), t.dtype) for o, t in zip(offsets, scratch_)]
+            def carve(sizes):
+                offsets, end, shapes = layout(sizes) if size_free else fixed
+                base = torch.empty(end, dtype=torch.uint8, device=device)
+                return base, [base[o:o + _aligned_bytes(shape, spec[3])].view(spec[2])[:math.prod(shape)].view(shape)
+                              for o, shape, spec in zip(offsets, shapes, specs)]
 
-            def carve(buffer):
-                return [buffer[o:].view(dtype).as_strided(shape, stride) for o, shape, stride, dtype in views]
-
-    def run(*values) -> bool:
+    def run(sizes, *values) -> bool:
         if carve is not None:
-            buffer = torch.empty(total, dtype=torch.uint8, device=device)  # (alive until the launches are queued)
-            values = (*values, *carve(buffer))
-        for launch in partials:
-            if not launch(*values):
-                return False
+            buffer, scratch_values = carve(sizes)  # (the buffer alive until the launches are queued)
+            values = (*values, *scratch_values)
+        for launch, fn in partials:
+            if fn is None:
+                if not launch(*values):
+                    return False
+            else:
+                grid, ints, rows = fn(*sizes)
+                if not launch(*values, *ints, *grid, *rows):
+                    return False
         return True
 
+    run.size_free = size_free
     return run
 
 
@@ -365,11 +418,13 @@ class Launcher:
         self._audited: dict = {}
         _launchers.append(self)
 
-    def __call__(self, key, grid, args: tuple, options: dict | None = None) -> None:
+    def __call__(self, key, grid, args: tuple, options: dict | None = None, sized=None) -> None:
+        """Launch; ``sized``: how the grid and the size arguments follow the op's sizes, for a
+        recording in progress (:func:`replay`)."""
         if _recording is not None:
             recording = _recording_here()
             if recording is not None:
-                recording.launches.append((self, key, grid, args, options))
+                recording.launches.append((self, key, grid, args, options, sized))
         if _audit:
             self._audit(key, args, options)
         if self._direct:
@@ -390,7 +445,7 @@ class Launcher:
             self.fn[grid](**self._by_name(args), **(options or {}))
 
     def partial(self, key, grid, args: tuple, options: dict | None = None, live: tuple = (),
-                addresses: tuple = (), live_grid: tuple = ()):
+                addresses: tuple = (), live_grid: tuple = (), live_rows: dict | None = None):
         """``self(key, grid, args, options)`` as a launch of the same arguments except at the
         positions ``live`` names, flattened once, for a caller whose next calls differ only
         there: ``launch(*values)`` passes ``values[i]`` at position ``live[i]`` (a tuple of
@@ -399,7 +454,9 @@ class Launcher:
         and where it has a host descriptor, a tensor with the address of the descriptor's base
         (the descriptor is that one rebased, its encoding remembered per address). With
         ``live_grid`` the grid is ``values[live_grid[0]], values[live_grid[1]], ...`` (the
-        dimensions not named are 1). Everything else (shapes, strides, scalars, the grid) is
+        dimensions not named are 1). ``live_rows`` maps the position of a live host descriptor
+        to the index of the value that is its first dimension (then encoded per address and
+        rows). Everything else (shapes, strides, scalars, the grid) is
         the caller's promise; tensors left constant are kept alive by the launch
         (``launch.keeps``). The values whose indices are in ``addresses`` are passed as
         addresses (ints) instead of tensors (direct launches only).
@@ -411,7 +468,7 @@ class Launcher:
         if _audit:
             self._audit(key, args, options)
         if not self._direct:  # the interpreter, or a redirect: the ordinary launch with the values put in
-            return self._substituting(grid, args, options, live, live_grid)
+            return self._substituting(grid, args, options, live, live_grid, live_rows)
         hit = self._compiled.get(key)
         if hit is None or hit[3].__class__ is not _DirectLaunch or None in hit[3].meta:
             return None  # (an encoding Triton leaves to the launcher would hold a tensor alive)
@@ -445,14 +502,15 @@ class Launcher:
                     continue
                 flush()
                 j = descs[p]
-                layout = (i, run.meta_keys[j], *a.shape, *a.strides, a.padding)
+                r = live_rows.get(p) if live_rows else None
+                layout = (i, r, run.meta_keys[j], *(a.shape if r is None else a.shape[1:]), *a.strides, a.padding)
                 same = encoders.get(layout)
                 if same is not None:  # one descriptor passed twice: encoded once per launch
                     parts.append(f"*{same}")
                     continue
                 scope[f"e{p}"] = _remembered_encoding(run, j, a, i in addresses)
                 encoders[layout] = f"x{p}"
-                parts.append(f"*(x{p} := e{p}(v{i}))")
+                parts.append(f"*(x{p} := e{p}(v{i}))" if r is None else f"*(x{p} := e{p}(v{i}, v{r}))")
             elif i is not None:
                 flush()
                 if p in run.tensors:
@@ -466,7 +524,8 @@ class Launcher:
             else:
                 constants((a,))
         flush()
-        params = ", ".join(f"v{i}" for i in range(max([len(live), *(g + 1 for g in live_grid)])))
+        n_values = max([len(live), *(g + 1 for g in live_grid), *(r + 1 for r in (live_rows or {}).values())])
+        params = ", ".join(f"v{i}" for i in range(n_values))
         src = (f"def launch({params}):\n"
                "    if not launcher._direct or not idle(runtime.launch_enter_hook) or current_device() != device:\n"
                "        return False\n"
@@ -477,21 +536,26 @@ class Launcher:
         launch.keeps = tuple(a for p, a in enumerate(args) if p in run.tensors and p not in where)
         return launch
 
-    def _substituting(self, grid, args: tuple, options: dict | None, live: tuple, live_grid: tuple = ()):
+    def _substituting(self, grid, args: tuple, options: dict | None, live: tuple, live_grid: tuple = (),
+                      live_rows: dict | None = None):
         """What :meth:`partial` gives where launches are not direct: ``kernel[grid](...)`` of
         ``args`` with the values put in (a descriptor rebased on its value, viewed as its base's
-        dtype), so the interpreter runs what the direct launch would."""
-        slots = [(p, i, _is_host_descriptor(args[p])) for p, i in _live_slots(live)]
+        dtype, with its rows where ``live_rows`` names them), so the interpreter runs what the
+        direct launch would."""
+        live_rows = live_rows or {}
+        slots = [(p, i, _is_host_descriptor(args[p]), live_rows.get(p)) for p, i in _live_slots(live)]
         bound = list(args)
 
         def launch(*values) -> bool:
             grid_ = tuple(values[g] for g in live_grid) if live_grid else grid
             call = list(bound)
-            for p, i, desc in slots:
+            for p, i, desc, r in slots:
                 v = values[i]
                 if desc:
                     base = bound[p].base
                     call[p] = rebased_descriptor(bound[p], v if v.dtype == base.dtype else v.view(base.dtype))
+                    if r is not None:
+                        call[p].shape = [values[r], *bound[p].shape[1:]]
                 else:
                     call[p] = v
             self.fn[grid_](**self._by_name(call), **(options or {}))
@@ -687,19 +751,25 @@ class _DirectLaunch:
 def _remembered_encoding(run: _DirectLaunch, j: int, template, by_address: bool = False):
     """``encode(base)``: the encoded host descriptor ``template`` rebased onto ``base`` (a
     tensor, or with ``by_address`` its address), remembered per base address (the shape and
-    strides are the template's)."""
+    strides are the template's); ``encode(base, rows)``: also with ``rows`` as its first
+    dimension, remembered per (address, rows)."""
     maps: dict = {}
     meta, make = run.meta[j], run.make
     template = rebased_descriptor(template, None)
+    rest = list(template.shape[1:])
 
-    def encode(base) -> list:
+    def encode(base, rows=None) -> list:
         address = base if by_address else base.data_ptr()
-        hit = maps.get(address)
+        key = address if rows is None else (address, rows)
+        hit = maps.get(key)
         if hit is None:
-            hit = make(rebased_descriptor(template, _Address(address) if by_address else base), meta)
+            desc = rebased_descriptor(template, _Address(address) if by_address else base)
+            if rows is not None:
+                desc.shape = [rows, *rest]
+            hit = make(desc, meta)
             if len(maps) >= _MAX_MAPS:
                 maps.clear()
-            maps[address] = hit
+            maps[key] = hit
         return hit
 
     return encode

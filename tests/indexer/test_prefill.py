@@ -829,22 +829,48 @@ def test_one_layout_with_new_tensors_every_call(fmt, config, poisoned, monkeypat
 
 def test_sizes_changing_every_call(checks_cached, monkeypatch):
     """Chunked prefill: S_q and S_k change every call. The checks run once for the layout (the
-    signature leaves the sizes out and compares them per call), a size seen once builds no
-    replay, and every call is right; a call whose per-row tensors disagree with q still raises."""
+    signature leaves the sizes out and compares them per call), the layout's launches are
+    recorded at its second call and replayed at the sizes of every later one, and every call
+    is right; a call whose per-row tensors disagree with q still raises."""
     monkeypatch.setattr(prefill, "_REPLAYS", {})
-    for i, (s_q, s_k) in enumerate(((24, 152), (40, 100), (17, 300), (24, 168), (64, 64), (3, 2))):
+    for i, (s_q, s_k) in enumerate(((24, 152), (40, 100), (17, 300), (24, 168), (64, 64), (3, 2), (33, 80))):
         q, k, w, qq, kk = make_inputs(s_q, s_k, 8, 64, "fp8", seed=70 + i)
         ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(i), empty_fraction=0.2,
                                   device=DEVICE)
         check_logits(run(qq, kk, w, ks, ke), qq, kk, q, k, w, ks, ke, "fp8")
     assert len(checks_cached) == 1
-    assert set(prefill._REPLAYS.values()) == {0}, "a replay built for a size seen once"
+    entries = list(prefill._REPLAYS.values())  # the few-row and the 2-D tile layouts
+    assert len(entries) == 2 and all(e.__class__ is tuple and e[0].size_free for e in entries), entries
     with pytest.raises(ValueError, match="weights: expected"):
         run(qq, kk, w[:-1], ks, ke)
     with pytest.raises(ValueError, match=r"kv\[1\]: expected"):
         run(qq, (kk[0], kk[1][:-1]), w, ks, ke)
     with pytest.raises(ValueError, match="cu_seq_len_k_end"):
         run(qq, kk, w, ks, ke[:-1])
+
+
+@pytest.mark.parametrize("fmt,config", [
+    ("fp8", None), ("mxfp4", None), ("mxfp8", None), ("fp8", dataclasses.replace(SMALL, relu_via_abs=2)),
+    ("mxfp8", dataclasses.replace(SMALL, mxfp8_via_f16=True, heads_on_n=True))])
+@pytest.mark.parametrize("clean,compressed", [(False, False), (True, False), (True, True)])
+def test_replays_follow_the_sizes(fmt, config, clean, compressed, poisoned, monkeypatch):
+    """A layout's replay at new sizes every call (every pass of the default paths: the MX rows
+    renormalised into scratch buffers sized per call, the linear term of relu_via_abs, the
+    -inf fill), new and caller-owned outputs, each call against the reference."""
+    monkeypatch.setattr(prefill, "_REPLAYS", {})
+    sizes = ((40, 150), (35, 64), (48, 300), (36, 33), (41, 151), (47, 290), (33, 17), (44, 100))
+    storage = torch.full((48, 320), float("nan"), device=DEVICE)
+    for i, (s_q, s_k) in enumerate(sizes):
+        q, k, w, qq, kk = make_inputs(s_q, s_k, 8, 64, fmt, seed=80 + i)
+        ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(i), empty_fraction=0.2,
+                                  device=DEVICE)
+        max_seqlen_k = int((ke - ks).max()) + 3 if compressed else 0
+        cols = max_seqlen_k or s_k
+        out = storage[:s_q, :cols] if i % 2 else None
+        got = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, clean, max_seqlen_k, config=config, out=out)
+        check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k)
+    replays = [e for e in prefill._REPLAYS.values() if e.__class__ is tuple]
+    assert replays and all(e[0].size_free for e in replays), prefill._REPLAYS
 
 
 def test_fp8_mqa_logits_takes_out():

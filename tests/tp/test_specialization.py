@@ -74,11 +74,21 @@ def _rs_keys(m, world, lag):
     return _keys(lambda: rs.launch_gemm_part(plan, ws, a, b, out, "kn", TIMEOUT))
 
 
+def _differences(keys: set) -> list:
+    """Where two keys of one kernel differ: (argument index, each key's entry)."""
+    a, b = sorted(keys, key=repr)[:2]
+    spec_a, spec_b = a[1][0], b[1][0]
+    diff = [(i, x, y) for i, (x, y) in enumerate(zip(spec_a, spec_b)) if x != y]
+    return diff + ([("options", a[1][1], b[1][1])] if a[1][1] != b[1][1] else [])
+
+
 def test_gemm_rs_key_does_not_move_with_m_or_lag():
-    keys = set()
+    keys, seen = set(), {}
     for m, lag in ((512, 0), (1024, 3), (2048, 66), (128 * 2 * 9, 1), (8192, 0)):
-        keys.update(_rs_keys(m, 2, lag))
-    assert len(keys) == 1, keys
+        for key in _rs_keys(m, 2, lag):
+            keys.add(key)
+            seen.setdefault(key, (m, lag))
+    assert len(keys) == 1, (_differences(keys), list(seen.values()))
 
 
 def _ag_keys(m, world, design):

@@ -335,7 +335,18 @@ def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, e
     if n_parts:
         lin_desc = host_descriptor(TensorDescriptor, lin_parts, [s_q, n_parts * d], [lin_parts.stride(0), 1], q_block,
                                    layout=q_layout)
+    # num_warps is a parameter of the Gluon kernel: Triton takes the launch option from it
     _launcher(key, (-(-s_k // block_n), -(-s_q // block_q)), (
         q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k, out.shape[1], err,
         h, clean, compressed, num_buf, num_warps, refill_every, lin_desc, half_scale if n_parts else k_scale,
-        n_parts))  # num_warps is a parameter of the Gluon kernel: Triton takes the launch option from it
+        n_parts), sized=_sized(block_q, block_n))
+
+
+@functools.cache
+def _sized(block_q: int, block_n: int):
+    """How the launch follows the op's sizes ``(S_q, S_k, n_cols, out row stride)``
+    (``tilefuse._jit.replay``): the grid, the size arguments, the rows of q, k and the linear term."""
+    def sized(s_q, s_k, n_cols, stride_out):
+        return (-(-s_k // block_n), -(-s_q // block_q)), (stride_out, s_q, s_k, n_cols), (s_q, s_k, s_q)
+
+    return sized, (8, 9, 10, 11), (0, 1, 19)

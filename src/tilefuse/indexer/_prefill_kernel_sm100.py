@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from tilefuse import _jit
 from tilefuse._jit import host_descriptor
 from tilefuse.formats import FORMAT_CODE
 from tilefuse.indexer._prefill_kernel import (
@@ -120,6 +121,7 @@ def launch(q, q_sf, k, k_sf, weights, ks, ke, out, clean_logits: bool, compresse
     q_desc = host_descriptor(TensorDescriptor, q, [s_q, h * dq], [q.stride(0), 1], [block_q, dq])
     k_desc = host_descriptor(TensorDescriptor, k, [s_k, dq], [k.stride(0), 1], [BLOCK_N, dq])
     grid = (-(-s_k // BLOCK_N), -(-s_q // block_q))
+    _jit.opaque_launch()  # (not through a Launcher: a recorded call of this path is not replayed)
     prefill_logits_mx_kernel[grid](
         q_desc, q_sf, q_sf.stride(0),
         k_desc, k_sf,

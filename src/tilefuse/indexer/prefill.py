@@ -485,7 +485,8 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
         grid = (cdiv(s_k, cfg.block_n), cdiv(s_q, cfg.block_q))
         _heads_on_n((consts, cfg.num_warps, q.dtype, weights.dtype, out.dtype), grid,
                     (q, q.stride(0), q.stride(1), k_desc, k_scale, weights, weights.stride(0), ks, ke, out,
-                     out.stride(0), s_q, s_k, out.shape[1], err, *consts), options)
+                     out.stride(0), s_q, s_k, out.shape[1], err, *consts), options,
+                    sized=_sized_tile(cfg.block_q, cfg.block_n, (10, 11, 12, 13), (3,), (1,)))
         return
     lin_parts = half_scale = None
     if cfg.relu_via_abs and fmt == "fp8" and q.dtype == FP8_DTYPE and fix_q is None:
@@ -516,20 +517,42 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
         s_q, s_k, out.shape[1], err,
         h, d, FORMAT_CODE[fmt], clean, compressed, cfg.block_q, cfg.block_n, cfg.head_unroll,
         fix_q, fix_k, fixup, lin_desc, half_scale, lin,
-    ), options)
+    ), options, sized=_sized_tile(cfg.block_q, cfg.block_n, (10, 11, 12, 13), *(
+        ((0, 3), (0, 1)) if lin_desc is None else ((0, 3, 26), (0, 1, 0)))))
+
+
+# A launch's ``sized`` (tilefuse._jit.replay): the grid, the size arguments and the rows of its
+# host descriptors for a call of sizes ``(S_q, S_k, n_cols, out row stride)``.
+@functools.cache
+def _sized_tile(block_q: int, block_n: int, int_positions: tuple, desc_positions: tuple, desc_rows: tuple):
+    """A (key block, query block) grid; the size arguments ``(out row stride, S_q, S_k,
+    n_cols)`` at ``int_positions``; descriptors whose rows are S_q (0) or S_k (1)."""
+    def sized(s_q, s_k, n_cols, stride_out):
+        sizes = (s_q, s_k)
+        return ((-(-s_k // block_n), -(-s_q // block_q)), (stride_out, s_q, s_k, n_cols),
+                tuple(sizes[r] for r in desc_rows))
+
+    return sized, int_positions, desc_positions
+
+
+def _rows_grid(s_q, s_k, n_cols, stride_out):
+    return (s_q,), (), ()
+
+
+_SIZED_ROWS = (_rows_grid, (), ())
 
 
 def linear_term_parts(q: torch.Tensor, weights: torch.Tensor, parts: int):
     """For ``relu_via_abs``: (E4M3 parts ``[S_q, parts * D]`` of ``sum_h w_h q_h / c``, fp32
     ``w / c`` ``[S_q, H]``, fp32 ``c / 2`` ``[S_q]``) with ``c`` a power of two per row."""
     s_q, h, d = q.shape
-    lin = _jit.scratch(s_q, parts * d, dtype=FP8_DTYPE, device=q.device)
-    w_scaled = _jit.scratch(s_q, h, dtype=torch.float32, device=q.device)
-    half_scale = _jit.scratch(s_q, dtype=torch.float32, device=q.device)
+    lin = _jit.scratch(s_q, parts * d, dtype=FP8_DTYPE, device=q.device, sized=lambda s_q, *_: (s_q, parts * d))
+    w_scaled = _jit.scratch(s_q, h, dtype=torch.float32, device=q.device, sized=lambda s_q, *_: (s_q, h))
+    half_scale = _jit.scratch(s_q, dtype=torch.float32, device=q.device, sized=lambda s_q, *_: (s_q,))
     if s_q:
         consts = (h, next_power_of_2(h), d, parts)
         _linear_parts((consts, weights.dtype), (s_q,), (q, q.stride(0), weights, weights.stride(0), lin, w_scaled,
-                                                        half_scale, *consts))
+                                                        half_scale, *consts), sized=_SIZED_ROWS)
     return lin, w_scaled, half_scale
 
 
@@ -559,18 +582,23 @@ def _renormalise_rows(q, q_sf, weights, k, k_scale, fmt: str, d: int, fix_q_rows
     # Separate tensors: on the host one torch.empty costs about what carving a typed view out
     # of a shared workspace does (benchmarks/NOTES.md); a replayed call (tilefuse._jit.replay)
     # allocates them as one buffer. Sizes as varargs parse faster than a tuple.
-    q_rows = _jit.scratch(s_q, h, d, dtype=dtype, device=dev)
-    w_rows = _jit.scratch(s_q, h, dtype=torch.float32, device=dev)
-    fix_q = _jit.scratch(n_fix_q, dtype=torch.int32, device=dev)
-    k_rows = _jit.scratch(s_k, d, dtype=dtype, device=dev)
-    k_row_scale = _jit.scratch(s_k, dtype=torch.float32, device=dev)
-    fix_k = _jit.scratch(n_fix_k, dtype=torch.int32, device=dev)
-    grid = (max(cdiv(s_q * h, _RENORM_ROWS), n_fix_q) + max(cdiv(s_k, _RENORM_ROWS), n_fix_k),)
+    q_rows = _jit.scratch(s_q, h, d, dtype=dtype, device=dev, sized=lambda s_q, *_: (s_q, h, d))
+    w_rows = _jit.scratch(s_q, h, dtype=torch.float32, device=dev, sized=lambda s_q, *_: (s_q, h))
+    fix_q = _jit.scratch(n_fix_q, dtype=torch.int32, device=dev, sized=lambda s_q, *_: (cdiv(s_q, fix_q_rows),))
+    k_rows = _jit.scratch(s_k, d, dtype=dtype, device=dev, sized=lambda s_q, s_k, *_: (s_k, d))
+    k_row_scale = _jit.scratch(s_k, dtype=torch.float32, device=dev, sized=lambda s_q, s_k, *_: (s_k,))
+    fix_k = _jit.scratch(n_fix_k, dtype=torch.int32, device=dev, sized=lambda s_q, s_k, *_: (cdiv(s_k, fix_k_rows),))
+
+    def sized(s_q, s_k, *_):
+        grid = (max(cdiv(s_q * h, _RENORM_ROWS), cdiv(s_q, fix_q_rows))
+                + max(cdiv(s_k, _RENORM_ROWS), cdiv(s_k, fix_k_rows)),)
+        return grid, (s_q, s_k), ()
+
     consts = (h, next_power_of_2(h), d, FORMAT_CODE[fmt], _SPAN_EXACT[fmt], _FOLD_EXP_LIMIT, _RENORM_ROWS, fix_q_rows,
               fix_k_rows)
-    _renormalise((consts, q.dtype, weights.dtype), grid, (
+    _renormalise((consts, q.dtype, weights.dtype), sized(s_q, s_k)[0], (
         q, q.stride(0), q_sf, q_sf.stride(0), weights, weights.stride(0), k, k.stride(0), k_scale,
-        q_rows, w_rows, fix_q, k_rows, k_row_scale, fix_k, s_q, s_k, *consts))
+        q_rows, w_rows, fix_q, k_rows, k_row_scale, fix_k, s_q, s_k, *consts), sized=(sized, (15, 16), ()))
     return q_rows, w_rows, fix_q, k_rows, k_row_scale, fix_k
 
 
@@ -608,7 +636,16 @@ def _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, cl
 def _fill_outside_windows(out, ks, ke, s_k, compressed: bool, block_q: int = 32, block_c: int = 128) -> None:
     n_cols = out.shape[1]
     _fill((compressed, block_q, block_c, out.dtype), (cdiv(n_cols, block_c), cdiv(out.shape[0], block_q)),
-          (out, out.stride(0), ks, ke, out.shape[0], s_k, n_cols, compressed, block_q, block_c))
+          (out, out.stride(0), ks, ke, out.shape[0], s_k, n_cols, compressed, block_q, block_c),
+          sized=_sized_fill(block_q, block_c))
+
+
+@functools.cache
+def _sized_fill(block_q: int, block_c: int):
+    def sized(s_q, s_k, n_cols, stride_out):
+        return (-(-n_cols // block_c), -(-s_q // block_q)), (stride_out, s_q, s_k, n_cols), ()
+
+    return sized, (1, 4, 5, 6), ()
 
 
 # ---------------------------------------------------------------------------------------
@@ -674,31 +711,47 @@ def fp8_fp4_mqa_logits(
     ks, ke = cu_seq_len_k_start, cu_seq_len_k_end
     compiling = torch.compiler.is_compiling()
     sig = replay_key = entry = None
+    per_size = False
     if not compiling:
         try:
             sig = _signature(q_values, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype)
             if not _errors.checked():
                 overrides = _config._overrides.get("prefill")
-                replay_key = (sig, q_values.shape[0], k.shape[0], max_seqlen_k, bool(clean_logits), config,
+                s_q, s_k = q_values.shape[0], k.shape[0]
+                cols = max_seqlen_k if max_seqlen_k > 0 else s_k
+                # What the call's host work depends on but its sizes (the config's few-row choice
+                # does): the launches of a layout's calls follow the sizes (tilefuse._jit.replay).
+                replay_key = (sig, s_q <= FEW_ROWS, bool(clean_logits), config,
                               tuple(sorted(overrides.items())) if overrides else None,
-                              None if out is None else (out.shape, out.stride(), out.dtype, out.get_device(),
+                              None if out is None else (out.dim(), out.stride(), out.dtype, out.get_device(),
                                                         out.data_ptr() & 15),
-                              None if schedule_meta is None else (schedule_meta.shape, schedule_meta.stride(),
-                                                                  schedule_meta.dtype, schedule_meta.get_device()),
-                              # on the CPU, whether it runs at all depends on the interpreter
-                              sig[4] >= 0 or _validate.interpreter_enabled())
+                              None if schedule_meta is None else (schedule_meta.dim(), schedule_meta.shape[1:],
+                                                                  schedule_meta.stride(), schedule_meta.dtype,
+                                                                  schedule_meta.get_device()),
+                              # on the CPU, whether it runs at all depends on the interpreter (and
+                              # which kernels, on the architecture the tests pose as)
+                              sig[4] >= 0 or (_validate.interpreter_enabled(), _arch(q_values.device)))
                 entry = _REPLAYS.get(replay_key)
-                if entry is not None and not _sizes_agree(q_values, q_sf, k, k_scale, weights, ks, ke):
-                    entry = None  # the checks below say which size disagrees
+                if entry is _PER_SIZE:  # a layout whose launches do not follow the sizes
+                    per_size = True
+                    replay_key = (replay_key, s_q, s_k, cols)
+                    entry = _REPLAYS.get(replay_key)
+                if entry.__class__ is tuple and not (
+                        _sizes_agree(q_values, q_sf, k, k_scale, weights, ks, ke) and max(s_q, s_k, cols) < _MAX_SIZE
+                        and (out is None or (out.shape[0] == s_q and out.shape[1] == cols
+                                             and (s_q <= 1 or out.stride(0) >= cols)))
+                        and (schedule_meta is None
+                             or schedule_meta.shape[0] == _META_HEADER_ROWS + cdiv(s_q, _META_BLOCK_Q))):
+                    entry = _jit.NOT_REPLAYABLE  # this call takes the ordinary path: its checks say what is wrong
         except (AttributeError, TypeError, RuntimeError, IndexError):  # the checks below say what is wrong
             sig = replay_key = None
-        if entry.__class__ is tuple:  # this call's launches are the entry's, with its own tensors
-            run, s_q, cols, device = entry
+        if entry.__class__ is tuple:  # this call's launches are the entry's, with its own tensors and sizes
+            run, device = entry
             _errors.raise_pending_fast(device)
             if out is None:
                 out = _new_logits(s_q, cols, logits_dtype, device)
             # (False: a launch hook, a redirect, another current device: the ordinary path)
-            if run(q_values, q_sf, k, k_scale, weights, ks, ke, out):
+            if run((s_q, s_k, cols, out.stride(0)), q_values, q_sf, k, k_scale, weights, ks, ke, out):
                 return out
     fmt, s_q, h, d, s_k = _check_inputs(q_values, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype,
                                         sig)
@@ -726,29 +779,32 @@ def fp8_fp4_mqa_logits(
         out = _new_logits(s_q, cols, logits_dtype, device)
     if replay_key is None or entry is None or entry is _jit.NOT_REPLAYABLE or entry.__class__ is tuple:
         _run(q_values, q_sf, k, k_scale, weights, ks, ke, clean, max_seqlen_k, _CONFIGS[key], out)
-        if entry is None and replay_key is not None:  # recorded at its second call: most chunks come once
+        if entry is None and replay_key is not None:  # recorded at its second call
             _remember_replay(replay_key, 0)
     else:
-        _run_recorded(replay_key, entry, (q_values, q_sf, k, k_scale, weights, ks, ke, out), clean,
-                      max_seqlen_k, _CONFIGS[key], s_q, cols)
+        _run_recorded(replay_key, per_size, entry, (q_values, q_sf, k, k_scale, weights, ks, ke, out), clean,
+                      max_seqlen_k, _CONFIGS[key], (s_q, s_k, cols))
     if checked_now:
         check_errors(device)
     return out
 
 
-# Eager calls by everything their host work depends on (the argument signature, the sizes,
-# clean, config, overrides, the layouts of out and schedule_meta): the launches the call made,
-# replayed with the next call's tensors and new scratch buffers (tilefuse._jit.replay), so that
-# a call of a known layout checks nothing and builds nothing. A layout's first call only marks
-# it (0); its next ones record, an int counting the tries while a launch is not yet direct (it
-# is from a key's second launch on a GPU).
+# Eager calls by everything their host work depends on but the sizes (the argument signature,
+# the few-row class, clean, config, overrides, the layouts of out and schedule_meta): the
+# launches a call made, replayed with a later call's tensors, sizes and new scratch buffers
+# (tilefuse._jit.replay), so that a call of a known layout checks nothing and builds nothing
+# but what its sizes change. A layout's first call only marks it (0); its next ones record, an
+# int counting the tries while a launch is not yet direct (it is from a key's second launch on
+# a GPU). A layout whose launches cannot follow the sizes (_PER_SIZE) is replayed per size.
 _REPLAYS: dict[tuple, object] = {}
 _REPLAYS_MAX = 4096
 _REPLAY_TRIES = 4
+_PER_SIZE = "per size"
+_MAX_SIZE = 2**31  # sizes passed as 32-bit ints (larger ones take the ordinary path)
 
 
-def _run_recorded(replay_key, tries: int, inputs: tuple, clean: bool, max_seqlen_k: int, cfg: PrefillConfig,
-                  s_q: int, cols: int) -> None:
+def _run_recorded(replay_key, per_size: bool, tries: int, inputs: tuple, clean: bool, max_seqlen_k: int,
+                  cfg: PrefillConfig, sizes: tuple) -> None:
     q = inputs[0]
     with _jit.recorded_launches() as recording:
         _run(*inputs[:7], clean, max_seqlen_k, cfg, inputs[7])
@@ -758,7 +814,10 @@ def _run_recorded(replay_key, tries: int, inputs: tuple, clean: bool, max_seqlen
     if replayed is None:
         replayed = tries + 1 if tries + 1 < _REPLAY_TRIES else _jit.NOT_REPLAYABLE
     elif replayed is not _jit.NOT_REPLAYABLE:
-        replayed = (replayed, s_q, cols, q.device)
+        if not replayed.size_free and not per_size:
+            _remember_replay(replay_key, _PER_SIZE)
+            replay_key = (replay_key, *sizes)
+        replayed = (replayed, q.device)
     _remember_replay(replay_key, replayed)
 
 
