@@ -1,11 +1,12 @@
 """Per-call cost of the paged decode ops as a serving engine calls them (issue: host cost).
 
 Eager, back to back, default settings: ``calls`` launches timed on the host wall clock and
-divided (the GPU work of a B = 32, ctx 4096 call is a few microseconds, so the host and launch
-path bounds it); the metadata op the same way, and its GPU time inside a CUDA graph of
-``calls`` replays; each again with the batch size and max_context_len new every call (a decode
-loop past its captured graphs). DeepGEMM in the same run when ``import deep_gemm`` works. Then
-the compiles seen over 12 random (B, max_context_len) pairs after the warm-up calls.
+divided, the best of three rounds (the GPU work of a B = 32, ctx 4096 call is a few
+microseconds, so the host and launch path bounds it); the metadata op the same way, and its
+GPU time inside a CUDA graph of ``calls`` replays; each again with the batch size and
+max_context_len new every call (a decode loop past its captured graphs). DeepGEMM in the
+same run when ``import deep_gemm`` works. Then the compiles seen over 12 random (B,
+max_context_len) pairs after the warm-up calls.
 
     python benchmarks/paged_host_cost.py --output paged-host-cost.json
 
@@ -42,14 +43,18 @@ def inputs(fmt: str, batch: int, ctx: int, next_n: int, device: str):
     return qq, cache, w, lens.to(device), table
 
 
-def per_call_us(fn, calls: int, sync) -> float:
+def per_call_us(fn, calls: int, sync, rounds: int = 3) -> float:
+    """Wall time per call of ``calls`` back-to-back calls after a sync, the best of ``rounds``."""
     fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / calls * 1e6
+    best = float("inf")
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
 
 
 def graph_gpu_us(fn, calls: int) -> float:

@@ -156,7 +156,14 @@ def chunk_pages_for(batch: int, max_context_len: int, block_kv: int, block_n: in
     target = _MIN_CHUNK
     while target < _MAX_CHUNK and keys // (2 * target) >= _TARGET_PROGRAMS:
         target *= 2
-    return _pages_for(target, block_kv, block_n)
+    key = (target, block_kv, block_n)  # (a few values of each: per call a lookup)
+    pages = _CHUNK_PAGES.get(key)
+    if pages is None:
+        pages = _CHUNK_PAGES[key] = _pages_for(target, block_kv, block_n)
+    return pages
+
+
+_CHUNK_PAGES: dict[tuple, int] = {}
 
 
 def resolve_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, block_kv: int,

@@ -21,7 +21,7 @@ from tilefuse.tp import _primitives as P
 
 
 @triton.jit
-def _barrier_kernel(bases_ptr, ws_addr, err_addr, timeout, rank, W: tl.constexpr, OP: tl.constexpr,
+def _barrier_kernel(bases_ptr, ws_addr: tl.int64, err_addr: tl.int64, timeout, rank, W: tl.constexpr, OP: tl.constexpr,
                     SET_GO_GEMM: tl.constexpr, SET_GO_COMM: tl.constexpr, USE_TIMER: tl.constexpr):
     ctl_ptr = ws_addr.to(tl.pointer_type(tl.int32))
     err_ptr = err_addr.to(tl.pointer_type(tl.int32))
@@ -47,8 +47,8 @@ def _copy_block(src, src_row0, dst, dst_row0, rows, col0, cols, ld, BR: tl.const
 
 @triton.jit(do_not_specialize=("Mc", "bands", "rank", "timeout"))  # no compile per M (as _persistent_gemm)
 def _ag_push_kernel(
-    a_ptr, ws_addr, bases_ptr, gath_off, flags_off, Mc, K, band_rows, bands, pieces, piece_cols, rank,
-    err_addr, timeout, trace_ptr,
+    a_ptr, ws_addr: tl.int64, bases_ptr, gath_off, flags_off, Mc, K, band_rows, bands, pieces, piece_cols, rank,
+    err_addr: tl.int64, timeout, trace_ptr,
     W: tl.constexpr, NUM_PROGRAMS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
     BARRIER: tl.constexpr, TRACE: tl.constexpr, MAX_EVENTS: tl.constexpr, USE_TIMER: tl.constexpr,
     LOCAL: tl.constexpr = True,

@@ -191,6 +191,8 @@ def _reduce_own(acc, r_desc, ws_addr, j, col0, tic, tpc, Mc, N, rank, recv_off, 
 # Everything that moves with M (rows, tile ranges, programs, lag, flag counts and targets) is a
 # plain runtime int: Triton would otherwise specialise it (== 1, % 16) and compile again as M
 # changes. N and K keep their specialisation: they are a layer's, fixed per layer.
+# Addresses passed as ints (ws_addr, err_addr) are annotated int64: a CPU buffer's address can
+# lie below 2^31 and would otherwise make another compile key than a device address.
 RUNTIME_INTS = ("M", "Mc", "rank", "lag", "tile_begin", "tile_end", "num_programs", "band_tiles",
                 "bands_per_chunk", "flag_target", "n_reset_flags", "timeout")
 
@@ -200,9 +202,9 @@ def _persistent_gemm(
     a_desc, l_desc, b_desc, c_desc, r_desc, out_ptr,
     M, N, K, Mc, rank,
     order_ptr, lag, tile_begin, tile_end, num_programs,
-    ws_addr, bases_ptr, flags_off, band_tiles, bands_per_chunk, flag_target,
+    ws_addr: tl.int64, bases_ptr, flags_off, band_tiles, bands_per_chunk, flag_target,
     recv_off, n_reset_flags,
-    err_addr, timeout, trace_ptr,
+    err_addr: tl.int64, timeout, trace_ptr,
     W: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     B_KN: tl.constexpr, EPI: tl.constexpr, WAIT_A: tl.constexpr,
