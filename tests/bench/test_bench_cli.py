@@ -171,3 +171,14 @@ def test_bench_help_names_the_default_output(capsys):
         cli.main(["bench", "paged", "--help"])
     assert e.value.code == 0
     assert f"{report.results_root()}/<gpu>/<suite>-<time>.json" in "".join(capsys.readouterr().out.split())
+
+
+def test_plot_marks_interpreter_runs_by_their_environment():
+    """A GPU run timed on the host clock (the serving loop) is not marked as an interpreter
+    run; a run whose environment says interpreter is; older files fall back to the timer."""
+    from tilefuse.bench.plot import interpreted_run
+
+    rows = [{"stats": {"timer": "host perf_counter"}}]
+    assert not interpreted_run({"environment": {"interpreter": False}, "rows": rows})
+    assert interpreted_run({"environment": {"interpreter": True}, "rows": [{"stats": {"timer": "cuda events"}}]})
+    assert interpreted_run({"environment": {}, "rows": rows})

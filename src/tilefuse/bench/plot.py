@@ -25,6 +25,19 @@ def _value(row: dict, field: str) -> float | None:
     return row.get(field)
 
 
+def interpreted_run(result: dict) -> bool:
+    """Whether a result file's numbers came from Triton's interpreter (its environment says so;
+    files written before it did: rows timed on the host clock)."""
+    interpreted = result.get("environment", {}).get("interpreter")
+    if interpreted is None:
+        interpreted = any(r.get("stats", {}).get("timer", "").startswith("host") for r in result["rows"])
+    return bool(interpreted)
+
+
+# Suites whose x values are separate measures (per step, per call), not points of a sweep.
+_CATEGORICAL_SUITES = ("serving",)
+
+
 def plot_result(result: dict, path: str | os.PathLike, title: str | None = None) -> Path:
     """Write a PNG of ``result`` (a result-file dict) to ``path`` (``.png`` added when it has no
     suffix); returns the path written."""
@@ -48,6 +61,7 @@ def plot_result(result: dict, path: str | os.PathLike, title: str | None = None)
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     markers = "osD^vP*X"
     values = []
+    categorical = result.get("suite") in _CATEGORICAL_SUITES
     for i, (name, srows) in enumerate(series.items()):
         pts = [(xs.index(r["x"]), _value(r, field), r["status"] == "ok") for r in srows]
         pts = [p for p in pts if p[1] is not None]
@@ -55,8 +69,9 @@ def plot_result(result: dict, path: str | os.PathLike, title: str | None = None)
             continue
         values += [p[1] for p in pts]
         marker = markers[impls.index(srows[0]["impl"]) % len(markers)]
+        # (a suite whose x values are different measures, not a sweep, gets no connecting lines)
         line = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=name,
-                       color=colors[i % len(colors)])[0]
+                       color=colors[i % len(colors)], linestyle="none" if categorical else "-")[0]
         bad = [p for p in pts if not p[2]]
         if bad:
             ax.scatter([p[0] for p in bad], [p[1] for p in bad], s=90, facecolors="none",
@@ -75,7 +90,7 @@ def plot_result(result: dict, path: str | os.PathLike, title: str | None = None)
     env = result.get("environment", {})
     ax.set_title(title or f"tilefuse {result.get('suite', '')} on {env.get('gpu', '?')} "
                           f"({result.get('settings', {}).get('mode', '?')} mode)")
-    if any(r.get("stats", {}).get("timer", "").startswith("host") for r in rows):
+    if interpreted_run(result):
         ax.text(0.5, 0.5, "interpreter run: not performance numbers", transform=ax.transAxes,
                 ha="center", va="center", fontsize=14, color="red", alpha=0.3)
     positive = [v for v in values if v > 0]
