@@ -456,11 +456,10 @@ class Launcher:
         ``live_grid`` the grid is ``values[live_grid[0]], values[live_grid[1]], ...`` (the
         dimensions not named are 1). ``live_rows`` maps the position of a live host descriptor
         to the index of the value that is its first dimension (then encoded per address and
-        rows). Everything else (shapes, strides, scalars, the grid) is
-        the caller's promise; tensors left constant are kept alive by the launch
-        (``launch.keeps``). The values whose indices are in ``addresses`` are passed as
-        addresses (ints) instead of tensors (direct launches only).
-        None where the key has no proven direct launch yet. The launch returns False and
+        rows). Everything else (shapes, strides, scalars, the grid) is the caller's promise;
+        tensors left constant are kept alive by the launch (``launch.keeps``). The values
+        whose indices are in ``addresses`` are passed as addresses (ints) instead of tensors
+        (direct launches only). None where the key has no proven direct launch yet. The launch returns False and
         launches nothing where this launcher would not call directly now (a launch hook, a
         redirect, another current device): call it then. Where launches are never direct (the
         interpreter, a redirect) it launches ``kernel[grid](...)`` with the values put in. In
