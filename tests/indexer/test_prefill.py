@@ -14,6 +14,7 @@ import torch
 
 import tilefuse
 import tilefuse.compat.deep_gemm as deep_gemm
+from tilefuse import _jit
 from tilefuse import formats as F
 from tilefuse import reference as R
 from tilefuse.indexer import _prefill_kernel as kern
@@ -876,6 +877,19 @@ def test_replays_follow_the_sizes(fmt, config, clean, compressed, poisoned, monk
     again = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, clean, max_seqlen_k, config=config)
     written = ~torch.isnan(again)
     assert torch.equal(got[written].view(torch.int32), again[written].view(torch.int32))
+
+
+def test_a_launch_that_does_not_follow_the_sizes_is_not_replayed(monkeypatch):
+    """Replays are keyed without the sizes: a layout with a launch that does not say how it
+    follows them (here the linear term of relu_via_abs) takes the ordinary path every call."""
+    monkeypatch.setattr(prefill, "_REPLAYS", {})
+    monkeypatch.setattr(prefill, "_SIZED_ROWS", None)
+    config = dataclasses.replace(SMALL, relu_via_abs=2)
+    for i, (s_q, s_k) in enumerate(((40, 150), (35, 64), (48, 300), (36, 33))):
+        q, k, w, qq, kk = make_inputs(s_q, s_k, 8, 64, "fp8", seed=90 + i)
+        ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(i), device=DEVICE)
+        check_logits(run(qq, kk, w, ks, ke, config=config), qq, kk, q, k, w, ks, ke, "fp8")
+    assert list(prefill._REPLAYS.values()) == [_jit.NOT_REPLAYABLE]
 
 
 def test_fp8_mqa_logits_takes_out():

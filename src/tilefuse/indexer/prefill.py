@@ -711,7 +711,6 @@ def fp8_fp4_mqa_logits(
     ks, ke = cu_seq_len_k_start, cu_seq_len_k_end
     compiling = torch.compiler.is_compiling()
     sig = replay_key = entry = None
-    per_size = False
     if not compiling:
         try:
             sig = _signature(q_values, q_sf, k, k_scale, weights, ks, ke, max_seqlen_k, logits_dtype)
@@ -732,10 +731,6 @@ def fp8_fp4_mqa_logits(
                               # which kernels, on the architecture the tests pose as)
                               sig[4] >= 0 or (_validate.interpreter_enabled(), _arch(q_values.device)))
                 entry = _REPLAYS.get(replay_key)
-                if entry is _PER_SIZE:  # a layout whose launches do not follow the sizes
-                    per_size = True
-                    replay_key = (replay_key, s_q, s_k, cols)
-                    entry = _REPLAYS.get(replay_key)
                 if entry.__class__ is tuple and not (
                         _sizes_agree(q_values, q_sf, k, k_scale, weights, ks, ke) and max(s_q, s_k, cols) < _MAX_SIZE
                         and (out is None or (out.shape[0] == s_q and out.shape[1] == cols
@@ -782,8 +777,8 @@ def fp8_fp4_mqa_logits(
         if entry is None and replay_key is not None:  # recorded at its second call
             _remember_replay(replay_key, 0)
     else:
-        _run_recorded(replay_key, per_size, entry, (q_values, q_sf, k, k_scale, weights, ks, ke, out), clean,
-                      max_seqlen_k, _CONFIGS[key], (s_q, s_k, cols))
+        _run_recorded(replay_key, entry, (q_values, q_sf, k, k_scale, weights, ks, ke, out), clean, max_seqlen_k,
+                      _CONFIGS[key])
     if checked_now:
         check_errors(device)
     return out
@@ -795,16 +790,14 @@ def fp8_fp4_mqa_logits(
 # (tilefuse._jit.replay), so that a call of a known layout checks nothing and builds nothing
 # but what its sizes change. A layout's first call only marks it (0); its next ones record, an
 # int counting the tries while a launch is not yet direct (it is from a key's second launch on
-# a GPU). A layout whose launches cannot follow the sizes (_PER_SIZE) is replayed per size.
+# a GPU). A layout with a launch that cannot follow the sizes is not replayed.
 _REPLAYS: dict[tuple, object] = {}
 _REPLAYS_MAX = 4096
 _REPLAY_TRIES = 4
-_PER_SIZE = "per size"
 _MAX_SIZE = 2**31  # sizes passed as 32-bit ints (larger ones take the ordinary path)
 
 
-def _run_recorded(replay_key, per_size: bool, tries: int, inputs: tuple, clean: bool, max_seqlen_k: int,
-                  cfg: PrefillConfig, sizes: tuple) -> None:
+def _run_recorded(replay_key, tries: int, inputs: tuple, clean: bool, max_seqlen_k: int, cfg: PrefillConfig) -> None:
     q = inputs[0]
     with _jit.recorded_launches() as recording:
         _run(*inputs[:7], clean, max_seqlen_k, cfg, inputs[7])
@@ -814,10 +807,8 @@ def _run_recorded(replay_key, per_size: bool, tries: int, inputs: tuple, clean: 
     if replayed is None:
         replayed = tries + 1 if tries + 1 < _REPLAY_TRIES else _jit.NOT_REPLAYABLE
     elif replayed is not _jit.NOT_REPLAYABLE:
-        if not replayed.size_free and not per_size:
-            _remember_replay(replay_key, _PER_SIZE)
-            replay_key = (replay_key, *sizes)
-        replayed = (replayed, q.device)
+        # (the replays are keyed without the sizes: one whose launches do not follow them is no use)
+        replayed = (replayed, q.device) if replayed.size_free else _jit.NOT_REPLAYABLE
     _remember_replay(replay_key, replayed)
 
 
