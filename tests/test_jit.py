@@ -323,21 +323,20 @@ def test_replay_passes_the_inputs_and_a_new_scratch_buffer(fake_driver, monkeypa
     x, out, err = torch.zeros(8, 8), torch.zeros(4), torch.zeros(2)
     recording = _jit._Recording()
     buf = torch.zeros(8, 8)
-    recording.scratch.append((buf, None))
+    recording.scratch.append((buf, lambda: (8, 8)))
     args = (desc(x), out, 5, err, desc(buf))
     direct = _jit._DirectLaunch.of(run, args)
     assert direct.proven_on((*_base(), *args))
     launcher = _launcher_over(direct, SimpleNamespace(launch_enter_hook=None), {"now": 0})
     monkeypatch.setattr(_jit.Launcher, "_audit", lambda self, key, a, options: None)  # (a fake kernel's arguments)
-    recording.launches.append((launcher, ("k",), (3,), args, None, None))
+    recording.launches.append((launcher, ("k",), (3,), args, None, (lambda: ((3,), (), ()), (), ())))
     assert _jit.replay(recording, (x, out)) is _jit.NOT_REPLAYABLE  # err is neither input nor kept
     entry = launcher._compiled.pop(("k",))
     assert _jit.replay(recording, (x, out), keep=(err,)) is None  # (no direct call for the key yet)
     launcher._compiled[("k",)] = entry
     replayed = _jit.replay(recording, (x, out), keep=(err,))
-    assert not replayed.size_free
     y, o = torch.randn(8, 8), torch.zeros(4)
-    assert replayed(None, y, o)
+    assert replayed((), y, o)
     call = run.c.calls[-1]
     maps = [a for a in call if isinstance(a, tuple) and a[0] == "map"]
     assert maps[0][1:3] == (y.data_ptr(), "x") and maps[1][2] == "s" and maps[1][1] != buf.data_ptr()
@@ -348,8 +347,8 @@ def test_replay_follows_the_sizes_where_every_launch_says_how(fake_driver, monke
     """A recording whose launches and scratch buffers all say how they follow the op's sizes
     (``sized``) replays calls of other sizes: the grid, the size argument and a descriptor's
     rows come from the call's sizes (each (address, rows) encoded once), the scratch buffer is
-    sized for them; without ``sized`` on one of them the replay keeps the recorded sizes. A
-    recording with a launch around the Launchers is not replayable."""
+    sized for them. Without ``sized`` on one of them the recording is not replayable, nor is
+    one with a launch around the Launchers."""
     from types import SimpleNamespace
 
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -379,7 +378,6 @@ def test_replay_follows_the_sizes_where_every_launch_says_how(fake_driver, monke
         return recording
 
     replayed = _jit.replay(recording_with((sized, (2,), (0, 4)), lambda rows: (rows, 8)), (x, out), keep=(err,))
-    assert replayed.size_free
     for rows in (12, 5, 12):
         y, o = torch.randn(rows, 8), torch.zeros(4)
         encodes = len(fake_driver.encodes)
@@ -389,6 +387,6 @@ def test_replay_follows_the_sizes_where_every_launch_says_how(fake_driver, monke
         assert call[:3] == (-(-rows // 4), 1, 1) and rows in call[13:]
         assert maps[0][1:4] == (y.data_ptr(), "x", (rows, 8)) and maps[1][2:4] == ("s", (rows, 8))
         assert len(fake_driver.encodes) - encodes <= 2
-    fixed = _jit.replay(recording_with((sized, (2,), (0, 4)), None), (x, out), keep=(err,))
-    assert not fixed.size_free and fixed((12,), x, out) and run.c.calls[-1][:3] == (2, 1, 1)
+    for launch_sized, scratch_sized in (((sized, (2,), (0, 4)), None), (None, lambda rows: (rows, 8))):
+        assert _jit.replay(recording_with(launch_sized, scratch_sized), (x, out), keep=(err,)) is _jit.NOT_REPLAYABLE
     assert _jit.replay(recording_with(None, None, opaque=True), (x, out), keep=(err,)) is _jit.NOT_REPLAYABLE

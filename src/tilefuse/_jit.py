@@ -284,37 +284,33 @@ def _aligned_bytes(shape, itemsize: int) -> int:
 
 
 def replay(recording: _Recording, inputs: tuple, keep: tuple = ()):
-    """The recorded launches as one ``run(sizes, *inputs) -> bool`` for a later call: every
-    tensor argument, and every host descriptor's base, that is one of ``inputs`` (by identity)
-    is that call's, each :func:`scratch` buffer is a new one (one allocation for all), the
-    other arguments are bound (:meth:`Launcher.partial`). ``run`` returns False where a launch
-    declined (nothing launched after it: make the call the ordinary way).
+    """The recorded launches as one ``run(sizes, *inputs) -> bool`` for a later call of any
+    sizes: every tensor argument, and every host descriptor's base, that is one of ``inputs``
+    (by identity) is that call's, each :func:`scratch` buffer is a new one (one allocation for
+    all), the other arguments are bound (:meth:`Launcher.partial`). ``sizes`` (a tuple of ints
+    the op defines) is passed to each launch's ``sized = (fn, int_positions, desc_positions)``,
+    whose ``fn(*sizes)`` gives ``(grid, ints, rows)``: the grid, the ints at ``int_positions``
+    and the first dimension of the host descriptors at ``desc_positions``; and to each scratch
+    buffer's ``sized(*sizes)``, its shape. ``run`` returns False where a launch declined
+    (nothing launched after it: make the call the ordinary way).
 
-    Where every launch was made with ``sized`` and every scratch buffer with its ``sized``,
-    ``run.size_free`` is True and the replay serves calls of other sizes: ``sizes`` (a tuple
-    of ints the op defines) is passed to each launch's ``sized = (fn, int_positions,
-    desc_positions)``, whose ``fn(*sizes)`` gives ``(grid, ints, rows)``: the grid, the ints at
-    ``int_positions`` and the first dimension of the host descriptors at ``desc_positions``;
-    and to each scratch buffer's ``sized(*sizes)``, its shape. Otherwise ``sizes`` is ignored
-    and the call must have the recorded sizes.
-
-    :data:`NOT_REPLAYABLE` where an argument is a tensor that is none of those nor one of
-    ``keep``, or the op launched around the Launchers (:func:`opaque_launch`), or launched
-    nothing; None where a launch has no proven direct call yet (try again later)."""
-    if recording.opaque or not recording.launches:
+    :data:`NOT_REPLAYABLE` where a launch or scratch buffer was made without ``sized``, an
+    argument is a tensor that is none of those nor one of ``keep``, the op launched around the
+    Launchers (:func:`opaque_launch`), or launched nothing; None where a launch has no proven
+    direct call yet (try again later)."""
+    if (recording.opaque or not recording.launches or any(entry[5] is None for entry in recording.launches)
+            or any(f is None for _, f in recording.scratch)):
         return NOT_REPLAYABLE
     n_in = len(inputs)
     scratch_ = [t for t, _ in recording.scratch]
     n_fixed = n_in + len(scratch_)
-    size_free = (all(entry[5] is not None for entry in recording.launches)
-                 and all(f is not None for _, f in recording.scratch))
     where = {id(t): i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
     where.update((id(t), n_in + j) for j, t in enumerate(scratch_))
     kept = {id(t) for t in keep}
     direct = all(launcher._direct for launcher, *_ in recording.launches)
     addresses = tuple(range(n_in, n_fixed)) if direct else ()
     partials = []
-    for launcher, key, grid, args, options, sized in recording.launches:
+    for launcher, key, grid, args, options, (fn, int_positions, desc_positions) in recording.launches:
         live = [[] for _ in range(n_fixed)]
         for p, a in enumerate(args):
             tensor = a.base if _is_host_descriptor(a) else a
@@ -325,16 +321,11 @@ def replay(recording: _Recording, inputs: tuple, keep: tuple = ()):
                 live[i].append(p)
             elif id(tensor) not in kept:
                 return NOT_REPLAYABLE
-        live = [tuple(ps) for ps in live]
-        fn = live_grid = live_rows = None
-        if size_free:
-            fn, int_positions, desc_positions = sized
-            live += [(p,) for p in int_positions]
-            live_grid = tuple(range(len(live), len(live) + len(grid)))
-            first_row = len(live) + len(grid)
-            live_rows = {p: first_row + j for j, p in enumerate(desc_positions)}
+        live = [tuple(ps) for ps in live] + [(p,) for p in int_positions]
+        first_row = len(live) + len(grid)
         launch = launcher.partial(key, grid, args, options, live=tuple(live), addresses=addresses,
-                                  live_grid=live_grid or (), live_rows=live_rows)
+                                  live_grid=tuple(range(len(live), first_row)),
+                                  live_rows={p: first_row + j for j, p in enumerate(desc_positions)})
         if launch is None:
             return None
         partials.append((launch, fn))
@@ -342,45 +333,40 @@ def replay(recording: _Recording, inputs: tuple, keep: tuple = ()):
     carve = None  # sizes -> (buffer, the scratch values a replayed call passes)
     if scratch_:
         device = scratch_[0].device
-        specs = [(f, t.shape, t.dtype, t.element_size()) for t, f in recording.scratch]
+        specs = [(f, t.dtype, t.element_size()) for t, f in recording.scratch]
 
         def layout(sizes):
-            offsets, end, shapes = [], 0, []
-            for f, shape, _, itemsize in specs:
-                shape = f(*sizes) if size_free else shape
+            offsets, nbytes, shapes, end = [], [], [], 0
+            for f, _, itemsize in specs:
+                shape = f(*sizes)
                 offsets.append(end)
                 shapes.append(shape)
-                end += _aligned_bytes(shape, itemsize)
-            return offsets, end, shapes
+                nbytes.append(_aligned_bytes(shape, itemsize))
+                end += nbytes[-1]
+            return offsets, nbytes, shapes, end
 
-        fixed = None if size_free else layout(None)
         if direct:
             def carve(sizes):
-                offsets, end, _ = layout(sizes) if size_free else fixed
+                offsets, _, _, end = layout(sizes)
                 base = torch.empty(end, dtype=torch.uint8, device=device)
                 return base, [base.data_ptr() + o for o in offsets]
         else:
             def carve(sizes):
-                offsets, end, shapes = layout(sizes) if size_free else fixed
+                offsets, nbytes, shapes, end = layout(sizes)
                 base = torch.empty(end, dtype=torch.uint8, device=device)
-                return base, [base[o:o + _aligned_bytes(shape, spec[3])].view(spec[2])[:math.prod(shape)].view(shape)
-                              for o, shape, spec in zip(offsets, shapes, specs)]
+                return base, [base[o:o + n].view(spec[1])[:math.prod(shape)].view(shape)
+                              for o, n, shape, spec in zip(offsets, nbytes, shapes, specs)]
 
     def run(sizes, *values) -> bool:
         if carve is not None:
             buffer, scratch_values = carve(sizes)  # (the buffer alive until the launches are queued)
             values = (*values, *scratch_values)
         for launch, fn in partials:
-            if fn is None:
-                if not launch(*values):
-                    return False
-            else:
-                grid, ints, rows = fn(*sizes)
-                if not launch(*values, *ints, *grid, *rows):
-                    return False
+            grid, ints, rows = fn(*sizes)
+            if not launch(*values, *ints, *grid, *rows):
+                return False
         return True
 
-    run.size_free = size_free
     return run
 
 
@@ -459,9 +445,9 @@ class Launcher:
         rows). Everything else (shapes, strides, scalars, the grid) is the caller's promise;
         tensors left constant are kept alive by the launch (``launch.keeps``). The values
         whose indices are in ``addresses`` are passed as addresses (ints) instead of tensors
-        (direct launches only). None where the key has no proven direct launch yet. The launch returns False and
-        launches nothing where this launcher would not call directly now (a launch hook, a
-        redirect, another current device): call it then. Where launches are never direct (the
+        (direct launches only). None where the key has no proven direct launch yet. The launch
+        returns False and launches nothing where this launcher would not call directly now (a
+        launch hook, a redirect, another current device): call it then. Where launches are never direct (the
         interpreter, a redirect) it launches ``kernel[grid](...)`` with the values put in. In
         audit mode the key is audited here, once for all the launches."""
         if _audit:

@@ -807,8 +807,7 @@ def _run_recorded(replay_key, tries: int, inputs: tuple, clean: bool, max_seqlen
     if replayed is None:
         replayed = tries + 1 if tries + 1 < _REPLAY_TRIES else _jit.NOT_REPLAYABLE
     elif replayed is not _jit.NOT_REPLAYABLE:
-        # (the replays are keyed without the sizes: one whose launches do not follow them is no use)
-        replayed = (replayed, q.device) if replayed.size_free else _jit.NOT_REPLAYABLE
+        replayed = (replayed, q.device)
     _remember_replay(replay_key, replayed)
 
 
