@@ -735,8 +735,7 @@ def fp8_fp4_mqa_logits(
                         _sizes_agree(q_values, q_sf, k, k_scale, weights, ks, ke) and max(s_q, s_k, cols) < _MAX_SIZE
                         and (out is None or (out.shape[0] == s_q and out.shape[1] == cols
                                              and (s_q <= 1 or out.stride(0) >= cols)))
-                        and (schedule_meta is None
-                             or schedule_meta.shape[0] == _META_HEADER_ROWS + cdiv(s_q, _META_BLOCK_Q))):
+                        and (schedule_meta is None or schedule_meta.shape[0] == _metadata_rows(s_q))):
                     entry = _jit.NOT_REPLAYABLE  # this call takes the ordinary path: its checks say what is wrong
         except (AttributeError, TypeError, RuntimeError, IndexError):  # the checks below say what is wrong
             sig = replay_key = None
@@ -875,6 +874,10 @@ def get_mqa_logits_metadata(
 _META_BLOCK_Q = default_config("fp8", 4, 128).block_q
 
 
+def _metadata_rows(s_q: int) -> int:
+    return _META_HEADER_ROWS + -(-s_q // _META_BLOCK_Q)
+
+
 def _check_metadata(meta: torch.Tensor, s_q: int, device: torch.device) -> None:
     """By shape, dtype and device only: the kernels never read it, so it is never recomputed."""
     if not isinstance(meta, torch.Tensor):
@@ -884,7 +887,7 @@ def _check_metadata(meta: torch.Tensor, s_q: int, device: torch.device) -> None:
                          f"got {meta.dtype} {tuple(meta.shape)}")
     if meta.device != device:
         raise ValueError(f"schedule_meta: expected device {device}, got {meta.device}")
-    if meta.shape[0] != _META_HEADER_ROWS + -(-s_q // _META_BLOCK_Q):
+    if meta.shape[0] != _metadata_rows(s_q):
         raise ValueError(f"schedule_meta: made for another number of query rows ({meta.shape[0] - 1} blocks, "
                          f"S_q = {s_q})")
 
