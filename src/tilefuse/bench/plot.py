@@ -30,7 +30,7 @@ def interpreted_run(result: dict) -> bool:
     files written before it did: rows timed on the host clock)."""
     interpreted = result.get("environment", {}).get("interpreter")
     if interpreted is None:
-        interpreted = any(r.get("stats", {}).get("timer", "").startswith("host") for r in result["rows"])
+        interpreted = any((r.get("stats") or {}).get("timer", "").startswith("host") for r in result["rows"])
     return bool(interpreted)
 
 
