@@ -338,7 +338,8 @@ def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, e
     # num_warps is a parameter of the Gluon kernel: Triton takes the launch option from it
     _launcher(key, (-(-s_k // block_n), -(-s_q // block_q)), (
         q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k, out.shape[1], err,
-        h, clean, compressed, num_buf, num_warps, refill_every, lin_desc, half_scale if n_parts else k_scale,
+        h, clean, compressed, num_buf, num_warps, refill_every, lin_desc,
+        half_scale if n_parts else err,  # (unused without the linear term: our own buffer, always aligned)
         n_parts), sized=_sized(block_q, block_n))
 
 

@@ -57,7 +57,7 @@ from tilefuse._jit import Launcher, cdiv, host_descriptor, next_power_of_2
 from tilefuse._validate import expect, expect_int, expect_tensor
 from tilefuse.formats import FP8_DTYPE, format_of
 from tilefuse.indexer import _paged_kernel as kern
-from tilefuse.indexer._layout import padded_logits_layout
+from tilefuse.indexer._layout import new_logits
 from tilefuse.indexer.prefill import split_query
 
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16)
@@ -802,11 +802,6 @@ _MAX_RUNTIME_INT = 2**31
 # ---------------------------------------------------------------------------------------
 # The launch and the custom op
 # ---------------------------------------------------------------------------------------
-def _new_out(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
-    shape, stride = padded_logits_layout(rows, cols)
-    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
-
-
 _paged_launch = Launcher(kern.paged_logits_kernel)
 # The arguments before the first constexpr (kv_desc, a runtime one, comes among the constexprs):
 # the Gluon kernel's first ones are the same.
@@ -961,7 +956,7 @@ def fp8_fp4_paged_mqa_logits(
         _check_values(context_lens, block_table, schedule_meta, indices, kv_cache.shape[0], plan.block_kv,
                       max_context_len)
     if out is None:
-        out = _new_out(q_values.shape[0] * plan.next_n, max_context_len, logits_dtype, q_values.device)
+        out = new_logits(q_values.shape[0] * plan.next_n, max_context_len, logits_dtype, q_values.device)
     if compiling:
         _paged_mqa_logits(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, indices, out,
                           max_context_len, bool(clean_logits), [int(v) for v in dataclasses.astuple(plan.cfg)])

@@ -30,7 +30,7 @@ from tilefuse._validate import (
 from tilefuse.formats import FORMAT_CODE, FP8_DTYPE, format_of
 from tilefuse.indexer import _dispatch, _prefill_kernel_sm100
 from tilefuse.indexer import _prefill_kernel as kern
-from tilefuse.indexer._layout import padded_logits_layout
+from tilefuse.indexer._layout import new_logits
 
 _LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -90,17 +90,31 @@ class PrefillConfig:
 
 register_config("prefill", PrefillConfig)
 # At most this many query rows take the few-row path (heads_on_n; for MX, in the pass over the
-# renormalised rows): the only choice of the defaults that depends on a size, so a model's
-# kernels are a fixed set (warmup_calls).
+# renormalised rows). With SMALL_CALL, the only choices of the defaults that depend on the
+# sizes (size_class), so a model's kernels are a fixed set (warmup_calls).
 FEW_ROWS = 32
+# Calls of at most this many (query row, key) pairs are bound by the host, not the GPU (an
+# engine's short chunks): there the FP8 default drops the head sum through |s| (whose linear
+# term is a second launch, a scratch buffer and a third host descriptor).
+SMALL_CALL = 2**20
+
+
+def size_class(num_q_rows: int, num_keys: int) -> int:
+    """The only thing the default configs read of a call's sizes: 0 few rows, 1 a small call
+    (host-bound), 2 the rest."""
+    if num_q_rows <= FEW_ROWS:
+        return 0
+    return 1 if num_q_rows * num_keys <= SMALL_CALL else 2
 
 
 def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
-                   logits_dtype: torch.dtype = torch.float32, arch: int | None = None) -> PrefillConfig:
+                   logits_dtype: torch.dtype = torch.float32, arch: int | None = None,
+                   num_keys: int | None = None) -> PrefillConfig:
     """The launch configuration measured best on an H200 at H = 64, D = 128 for each format,
-    by the number of query rows (at most 32: the few-row path) and the logits dtype; ``arch``
-    is the GPU's compute-capability major (None: the CPU interpreter), 9 picks the Gluon head
-    loop where it won. The sweeps behind every row are in ``benchmarks/NOTES.md``.
+    by the number of query rows (at most 32: the few-row path), the call's size (``num_keys``
+    given: :data:`SMALL_CALL`) and the logits dtype; ``arch`` is the GPU's compute-capability
+    major (None: the CPU interpreter), 9 picks the Gluon head loop where it won. The sweeps
+    behind every row are in ``benchmarks/NOTES.md``.
     """
     del num_heads, head_dim  # one tile per format fits every H and D measured so far
     hopper = arch == 9
@@ -108,8 +122,9 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
         if num_q_rows is not None and num_q_rows <= FEW_ROWS:
             return PrefillConfig(block_q=16, block_n=128, num_warps=4, num_stages=3, heads_on_n=True)
         if hopper and logits_dtype == torch.float32:
+            small = num_q_rows is not None and num_keys is not None and num_q_rows * num_keys <= SMALL_CALL
             return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon=True, gluon_refill=1,
-                                 relu_via_abs=2)
+                                 relu_via_abs=0 if small else 2)
         return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3, head_unroll=2,
                              clean_pass=logits_dtype == torch.bfloat16)
     few = num_q_rows is not None and num_q_rows <= FEW_ROWS
@@ -124,11 +139,11 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
 
 def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
                    config: PrefillConfig | None = None, logits_dtype: torch.dtype = torch.float32,
-                   arch: int | None = None) -> PrefillConfig:
+                   arch: int | None = None, num_keys: int | None = None) -> PrefillConfig:
     """``config`` if given, else the default for ``arch``; then the fields set by
     ``tilefuse.set_config_override("prefill", ...)`` (or ``TILEFUSE_PREFILL_CONFIG`` at import)."""
-    cfg = apply_override(config or default_config(fmt, num_heads, head_dim, num_q_rows, logits_dtype, arch),
-                         "prefill")
+    cfg = apply_override(config or default_config(fmt, num_heads, head_dim, num_q_rows, logits_dtype, arch,
+                                                  num_keys), "prefill")
     if cfg.block_q < 16 or cfg.block_n < 16 or cfg.block_q & (cfg.block_q - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"block_q and block_n must be powers of two >= 16, got {cfg}")
     if cfg.head_unroll not in (1, 2):
@@ -373,15 +388,16 @@ def config_of_key(key: int) -> PrefillConfig:
     return _CONFIGS[key]
 
 
-def _resolved_key(fmt: str, h: int, d: int, s_q: int, config: PrefillConfig | None, logits_dtype: torch.dtype,
-                  device: torch.device) -> int:
+def _resolved_key(fmt: str, h: int, d: int, s_q: int, s_k: int, config: PrefillConfig | None,
+                  logits_dtype: torch.dtype, device: torch.device) -> int:
     override = _config._overrides.get("prefill")
     arch = _arch(device)
-    cache_key = (fmt, h, d, s_q <= FEW_ROWS, config, logits_dtype, arch,
-                 tuple(sorted(override.items())) if override else ())
+    cls = size_class(s_q, s_k)
+    cache_key = (fmt, h, d, cls, config, logits_dtype, arch, tuple(sorted(override.items())) if override else ())
     key = _RESOLVED.get(cache_key)
     if key is None:
-        cfg = resolve_config(fmt, h, d, s_q, config, logits_dtype, arch)
+        # (sizes standing for the class: the defaults read nothing else of them)
+        cfg = resolve_config(fmt, h, d, s_q, config, logits_dtype, arch, s_k)
         key = _RESOLVED[cache_key] = config_key(cfg)
     return key
 
@@ -421,11 +437,6 @@ def _run(q, q_sf, k, k_scale, weights, ks, ke, clean_logits: bool, max_seqlen_k:
         _fill_outside_windows(out, ks, ke, s_k, compressed=False)
 
 
-def _new_logits(s_q: int, cols: int, logits_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    shape, stride = padded_logits_layout(s_q, cols)
-    return torch.empty_strided(shape, stride, dtype=logits_dtype, device=device)
-
-
 def _check_pointers(q, k, out=None) -> None:
     # Eager calls checked these in _check_inputs; under torch.compile data pointers exist only now.
     check_aligned(q, "q")
@@ -439,14 +450,14 @@ def _mqa_logits_op(q: torch.Tensor, q_sf: torch.Tensor | None, k: torch.Tensor, 
                    weights: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, clean_logits: bool, max_seqlen_k: int,
                    logits_dtype: torch.dtype, config: int) -> torch.Tensor:
     _check_pointers(q, k)
-    out = _new_logits(q.shape[0], max_seqlen_k or k.shape[0], logits_dtype, q.device)
+    out = new_logits(q.shape[0], max_seqlen_k or k.shape[0], logits_dtype, q.device)
     _run(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, config_of_key(config), out)
     return out
 
 
 @_mqa_logits_op.register_fake
 def _mqa_logits_fake(q, q_sf, k, k_scale, weights, ks, ke, clean_logits, max_seqlen_k, logits_dtype, config):
-    return _new_logits(q.shape[0], max_seqlen_k or k.shape[0], logits_dtype, q.device)
+    return new_logits(q.shape[0], max_seqlen_k or k.shape[0], logits_dtype, q.device)
 
 
 @torch.library.custom_op("tilefuse::mqa_logits_out", mutates_args=("out",))
@@ -718,9 +729,9 @@ def fp8_fp4_mqa_logits(
                 overrides = _config._overrides.get("prefill")
                 s_q, s_k = q_values.shape[0], k.shape[0]
                 cols = max_seqlen_k if max_seqlen_k > 0 else s_k
-                # What the call's host work depends on but its sizes (the config's few-row choice
+                # What the call's host work depends on but its sizes (the config's size class
                 # does): the launches of a layout's calls follow the sizes (tilefuse._jit.replay).
-                replay_key = (sig, s_q <= FEW_ROWS, bool(clean_logits), config,
+                replay_key = (sig, size_class(s_q, s_k), bool(clean_logits), config,
                               tuple(sorted(overrides.items())) if overrides else None,
                               None if out is None else (out.dim(), out.stride(), out.dtype, out.get_device(),
                                                         out.data_ptr() & 15),
@@ -743,7 +754,7 @@ def fp8_fp4_mqa_logits(
             run, device = entry
             _errors.raise_pending_fast(device)
             if out is None:
-                out = _new_logits(s_q, cols, logits_dtype, device)
+                out = new_logits(s_q, cols, logits_dtype, device)
             # (False: a launch hook, a redirect, another current device: the ordinary path)
             if run((s_q, s_k, cols, out.stride(0)), q_values, q_sf, k, k_scale, weights, ks, ke, out):
                 return out
@@ -756,7 +767,7 @@ def fp8_fp4_mqa_logits(
         _check_metadata(schedule_meta, s_q, device)
     if out is not None:
         _check_out(out, s_q, cols, logits_dtype, device)
-    key = _resolved_key(fmt, h, d, s_q, config, logits_dtype, device)
+    key = _resolved_key(fmt, h, d, s_q, s_k, config, logits_dtype, device)
     clean = bool(clean_logits)
     checked_now = _errors.checked() and _errors.host_reads_possible(device)
     if checked_now:
@@ -770,7 +781,7 @@ def fp8_fp4_mqa_logits(
     # Eager: the implementation directly (the custom op's dispatch would cost more than the
     # rest of the host work together).
     if out is None:
-        out = _new_logits(s_q, cols, logits_dtype, device)
+        out = new_logits(s_q, cols, logits_dtype, device)
     if replay_key is None or entry is None or entry is _jit.NOT_REPLAYABLE or entry.__class__ is tuple:
         _run(q_values, q_sf, k, k_scale, weights, ks, ke, clean, max_seqlen_k, _CONFIGS[key], out)
         if entry is None and replay_key is not None:  # recorded at its second call
@@ -896,13 +907,19 @@ def warmup_calls(fmt: str, num_heads: int, head_dim: int, weights_dtype: torch.d
                  logits_dtype: torch.dtype = torch.float32, clean_logits: bool = False, compressed: bool = False,
                  device: torch.device | str = "cuda") -> list:
     """One call per kernel variant that the op's heuristics can pick for this model
-    configuration (the few-row and the many-row path, with every pass each one launches), on
-    small inputs. After running them, any S_q, S_k, windows and strides run without a compile.
-    Returns the calls (each takes no arguments and returns nothing)."""
+    configuration (each size class: few rows, a small call, the rest, with every pass each one
+    launches), on small inputs. After running them, any S_q, S_k, windows and strides run
+    without a compile. Returns the calls (each takes no arguments and returns nothing)."""
     device = torch.device(device)
-    s_k = 256
     calls = []
-    for s_q in (FEW_ROWS // 2, 3 * FEW_ROWS):  # one per side of the few-row threshold
+    rows = 3 * FEW_ROWS
+    sizes = [(FEW_ROWS // 2, 256), (rows, 256)]  # few rows; a small call
+    arch = _arch(device)
+    big_keys = SMALL_CALL // rows + 1
+    if (resolve_config(fmt, num_heads, head_dim, rows, None, logits_dtype, arch, big_keys)
+            != resolve_config(fmt, num_heads, head_dim, rows, None, logits_dtype, arch, 256)):
+        sizes.append((rows, big_keys))  # (only where the class changes the config: the largest call)
+    for s_q, s_k in sizes:
         q, kv = _zero_inputs(fmt, s_q, s_k, num_heads, head_dim, device)
         weights = torch.zeros(s_q, num_heads, dtype=weights_dtype, device=device)
         ks = torch.zeros(s_q, dtype=torch.int32, device=device)

@@ -222,7 +222,7 @@ def _mqa_topk(
     # The launch configuration the unfused op picks for all S_q rows, pinned for every slice.
     fmt = format_of(q, q_sf)
     head_dim = q.shape[2] * 2 if fmt == "mxfp4" else q.shape[2]
-    cfg = prefill.resolve_config(fmt, q.shape[1], head_dim, s_q, None, logits_dtype, capability_major(q.device))
+    cfg = prefill.resolve_config(fmt, q.shape[1], head_dim, s_q, None, logits_dtype, capability_major(q.device), s_k)
     chunks = _chunks(s_k, chunk_k)
     bars, candidates, counts = _workspace(min(s_q, chunk_q), topk, len(chunks), q.device)
     with deferred():  # a chunk's errors surface at the next call, not the next chunk

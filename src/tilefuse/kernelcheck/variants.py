@@ -414,7 +414,8 @@ def prefill_gluon_variants() -> list[Variant]:
     operands (FP8; MXFP8 renormalised into f16) at D = 128, H = 64, in the four output layouts
     with fp32 logits and the clean layout with bf16 logits. Default: the tile ``default_config``
     picks on Hopper (64x128, 4 warps, 4 buffers; E4M3 with the head sum through |s| and a 2-part
-    linear term, ``relu_via_abs``, refilled after every head; f16 with the plain head sum, refilled
+    linear term, ``relu_via_abs``, refilled after every head, and for small calls
+    (``SMALL_CALL``) with the plain head sum; f16 with the plain head sum, refilled
     two at a time); options: the other refills, the plain head sum (E4M3), 8 warps
     splitting the key tile (3 and 4 buffers). The launcher is
     called directly: the op only dispatches to it on an sm_90 GPU."""
@@ -429,9 +430,11 @@ def prefill_gluon_variants() -> list[Variant]:
     mx_default = prefill.default_config("mxfp8", h, d, 4096, arch=9)
     w, nb = default.num_warps, default.num_stages
     # (warps, buffers, refill, linear-term parts, origin) per operand dtype
-    fp8_tiles = [(w, nb, default.gluon_refill, default.relu_via_abs, "default")]
+    small = prefill.default_config("fp8", h, d, 4096, arch=9, num_keys=prefill.SMALL_CALL // 4096)
+    fp8_tiles = [(c.num_warps, c.num_stages, c.gluon_refill, c.relu_via_abs, "default")
+                 for c in dict.fromkeys((default, small))]
     fp8_tiles += [t for t in [(w, nb, r, p, "option") for r in (1, 2) for p in (0, 2)] + [
-        (8, 3, 1, 0, "option"), (8, 4, 1, 0, "option")] if t[:4] != fp8_tiles[0][:4]]
+        (8, 3, 1, 0, "option"), (8, 4, 1, 0, "option")] if t[:4] not in [d[:4] for d in fp8_tiles]]
     f16_tiles = [(mx_default.num_warps, mx_default.num_stages, mx_default.gluon_refill, 0, "default")]
     f16_tiles += [t for t in [(w, nb, 1, 0, "option"), (w, nb, 2, 0, "option"), (8, 3, 1, 0, "option"),
                               (8, 4, 1, 0, "option")] if t[:4] != f16_tiles[0][:4]]
