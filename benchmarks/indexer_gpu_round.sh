@@ -13,6 +13,8 @@
 #     the top-k A/B over $AB_TREES
 #   PART=eager: the eager cost per call (launch cost taken apart, decode and prefill) beside DeepGEMM,
 #     then the serving loop
+#   PART=small: small prefill calls under each launch configuration; PART=host-calls: decode and
+#     prefill eager cost beside DeepGEMM; PART=dgtests: DeepGEMM's own tests, 200 cases each over 8 processes
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
 #   PART=launch: after a launch-path change: its GPU tests, the launch cost taken apart (TP GEMM core
@@ -77,7 +79,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|table|host|topk|eager|serving)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|table|host|topk|eager|serving|host-calls|dgtests|small)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -179,6 +181,19 @@ case "$part" in
   serving)  # a serving-path change's tests, split over processes (DeepGEMM builds meanwhile)
     shards tests-serving "${TESTS_S:-150}" "${TEST_PROCS:-12}" tests/test_jit.py tests/tp tests/indexer/test_paged.py \
       tests/indexer/test_topk.py tests/indexer/test_warmup.py tests/indexer/test_prefill.py ${TESTS_K:+-k "$TESTS_K"}
+    ;;
+  small)  # small prefill calls under each launch configuration (host, wall and GPU time)
+    step small-calls "${SMALL_S:-80}" python3 benchmarks/prefill_small_calls.py --output "$OUT/prefill-small-calls.json"
+    ;;
+  host-calls)  # the decode and prefill eager cost per call beside DeepGEMM (timed alone)
+    wait_deepgemm
+    step host-paged 45 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
+    step host-prefill 60 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
+    ;;
+  dgtests)  # DeepGEMM's own tests, one new sample of $DG_CASES cases each split over $DG_JOBS processes
+    wait_deepgemm
+    step deepgemm-tests "${DG_S:-160}" python3 benchmarks/deepgemm_tests.py --cases "${DG_CASES:-200}" \
+      --jobs "${DG_JOBS:-8}" --time-limit $(( $(budget "${DG_S:-160}") - 15 )) --seed "${SEED:-1}"
     ;;
   eager)  # the eager cost per call beside DeepGEMM and cuBLAS (after the other parts: timed alone)
     wait_deepgemm
