@@ -14,7 +14,8 @@
 #   PART=eager: the eager cost per call (launch cost taken apart, decode and prefill) beside DeepGEMM,
 #     then the serving loop
 #   PART=small: small prefill calls under each launch configuration; PART=host-calls: decode and
-#     prefill eager cost beside DeepGEMM; PART=dgtests: DeepGEMM's own tests, 200 cases each over 8 processes
+#     prefill eager cost beside DeepGEMM; PART=dgtests: DeepGEMM's own tests, 200 cases each over 8 processes;
+#     PART=bf16: the prefill bf16-logits and D 64 rows, Triton and Gluon loops, beside DeepGEMM
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
 #   PART=launch: after a launch-path change: its GPU tests, the launch cost taken apart (TP GEMM core
@@ -52,12 +53,14 @@ shards() {  # shards NAME SECONDS N PYTEST_ARGS...: the selected tests split ove
   local t0=$SECONDS ids="$LOGS/$name.ids" i
   if ((limit == 0)); then echo "$name: skipped (deadline)" | tee -a "$OUT/summary.txt"; return; fi
   python3 -m pytest -q -p no:cacheprovider --collect-only "$@" 2>/dev/null | grep '::' >"$ids"
+  local pids=()
   for ((i = 0; i < n; i++)); do
     awk -v n="$n" -v i="$i" 'NR % n == i' "$ids" >"$ids.$i"
     [ -s "$ids.$i" ] && TILEFUSE_TEST_COMPILE_JOBS=2 TILEFUSE_TEST_INSTAFAIL=1 timeout -k 5 "$limit" xargs -d "\n" -a "$ids.$i" python3 -m pytest -q -p no:cacheprovider \
       >"$LOGS/$name.$i.log" 2>&1 &
+    pids+=($!)
   done
-  wait
+  wait "${pids[@]}"  # (not what runs beside, e.g. DG_BESIDE)
   printf '%-22s %4ss  %s tests: %s\n' "$name" "$((SECONDS - t0))" "$(wc -l <"$ids")" \
     "$(tail -q -n 1 "$LOGS/$name".*.log | tr '\n' ';' | cut -c1-200)" | tee -a "$OUT/summary.txt"
 }
@@ -79,7 +82,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|table|host|topk|eager|serving|host-calls|dgtests|small)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|table|host|topk|eager|serving|host-calls|dgtests|small|bf16)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -178,12 +181,22 @@ case "$part" in
     [ "${LAUNCH_TESTS:-1}" = 1 ] && shards tests-launch "${TESTS_S:-120}" "${TEST_PROCS:-12}" tests/tp tests/indexer/test_paged.py \
       tests/indexer/test_topk.py tests/indexer/test_warmup.py tests/indexer/test_prefill.py ${TESTS_K:+-k "$TESTS_K"}
     ;;
-  serving)  # a serving-path change's tests, split over processes (DeepGEMM builds meanwhile)
+  serving)  # a serving-path change's tests, split over processes (DeepGEMM builds meanwhile;
+    # with DG_BESIDE=1 its own tests run beside them once built: correctness only, nothing timed)
+    [ "${DG_BESIDE:-0}" = 1 ] && (wait_deepgemm; step deepgemm-tests "${DG_S:-160}" python3 benchmarks/deepgemm_tests.py \
+      --cases "${DG_CASES:-200}" --jobs "${DG_JOBS:-8}" --time-limit $(( $(budget "${DG_S:-160}") - 15 )) \
+      --seed "${SEED:-1}") &
     shards tests-serving "${TESTS_S:-150}" "${TEST_PROCS:-12}" tests/test_jit.py tests/tp tests/indexer/test_paged.py \
       tests/indexer/test_topk.py tests/indexer/test_warmup.py tests/indexer/test_prefill.py ${TESTS_K:+-k "$TESTS_K"}
+    wait  # DeepGEMM's tests beside
     ;;
   small)  # small prefill calls under each launch configuration (host, wall and GPU time)
     step small-calls "${SMALL_S:-80}" python3 benchmarks/prefill_small_calls.py --output "$OUT/prefill-small-calls.json"
+    ;;
+  bf16)  # the prefill rows with bf16 logits and D 64, Triton and Gluon loops, DeepGEMM in the same graphs
+    wait_deepgemm
+    step prefill-bf16-d64 "${BF16_S:-100}" python3 benchmarks/prefill_sweep.py --set bf16-d64 --peer --samples 10 \
+      --output "$OUT/prefill-sweep-bf16-d64.json"
     ;;
   host-calls)  # the decode and prefill eager cost per call beside DeepGEMM (timed alone)
     wait_deepgemm

@@ -124,8 +124,25 @@ def abs_tile_rows():
     yield {**base, "s_q": 8192, "s_k": 65536}, tiles[:1] + tiles[3:4]
 
 
+def bf16_d64_rows():
+    """The rows of the prefill issue still behind DeepGEMM's ratio target (bf16 logits, D 64):
+    the Triton loop (the bf16 default) against the Gluon head loop, with and without |s|."""
+    base = dict(s_q=2048, s_k=32768, h=64, d=128, fmt="fp8", clean=True, logits=torch.bfloat16)
+    gluon = C(64, 128, 4, 4, gluon=True, relu_via_abs=2)
+    loops = [C(64, 128, 4, 3, head_unroll=2, clean_pass=True), gluon, dataclasses.replace(gluon, gluon_refill=2),
+             dataclasses.replace(gluon, relu_via_abs=0)]
+    yield base, loops
+    yield {**base, "s_q": 8192, "s_k": 65536}, loops[:3]
+    yield {**base, "clean": False}, loops[:3]
+    yield {**base, "d": 64, "s_k": 8192, "logits": torch.float32}, loops[1:]
+    yield {**base, "d": 64, "s_k": 8192}, loops[:3]
+
+
 def rows(quick: bool, row_set: str):
     base = dict(s_q=2048, s_k=32768, h=64, d=128, clean=True, logits=torch.float32)
+    if row_set == "bf16-d64":
+        yield from bf16_d64_rows()
+        return
     if row_set == "gluon":
         yield from gluon_rows()
         return
@@ -167,11 +184,13 @@ def main(argv=None):
     ap.add_argument("--output", default="prefill-sweep.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--samples", type=int, default=20)
-    ap.add_argument("--set", default="all", choices=("all", "schedules", "small", "h32", "gluon", "abs", "abs-tiles"),
+    ap.add_argument("--peer", action="store_true", help="DeepGEMM's FP8 call as a row of each FP8 shape (same graphs)")
+    ap.add_argument("--set", default="all", choices=("all", "schedules", "small", "h32", "gluon", "abs", "abs-tiles",
+                                                      "bf16-d64"),
                     help="rows: all; schedules (clean-logits schedule per format, clean on and off); small "
                          "(128/32768 and 16/65536 with the few-row tiles); h32 (H = 32 tiles); gluon (the "
                          "Gluon head loop against the Triton loop); abs (relu_via_abs against the defaults); abs-tiles "
-                         "(tiles and rings around it)")
+                         "(tiles and rings around it); bf16-d64 (bf16 logits and D 64, the Triton and Gluon loops)")
     ap.add_argument("--formats", default="fp8,mxfp8,mxfp4", help="comma-separated formats to sweep")
     args = ap.parse_args(argv)
     record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": []}
@@ -206,6 +225,16 @@ def main(argv=None):
             except Exception as e:  # a config that does not compile or launch is a row, not a crash
                 checks[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
                 print(f"{name}: {checks[name]['error']}", flush=True)
+        if args.peer and shape["fmt"] == "fp8":
+            try:
+                import deep_gemm as dg
+
+                fns["deep_gemm"] = functools.partial(dg.fp8_fp4_mqa_logits, qq, kk, w, ks, ke,
+                                                     clean_logits=shape["clean"], logits_dtype=shape["logits"])
+                checks["deep_gemm"] = check(fns["deep_gemm"](), ref, idx, full_mask, shape["logits"], shape["clean"])
+            except Exception as e:  # no peer, or a peer without this call: the row says so
+                fns.pop("deep_gemm", None)
+                checks["deep_gemm"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         del ref, full_mask
         # Every captured call keeps its output alive: stay within ~40 GiB of retained logits.
         out_bytes = shape["s_q"] * shape["s_k"] * 4
