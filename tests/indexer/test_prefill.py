@@ -8,6 +8,7 @@ several programs and partial tiles are exercised); on a GPU the same checks run 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -1010,10 +1011,12 @@ def _launch_keys(calls) -> set:
 
 def _shape_calls(fmt, h, d, clean, compressed, w_dtype, g):
     """Calls over S_q, S_k, windows and strides chosen to move every specialisation: sizes of 1,
-    multiples of 16 and odd ones, padded query/key/weight rows, sliced windows and key scales."""
+    multiples of 16 and odd ones, padded query/key/weight rows, sliced windows and key scales,
+    in every size class (prefill.size_class)."""
     calls = []
     for s_q, s_k, pad, offset in ((1, 1, 0, 0), (16, 64, 16, 1), (33, 300, 32, 3), (64, 1024, 0, 2),
-                                  (37, 17, 48, 0), (128, 160, 16, 5)):
+                                  (37, 17, 48, 0), (128, 160, 16, 5), (200, 4001, 0, 1), (97, 12000, 16, 2),
+                                  (300, 7999, 0, 3)):
         _, _, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=s_q)
         q_vals = torch.zeros(s_q, h * qq[0].shape[2] + pad, dtype=qq[0].dtype)[:, :h * qq[0].shape[2]]
         q_vals = q_vals.view(s_q, h, qq[0].shape[2])
@@ -1031,6 +1034,26 @@ def _shape_calls(fmt, h, d, clean, compressed, w_dtype, g):
         calls.append(lambda q=(q_vals, qq[1]), kv=(kk[0], k_sf), w=w_rows, ks=ks, ke=ke, m=max_seqlen_k:
                      tilefuse.fp8_fp4_mqa_logits(q, kv, w, ks, ke, clean, m))
     return calls
+
+
+def test_size_classes_and_their_defaults():
+    """Hopper's FP8 default by call size: the few-row kernel up to 32 rows and for few-row calls,
+    the plain Gluon loop (one launch) for small calls, the head sum through |s| above (fp32 and
+    bf16 logits); elsewhere only the row count matters."""
+    sc = prefill.size_class
+    assert [sc(32, 10**9), sc(33, 4096), sc(256, 4096), sc(257, 4096), sc(512, 4096), sc(512, 4097),
+            sc(128, 8193)] == [0, 1, 1, 2, 2, 3, 2]
+    for logits in (torch.float32, torch.bfloat16):
+        cfg = functools.partial(prefill.default_config, "fp8", 64, 128, logits_dtype=logits, arch=9)
+        assert cfg(128, num_keys=4096).heads_on_n and cfg(16, num_keys=65536).heads_on_n
+        small, big = cfg(512, num_keys=4096), cfg(2048, num_keys=32768)
+        assert small.gluon and small.relu_via_abs == 0 and big.gluon and big.relu_via_abs == 2
+        assert cfg(2048) == big  # no size given: the largest class
+    for arch in (None, 10):
+        assert prefill.default_config("fp8", 64, 128, 128, arch=arch, num_keys=4096) == prefill.default_config(
+            "fp8", 64, 128, 128, arch=arch, num_keys=10**6)
+    assert prefill.default_config("mxfp8", 64, 128, 128, arch=9, num_keys=4096) == prefill.default_config(
+        "mxfp8", 64, 128, 128, arch=9, num_keys=10**6)
 
 
 @pytest.mark.parametrize("arch", [None, 9, 10])

@@ -90,44 +90,51 @@ class PrefillConfig:
 
 register_config("prefill", PrefillConfig)
 # At most this many query rows take the few-row path (heads_on_n; for MX, in the pass over the
-# renormalised rows). With SMALL_CALL, the only choices of the defaults that depend on the
-# sizes (size_class), so a model's kernels are a fixed set (warmup_calls).
+# renormalised rows). With the call sizes below, the only choices of the defaults that depend
+# on the sizes (size_class), so a model's kernels are a fixed set (warmup_calls).
 FEW_ROWS = 32
-# Calls of at most this many (query row, key) pairs are bound by the host, not the GPU (an
-# engine's short chunks): there the FP8 default drops the head sum through |s| (whose linear
-# term is a second launch, a scratch buffer and a third host descriptor).
-SMALL_CALL = 2**20
+# FP8 on Hopper, measured per eager call and in GPU time (benchmarks/NOTES.md, round of
+# 2026-12-03 (4)): up to FEW_CALL_ROWS rows and FEW_CALL (query row, key) pairs the few-row
+# kernel is the fastest in GPU time too; up to SMALL_CALL pairs (an engine's short chunks) the
+# plain Gluon head loop, one launch, against the head sum through |s|, whose linear term is a
+# second launch, a scratch buffer and a third host descriptor.
+FEW_CALL_ROWS = 256
+FEW_CALL = 2**20
+SMALL_CALL = 2**21
 
 
 def size_class(num_q_rows: int, num_keys: int) -> int:
-    """The only thing the default configs read of a call's sizes: 0 few rows, 1 a small call
-    (host-bound), 2 the rest."""
+    """All that the default configs read of a call's sizes: 0 at most FEW_ROWS rows, 1 a few-row
+    call (FEW_CALL_ROWS, FEW_CALL), 2 a small call (SMALL_CALL), 3 the rest."""
     if num_q_rows <= FEW_ROWS:
         return 0
-    return 1 if num_q_rows * num_keys <= SMALL_CALL else 2
+    pairs = num_q_rows * num_keys
+    if num_q_rows <= FEW_CALL_ROWS and pairs <= FEW_CALL:
+        return 1
+    return 2 if pairs <= SMALL_CALL else 3
 
 
 def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
                    logits_dtype: torch.dtype = torch.float32, arch: int | None = None,
                    num_keys: int | None = None) -> PrefillConfig:
     """The launch configuration measured best on an H200 at H = 64, D = 128 for each format,
-    by the number of query rows (at most 32: the few-row path), the call's size (``num_keys``
-    given: :data:`SMALL_CALL`) and the logits dtype; ``arch`` is the GPU's compute-capability
-    major (None: the CPU interpreter), 9 picks the Gluon head loop where it won. The sweeps
-    behind every row are in ``benchmarks/NOTES.md``.
+    by the number of query rows (at most 32: the few-row path), the call's size (with
+    ``num_keys``: :func:`size_class`) and the logits dtype; ``arch`` is the GPU's
+    compute-capability major (None: the CPU interpreter), 9 picks the Gluon head loop where it
+    won. The sweeps behind every row are in ``benchmarks/NOTES.md``.
     """
     del num_heads, head_dim  # one tile per format fits every H and D measured so far
     hopper = arch == 9
+    few = num_q_rows is not None and num_q_rows <= FEW_ROWS
+    cls = 3 if num_q_rows is None or num_keys is None else size_class(num_q_rows, num_keys)
     if fmt == "fp8":
-        if num_q_rows is not None and num_q_rows <= FEW_ROWS:
+        if few or (hopper and cls == 1):
             return PrefillConfig(block_q=16, block_n=128, num_warps=4, num_stages=3, heads_on_n=True)
-        if hopper and logits_dtype == torch.float32:
-            small = num_q_rows is not None and num_keys is not None and num_q_rows * num_keys <= SMALL_CALL
+        if hopper:
             return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon=True, gluon_refill=1,
-                                 relu_via_abs=0 if small else 2)
+                                 relu_via_abs=0 if cls == 2 else 2)
         return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3, head_unroll=2,
                              clean_pass=logits_dtype == torch.bfloat16)
-    few = num_q_rows is not None and num_q_rows <= FEW_ROWS
     if fmt == "mxfp8":
         if hopper and not few:
             return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, mxfp8_via_f16=True, gluon=True,
@@ -795,7 +802,7 @@ def fp8_fp4_mqa_logits(
 
 
 # Eager calls by everything their host work depends on but the sizes (the argument signature,
-# the few-row class, clean, config, overrides, the layouts of out and schedule_meta): the
+# the size class, clean, config, overrides, the layouts of out and schedule_meta): the
 # launches a call made, replayed with a later call's tensors, sizes and new scratch buffers
 # (tilefuse._jit.replay), so that a call of a known layout checks nothing and builds nothing
 # but what its sizes change. A layout's first call only marks it (0); its next ones record, an
@@ -907,18 +914,20 @@ def warmup_calls(fmt: str, num_heads: int, head_dim: int, weights_dtype: torch.d
                  logits_dtype: torch.dtype = torch.float32, clean_logits: bool = False, compressed: bool = False,
                  device: torch.device | str = "cuda") -> list:
     """One call per kernel variant that the op's heuristics can pick for this model
-    configuration (each size class: few rows, a small call, the rest, with every pass each one
-    launches), on small inputs. After running them, any S_q, S_k, windows and strides run
-    without a compile. Returns the calls (each takes no arguments and returns nothing)."""
+    configuration (a call of each size class whose config no smaller call has, with every pass
+    each one launches), on small inputs. After running them, any S_q, S_k, windows and strides
+    run without a compile. Returns the calls (each takes no arguments and returns nothing)."""
     device = torch.device(device)
     calls = []
-    rows = 3 * FEW_ROWS
-    sizes = [(FEW_ROWS // 2, 256), (rows, 256)]  # few rows; a small call
     arch = _arch(device)
-    big_keys = SMALL_CALL // rows + 1
-    if (resolve_config(fmt, num_heads, head_dim, rows, None, logits_dtype, arch, big_keys)
-            != resolve_config(fmt, num_heads, head_dim, rows, None, logits_dtype, arch, 256)):
-        sizes.append((rows, big_keys))  # (only where the class changes the config: the largest call)
+    rows = 3 * FEW_ROWS
+    # the smallest call of each size_class
+    sizes, seen = [], set()
+    for s_q, s_k in ((FEW_ROWS // 2, 256), (rows, 256), (rows, FEW_CALL // rows + 1), (rows, SMALL_CALL // rows + 1)):
+        cfg = resolve_config(fmt, num_heads, head_dim, s_q, None, logits_dtype, arch, s_k)
+        if cfg not in seen:
+            seen.add(cfg)
+            sizes.append((s_q, s_k))
     for s_q, s_k in sizes:
         q, kv = _zero_inputs(fmt, s_q, s_k, num_heads, head_dim, device)
         weights = torch.zeros(s_q, num_heads, dtype=weights_dtype, device=device)
