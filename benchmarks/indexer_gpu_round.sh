@@ -14,8 +14,8 @@
 #   PART=eager: the eager cost per call (launch cost taken apart, decode and prefill) beside DeepGEMM,
 #     then the serving loop
 #   PART=small: small prefill calls under each launch configuration; PART=host-calls: decode and
-#     prefill eager cost beside DeepGEMM; PART=dgtests: DeepGEMM's own tests, 200 cases each over 8 processes;
-#     PART=bf16: the prefill bf16-logits and D 64 rows, Triton and Gluon loops, beside DeepGEMM
+#     prefill eager cost beside DeepGEMM; PART=dgtests: DeepGEMM's own tests, 200 cases each, side by side;
+#     PART=pick: the GPU tests named in $PICK; PART=bf16: the prefill bf16-logits and D 64 rows, Triton and Gluon loops, beside DeepGEMM
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
 #   PART=launch: after a launch-path change: its GPU tests, the launch cost taken apart (TP GEMM core
@@ -82,7 +82,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|table|host|topk|eager|serving|host-calls|dgtests|small|bf16)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|table|host|topk|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -190,6 +190,9 @@ case "$part" in
       tests/indexer/test_topk.py tests/indexer/test_warmup.py tests/indexer/test_prefill.py ${TESTS_K:+-k "$TESTS_K"}
     wait  # DeepGEMM's tests beside
     ;;
+  pick)  # the GPU tests named in $PICK (pytest arguments), e.g. after fixing a test
+    step tests-pick "${PICK_S:-60}" python3 -m pytest -q -p no:cacheprovider ${PICK:-tests/test_config.py}
+    ;;
   small)  # small prefill calls under each launch configuration (host, wall and GPU time)
     step small-calls "${SMALL_S:-80}" python3 benchmarks/prefill_small_calls.py --output "$OUT/prefill-small-calls.json"
     ;;
@@ -203,10 +206,15 @@ case "$part" in
     step host-paged 45 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
     step host-prefill 60 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
     ;;
-  dgtests)  # DeepGEMM's own tests, one new sample of $DG_CASES cases each split over $DG_JOBS processes
+  dgtests)  # DeepGEMM's own tests, one new sample of $DG_CASES cases each, the two tests side by side,
+    # each split over processes ($DG_JOBS_PREFILL, $DG_JOBS_PAGED)
     wait_deepgemm
-    step deepgemm-tests "${DG_S:-160}" python3 benchmarks/deepgemm_tests.py --cases "${DG_CASES:-200}" \
-      --jobs "${DG_JOBS:-8}" --time-limit $(( $(budget "${DG_S:-160}") - 15 )) --seed "${SEED:-1}"
+    for t in prefill paged; do
+      jobs_var="DG_JOBS_${t^^}"
+      step "deepgemm-$t" "${DG_S:-160}" python3 benchmarks/deepgemm_tests.py --tests "$t" --cases "${DG_CASES:-200}" \
+        --jobs "${!jobs_var:-2}" --time-limit $(( $(budget "${DG_S:-160}") - 15 )) --seed "${SEED:-1}" &
+    done
+    wait
     ;;
   eager)  # the eager cost per call beside DeepGEMM and cuBLAS (after the other parts: timed alone)
     wait_deepgemm
