@@ -2,12 +2,11 @@
 
 Eager, back to back, default settings: ``calls`` launches timed on the host wall clock and
 divided, the best of three rounds (the GPU work of a B = 32, ctx 4096 call is a few
-microseconds, so the host and launch path bounds it), and again queued behind a sleep kernel
-("GPU busy": a launch onto an idle GPU costs more than one queued behind earlier work); the
-metadata op the same way, and its GPU time inside a CUDA graph of ``calls`` replays; each again
-with the batch size and max_context_len new every call (a decode loop past its captured
-graphs). DeepGEMM in the same run when ``import deep_gemm`` works. Then the compiles seen over
-12 random (B, max_context_len) pairs after the warm-up calls.
+microseconds, so the host and launch path bounds it); the metadata op the same way, and its
+GPU time inside a CUDA graph of ``calls`` replays; each again with the batch size and
+max_context_len new every call (a decode loop past its captured graphs). DeepGEMM in the
+same run when ``import deep_gemm`` works. Then the compiles seen over 12 random (B,
+max_context_len) pairs after the warm-up calls.
 
     python benchmarks/paged_host_cost.py --output paged-host-cost.json
 
@@ -58,35 +57,6 @@ def per_call_us(fn, calls: int, sync, rounds: int = 3) -> float:
     return best
 
 
-def busy_host_us(fn, calls: int, rounds: int = 3, guess_us: float = 100.0) -> float:
-    """Host time per call of ``calls`` back-to-back calls queued behind a sleep kernel, the best
-    of ``rounds``: the launch path while the GPU is still busy with earlier work, as in an
-    engine's step (the launches queue behind the previous layers' kernels). Back to back on an
-    idle GPU (:func:`per_call_us`) a launch costs several microseconds more whenever the GPU has
-    caught up with the host. A round whose sleep ended before its last launch is repeated with a
-    longer sleep."""
-    fn()
-    torch.cuda.synchronize()
-    best, per_call = float("inf"), guess_us
-    for _ in range(rounds):
-        for _attempt in range(4):
-            torch.cuda._sleep(int(2 * calls * per_call * 2000))  # ~2000 SM cycles a microsecond, 2x margin
-            asleep = torch.cuda.Event()
-            asleep.record()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            elapsed = (time.perf_counter() - t0) / calls * 1e6
-            covered = not asleep.query()
-            torch.cuda.synchronize()
-            per_call = max(per_call, elapsed)
-            if covered:
-                best = min(best, elapsed)
-                break
-            per_call *= 2
-    return best
-
-
 def graph_gpu_us(fn, calls: int) -> float:
     fn()
     torch.cuda.synchronize()
@@ -131,26 +101,20 @@ def main(argv=None) -> int:
         rows.append({"name": name, "us": us, **extra})
         print(f"{name:56s} {us:9.1f} us", flush=True)
 
-    def timed(name, fn):
-        """The call back to back (GPU idle between calls when faster than the host), then queued
-        behind earlier GPU work."""
-        record(name, per_call_us(fn, calls, sync))
-        if gpu:
-            record(f"{name}, GPU busy", busy_host_us(fn, calls))
-
     def measure(fmt: str):
         qq, cache, w, lens, table = inputs(fmt, batch, ctx, 1, device)
         lens = lens.reshape(batch, 1).contiguous()  # 2-D lengths: DeepGEMM's metadata takes only those
         meta = tilefuse.get_paged_mqa_logits_metadata(lens, BLOCK_KV, num_sms)
         out = torch.empty(batch, ctx, device=device)
-        timed(f"tilefuse {fmt} B{batch} ctx{ctx} eager",
-              lambda: tilefuse.fp8_fp4_paged_mqa_logits(qq, cache, w, lens, table, meta, ctx))
-        timed(f"tilefuse {fmt} B{batch} ctx{ctx} eager out=",
-              lambda: tilefuse.fp8_fp4_paged_mqa_logits(qq, cache, w, lens, table, meta, ctx, out=out))
+        record(f"tilefuse {fmt} B{batch} ctx{ctx} eager", per_call_us(
+            lambda: tilefuse.fp8_fp4_paged_mqa_logits(qq, cache, w, lens, table, meta, ctx), calls, sync))
+        record(f"tilefuse {fmt} B{batch} ctx{ctx} eager out=", per_call_us(
+            lambda: tilefuse.fp8_fp4_paged_mqa_logits(qq, cache, w, lens, table, meta, ctx, out=out), calls, sync))
         if fmt == "fp8" and deep_gemm is not None:
             dg_meta = deep_gemm.get_paged_mqa_logits_metadata(lens, BLOCK_KV, num_sms)
-            timed(f"deep_gemm {fmt} B{batch} ctx{ctx} eager",
-                  lambda: deep_gemm.fp8_paged_mqa_logits(qq[0], cache, w, lens, table, dg_meta, ctx, False))
+            record(f"deep_gemm {fmt} B{batch} ctx{ctx} eager", per_call_us(
+                lambda: deep_gemm.fp8_paged_mqa_logits(qq[0], cache, w, lens, table, dg_meta, ctx, False), calls,
+                sync))
         # A decode loop past its captured batch sizes: B (within 8 of ``batch``, one of DeepGEMM's
         # 32-request metadata classes) and max_context_len new every call, views made beforehand.
         b_lo = max(1, batch - 7)
@@ -165,7 +129,7 @@ def main(argv=None) -> int:
             tilefuse.fp8_fp4_paged_mqa_logits(q_, cache, w_, lens_, table_, meta_, ctx + i)
 
         name = f"B{b_lo}-{batch} ctx{ctx}, B and max_context_len new every call"
-        timed(f"tilefuse {fmt} {name}", ours)
+        record(f"tilefuse {fmt} {name}", per_call_us(ours, calls, sync))
         if fmt == "fp8" and deep_gemm is not None:
             dg_metas = {b: deep_gemm.get_paged_mqa_logits_metadata(v[2], BLOCK_KV, num_sms) for b, v in views.items()}
             dg_steps = itertools.count()
@@ -176,15 +140,16 @@ def main(argv=None) -> int:
                 q_, w_, lens_, table_, _ = views[b]
                 deep_gemm.fp8_paged_mqa_logits(q_[0], cache, w_, lens_, table_, dg_metas[b], ctx + i, False)
 
-            timed(f"deep_gemm {fmt} {name}", theirs)
+            record(f"deep_gemm {fmt} {name}", per_call_us(theirs, calls, sync))
         return lens, views
 
     for fmt in ("fp8", "mxfp8", "mxfp4"):
         lens, views = measure(fmt)
-    timed(f"tilefuse metadata B{batch} eager", lambda: tilefuse.get_paged_mqa_logits_metadata(lens, BLOCK_KV, num_sms))
+    record(f"tilefuse metadata B{batch} eager", per_call_us(
+        lambda: tilefuse.get_paged_mqa_logits_metadata(lens, BLOCK_KV, num_sms), calls, sync))
     if deep_gemm is not None:
-        timed(f"deep_gemm metadata B{batch} eager",
-              lambda: deep_gemm.get_paged_mqa_logits_metadata(lens, BLOCK_KV, num_sms))
+        record(f"deep_gemm metadata B{batch} eager", per_call_us(
+            lambda: deep_gemm.get_paged_mqa_logits_metadata(lens, BLOCK_KV, num_sms), calls, sync))
     batches = [v[2] for v in views.values()]
     for name, fn in (("tilefuse", tilefuse.get_paged_mqa_logits_metadata),
                      ("deep_gemm", deep_gemm and deep_gemm.get_paged_mqa_logits_metadata)):

@@ -7,9 +7,7 @@ any machine; Triton's own launch cost (about 14 us on an H200 host, 27 us with a
 descriptor) comes on top. On a GPU without ``--stub`` the real kernels run at a small shape
 and the host time is the time to enqueue the calls, read without a sync, the best of three
 rounds; the wall time per call after a final sync and the GPU time of one call (a CUDA graph)
-are printed beside it, and the host time with the calls queued behind a sleep kernel (the GPU
-busy with earlier work, as in an engine's step: a launch onto an idle GPU costs more).
-A round's launches must stay below what the launch queue holds (about a
+are printed beside it. A round's launches must stay below what the launch queue holds (about a
 thousand: ``--calls 250`` for the three-launch MX paths), or the host time reads the GPU's pace
 where the GPU time is the larger. Each shape is timed twice: the same sizes every call, and
 new sizes every call (a chunked prefill: S_q and S_k change from chunk to chunk, so no call
@@ -33,7 +31,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from paged_host_cost import busy_host_us, graph_gpu_us  # noqa: E402  (a sibling script: benchmarks/ is on sys.path)
+from paged_host_cost import graph_gpu_us  # noqa: E402  (a sibling script: benchmarks/ is on sys.path)
 
 import tilefuse  # noqa: E402
 from tilefuse import _jit  # noqa: E402
@@ -107,10 +105,10 @@ def _new_size_calls(fmt: str, s_q: int, s_k: int, device: str, n: int, peer=None
               buffer[:a, :b]) for a, b in sizes]
     steps = {"new": 0, "out": 0, "peer": 0}
 
-    def step(name):  # (sizes repeat only after n calls: more than a timed round makes)
+    def step(name):
         i = steps[name]
         steps[name] = i + 1
-        return views[i % n]
+        return views[i]
 
     def new():
         q_, kv_, w_, ks_, ke_, _ = step("new")
@@ -149,8 +147,6 @@ def time_calls(fn, calls: int, device: str, rounds: int = 3) -> dict:
         done = time.perf_counter()
         best["host_us"] = min(best["host_us"], (enqueued - start) / calls * 1e6)
         best["wall_us"] = min(best["wall_us"], (done - start) / calls * 1e6)
-    if device == "cuda":  # queued behind earlier GPU work, as in an engine's step
-        best["host_busy_us"] = busy_host_us(fn, calls, rounds, guess_us=best["wall_us"])
     return best
 
 
@@ -179,16 +175,14 @@ def main(argv=None) -> int:
                     row["gpu_us"] = graph_gpu_us(fn, 5)
                 rows.append(row)
                 gpu = f"   gpu {row['gpu_us']:8.1f} us" if "gpu_us" in row else "   (kernels stubbed)"
-                busy = f"   busy {row['host_busy_us']:6.1f} us" if "host_busy_us" in row else ""
                 print(f"{fmt:6} {s_q:5}/{s_k:<6} {name:15} host {row['host_us']:8.1f} us   "
-                      f"wall {row['wall_us']:8.1f} us{gpu}{busy}")
+                      f"wall {row['wall_us']:8.1f} us{gpu}")
             for name, fn in _new_size_calls(fmt, s_q, s_k, device, 10 + 3 * args.calls, peer).items():
                 row = {"fmt": fmt, "s_q": s_q, "s_k": s_k, "call": name, "stub": stub, "device": device,
                        **time_calls(fn, args.calls, device)}
                 rows.append(row)
-                busy = f"   busy {row['host_busy_us']:6.1f} us" if "host_busy_us" in row else ""
                 print(f"{fmt:6} {s_q:5}/{s_k:<6} {name:15} host {row['host_us']:8.1f} us   "
-                      f"wall {row['wall_us']:8.1f} us{busy}")
+                      f"wall {row['wall_us']:8.1f} us")
     if args.output:
         with open(args.output, "w") as f:
             from tilefuse.bench.env import environment

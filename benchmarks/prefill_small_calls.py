@@ -5,9 +5,9 @@ For each (format, S_q, S_k) and each candidate config (FP8: the Gluon head loop 
 sum through |s|, which launches the linear-term pass first, the plain Gluon head loop, one
 launch, and the few-row kernel; MX: the renormalised rows, three launches, and the kernel on
 the MX operands directly, one launch), eager back-to-back calls with the same sizes (host and
-wall time, the best of three rounds; the host time again queued behind earlier GPU work) and
-the GPU time of one call in a CUDA graph. The call's cost to an engine is the larger of its
-host and GPU time. The default row says what ``fp8_fp4_mqa_logits`` picks without a config.
+wall time, the best of three rounds) and the GPU time of one call in a CUDA graph. The call's
+cost to an engine is the larger of its host and GPU time. The default row says what
+``fp8_fp4_mqa_logits`` picks without a config.
 
     python benchmarks/prefill_small_calls.py [--output small-calls.json]
 """
@@ -62,9 +62,8 @@ def main(argv=None) -> int:
                 if cfg is not None:
                     row["fields"] = {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
                 rows.append(row)
-                print(f"{fmt:6} {s_q:5}/{s_k:<6} {name:14} host {row['host_us']:7.1f}  "
-                      f"busy {row['host_busy_us']:7.1f}  wall {row['wall_us']:7.1f}  gpu {row['gpu_us']:7.1f} us",
-                      flush=True)
+                print(f"{fmt:6} {s_q:5}/{s_k:<6} {name:14} host {row['host_us']:7.1f}  wall {row['wall_us']:7.1f}  "
+                      f"gpu {row['gpu_us']:7.1f} us", flush=True)
     if args.output:
         from tilefuse.bench.env import environment
 
