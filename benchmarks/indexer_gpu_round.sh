@@ -14,7 +14,7 @@
 #   PART=eager: the eager cost per call (launch cost taken apart, decode and prefill) beside DeepGEMM,
 #     then the serving loop
 #   PART=small: small prefill calls under each launch configuration; PART=host-calls: decode and
-#     prefill eager cost beside DeepGEMM; PART=dgtests: DeepGEMM's own tests, 200 cases each, side by side;
+#     prefill eager cost beside DeepGEMM; PART=dgtests: DeepGEMM's own tests, 200 cases each, one process;
 #     PART=pick: the GPU tests named in $PICK; PART=bf16: the prefill bf16-logits and D 64 rows, Triton and Gluon loops, beside DeepGEMM
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
@@ -60,7 +60,7 @@ shards() {  # shards NAME SECONDS N PYTEST_ARGS...: the selected tests split ove
       >"$LOGS/$name.$i.log" 2>&1 &
     pids+=($!)
   done
-  wait "${pids[@]}"  # (not what runs beside, e.g. DG_BESIDE)
+  wait "${pids[@]}"
   printf '%-22s %4ss  %s tests: %s\n' "$name" "$((SECONDS - t0))" "$(wc -l <"$ids")" \
     "$(tail -q -n 1 "$LOGS/$name".*.log | tr '\n' ';' | cut -c1-200)" | tee -a "$OUT/summary.txt"
 }
@@ -181,14 +181,9 @@ case "$part" in
     [ "${LAUNCH_TESTS:-1}" = 1 ] && shards tests-launch "${TESTS_S:-120}" "${TEST_PROCS:-12}" tests/tp tests/indexer/test_paged.py \
       tests/indexer/test_topk.py tests/indexer/test_warmup.py tests/indexer/test_prefill.py ${TESTS_K:+-k "$TESTS_K"}
     ;;
-  serving)  # a serving-path change's tests, split over processes (DeepGEMM builds meanwhile;
-    # with DG_BESIDE=1 its own tests run beside them once built: correctness only, nothing timed)
-    [ "${DG_BESIDE:-0}" = 1 ] && (wait_deepgemm; step deepgemm-tests "${DG_S:-160}" python3 benchmarks/deepgemm_tests.py \
-      --cases "${DG_CASES:-200}" --jobs "${DG_JOBS:-8}" --time-limit $(( $(budget "${DG_S:-160}") - 15 )) \
-      --seed "${SEED:-1}") &
+  serving)  # a serving-path change's tests, split over processes (DeepGEMM builds meanwhile)
     shards tests-serving "${TESTS_S:-150}" "${TEST_PROCS:-12}" tests/test_jit.py tests/tp tests/indexer/test_paged.py \
       tests/indexer/test_topk.py tests/indexer/test_warmup.py tests/indexer/test_prefill.py ${TESTS_K:+-k "$TESTS_K"}
-    wait  # DeepGEMM's tests beside
     ;;
   pick)  # the GPU tests named in $PICK (pytest arguments), e.g. after fixing a test
     step tests-pick "${PICK_S:-60}" python3 -m pytest -q -p no:cacheprovider ${PICK:-tests/test_config.py}
@@ -206,15 +201,11 @@ case "$part" in
     step host-paged 45 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
     step host-prefill 60 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
     ;;
-  dgtests)  # DeepGEMM's own tests, one new sample of $DG_CASES cases each, the two tests side by side,
-    # each split over processes ($DG_JOBS_PREFILL, $DG_JOBS_PAGED)
+  dgtests)  # DeepGEMM's own tests, a new sample of $DG_CASES cases each, one process (its larger
+    # cases take up to ~90 GiB: processes sharing the GPU run out of memory, NOTES)
     wait_deepgemm
-    for t in prefill paged; do
-      jobs_var="DG_JOBS_${t^^}"
-      step "deepgemm-$t" "${DG_S:-160}" python3 benchmarks/deepgemm_tests.py --tests "$t" --cases "${DG_CASES:-200}" \
-        --jobs "${!jobs_var:-2}" --time-limit $(( $(budget "${DG_S:-160}") - 15 )) --seed "${SEED:-1}" &
-    done
-    wait
+    step deepgemm-tests "${DG_S:-300}" python3 benchmarks/deepgemm_tests.py --cases "${DG_CASES:-200}" \
+      --seed "${SEED:-1}"
     ;;
   eager)  # the eager cost per call beside DeepGEMM and cuBLAS (after the other parts: timed alone)
     wait_deepgemm
