@@ -189,7 +189,8 @@ case "$part" in
     step tests-pick "${PICK_S:-60}" python3 -m pytest -q -p no:cacheprovider ${PICK:-tests/test_config.py}
     ;;
   small)  # small prefill calls under each launch configuration (host, wall and GPU time)
-    step small-calls "${SMALL_S:-80}" python3 benchmarks/prefill_small_calls.py --output "$OUT/prefill-small-calls.json"
+    step small-calls "${SMALL_S:-80}" python3 benchmarks/prefill_small_calls.py --output "$OUT/prefill-small-calls.json" \
+      ${SMALL_ARGS:-}
     ;;
   bf16)  # the prefill rows with bf16 logits and D 64, Triton and Gluon loops, DeepGEMM in the same graphs
     wait_deepgemm

@@ -41,6 +41,8 @@ VARIANTS = {  # name -> (format, config fields beyond the tile)
     "fp8-abs2": ("fp8", dict(relu_via_abs=2)),
     "fp8-abs2-unroll2": ("fp8", dict(relu_via_abs=2, head_unroll=2)),
     "mxfp4-via-fp8-abs2": ("mxfp4", dict(fp4_via_fp8=True, relu_via_abs=2)),
+    "mxfp4-inline": ("mxfp4", dict(fp4_via_fp8=True, heads_on_n=True, mx_inline=True)),
+    "mxfp8-inline": ("mxfp8", dict(mxfp8_via_f16=True, heads_on_n=True, mx_inline=True)),
 }
 BF16_THRESHOLD = {"fp8": 1e-3, "mxfp8": 0.02, "mxfp4": 0.02}
 
@@ -245,6 +247,54 @@ def test_mxfp8_via_f16_is_exact_and_recomputes_rows_with_wide_scale_spans(poison
     check_logits(out, qq, kk, q, k, w, ks, ke, "mxfp8", against_unquantised=False)
 
     _check_wide_span_prep(qq, kk, w, "mxfp8", d, bad_q=3, bad_k=17)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+@pytest.mark.parametrize("clean,compressed", [(False, False), (True, False), (True, True)])
+def test_mx_inline_is_one_launch_and_the_renormalised_passes_bits(fmt, clean, compressed, poisoned,
+                                                                     record_launches):
+    """``mx_inline``: one launch of the few-row MX kernel; with every row exact, the bits of the
+    renormalise launch + the few-row FP8-grid pass (same tile); a query row and a key whose
+    block exponents span too wide are computed with the bf16 upcast, against the reference."""
+    from tilefuse.indexer import _prefill_kernel as kern
+
+    s_q, s_k, h, d = shapes((20, 300), (200, 4096)) + (8, 128)
+    via = dict(fp4_via_fp8=True) if fmt == "mxfp4" else dict(mxfp8_via_f16=True)
+    passes = prefill.PrefillConfig(block_q=16, block_n=128, heads_on_n=True, **via)
+    inline = dataclasses.replace(passes, mx_inline=True)
+    q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=31)
+    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(4), empty_fraction=0.2,
+                              device=DEVICE)
+    max_seqlen_k = int((ke - ks).max()) + 5 if compressed else 0
+    one = record_launches(kern, "prefill_mx_few_rows_kernel")
+    renorm = record_launches(kern, "mx_rows_renormalise_kernel")
+    got = run(qq, kk, w, ks, ke, config=inline, clean_logits=clean, max_seqlen_k=max_seqlen_k)
+    assert len(one) == 1 and renorm == []
+    check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k)
+    ref = run(qq, kk, w, ks, ke, config=passes, clean_logits=clean, max_seqlen_k=max_seqlen_k)
+    written = ~torch.isnan(ref) & ~torch.isnan(got)
+    assert torch.equal(got[written].view(torch.int32), ref[written].view(torch.int32))
+
+    q, k = q.float(), k.float()
+    q[3, 2, :32] *= 1e6 if fmt == "mxfp8" else 1e4  # past the exact span (15 / 8 binades)
+    k[17, 32:64] *= 1e7 if fmt == "mxfp8" else 1e5
+    qq, kk = F.quantize_q(q.cpu(), fmt), F.quantize_k(k.cpu(), fmt)
+    qq, kk = tuple(t.to(DEVICE) for t in qq), tuple(t.to(DEVICE) for t in kk)
+    got = run(qq, kk, w, ks, ke, config=inline, clean_logits=clean, max_seqlen_k=max_seqlen_k)
+    check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k,
+                 against_unquantised=False)
+
+
+def test_mx_inline_rejects_what_it_cannot_run():
+    _, _, w, qq, kk = make_inputs(16, 64, 4, 64, "mxfp4", seed=2)
+    ks, ke = W.causal_tail(16, 64, device=DEVICE)
+    for fmt_q, fmt_k, cfg in (((qq[0], qq[1]), kk, dataclasses.replace(SMALL, fp4_via_fp8=True, mx_inline=True)),):
+        with pytest.raises(ValueError, match="mx_inline"):
+            tilefuse.fp8_fp4_mqa_logits(fmt_q, fmt_k, w, ks, ke, config=cfg)
+    _, _, w8, qq8, kk8 = make_inputs(16, 64, 4, 64, "fp8", seed=2)
+    with pytest.raises(ValueError, match="mx_inline"):
+        tilefuse.fp8_fp4_mqa_logits(qq8, kk8, w8, ks, ke, config=dataclasses.replace(SMALL, heads_on_n=True,
+                                                                                       mx_inline=True))
 
 
 # ---------------------------------------------------------------------------------------

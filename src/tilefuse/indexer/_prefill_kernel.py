@@ -330,23 +330,34 @@ def _pow2_biased(e):
 
 
 @triton.jit
-def _renormalise_tile(src_rows, sf, ok, dst_rows, D: tl.constexpr, FMT: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Store ``BLOCK_R`` MX rows (``src_rows``: each row's first element) renormalised by their
-    largest block scale at ``dst_rows``; returns that scale's biased exponent per row."""
+def _renormalised(raw, sf, D: tl.constexpr, FMT: tl.constexpr, ROWS: tl.constexpr):
+    """MX rows ``raw`` [ROWS, D] (MXFP4: [ROWS, D/2] packed) with packed scales ``sf`` [ROWS],
+    each renormalised by its largest block scale: (fp32 values [ROWS, D], that scale's biased
+    exponent per row). The values are exact in E4M3 (MXFP4) or f16 (MXFP8) where the row is
+    (``_not_exact``)."""
     e_max, _ = _block_exponent_range(sf, D // 32)
     if FMT == FMT_MXFP4:
         half = tl.arange(0, D // 2)
-        raw = tl.load(src_rows[:, None] + half[None, :], mask=ok[:, None], other=0)
         b = raw.to(tl.int32) & 0xFF
         e = (sf[:, None] >> ((half // 16) * 8)[None, :]) & 0xFF
         scale = ((tl.maximum(e - e_max[:, None], -126) + 127) << 23).to(tl.float32, bitcast=True)
-        vals = tl.reshape(tl.join(_e2m1_to_f32(b & 0xF) * scale, _e2m1_to_f32(b >> 4) * scale), (BLOCK_R, D))
+        vals = tl.reshape(tl.join(_e2m1_to_f32(b & 0xF) * scale, _e2m1_to_f32(b >> 4) * scale), (ROWS, D))
     else:
         col = tl.arange(0, D)
-        raw = tl.load(src_rows[:, None] + col[None, :], mask=ok[:, None], other=0.0)
         e = (sf[:, None] >> ((col // 32) * 8)[None, :]) & 0xFF
         scale = ((tl.maximum(e - e_max[:, None], -126) + 127) << 23).to(tl.float32, bitcast=True)
         vals = raw.to(tl.float32) * scale
+    return vals, e_max
+
+
+@triton.jit
+def _renormalise_tile(src_rows, sf, ok, dst_rows, D: tl.constexpr, FMT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Store ``BLOCK_R`` MX rows (``src_rows``: each row's first element) renormalised by their
+    largest block scale at ``dst_rows``; returns that scale's biased exponent per row."""
+    DQ: tl.constexpr = D // 2 if FMT == FMT_MXFP4 else D
+    ZERO: tl.constexpr = 0 if FMT == FMT_MXFP4 else 0.0  # (packed FP4 codes are int8)
+    raw = tl.load(src_rows[:, None] + tl.arange(0, DQ)[None, :], mask=ok[:, None], other=ZERO)
+    vals, e_max = _renormalised(raw, sf, D, FMT, BLOCK_R)
     tl.store(dst_rows[:, None] + tl.arange(0, D)[None, :], vals.to(dst_rows.dtype.element_ty), mask=ok[:, None])
     return e_max
 
@@ -419,6 +430,81 @@ def mx_rows_renormalise_kernel(
             sf = tl.load(k_sf_ptr + keys, mask=keys < S_k, other=0x7F7F7F7F)
             bad = _not_exact(sf, NB, SPAN_EXACT, FOLD_LIMIT)
             tl.store(fix_k_ptr + pid, tl.max(bad.to(tl.int32), axis=0))
+
+
+@triton.jit(do_not_specialize=_DYNAMIC + ["stride_qs", "stride_k"], do_not_specialize_on_alignment=_SLICEABLE)
+def prefill_mx_few_rows_kernel(
+    q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf,
+    k_ptr, stride_k, k_scale_ptr,
+    w_ptr, stride_w,
+    ks_ptr, ke_ptr,
+    out_ptr, stride_out,
+    S_q, S_k, n_cols, err_ptr,
+    H: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, ROWS: tl.constexpr,
+    CLEAN: tl.constexpr, COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr, SPAN_EXACT: tl.constexpr, FOLD_LIMIT: tl.constexpr,
+):
+    """MX logits for few query rows in one launch: ``prefill_heads_on_n_kernel``'s layout
+    ((query row, head) pairs on the MMA's N side) with each operand row renormalised in
+    registers as ``mx_rows_renormalise_kernel`` stores it (E4M3 for MXFP4, f16 for MXFP8; the
+    query's row scale folded into its weight, the key's applied to the head sum), so a step
+    whose rows are all exact computes what the renormalise launch + the FP8-grid pass compute.
+    A step with a row that is not exact (block exponents spanning more than ``SPAN_EXACT``
+    binades, or a row scale past ``2^+-FOLD_LIMIT``) takes the bf16 upcast of both operands
+    instead (the recompute pass's math)."""
+    pid_n = tl.program_id(0)
+    pid_q = tl.program_id(1)
+    stride_qs = _row_stride(stride_qs, q_ptr)
+    stride_k = _row_stride(stride_k, k_ptr)
+    stride_out = _row_stride(stride_out, out_ptr)
+    NB: tl.constexpr = D // 32
+    DQ: tl.constexpr = D // 2 if FMT == FMT_MXFP4 else D
+    MMA: tl.constexpr = tl.float8e4nv if FMT == FMT_MXFP4 else tl.float16
+    ZERO: tl.constexpr = 0 if FMT == FMT_MXFP4 else 0.0  # (packed FP4 codes are int8)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    key_ok = cols < S_k
+    NC: tl.constexpr = ROWS * HEADS_P
+    c = tl.arange(0, NC)
+    c_r = c // HEADS_P
+    c_h = c % HEADS_P
+    dq = tl.arange(0, DQ)
+    k_raw = tl.load(k_ptr + cols.to(tl.int64)[:, None] * stride_k + dq[None, :], mask=key_ok[:, None], other=ZERO)
+    k_sf = tl.load(k_scale_ptr + cols, mask=key_ok, other=0x7F7F7F7F)  # (UE8M0 1.0 past S_k)
+    k_vals, k_e = _renormalised(k_raw, k_sf, D, FMT, BLOCK_N)
+    k_rows = k_vals.to(MMA)
+    k_scale = _pow2_biased(k_e)
+    k_bad = tl.max(_not_exact(k_sf, NB, SPAN_EXACT, FOLD_LIMIT).to(tl.int32), axis=0)
+    q_end = tl.minimum(S_q, (pid_q + 1) * BLOCK_Q)
+    for r0 in tl.range(pid_q * BLOCK_Q, q_end, ROWS, num_stages=NUM_STAGES):
+        rows = r0 + tl.arange(0, ROWS)
+        row_ok = rows < q_end
+        c_ok = (r0 + c_r < q_end) & (c_h < H)
+        c_rows = (r0 + c_r).to(tl.int64)
+        q_raw = tl.load(q_ptr + c_rows[:, None] * stride_qs + c_h[:, None] * stride_qh + dq[None, :],
+                        mask=c_ok[:, None], other=ZERO)
+        q_sf = tl.load(q_sf_ptr + c_rows * stride_qsf + c_h, mask=c_ok, other=0x7F7F7F7F)
+        w = tl.load(w_ptr + c_rows * stride_w + c_h, mask=c_ok, other=0.0).to(tl.float32)
+        q_bad = tl.max(_not_exact(q_sf, NB, SPAN_EXACT, FOLD_LIMIT).to(tl.int32), axis=0)
+        if (k_bad | q_bad) != 0:
+            s = tl.dot(_dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT), tl.trans(_dequant_tile(q_raw, q_sf, NC, D, FMT)))
+            x = tl.maximum(s, 0.0) * w[None, :]
+            k_mul = tl.full((BLOCK_N,), 1.0, tl.float32)
+        else:
+            q_vals, q_e = _renormalised(q_raw, q_sf, D, FMT, NC)
+            s = tl.dot(k_rows, tl.trans(q_vals.to(MMA)))
+            x = tl.maximum(s, 0.0) * (w * _pow2_biased(q_e))[None, :]
+            k_mul = k_scale
+        if ROWS == 1:
+            logits = tl.sum(x, axis=1)[:, None]
+        else:
+            logits = tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HEADS_P)), axis=2)
+        logits = logits * k_mul[:, None]  # [BLOCK_N, ROWS]
+        ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
+        valid = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :]) & row_ok[None, :]
+        out_cols = out_ptr + rows.to(tl.int64)[None, :] * stride_out
+        _store_logits(logits, out_cols, cols[:, None], ks[None, :], valid, row_ok[None, :], S_k,
+                      n0 + BLOCK_N <= S_k, CLEAN, COMPRESSED)
 
 
 @triton.jit(do_not_specialize=["stride_q", "stride_w"], do_not_specialize_on_alignment=["w_ptr"])

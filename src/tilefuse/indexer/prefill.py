@@ -59,6 +59,10 @@ class PrefillConfig:
     tile loaded once per program; for MX with ``fp4_via_fp8`` / ``mxfp8_via_f16``, the pass
     over the renormalised rows runs so (the recompute keeps the 2-D tile). The choice is the
     config's, never the call's row count, so a slice of the rows gets the same bits.
+    ``mx_inline`` (MX with ``heads_on_n``): one launch instead of three, each operand row
+    renormalised in the few-row kernel's registers, a step with a row that is not exact
+    computed with the bf16 upcast; 16x128 with 8 warps compiles without spills on sm_90a
+    (not yet timed on a GPU: off by default).
     ``gluon`` (Hopper): the 2-D tile's head loop as the Gluon kernel (async wgmma); then
     ``num_stages`` (>= 2) is its ring of query buffers, ``block_q`` 64 or 128, and warps
     beyond one per 16 rows split the keys; ``gluon_refill`` 1 or 2 (needs ``num_stages`` >= 3)
@@ -82,6 +86,7 @@ class PrefillConfig:
     gluon: bool = False  # the head loop as the Gluon kernel (Hopper)
     gluon_refill: int = 1  # Gluon query buffers refilled at a time
     relu_via_abs: int = 0  # 0, or 2: the head sum through |s| with a 2-part linear term
+    mx_inline: bool = False  # MX rows renormalised inside the few-row kernel (one launch)
 
     @functools.cached_property
     def launch_options(self) -> dict:
@@ -163,6 +168,8 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
                          f"of block_q / 16 and num_stages >= 2, got {cfg}")
     if cfg.gluon_refill not in (1, 2) or (cfg.gluon_refill == 2 and cfg.num_stages < 3):
         raise ValueError(f"gluon_refill must be 1, or 2 with num_stages >= 3, got {cfg}")
+    if cfg.mx_inline and (fmt == "fp8" or not cfg.heads_on_n):
+        raise ValueError(f"mx_inline runs MX operands on the few-row kernel (heads_on_n), got {cfg} for {fmt}")
     # One part misses the accuracy bound; three add time and no accuracy that shows (NOTES).
     if cfg.relu_via_abs not in (0, 2) or (cfg.relu_via_abs and (
             cfg.heads_on_n or fmt == "mxfp8" or (fmt == "mxfp4" and not cfg.fp4_via_fp8))):
@@ -436,6 +443,8 @@ def _run(q, q_sf, k, k_scale, weights, ks, ke, clean_logits: bool, max_seqlen_k:
     # table of which kernel runs where is _dispatch.PREFILL_KERNELS.
     if _dispatch.prefill_kernel_path(_arch(q.device), fmt) == _dispatch.SM100_MX_DOT_SCALED:
         _prefill_kernel_sm100.launch(q, q_sf, k, k_scale, weights, ks, ke, out, clean, compressed, err)
+    elif cfg.mx_inline:
+        _launch_mx_few_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg, err)
     elif (fmt == "mxfp4" and cfg.fp4_via_fp8) or (fmt == "mxfp8" and cfg.mxfp8_via_f16):
         _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, clean, compressed, d, cfg, err)
     else:
@@ -537,6 +546,23 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
         fix_q, fix_k, fixup, lin_desc, half_scale, lin,
     ), options, sized=_sized_tile(cfg.block_q, cfg.block_n, (10, 11, 12, 13), *(
         ((0, 3), (0, 1)) if lin_desc is None else ((0, 3, 26), (0, 1, 0)))))
+
+
+_mx_few_rows = Launcher(kern.prefill_mx_few_rows_kernel)
+
+
+def _launch_mx_few_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg: PrefillConfig,
+                        err) -> None:
+    """MX logits in one launch of the few-row kernel, the rows renormalised in registers (``mx_inline``)."""
+    s_q, h, _ = q.shape
+    heads_p = next_power_of_2(h)
+    consts = (h, heads_p, d, FORMAT_CODE[fmt], max(1, 128 // heads_p), clean, compressed, cfg.block_q, cfg.block_n,
+              cfg.num_stages, _SPAN_EXACT[fmt], _FOLD_EXP_LIMIT)
+    grid = (cdiv(k.shape[0], cfg.block_n), cdiv(s_q, cfg.block_q))
+    _mx_few_rows((consts, cfg.num_warps, q.dtype, weights.dtype, out.dtype), grid,
+                 (q, q.stride(0), q.stride(1), q_sf, q_sf.stride(0), k, k.stride(0), k_scale, weights,
+                  weights.stride(0), ks, ke, out, out.stride(0), s_q, k.shape[0], out.shape[1], err, *consts),
+                 cfg.launch_options, sized=_sized_tile(cfg.block_q, cfg.block_n, (13, 14, 15, 16), (), ()))
 
 
 # A launch's ``sized`` (tilefuse._jit.replay): the grid, the size arguments and the rows of its

@@ -331,11 +331,16 @@ def _prefill_points():
                 yield fmt, d, h, bf16_cfg, True, True, bf16, bf16, "default"
         base = prefill.default_config(fmt, 64, d, 4096)
         for opt in prefill_option_configs(base):
-            if (opt.heads_on_n and fmt != "fp8") or opt.gluon or (opt.relu_via_abs and fmt == "mxfp8"):
+            if (opt.heads_on_n and fmt != "fp8") or opt.gluon or (opt.relu_via_abs and fmt == "mxfp8") or opt.mx_inline:
                 continue  # heads_on_n: FP8 only; the Gluon kernel has its own builder (GPU-only launch);
-                # relu_via_abs runs E4M3 operands (MXFP8 goes through f16)
+                # relu_via_abs runs E4M3 operands (MXFP8 goes through f16); mx_inline: below
             if d == 128:  # options at D = 128
                 yield fmt, d, 64, opt, True, False, f32, f32, "option"
+        if fmt != "fp8":  # the few-row MX kernel (mx_inline) at the tile it compiles without spills, every layout
+            inline = dataclasses.replace(prefill.default_config(fmt, 64, d, 16), block_q=16, block_n=128, num_warps=8,
+                                         num_stages=3, mx_inline=True)
+            for clean, compressed in _LAYOUTS:
+                yield fmt, d, 64, inline, clean, compressed, f32, f32, "option"
 
 
 @functools.lru_cache(maxsize=1)
@@ -347,11 +352,12 @@ def _trace_prefill() -> tuple[Variant, ...]:
     tail = f"{prefill.kern.__name__}:fill_outside_windows_kernel"
     renormalise = f"{prefill.kern.__name__}:mx_rows_renormalise_kernel"
     linear = f"{prefill.kern.__name__}:linear_term_parts_kernel"
+    mx_few = f"{prefill.kern.__name__}:prefill_mx_few_rows_kernel"
     out = []
     for fmt, d, h, cfg, clean, compressed, w_dtype, out_dtype, origin in _prefill_points():
         q, k, ks, ke = _prefill_inputs(fmt, d, h)
         base = prefill.default_config(fmt, h, d, 4096)
-        with tracing(main, heads_on_n, tail, renormalise, linear) as launches:
+        with tracing(main, heads_on_n, tail, renormalise, linear, mx_few) as launches:
             prefill.fp8_fp4_mqa_logits(q, k, _weights(_S_Q, h, w_dtype), ks, ke, clean,
                                        _MAX_SEQLEN_K if compressed else 0, out_dtype, config=cfg)
         extras = "".join(f" {n}={_short(t)}" for n, t in (("w", w_dtype), ("out", out_dtype)) if _short(t) != "fp32")
@@ -359,7 +365,7 @@ def _trace_prefill() -> tuple[Variant, ...]:
         targets = tuple(t for t in TARGETS_ALL if _dispatch.KERNEL_OF_PATH[
             _dispatch.prefill_kernel_path(TARGET_MAJOR[t], fmt)] == main)
         for launch in launches:
-            if launch.function == heads_on_n:
+            if launch.function in (heads_on_n, mx_few):
                 name = f"{fmt} D{d} H{h} {_layout_name(clean, compressed)} {_config_label(cfg, base)}{extras}"
                 out.append(variant_of(launch, "indexer.prefill", name, origin, targets))
             elif launch.function == main:
