@@ -228,6 +228,26 @@ def prefill_logits_kernel(
                   CLEAN, COMPRESSED)
 
 
+@triton.jit
+def _store_few_rows(x, k_scale, rows, row_ok, cols, ks_ptr, ke_ptr, out_ptr, stride_out, S_k, n_cols, err_ptr, pid_n,
+                    ROWS: tl.constexpr, HEADS_P: tl.constexpr, BLOCK_N: tl.constexpr, CLEAN: tl.constexpr,
+                    COMPRESSED: tl.constexpr):
+    """The few-row kernels' step epilogue: the head sum of ``x`` (ReLU'd, weighted scores
+    [BLOCK_N keys, ROWS * HEADS_P]) per row, times the keys' scale, stored as ROWS columns of
+    ``BLOCK_N`` keys into each row's window."""
+    if ROWS == 1:
+        logits = tl.sum(x, axis=1)[:, None]
+    else:
+        logits = tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HEADS_P)), axis=2)
+    logits = logits * k_scale[:, None]  # [BLOCK_N, ROWS]
+    ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
+    valid = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :]) & row_ok[None, :]
+    out_cols = out_ptr + rows.to(tl.int64)[None, :] * stride_out
+    n0 = pid_n * BLOCK_N
+    _store_logits(logits, out_cols, cols[:, None], ks[None, :], valid, row_ok[None, :], S_k, n0 + BLOCK_N <= S_k,
+                  CLEAN, COMPRESSED)
+
+
 @triton.jit(do_not_specialize=_DYNAMIC + ["stride_qs"], do_not_specialize_on_alignment=_SLICEABLE)
 def prefill_heads_on_n_kernel(
     q_ptr, stride_qs, stride_qh,
@@ -271,16 +291,8 @@ def prefill_heads_on_n_kernel(
                     mask=c_ok[:, None], other=0.0)
         w = tl.load(w_ptr + c_rows * stride_w + c_h, mask=c_ok, other=0.0).to(tl.float32)
         x = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
-        if ROWS == 1:
-            logits = tl.sum(x, axis=1)[:, None]
-        else:
-            logits = tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HEADS_P)), axis=2)
-        logits = logits * k_sf[:, None]  # [BLOCK_N, ROWS]
-        ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
-        valid = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :]) & row_ok[None, :]
-        out_cols = out_ptr + rows.to(tl.int64)[None, :] * stride_out
-        _store_logits(logits, out_cols, cols[:, None], ks[None, :], valid, row_ok[None, :], S_k,
-                      n0 + BLOCK_N <= S_k, CLEAN, COMPRESSED)
+        _store_few_rows(x, k_sf, rows, row_ok, cols, ks_ptr, ke_ptr, out_ptr, stride_out, S_k, n_cols, err_ptr,
+                        pid_n, ROWS, HEADS_P, BLOCK_N, CLEAN, COMPRESSED)
 
 
 @triton.jit(do_not_specialize=["stride_out", "S_q", "S_k", "n_cols"],
@@ -495,16 +507,8 @@ def prefill_mx_few_rows_kernel(
             s = tl.dot(k_rows, tl.trans(q_vals.to(MMA)))
             x = tl.maximum(s, 0.0) * (w * _pow2_biased(q_e))[None, :]
             k_mul = k_scale
-        if ROWS == 1:
-            logits = tl.sum(x, axis=1)[:, None]
-        else:
-            logits = tl.sum(tl.reshape(x, (BLOCK_N, ROWS, HEADS_P)), axis=2)
-        logits = logits * k_mul[:, None]  # [BLOCK_N, ROWS]
-        ks, ke = load_windows(ks_ptr, ke_ptr, rows, row_ok, S_k, n_cols, err_ptr, pid_n == 0, COMPRESSED)
-        valid = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :]) & row_ok[None, :]
-        out_cols = out_ptr + rows.to(tl.int64)[None, :] * stride_out
-        _store_logits(logits, out_cols, cols[:, None], ks[None, :], valid, row_ok[None, :], S_k,
-                      n0 + BLOCK_N <= S_k, CLEAN, COMPRESSED)
+        _store_few_rows(x, k_mul, rows, row_ok, cols, ks_ptr, ke_ptr, out_ptr, stride_out, S_k, n_cols, err_ptr,
+                        pid_n, ROWS, HEADS_P, BLOCK_N, CLEAN, COMPRESSED)
 
 
 @triton.jit(do_not_specialize=["stride_q", "stride_w"], do_not_specialize_on_alignment=["w_ptr"])
