@@ -15,6 +15,12 @@ leaves the tree in ``$DEEPGEMM_BUILD_DIR``, default ``/tmp/deepgemm``)::
     source .peers/deepgemm/build.sh
     python benchmarks/deepgemm_tests.py --cases 200 --rounds 2            # both tests
     python benchmarks/deepgemm_tests.py --tests paged --cases 50 --seed 7  # rerun one round
+    python benchmarks/deepgemm_tests.py --cases 200 --seed 7 --shard 0/2   # one sample over two runs
+
+``--shard i/n`` runs every n-th case of the round's sample from the i-th, so that one sample of
+200 cases can be split over runs that each fit a machine's time (its larger paged cases take
+up to ~90 GiB of GPU memory, so processes that share one GPU run out of it; the allocator's
+cache is released before every case, so one prefill process fits beside one paged process).
 """
 
 from __future__ import annotations
@@ -48,13 +54,26 @@ def load_test_module(root: str):
     return importlib.import_module("test_attention")
 
 
-def install_sampler(module, seed: int, num_cases: int) -> None:
-    """DeepGEMM samples with fixed seeds (0 and 100000); each round here draws its own."""
+class _Released(list):
+    """The sampled cases, the allocator's cached blocks released before each."""
+
+    def __iter__(self):
+        import torch
+
+        for case in super().__iter__():
+            torch.cuda.empty_cache()
+            yield case
+
+
+def install_sampler(module, seed: int, num_cases: int, shard: tuple[int, int] = (0, 1)) -> None:
+    """DeepGEMM samples with fixed seeds (0 and 100000); each round here draws its own, and a
+    shard ``(i, n)`` runs every n-th case of it from the i-th."""
 
     def sample(name, cases):
         rng = random.Random(f"{seed}:{name}")
-        selected = rng.sample(cases, min(num_cases, len(cases)))
-        print(f" > {name}: running {len(selected)}/{len(cases)} cases (seed {seed})", flush=True)
+        selected = _Released(rng.sample(cases, min(num_cases, len(cases)))[shard[0]::shard[1]])
+        print(f" > {name}: running {len(selected)}/{len(cases)} cases (seed {seed}, shard {shard[0]}/{shard[1]})",
+              flush=True)
         return selected
 
     module.sample_mqa_cases = sample
@@ -69,10 +88,17 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, help="seed of the first round (default: from the clock)")
     ap.add_argument("--arch-cases", type=int, choices=(9, 10), default=10,
                     help="whose case matrix: 10 = Blackwell's (default), 9 = DeepGEMM's SM90 list")
+    ap.add_argument("--shard", default="0/1", help="i/n: every n-th case of each round's sample from the i-th")
     args = ap.parse_args(argv)
     tests = [t.strip() for t in args.tests.split(",") if t.strip()]
     if not tests or any(t not in TESTS for t in tests):
         ap.error(f"--tests: expected some of {sorted(TESTS)}, got {args.tests!r}")
+    try:
+        shard = tuple(int(v) for v in args.shard.split("/"))
+    except ValueError:
+        shard = ()
+    if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
+        ap.error(f"--shard: expected i/n with 0 <= i < n, got {args.shard!r}")
     os.environ["DG_USE_NVIDIA_TOOLS"] = "1"
     import torch
 
@@ -84,7 +110,7 @@ def main(argv=None) -> int:
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     failures = []
     for r in range(args.rounds):
-        install_sampler(module, seed + r, args.cases)
+        install_sampler(module, seed + r, args.cases, shard)
         for t in tests:
             torch.manual_seed(seed + r)
             print(f"round {r} (seed {seed + r}): {TESTS[t]}", flush=True)

@@ -14,7 +14,7 @@
 #   PART=eager: the eager cost per call (launch cost taken apart, decode and prefill) beside DeepGEMM,
 #     then the serving loop
 #   PART=small: small prefill calls under each launch configuration; PART=host-calls: decode and
-#     prefill eager cost beside DeepGEMM; PART=dgtests: DeepGEMM's own tests, 200 cases each, one process;
+#     prefill eager cost beside DeepGEMM; PART=dgtests: DeepGEMM's own tests, 200 cases each ($DG_SHARD);
 #     PART=pick: the GPU tests named in $PICK; PART=bf16: the prefill bf16-logits and D 64 rows, Triton and Gluon loops, beside DeepGEMM
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
@@ -202,11 +202,15 @@ case "$part" in
     step host-paged 45 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
     step host-prefill 60 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
     ;;
-  dgtests)  # DeepGEMM's own tests, a new sample of $DG_CASES cases each, one process (its larger
-    # cases take up to ~90 GiB: processes sharing the GPU run out of memory, NOTES)
+  dgtests)  # DeepGEMM's own tests, a new sample of $DG_CASES cases each: one prefill process beside
+    # one paged process (its larger paged cases take up to ~90 GiB, NOTES); $DG_SHARD (i/n) splits
+    # the sample over runs (the same $SEED in each)
     wait_deepgemm
-    step deepgemm-tests "${DG_S:-300}" python3 benchmarks/deepgemm_tests.py --cases "${DG_CASES:-200}" \
-      --seed "${SEED:-1}"
+    for t in prefill paged; do
+      step "deepgemm-$t" "${DG_S:-300}" python3 benchmarks/deepgemm_tests.py --tests "$t" \
+        --cases "${DG_CASES:-200}" --seed "${SEED:-1}" --shard "${DG_SHARD:-0/1}" &
+    done
+    wait
     ;;
   eager)  # the eager cost per call beside DeepGEMM and cuBLAS (after the other parts: timed alone)
     wait_deepgemm
