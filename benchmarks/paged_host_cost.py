@@ -19,6 +19,7 @@ import argparse
 import itertools
 import json
 import random
+import statistics
 import sys
 import time
 
@@ -55,6 +56,29 @@ def per_call_us(fn, calls: int, sync, rounds: int = 3) -> float:
         sync()
         best = min(best, (time.perf_counter() - t0) / calls * 1e6)
     return best
+
+
+def alternating(ours, theirs, calls: int, sync, rounds: int = 7) -> dict:
+    """Host time per call of two calls timed in alternating rounds of ``calls`` back-to-back
+    calls (the order swapped every round, a sync before each), so that the host's drift over
+    the run reaches both alike: each one's best round and the median of the rounds' ratios
+    ours / theirs (the figure that holds from host to host)."""
+    ours(), theirs()
+    best, ratios = [float("inf")] * 2, []
+    for r in range(rounds):
+        times = [0.0, 0.0]
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            fn = (ours, theirs)[i]
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[i] = (time.perf_counter() - t0) / calls * 1e6
+        best = [min(b, t) for b, t in zip(best, times)]
+        ratios.append(times[0] / times[1])
+    sync()
+    return {"ours_us": best[0], "theirs_us": best[1], "ratio_median": statistics.median(ratios),
+            "ratios": ratios}
 
 
 def graph_gpu_us(fn, calls: int) -> float:
@@ -101,6 +125,11 @@ def main(argv=None) -> int:
         rows.append({"name": name, "us": us, **extra})
         print(f"{name:56s} {us:9.1f} us", flush=True)
 
+    def against_peer(name, ours, theirs):
+        if gpu:
+            pair = alternating(ours, theirs, calls, sync)
+            record(f"{name}: tilefuse / deep_gemm, alternating rounds (median)", pair["ratio_median"], **pair)
+
     def measure(fmt: str):
         qq, cache, w, lens, table = inputs(fmt, batch, ctx, 1, device)
         lens = lens.reshape(batch, 1).contiguous()  # 2-D lengths: DeepGEMM's metadata takes only those
@@ -115,6 +144,9 @@ def main(argv=None) -> int:
             record(f"deep_gemm {fmt} B{batch} ctx{ctx} eager", per_call_us(
                 lambda: deep_gemm.fp8_paged_mqa_logits(qq[0], cache, w, lens, table, dg_meta, ctx, False), calls,
                 sync))
+            against_peer(f"{fmt} B{batch} ctx{ctx} eager",
+                         lambda: tilefuse.fp8_fp4_paged_mqa_logits(qq, cache, w, lens, table, meta, ctx),
+                         lambda: deep_gemm.fp8_paged_mqa_logits(qq[0], cache, w, lens, table, dg_meta, ctx, False))
         # A decode loop past its captured batch sizes: B (within 8 of ``batch``, one of DeepGEMM's
         # 32-request metadata classes) and max_context_len new every call, views made beforehand.
         b_lo = max(1, batch - 7)
@@ -141,6 +173,7 @@ def main(argv=None) -> int:
                 deep_gemm.fp8_paged_mqa_logits(q_[0], cache, w_, lens_, table_, dg_metas[b], ctx + i, False)
 
             record(f"deep_gemm {fmt} {name}", per_call_us(theirs, calls, sync))
+            against_peer(f"{fmt} {name}", ours, theirs)
         return lens, views
 
     for fmt in ("fp8", "mxfp8", "mxfp4"):

@@ -12,7 +12,8 @@ thousand: ``--calls 250`` for the three-launch MX paths), or the host time reads
 where the GPU time is the larger. Each shape is timed twice: the same sizes every call, and
 new sizes every call (a chunked prefill: S_q and S_k change from chunk to chunk, so no call
 finds one of the same sizes before it). DeepGEMM's ``fp8_mqa_logits`` is timed the same way in
-the same run where ``import deep_gemm`` works (its kernel does not compile per size).
+the same run where ``import deep_gemm`` works (its kernel does not compile per size), and
+against ours in alternating rounds: the median ratio holds where a host's speed drifts.
 
     python benchmarks/prefill_host_cost.py [--stub] [--calls 250] [--output host-cost.json]
 """
@@ -31,7 +32,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from paged_host_cost import graph_gpu_us  # noqa: E402  (a sibling script: benchmarks/ is on sys.path)
+from paged_host_cost import alternating, graph_gpu_us  # noqa: E402  (a sibling script: benchmarks/ is on sys.path)
 
 import tilefuse  # noqa: E402
 from tilefuse import _jit  # noqa: E402
@@ -105,10 +106,10 @@ def _new_size_calls(fmt: str, s_q: int, s_k: int, device: str, n: int, peer=None
               buffer[:a, :b]) for a, b in sizes]
     steps = {"new": 0, "out": 0, "peer": 0}
 
-    def step(name):
+    def step(name):  # (the sizes repeat only after n calls: more than a timed round makes)
         i = steps[name]
         steps[name] = i + 1
-        return views[i]
+        return views[i % n]
 
     def new():
         q_, kv_, w_, ks_, ke_, _ = step("new")
@@ -166,9 +167,23 @@ def main(argv=None) -> int:
             import deep_gemm as peer
         except ImportError:
             pass
+    def against_peer(fmt, s_q, s_k, name, ours, theirs):
+        """Ours against DeepGEMM's call in alternating rounds: the ratio that holds from host to host."""
+        pair = alternating(ours, theirs, args.calls, torch.cuda.synchronize)
+        rows.append({"fmt": fmt, "s_q": s_q, "s_k": s_k, "call": f"{name}: tilefuse / deep_gemm", **pair})
+        print(f"{fmt:6} {s_q:5}/{s_k:<6} {name}: tilefuse {pair['ours_us']:.1f} us / deep_gemm "
+              f"{pair['theirs_us']:.1f} us, median ratio of alternating rounds {pair['ratio_median']:.2f}")
+
     with stubbed_kernels() if stub else contextlib.nullcontext():
         for fmt, s_q, s_k in cases:
-            for name, fn in _calls(fmt, s_q, s_k, device, peer).items():
+            calls = _calls(fmt, s_q, s_k, device, peer)
+            if "deep_gemm" in calls:
+                against_peer(fmt, s_q, s_k, "same sizes", calls["new output"], calls["deep_gemm"])
+            new_sizes = _new_size_calls(fmt, s_q, s_k, device, 10 + 11 * args.calls, peer)  # (every call timed)
+            if "deep_gemm new sizes" in new_sizes:
+                against_peer(fmt, s_q, s_k, "new sizes", new_sizes["new sizes, new output"],
+                             new_sizes["deep_gemm new sizes"])
+            for name, fn in calls.items():
                 row = {"fmt": fmt, "s_q": s_q, "s_k": s_k, "call": name, "stub": stub, "device": device,
                        **time_calls(fn, args.calls, device)}
                 if not stub:  # where the GPU time is the larger, the wall time reads it, not the host's
@@ -177,7 +192,7 @@ def main(argv=None) -> int:
                 gpu = f"   gpu {row['gpu_us']:8.1f} us" if "gpu_us" in row else "   (kernels stubbed)"
                 print(f"{fmt:6} {s_q:5}/{s_k:<6} {name:15} host {row['host_us']:8.1f} us   "
                       f"wall {row['wall_us']:8.1f} us{gpu}")
-            for name, fn in _new_size_calls(fmt, s_q, s_k, device, 10 + 3 * args.calls, peer).items():
+            for name, fn in new_sizes.items():
                 row = {"fmt": fmt, "s_q": s_q, "s_k": s_k, "call": name, "stub": stub, "device": device,
                        **time_calls(fn, args.calls, device)}
                 rows.append(row)
