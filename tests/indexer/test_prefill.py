@@ -132,7 +132,7 @@ def test_formats_and_windows(variant, windows, poisoned):
 
 @pytest.mark.parametrize("h", [4, 8, 32, 64])
 @pytest.mark.parametrize("d", [32, 64, 128])
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4", "fp8-abs2"])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4", "fp8-abs2", "mxfp8-inline", "mxfp4-inline"])
 def test_heads_and_head_dims(h, d, fmt):
     fmt, fields = VARIANTS[fmt]
     if fmt == "mxfp4" and d == 32:
@@ -283,6 +283,19 @@ def test_mx_inline_is_one_launch_and_the_renormalised_passes_bits(fmt, clean, co
     got = run(qq, kk, w, ks, ke, config=inline, clean_logits=clean, max_seqlen_k=max_seqlen_k)
     check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k,
                  against_unquantised=False)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("weights_dtype,logits_dtype", [(torch.bfloat16, torch.float32),
+                                                        (torch.float32, torch.bfloat16)])
+def test_mx_inline_weight_and_logit_dtypes(fmt, weights_dtype, logits_dtype, poisoned):
+    s_q, s_k = shapes((16, 128), (256, 4096))
+    q, k, w, qq, kk = make_inputs(s_q, s_k, 8, 64, fmt, seed=5, weights_dtype=weights_dtype)
+    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(2), device=DEVICE)
+    via = dict(fp4_via_fp8=True) if fmt == "mxfp4" else dict(mxfp8_via_f16=True)
+    cfg = dataclasses.replace(SMALL, heads_on_n=True, mx_inline=True, **via)
+    out = run(qq, kk, w, ks, ke, config=cfg, logits_dtype=logits_dtype)
+    check_logits(out, qq, kk, q, k, w, ks, ke, fmt, logits_dtype=logits_dtype)
 
 
 def test_mx_inline_rejects_what_it_cannot_run():
@@ -903,7 +916,8 @@ def test_sizes_changing_every_call(checks_cached, monkeypatch):
 
 @pytest.mark.parametrize("fmt,config", [
     ("fp8", None), ("mxfp4", None), ("mxfp8", None), ("fp8", dataclasses.replace(SMALL, relu_via_abs=2)),
-    ("mxfp8", dataclasses.replace(SMALL, mxfp8_via_f16=True, heads_on_n=True))])
+    ("mxfp8", dataclasses.replace(SMALL, mxfp8_via_f16=True, heads_on_n=True)),
+    ("mxfp4", dataclasses.replace(SMALL, fp4_via_fp8=True, heads_on_n=True, mx_inline=True))])
 @pytest.mark.parametrize("clean,compressed", [(False, False), (True, False), (True, True)])
 def test_replays_follow_the_sizes(fmt, config, clean, compressed, poisoned, monkeypatch):
     """A layout's replay at new sizes every call (every pass of the default paths: the MX rows
