@@ -8,8 +8,10 @@ of ``NUM_BUF`` buffers (an empty and a ready mbarrier each), the 4-warp default 
 waits for a tile, runs its wgmma against the queries held in shared memory, frees the buffer,
 and stores the ReLU'd, weighted head sums from registers. Without a GPU it compiles the probe
 for sm_90a with the installed Triton and prints registers and spills; with one it also checks
-the result against torch and times one program walking ``--tiles`` tiles: its time a tile is
-the figure to set beside the decode program's ~0.65-1 us (NOTES, third round of 2026-12-02).
+the result against torch and times one program walking ``--tiles`` tiles, beside the same loop
+without the worker partition (the math warps refilling the ring themselves, as the decode
+kernels do): the time a tile of each is the figure to set beside the decode program's
+~0.65-1 us (NOTES, third round of 2026-12-02).
 
     python benchmarks/paged_ws_probe.py [--tiles 2048] [--buffers 4]
 """
@@ -85,28 +87,69 @@ def ws_probe_kernel(k_desc, q_ptr, w_ptr, out_ptr, n_tiles, NUM_BUF: gl.constexp
                         (_load_partition, (k_desc, k_bufs, ready, empty, n_tiles, NUM_BUF))], [1], [24])
 
 
-def launch(k: torch.Tensor, q: torch.Tensor, w: torch.Tensor, out: torch.Tensor, num_buf: int) -> None:
+@gluon.jit
+def one_partition_probe_kernel(k_desc, q_ptr, w_ptr, out_ptr, n_tiles, NUM_BUF: gl.constexpr, NC: gl.constexpr,
+                               num_warps: gl.constexpr):
+    """The same loop without the worker partition (the decode kernels' way): the math warps
+    issue each refill themselves, ``NUM_BUF`` tiles ahead."""
+    BN: gl.constexpr = k_desc.block_type.shape[0]
+    DK: gl.constexpr = k_desc.block_type.shape[1]
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF, BN, DK], k_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(i), count=1)
+    blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+    rows = gl.arange(0, NC, layout=gl.SliceLayout(1, blocked))
+    cols = gl.arange(0, DK, layout=gl.SliceLayout(0, blocked))
+    q = gl.load(q_ptr + rows[:, None] * DK + cols[None, :])
+    q_smem = gl.allocate_shared_memory(k_desc.dtype, [NC, DK], gl.NVMMASharedLayout.get_default_for([NC, DK],
+                                                                                                   k_desc.dtype), q)
+    fence_async_shared()
+    for i in gl.static_range(NUM_BUF):
+        if i < n_tiles:
+            mbarrier.expect(ready.index(i), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [i * BN, 0], ready.index(i), k_bufs.index(i))
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NC, 32])
+    w = gl.load(w_ptr + gl.arange(0, NC, layout=gl.SliceLayout(0, mma)))
+    keys = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+    zero = gl.zeros([BN, NC], gl.float32, mma)
+    for t in range(n_tiles):
+        buf = t % NUM_BUF
+        mbarrier.wait(ready.index(buf), (t // NUM_BUF) & 1)
+        s = warpgroup_mma(k_bufs.index(buf), q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        if t + NUM_BUF < n_tiles:
+            mbarrier.expect(ready.index(buf), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [(t + NUM_BUF) * BN, 0], ready.index(buf), k_bufs.index(buf))
+        logits = gl.sum(gl.maximum(s, 0.0) * w[None, :], axis=1)
+        gl.store(out_ptr + t * BN + keys, logits)
+
+
+KERNELS = {"warp-specialised": ws_probe_kernel, "one partition": one_partition_probe_kernel}
+
+
+def launch(kernel, k: torch.Tensor, q: torch.Tensor, w: torch.Tensor, out: torch.Tensor, num_buf: int) -> None:
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float8e4nv)
     k_desc = TensorDescriptor.from_tensor(k, [BLOCK_N, D], layout)
-    ws_probe_kernel[(1,)](k_desc, q, w, out, k.shape[0] // BLOCK_N, num_buf, COLS, num_warps=4)
+    kernel[(1,)](k_desc, q, w, out, k.shape[0] // BLOCK_N, num_buf, COLS, num_warps=4)
 
 
-def compile_report(num_buf: int) -> str:
-    """Compile the probe for sm_90a on any machine (no launch): registers, spills, shared memory."""
+def compile_report(name: str, num_buf: int) -> str:
+    """Compile a probe for sm_90a on any machine (no launch): registers, spills, shared memory."""
     from tilefuse.kernelcheck.compile import compile_variant
     from tilefuse.kernelcheck.variants import Variant
 
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float8e4nv)
     sig = {"k_desc": f"tensordesc<fp8e4nv[{BLOCK_N}, {D}],{layout!r}>", "q_ptr": "*fp8e4nv", "w_ptr": "*fp32",
            "out_ptr": "*fp32", "n_tiles": "i32"}
-    variant = Variant("probe", f"ws {num_buf} buffers", f"{__name__}:ws_probe_kernel", sig,
+    variant = Variant("probe", f"{name} {num_buf} buffers", f"{__name__}:{KERNELS[name].fn.__name__}", sig,
                       {"NUM_BUF": num_buf, "NC": COLS, "num_warps": 4}, 4, 3, ("q_ptr", "w_ptr", "out_ptr"),
                       ("sm_90a",), "option")
     r = compile_variant(variant, "sm_90a", sass=False)
     if r.error:
-        return f"does not compile for sm_90a: {r.error}"
-    return (f"compiled for sm_90a: registers {r.registers}, spills {r.spill_stores} B stored, shared {r.shared} B, "
-            f"wgmma {r.ptx.get('wgmma')}, {r.compile_seconds:.1f} s")
+        return f"{name}: does not compile for sm_90a: {r.error}"
+    return (f"{name}: compiled for sm_90a, registers {r.registers}, spills {r.spill_stores} B stored, shared "
+            f"{r.shared} B, wgmma {r.ptx.get('wgmma')}, {r.compile_seconds:.1f} s")
 
 
 def main(argv=None) -> int:
@@ -114,28 +157,31 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles", type=int, default=2048)
     ap.add_argument("--buffers", type=int, default=4)
     args = ap.parse_args(argv)
-    print(compile_report(args.buffers), flush=True)
+    for name in KERNELS:
+        print(compile_report(name, args.buffers), flush=True)
     if not torch.cuda.is_available():
         return 0
     g = torch.Generator(device="cuda").manual_seed(0)
     k = torch.randn(args.tiles * BLOCK_N, D, device="cuda", generator=g).to(torch.float8_e4m3fn)
     q = torch.randn(COLS, D, device="cuda", generator=g).to(torch.float8_e4m3fn)
     w = torch.randn(COLS, device="cuda", generator=g)
-    out = torch.full((k.shape[0],), float("nan"), device="cuda")
-    launch(k, q, w, out, args.buffers)
     ref = (torch.relu(k.float() @ q.float().T) * w).sum(dim=1)
-    err = ((out - ref).abs().max() / ref.abs().max()).item()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    launch(k, q, w, out, args.buffers)
-    start.record()
-    for _ in range(10):
-        launch(k, q, w, out, args.buffers)
-    end.record()
-    torch.cuda.synchronize()
-    us = start.elapsed_time(end) * 100  # per launch, microseconds
-    print(f"one program, {args.tiles} tiles of {BLOCK_N} keys: {us:.1f} us, {us * 1e3 / args.tiles:.0f} ns a tile; "
-          f"max relative error {err:.1e}")
-    return 0 if err < 1e-3 else 1
+    failed = False
+    for name, kernel in KERNELS.items():
+        out = torch.full((k.shape[0],), float("nan"), device="cuda")
+        launch(kernel, k, q, w, out, args.buffers)
+        err = ((out - ref).abs().max() / ref.abs().max()).item()
+        failed |= not err < 1e-3
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            launch(kernel, k, q, w, out, args.buffers)
+        end.record()
+        torch.cuda.synchronize()
+        us = start.elapsed_time(end) * 100  # per launch, microseconds
+        print(f"{name}: one program, {args.tiles} tiles of {BLOCK_N} keys: {us:.1f} us, "
+              f"{us * 1e3 / args.tiles:.0f} ns a tile; max relative error {err:.1e}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
