@@ -229,6 +229,22 @@ def prefill_logits_kernel(
 
 
 @triton.jit
+def _few_rows_step(q_ptr, stride_qs, stride_qh, w_ptr, stride_w, r0, q_end, c_r, c_h, dq, H: tl.constexpr,
+                   ROWS: tl.constexpr, ZERO: tl.constexpr):
+    """One step of the few-row kernels: rows ``[r0, r0 + ROWS)`` of the program's ``q_end``,
+    their (row, head) columns ``c_r``, ``c_h``, and those columns' query values ([columns,
+    ``dq``], ``ZERO`` where masked) and fp32 weights: ``(rows, row_ok, c_ok, c_rows, q, w)``."""
+    rows = r0 + tl.arange(0, ROWS)
+    row_ok = rows < q_end
+    c_ok = (r0 + c_r < q_end) & (c_h < H)
+    c_rows = (r0 + c_r).to(tl.int64)
+    q = tl.load(q_ptr + c_rows[:, None] * stride_qs + c_h[:, None] * stride_qh + dq[None, :], mask=c_ok[:, None],
+                other=ZERO)
+    w = tl.load(w_ptr + c_rows * stride_w + c_h, mask=c_ok, other=0.0).to(tl.float32)
+    return rows, row_ok, c_ok, c_rows, q, w
+
+
+@triton.jit
 def _store_few_rows(x, k_scale, rows, row_ok, cols, ks_ptr, ke_ptr, out_ptr, stride_out, S_k, n_cols, err_ptr, pid_n,
                     ROWS: tl.constexpr, HEADS_P: tl.constexpr, BLOCK_N: tl.constexpr, CLEAN: tl.constexpr,
                     COMPRESSED: tl.constexpr):
@@ -283,13 +299,8 @@ def prefill_heads_on_n_kernel(
     k_sf = tl.load(k_scale_ptr + cols, mask=cols < S_k, other=0)
     q_end = tl.minimum(S_q, (pid_q + 1) * BLOCK_Q)
     for r0 in tl.range(pid_q * BLOCK_Q, q_end, ROWS, num_stages=NUM_STAGES):
-        rows = r0 + tl.arange(0, ROWS)
-        row_ok = rows < q_end
-        c_ok = (r0 + c_r < q_end) & (c_h < H)
-        c_rows = (r0 + c_r).to(tl.int64)
-        q = tl.load(q_ptr + c_rows[:, None] * stride_qs + c_h[:, None] * stride_qh + dq[None, :],
-                    mask=c_ok[:, None], other=0.0)
-        w = tl.load(w_ptr + c_rows * stride_w + c_h, mask=c_ok, other=0.0).to(tl.float32)
+        rows, row_ok, c_ok, c_rows, q, w = _few_rows_step(q_ptr, stride_qs, stride_qh, w_ptr, stride_w, r0, q_end,
+                                                         c_r, c_h, dq, H, ROWS, 0.0)
         x = tl.maximum(tl.dot(k, tl.trans(q)), 0.0) * w[None, :]
         _store_few_rows(x, k_sf, rows, row_ok, cols, ks_ptr, ke_ptr, out_ptr, stride_out, S_k, n_cols, err_ptr,
                         pid_n, ROWS, HEADS_P, BLOCK_N, CLEAN, COMPRESSED)
@@ -489,14 +500,9 @@ def prefill_mx_few_rows_kernel(
     k_bad = tl.max(_not_exact(k_sf, NB, SPAN_EXACT, FOLD_LIMIT).to(tl.int32), axis=0)
     q_end = tl.minimum(S_q, (pid_q + 1) * BLOCK_Q)
     for r0 in tl.range(pid_q * BLOCK_Q, q_end, ROWS, num_stages=NUM_STAGES):
-        rows = r0 + tl.arange(0, ROWS)
-        row_ok = rows < q_end
-        c_ok = (r0 + c_r < q_end) & (c_h < H)
-        c_rows = (r0 + c_r).to(tl.int64)
-        q_raw = tl.load(q_ptr + c_rows[:, None] * stride_qs + c_h[:, None] * stride_qh + dq[None, :],
-                        mask=c_ok[:, None], other=ZERO)
+        rows, row_ok, c_ok, c_rows, q_raw, w = _few_rows_step(q_ptr, stride_qs, stride_qh, w_ptr, stride_w, r0, q_end,
+                                                             c_r, c_h, dq, H, ROWS, ZERO)
         q_sf = tl.load(q_sf_ptr + c_rows * stride_qsf + c_h, mask=c_ok, other=0x7F7F7F7F)
-        w = tl.load(w_ptr + c_rows * stride_w + c_h, mask=c_ok, other=0.0).to(tl.float32)
         q_bad = tl.max(_not_exact(q_sf, NB, SPAN_EXACT, FOLD_LIMIT).to(tl.int32), axis=0)
         if (k_bad | q_bad) != 0:
             s = tl.dot(_dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT), tl.trans(_dequant_tile(q_raw, q_sf, NC, D, FMT)))
