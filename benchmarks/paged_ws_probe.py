@@ -37,52 +37,92 @@ BLOCK_N, D, COLS = 64, 128, 64  # keys a tile, head dim, (row, head) columns
 
 
 @gluon.jit
+def _issue(k_desc, k_bufs, ready, buf, tile):
+    """The TMA of key tile ``tile`` into ring buffer ``buf``, completing on ``ready[buf]``."""
+    mbarrier.expect(ready.index(buf), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [tile * k_desc.block_type.shape[0], 0], ready.index(buf),
+                                    k_bufs.index(buf))
+
+
+@gluon.jit
+def _ring(k_desc, NUM_BUF: gl.constexpr):
+    """``NUM_BUF`` key buffers and a barrier each that a fill completes."""
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF] + k_desc.block_type.shape, k_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(i), count=1)
+    return k_bufs, ready
+
+
+@gluon.jit
+def _staged_queries(q_ptr, dtype: gl.constexpr, NC: gl.constexpr, DK: gl.constexpr, num_warps: gl.constexpr):
+    """The queries ([NC, DK], (row, head) pairs) in shared memory, once: the MMA's B operand."""
+    blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+    rows = gl.arange(0, NC, layout=gl.SliceLayout(1, blocked))
+    cols = gl.arange(0, DK, layout=gl.SliceLayout(0, blocked))
+    q = gl.load(q_ptr + rows[:, None] * DK + cols[None, :])
+    q_smem = gl.allocate_shared_memory(dtype, [NC, DK], gl.NVMMASharedLayout.get_default_for([NC, DK], dtype), q)
+    fence_async_shared()
+    return q_smem
+
+
+@gluon.constexpr_function
+def _mma_layout(nc):
+    """The scores' layout: one warpgroup's wgmma over ``nc`` columns."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, nc, 32])
+
+
+@gluon.jit
+def _weights(w_ptr, NC: gl.constexpr):
+    """The columns' weights, once, in the scores' column layout."""
+    return gl.load(w_ptr + gl.arange(0, NC, layout=gl.SliceLayout(0, _mma_layout(NC))))
+
+
+@gluon.jit
+def _scores(k_buf, q_smem, BN: gl.constexpr, NC: gl.constexpr):
+    """One tile's scores [BN keys, NC columns] (the wgmma, waited for)."""
+    s = warpgroup_mma(k_buf, q_smem.permute((1, 0)), gl.zeros([BN, NC], gl.float32, _mma_layout(NC)), use_acc=False,
+                      is_async=True)
+    return warpgroup_mma_wait(0, deps=[s])
+
+
+@gluon.jit
+def _store_head_sums(s, w, out_ptr, tile, BN: gl.constexpr):
+    """The tile's ReLU'd, weighted sums over its columns, stored from the MMA layout."""
+    keys = gl.arange(0, BN, layout=gl.SliceLayout(1, s.type.layout))
+    gl.store(out_ptr + tile * BN + keys, gl.sum(gl.maximum(s, 0.0) * w[None, :], axis=1))
+
+
+@gluon.jit
 def _load_partition(k_desc, k_bufs, ready, empty, n_tiles, NUM_BUF: gl.constexpr):
-    BN: gl.constexpr = k_desc.block_type.shape[0]
     for t in range(n_tiles):
         buf = t % NUM_BUF
         # A buffer's first fill waits for nothing (phase 1 of a fresh barrier has completed).
         mbarrier.wait(empty.index(buf), ((t // NUM_BUF) & 1) ^ 1)
-        mbarrier.expect(ready.index(buf), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [t * BN, 0], ready.index(buf), k_bufs.index(buf))
+        _issue(k_desc, k_bufs, ready, buf, t)
 
 
 @gluon.jit
 def _math_partition(q_smem, w_ptr, out_ptr, k_bufs, ready, empty, n_tiles, NUM_BUF: gl.constexpr,
                     BN: gl.constexpr, NC: gl.constexpr):
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NC, 32])
-    w = gl.load(w_ptr + gl.arange(0, NC, layout=gl.SliceLayout(0, mma)))
-    keys = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    zero = gl.zeros([BN, NC], gl.float32, mma)
+    w = _weights(w_ptr, NC)
     for t in range(n_tiles):
         buf = t % NUM_BUF
         mbarrier.wait(ready.index(buf), (t // NUM_BUF) & 1)
-        s = warpgroup_mma(k_bufs.index(buf), q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
+        s = _scores(k_bufs.index(buf), q_smem, BN, NC)
         mbarrier.arrive(empty.index(buf), count=1)
-        logits = gl.sum(gl.maximum(s, 0.0) * w[None, :], axis=1)
-        gl.store(out_ptr + t * BN + keys, logits)
+        _store_head_sums(s, w, out_ptr, t, BN)
 
 
 @gluon.jit
 def ws_probe_kernel(k_desc, q_ptr, w_ptr, out_ptr, n_tiles, NUM_BUF: gl.constexpr, NC: gl.constexpr,
                     num_warps: gl.constexpr):
     BN: gl.constexpr = k_desc.block_type.shape[0]
-    DK: gl.constexpr = k_desc.block_type.shape[1]
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF, BN, DK], k_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    k_bufs, ready = _ring(k_desc, NUM_BUF)
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUF):
-        mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    # The queries ([NC, D], (row, head) pairs) once, as the MMA's B operand.
-    blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
-    rows = gl.arange(0, NC, layout=gl.SliceLayout(1, blocked))
-    cols = gl.arange(0, DK, layout=gl.SliceLayout(0, blocked))
-    q = gl.load(q_ptr + rows[:, None] * DK + cols[None, :])
-    q_smem = gl.allocate_shared_memory(k_desc.dtype, [NC, DK], gl.NVMMASharedLayout.get_default_for([NC, DK],
-                                                                                                   k_desc.dtype), q)
-    fence_async_shared()
+    q_smem = _staged_queries(q_ptr, k_desc.dtype, NC, k_desc.block_type.shape[1], num_warps)
     gl.warp_specialize([(_math_partition, (q_smem, w_ptr, out_ptr, k_bufs, ready, empty, n_tiles, NUM_BUF, BN, NC)),
                         (_load_partition, (k_desc, k_bufs, ready, empty, n_tiles, NUM_BUF))], [1], [24])
 
@@ -93,36 +133,19 @@ def one_partition_probe_kernel(k_desc, q_ptr, w_ptr, out_ptr, n_tiles, NUM_BUF: 
     """The same loop without the worker partition (the decode kernels' way): the math warps
     issue each refill themselves, ``NUM_BUF`` tiles ahead."""
     BN: gl.constexpr = k_desc.block_type.shape[0]
-    DK: gl.constexpr = k_desc.block_type.shape[1]
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF, BN, DK], k_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(ready.index(i), count=1)
-    blocked: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
-    rows = gl.arange(0, NC, layout=gl.SliceLayout(1, blocked))
-    cols = gl.arange(0, DK, layout=gl.SliceLayout(0, blocked))
-    q = gl.load(q_ptr + rows[:, None] * DK + cols[None, :])
-    q_smem = gl.allocate_shared_memory(k_desc.dtype, [NC, DK], gl.NVMMASharedLayout.get_default_for([NC, DK],
-                                                                                                   k_desc.dtype), q)
-    fence_async_shared()
+    k_bufs, ready = _ring(k_desc, NUM_BUF)
+    q_smem = _staged_queries(q_ptr, k_desc.dtype, NC, k_desc.block_type.shape[1], num_warps)
     for i in gl.static_range(NUM_BUF):
         if i < n_tiles:
-            mbarrier.expect(ready.index(i), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [i * BN, 0], ready.index(i), k_bufs.index(i))
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NC, 32])
-    w = gl.load(w_ptr + gl.arange(0, NC, layout=gl.SliceLayout(0, mma)))
-    keys = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-    zero = gl.zeros([BN, NC], gl.float32, mma)
+            _issue(k_desc, k_bufs, ready, i, i)
+    w = _weights(w_ptr, NC)
     for t in range(n_tiles):
         buf = t % NUM_BUF
         mbarrier.wait(ready.index(buf), (t // NUM_BUF) & 1)
-        s = warpgroup_mma(k_bufs.index(buf), q_smem.permute((1, 0)), zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
+        s = _scores(k_bufs.index(buf), q_smem, BN, NC)
         if t + NUM_BUF < n_tiles:
-            mbarrier.expect(ready.index(buf), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [(t + NUM_BUF) * BN, 0], ready.index(buf), k_bufs.index(buf))
-        logits = gl.sum(gl.maximum(s, 0.0) * w[None, :], axis=1)
-        gl.store(out_ptr + t * BN + keys, logits)
+            _issue(k_desc, k_bufs, ready, buf, t + NUM_BUF)
+        _store_head_sums(s, w, out_ptr, t, BN)
 
 
 KERNELS = {"warp-specialised": ws_probe_kernel, "one partition": one_partition_probe_kernel}
