@@ -72,6 +72,10 @@ host_steps() {  # the eager cost per call: prefill (wrapper alone, then whole ca
     step tp-host 30 python3 -m tilefuse.bench.suites.tp host --m 4096 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
     step tp-host-m64 20 python3 -m tilefuse.bench.suites.tp host --m 64 --n 4096 --k 1024 --json "$OUT/tp-host.jsonl"
 }
+host_calls() {  # the decode and prefill eager cost per call, DeepGEMM beside when it imports
+    step host-paged 45 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
+    step host-prefill 60 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/summary.txt"
 TMA_SHAPES="${TMA_SHAPES:-64x1x8192 256x1x8192 256x2x8192 32x1x4096}"
 # the rows of the decode table in the paged issue (H64 block 64 fp32 logits)
@@ -199,8 +203,7 @@ case "$part" in
     ;;
   host-calls)  # the decode and prefill eager cost per call beside DeepGEMM (timed alone)
     wait_deepgemm
-    step host-paged 45 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
-    step host-prefill 60 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
+    host_calls
     ;;
   dgtests)  # DeepGEMM's own tests, a new sample of $DG_CASES cases each: one prefill process beside
     # one paged process (its larger paged cases take up to ~90 GiB, NOTES); $DG_SHARD (i/n) splits
@@ -215,8 +218,7 @@ case "$part" in
   eager)  # the eager cost per call beside DeepGEMM and cuBLAS (after the other parts: timed alone)
     wait_deepgemm
     step launch-cost 45 python3 benchmarks/launch_cost.py --calls 2000 --tp-m 64 4096 --output "$OUT/launch-cost.json"
-    step host-paged 45 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
-    step host-prefill 60 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
+    host_calls
     step bench-serving "${SERVING_S:-100}" python3 -m tilefuse.cli bench serving --steps 4 -o "$OUT/serving.json"
     ;;
   topk)  # the fused top-k's speed beside the unfused pairs (its tests are in PART=tests)
