@@ -15,7 +15,7 @@
 #     then the serving loop
 #   PART=small: small prefill calls under each launch configuration; PART=host-calls: decode and
 #     prefill eager cost beside DeepGEMM; PART=dgtests: DeepGEMM's own tests, 200 cases each ($DG_SHARD);
-#     PART=pick: the GPU tests named in $PICK; PART=bf16: the prefill bf16-logits and D 64 rows, Triton and Gluon loops, beside DeepGEMM
+#     PART=pick: the GPU tests named in $PICK; PART=probe: the warp-specialised decode key-loop probe; PART=bf16: the prefill bf16-logits and D 64 rows, Triton and Gluon loops, beside DeepGEMM
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
 #   PART=launch: after a launch-path change: its GPU tests, the launch cost taken apart (TP GEMM core
@@ -188,6 +188,9 @@ case "$part" in
   serving)  # a serving-path change's tests, split over processes (DeepGEMM builds meanwhile)
     shards tests-serving "${TESTS_S:-150}" "${TEST_PROCS:-12}" tests/test_jit.py tests/tp tests/indexer/test_paged.py \
       tests/indexer/test_topk.py tests/indexer/test_warmup.py tests/indexer/test_prefill.py ${TESTS_K:+-k "$TESTS_K"}
+    ;;
+  probe)  # the decode key-loop probe: warp-specialised against one partition (compiles, checks, times)
+    step ws-probe "${PROBE_S:-60}" python3 benchmarks/paged_ws_probe.py
     ;;
   pick)  # the GPU tests named in $PICK (pytest arguments), e.g. after fixing a test
     step tests-pick "${PICK_S:-60}" python3 -m pytest -q -p no:cacheprovider ${PICK:-tests/test_config.py}
