@@ -210,12 +210,13 @@ case "$part" in
     ;;
   dgtests)  # DeepGEMM's own tests, a new sample of $DG_CASES cases each: one prefill process beside
     # one paged process (its larger paged cases take up to ~90 GiB, NOTES); $DG_SHARD (i/n) splits
-    # the sample over runs (the same $SEED in each)
+    # the sample over runs (the same $SEED in each); $DG_TESTS and $DG_SHARDS (several: one process each)
+    # pick the processes, e.g. DG_TESTS=prefill DG_SHARDS="0/2 1/2"
     wait_deepgemm
-    for t in prefill paged; do
-      step "deepgemm-$t" "${DG_S:-300}" python3 benchmarks/deepgemm_tests.py --tests "$t" \
-        --cases "${DG_CASES:-200}" --seed "${SEED:-1}" --shard "${DG_SHARD:-0/1}" &
-    done
+    for t in ${DG_TESTS:-prefill paged}; do for shard in ${DG_SHARDS:-${DG_SHARD:-0/1}}; do
+      step "deepgemm-$t-${shard/\//of}" "${DG_S:-300}" python3 benchmarks/deepgemm_tests.py --tests "$t" \
+        --cases "${DG_CASES:-200}" --seed "${SEED:-1}" --shard "$shard" &
+    done; done
     wait
     ;;
   eager)  # the eager cost per call beside DeepGEMM and cuBLAS (after the other parts: timed alone)

@@ -15,6 +15,7 @@ cost to an engine is the larger of its host and GPU time. The default row says w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -48,7 +49,12 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=250, help="calls a round (3 rounds, the best kept)")
     ap.add_argument("--output", default=None)
     ap.add_argument("--formats", default="fp8,mxfp8,mxfp4", help="comma-separated formats")
+    ap.add_argument("--shapes", default=None, help="S_qxS_k,... for every format (default: SHAPES)")
+    ap.add_argument("--block-q", default="", help="comma-separated block_q values: the few-row configs "
+                    "(heads_on_n, inline) again at each")
     args = ap.parse_args(argv)
+    block_qs = [int(b) for b in args.block_q.split(",") if b]
+    shapes_arg = args.shapes and [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     if not torch.cuda.is_available():
         print("prefill_small_calls: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -56,9 +62,12 @@ def main(argv=None) -> int:
     for fmt, shapes in SHAPES.items():
         if fmt not in args.formats.split(","):
             continue
-        for s_q, s_k in shapes:
+        configs = [("default", None), *CONFIGS[fmt].items()]
+        configs += [(f"{name} q{b}", dataclasses.replace(cfg, block_q=b)) for b in block_qs
+                    for name, cfg in CONFIGS[fmt].items() if cfg.heads_on_n]
+        for s_q, s_k in shapes_arg or shapes:
             q, kv, w, ks, ke = _case(fmt, s_q, s_k, 64, 128, "cuda")
-            for name, cfg in [("default", None), *CONFIGS[fmt].items()]:
+            for name, cfg in configs:
                 def fn(cfg=cfg, args=(q, kv, w, ks, ke)):
                     tilefuse.fp8_fp4_mqa_logits(*args, False, config=cfg)
 

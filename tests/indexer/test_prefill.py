@@ -273,7 +273,13 @@ def test_mx_inline_is_one_launch_and_the_renormalised_passes_bits(fmt, clean, co
     check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k)
     ref = run(qq, kk, w, ks, ke, config=passes, clean_logits=clean, max_seqlen_k=max_seqlen_k)
     written = ~torch.isnan(ref) & ~torch.isnan(got)
-    assert torch.equal(got[written].view(torch.int32), ref[written].view(torch.int32))
+    if DEVICE == "cpu":
+        assert torch.equal(got[written].view(torch.int32), ref[written].view(torch.int32))
+    else:  # the two kernels' MMAs may sum in different orders on the GPU: the same -inf, close values
+        a, b = got[written], ref[written]
+        assert torch.equal(torch.isinf(a), torch.isinf(b))
+        fin = torch.isfinite(a)
+        assert ((a[fin] - b[fin]).abs().max() <= 1e-5 * b[fin].abs().max()).item()
 
     q, k = q.float(), k.float()
     q[3, 2, :32] *= 1e6 if fmt == "mxfp8" else 1e4  # past the exact span (15 / 8 binades)
@@ -296,6 +302,24 @@ def test_mx_inline_weight_and_logit_dtypes(fmt, weights_dtype, logits_dtype, poi
     cfg = dataclasses.replace(SMALL, heads_on_n=True, mx_inline=True, **via)
     out = run(qq, kk, w, ks, ke, config=cfg, logits_dtype=logits_dtype)
     check_logits(out, qq, kk, q, k, w, ks, ke, fmt, logits_dtype=logits_dtype)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+def test_few_rows_block_q_below_16(fmt, poisoned):
+    """The few-row kernels take block_q below 16 (more programs for a handful of rows): a step's
+    math does not depend on it, so the bits are those of block_q 16."""
+    s_q, s_k = shapes((7, 40), (300, 2048))
+    q, k, w, qq, kk = make_inputs(s_q, s_k, 8, 64, fmt, seed=9)
+    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(6), device=DEVICE)
+    via = {"fp8": {}, "mxfp4": dict(fp4_via_fp8=True, mx_inline=True),
+           "mxfp8": dict(mxfp8_via_f16=True, mx_inline=True)}[fmt]
+    cfg = dataclasses.replace(SMALL, block_q=16, heads_on_n=True, **via)
+    ref = run(qq, kk, w, ks, ke, config=cfg)
+    for block_q in (2, 4):
+        got = run(qq, kk, w, ks, ke, config=dataclasses.replace(cfg, block_q=block_q))
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    with pytest.raises(ValueError, match="block_q"):
+        run(qq, kk, w, ks, ke, config=dataclasses.replace(cfg, block_q=1))
 
 
 def test_mx_inline_rejects_what_it_cannot_run():

@@ -156,8 +156,10 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
     ``tilefuse.set_config_override("prefill", ...)`` (or ``TILEFUSE_PREFILL_CONFIG`` at import)."""
     cfg = apply_override(config or default_config(fmt, num_heads, head_dim, num_q_rows, logits_dtype, arch,
                                                   num_keys), "prefill")
-    if cfg.block_q < 16 or cfg.block_n < 16 or cfg.block_q & (cfg.block_q - 1) or cfg.block_n & (cfg.block_n - 1):
-        raise ValueError(f"block_q and block_n must be powers of two >= 16, got {cfg}")
+    # the few-row kernels' block_q is only the rows a program loops over (not an MMA side)
+    min_q = 2 if cfg.heads_on_n else 16
+    if cfg.block_q < min_q or cfg.block_n < 16 or cfg.block_q & (cfg.block_q - 1) or cfg.block_n & (cfg.block_n - 1):
+        raise ValueError(f"block_q and block_n must be powers of two >= 16 (block_q >= 2 with heads_on_n), got {cfg}")
     if cfg.head_unroll not in (1, 2):
         raise ValueError(f"head_unroll must be 1 or 2, got {cfg.head_unroll}")
     if cfg.heads_on_n and not (fmt == "fp8" or cfg.fp4_via_fp8 or cfg.mxfp8_via_f16):
