@@ -128,7 +128,9 @@ def main(argv=None) -> int:
     def against_peer(name, ours, theirs):
         if gpu:
             pair = alternating(ours, theirs, calls, sync)
-            record(f"{name}: tilefuse / deep_gemm, alternating rounds (median)", pair["ratio_median"], **pair)
+            label = f"{name}: tilefuse / deep_gemm, alternating rounds (median)"
+            rows.append({"name": label, "ratio": pair["ratio_median"], **pair})
+            print(f"{label} {pair['ratio_median']:.2f}", flush=True)
 
     def measure(fmt: str):
         qq, cache, w, lens, table = inputs(fmt, batch, ctx, 1, device)
