@@ -160,7 +160,8 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     stub = args.stub or device == "cpu"
     rows = []
-    cases = [("fp8", 128, 4096), ("fp8", 16, 4096), ("mxfp8", 128, 4096), ("mxfp4", 128, 4096)]
+    cases = [("fp8", 128, 4096), ("fp8", 16, 4096), ("mxfp8", 128, 4096), ("mxfp4", 128, 4096), ("mxfp8", 16, 4096),
+             ("mxfp4", 16, 4096)]
     peer = None
     if not stub:
         try:

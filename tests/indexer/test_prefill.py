@@ -1142,6 +1142,13 @@ def test_size_classes_and_their_defaults():
             "fp8", 64, 128, 128, arch=arch, num_keys=10**6)
     assert prefill.default_config("mxfp8", 64, 128, 128, arch=9, num_keys=4096) == prefill.default_config(
         "mxfp8", 64, 128, 128, arch=9, num_keys=10**6)
+    # at most 32 rows: the few-row kernel over 4 rows a program (FP8), MX in one launch on Hopper
+    assert prefill.default_config("fp8", 64, 128, 32, arch=9, num_keys=4096).block_q == 4
+    for fmt in ("mxfp8", "mxfp4"):
+        few = prefill.default_config(fmt, 64, 128, 32, arch=9, num_keys=4096)
+        assert few.mx_inline and few.heads_on_n and few.block_q == 8
+        assert not prefill.default_config(fmt, 64, 128, 32, arch=10, num_keys=4096).mx_inline
+        assert not prefill.default_config(fmt, 64, 128, 33, arch=9, num_keys=4096).mx_inline
 
 
 @pytest.mark.parametrize("arch", [None, 9, 10])
