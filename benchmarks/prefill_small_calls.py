@@ -52,8 +52,10 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="S_qxS_k,... for every format (default: SHAPES)")
     ap.add_argument("--block-q", default="", help="comma-separated block_q values: the few-row configs "
                     "(heads_on_n, inline) again at each")
+    ap.add_argument("--block-n", default="", help="comma-separated block_n values: the same, for block_n")
     args = ap.parse_args(argv)
     block_qs = [int(b) for b in args.block_q.split(",") if b]
+    block_ns = [int(b) for b in args.block_n.split(",") if b]
     shapes_arg = args.shapes and [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     if not torch.cuda.is_available():
         print("prefill_small_calls: needs a CUDA GPU", file=sys.stderr)
@@ -63,8 +65,13 @@ def main(argv=None) -> int:
         if fmt not in args.formats.split(","):
             continue
         configs = [("default", None), *CONFIGS[fmt].items()]
-        configs += [(f"{name} q{b}", dataclasses.replace(cfg, block_q=b)) for b in block_qs
-                    for name, cfg in CONFIGS[fmt].items() if cfg.heads_on_n]
+        for name, cfg in CONFIGS[fmt].items():
+            if cfg.heads_on_n:
+                for bq in block_qs or [cfg.block_q]:
+                    for bn in block_ns or [cfg.block_n]:
+                        if (bq, bn) != (cfg.block_q, cfg.block_n):
+                            tag = (f" q{bq}" if bq != cfg.block_q else "") + (f" n{bn}" if bn != cfg.block_n else "")
+                            configs.append((name + tag, dataclasses.replace(cfg, block_q=bq, block_n=bn)))
         for s_q, s_k in shapes_arg or shapes:
             q, kv, w, ks, ke = _case(fmt, s_q, s_k, 64, 128, "cuda")
             for name, cfg in configs:

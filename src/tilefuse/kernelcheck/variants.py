@@ -336,11 +336,10 @@ def _prefill_points():
                 # relu_via_abs runs E4M3 operands (MXFP8 goes through f16); mx_inline: below
             if d == 128:  # options at D = 128
                 yield fmt, d, 64, opt, True, False, f32, f32, "option"
-        if fmt != "fp8":  # the few-row MX kernel (mx_inline) at the tile it compiles without spills, every layout
-            inline = dataclasses.replace(prefill.default_config(fmt, 64, d, 16), block_q=16, block_n=128, num_warps=8,
-                                         num_stages=3, mx_inline=True)
+        if fmt != "fp8":  # the few-row MX kernel (mx_inline): Hopper's default at most 32 rows, every layout
+            inline = prefill.default_config(fmt, 64, d, 16, arch=9)
             for clean, compressed in _LAYOUTS:
-                yield fmt, d, 64, inline, clean, compressed, f32, f32, "option"
+                yield fmt, d, 64, inline, clean, compressed, f32, f32, "default"
 
 
 @functools.lru_cache(maxsize=1)
