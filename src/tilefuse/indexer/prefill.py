@@ -659,7 +659,7 @@ _FP8_PASS_CONFIGS: dict[tuple, PrefillConfig] = {}
 
 def _fp8_pass_config(cfg: PrefillConfig, h: int, d: int) -> PrefillConfig:
     """The config of the pass over renormalised rows: ``cfg`` on the Gluon loop, else the FP8
-    default off Hopper, few-row (``cfg.heads_on_n``, at ``cfg.block_q``) or 2-D tile, with ``cfg``'s head sum. Never
+    default off Hopper, few-row (``cfg.heads_on_n``, 16 rows a program) or 2-D tile, with ``cfg``'s head sum. Never
     from the call's row count: the top-k runs row blocks under the whole call's config."""
     if cfg.gluon:
         return cfg
@@ -667,8 +667,8 @@ def _fp8_pass_config(cfg: PrefillConfig, h: int, d: int) -> PrefillConfig:
     fp8_cfg = _FP8_PASS_CONFIGS.get(key)
     if fp8_cfg is None:
         fp8_cfg = default_config("fp8", h, d, FEW_ROWS if cfg.heads_on_n else None)
-        if cfg.heads_on_n:  # the MX config's rows a program (those of its one-launch kernel too)
-            fp8_cfg = dataclasses.replace(fp8_cfg, block_q=cfg.block_q)
+        if cfg.heads_on_n:  # 16 rows a program, the tile this pass was measured at (not the FP8 few-row default's 4)
+            fp8_cfg = dataclasses.replace(fp8_cfg, block_q=16)
         fp8_cfg = _FP8_PASS_CONFIGS[key] = dataclasses.replace(fp8_cfg, relu_via_abs=cfg.relu_via_abs)
     return fp8_cfg
 
