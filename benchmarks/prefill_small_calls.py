@@ -3,8 +3,8 @@ call, wall per call and GPU time, to place ``prefill.SMALL_CALL`` and the config
 
 For each (format, S_q, S_k) and each candidate config (FP8: the Gluon head loop with the head
 sum through |s|, which launches the linear-term pass first, the plain Gluon head loop, one
-launch, and the few-row kernel; MX: the renormalised rows, three launches, and the few-row
-MX kernel renormalising in registers, one launch), eager back-to-back calls with the same sizes (host and
+launch, and the few-row kernel; MX: the renormalised rows, three launches, the few-row
+MX kernel renormalising in registers, one launch, and the same with the query rows renormalised by a first launch), eager back-to-back calls with the same sizes (host and
 wall time, the best of three rounds) and the GPU time of one call in a CUDA graph. The call's
 cost to an engine is the larger of its host and GPU time. The default row says what
 ``fp8_fp4_mqa_logits`` picks without a config.
@@ -34,10 +34,14 @@ CONFIGS = {
     "mxfp8": {"via f16 gluon": C(block_q=64, block_n=128, num_warps=4, num_stages=4, mxfp8_via_f16=True,
                                  gluon=True, gluon_refill=2),
               "inline": C(block_q=16, block_n=128, num_warps=8, num_stages=3, mxfp8_via_f16=True, heads_on_n=True,
-                          mx_inline=True)},
+                          mx_inline=True),
+              "inline2": C(block_q=16, block_n=128, num_warps=8, num_stages=3, mxfp8_via_f16=True, heads_on_n=True,
+                           mx_inline=2)},
     "mxfp4": {"via fp8": C(block_q=64, block_n=256, num_warps=8, num_stages=3, fp4_via_fp8=True),
               "inline": C(block_q=16, block_n=128, num_warps=8, num_stages=3, fp4_via_fp8=True, heads_on_n=True,
-                          mx_inline=True)},
+                          mx_inline=True),
+              "inline2": C(block_q=16, block_n=128, num_warps=8, num_stages=3, fp4_via_fp8=True, heads_on_n=True,
+                           mx_inline=2)},
 }
 SHAPES = {"fp8": [(64, 4096), (128, 4096), (256, 4096), (128, 8192), (512, 4096), (256, 16384), (1024, 8192)],
           "mxfp8": [(16, 4096), (128, 4096), (256, 4096), (512, 4096), (2048, 8192)],

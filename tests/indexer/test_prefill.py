@@ -304,6 +304,45 @@ def test_mx_inline_weight_and_logit_dtypes(fmt, weights_dtype, logits_dtype, poi
     check_logits(out, qq, kk, q, k, w, ks, ke, fmt, logits_dtype=logits_dtype)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+@pytest.mark.parametrize("clean,compressed", [(False, False), (True, True)])
+def test_mx_inline_with_query_rows_ready(fmt, clean, compressed, poisoned, record_launches):
+    """``mx_inline=2``: the query rows renormalised by a first launch (no key programs), the
+    keys in the kernel: the bits of ``mx_inline=1`` where rows are exact; a block of rows with
+    one that is not exact, and a wide-span key, computed with the bf16 upcast (reference)."""
+    from tilefuse.indexer import _prefill_kernel as kern
+
+    s_q, s_k, h, d = shapes((20, 200), (200, 4096)) + (8, 128)
+    via = dict(fp4_via_fp8=True) if fmt == "mxfp4" else dict(mxfp8_via_f16=True)
+    one = prefill.PrefillConfig(block_q=4, block_n=128, heads_on_n=True, mx_inline=1, **via)
+    two = dataclasses.replace(one, mx_inline=2)
+    q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=41)
+    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(8), empty_fraction=0.2,
+                              device=DEVICE)
+    max_seqlen_k = int((ke - ks).max()) + 5 if compressed else 0
+    few = record_launches(kern, "prefill_mx_few_rows_kernel")
+    renorm = record_launches(kern, "mx_rows_renormalise_kernel")
+    got = run(qq, kk, w, ks, ke, config=two, clean_logits=clean, max_seqlen_k=max_seqlen_k)
+    assert len(few) == 1 and len(renorm) == 1
+    check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k)
+    ref = run(qq, kk, w, ks, ke, config=one, clean_logits=clean, max_seqlen_k=max_seqlen_k)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+    q, k = q.float(), k.float()
+    q[3, 2, :32] *= 1e6 if fmt == "mxfp8" else 1e4  # past the exact span (15 / 8 binades)
+    k[17, 32:64] *= 1e7 if fmt == "mxfp8" else 1e5
+    qq, kk = F.quantize_q(q.cpu(), fmt), F.quantize_k(k.cpu(), fmt)
+    qq, kk = tuple(t.to(DEVICE) for t in qq), tuple(t.to(DEVICE) for t in kk)
+    got = run(qq, kk, w, ks, ke, config=two, clean_logits=clean, max_seqlen_k=max_seqlen_k)
+    check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k,
+                 against_unquantised=False)
+    for i, (s_q, s_k) in enumerate(((9, 300), (23, 130), (5, 257))):  # new sizes: replayed launches, new scratch
+        q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=50 + i)
+        ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(i), device=DEVICE)
+        got = run(qq, kk, w, ks, ke, config=two, clean_logits=clean, max_seqlen_k=max_seqlen_k and s_k)
+        check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k and s_k)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
 def test_few_rows_block_q_below_16(fmt, poisoned):
     """The few-row kernels take block_q below 16 (more programs for a handful of rows): a step's
@@ -332,6 +371,9 @@ def test_mx_inline_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="mx_inline"):
         tilefuse.fp8_fp4_mqa_logits(qq8, kk8, w8, ks, ke, config=dataclasses.replace(SMALL, heads_on_n=True,
                                                                                        mx_inline=True))
+    with pytest.raises(ValueError, match="mx_inline"):
+        tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=dataclasses.replace(SMALL, fp4_via_fp8=True,
+                                                                                 heads_on_n=True, mx_inline=3))
 
 
 # ---------------------------------------------------------------------------------------
@@ -892,7 +934,9 @@ def test_out_buffer_is_written_and_reused(layout, poisoned):
 @pytest.mark.parametrize("fmt,config", [
     ("fp8", SMALL), ("fp8", None), ("fp8", dataclasses.replace(SMALL, heads_on_n=True)),
     ("mxfp4", SMALL), ("mxfp4", dataclasses.replace(SMALL, fp4_via_fp8=True)),
-    ("mxfp8", dataclasses.replace(SMALL, mxfp8_via_f16=True)), ("fp8", dataclasses.replace(SMALL, relu_via_abs=2))])
+    ("mxfp8", dataclasses.replace(SMALL, mxfp8_via_f16=True)), ("fp8", dataclasses.replace(SMALL, relu_via_abs=2)),
+    ("mxfp8", dataclasses.replace(SMALL, mxfp8_via_f16=True, heads_on_n=True, mx_inline=2)),
+    ("mxfp4", dataclasses.replace(SMALL, fp4_via_fp8=True, heads_on_n=True, mx_inline=2))])
 def test_one_layout_with_new_tensors_every_call(fmt, config, poisoned, monkeypatch):
     """Eager calls of one layout replay the launches of the first ones with their own tensors
     (new queries, keys, weights, windows and outputs every call, in any order) and new scratch

@@ -229,15 +229,20 @@ def prefill_logits_kernel(
 
 
 @triton.jit
+def _few_rows_columns(r0, q_end, c_r, c_h, H: tl.constexpr, ROWS: tl.constexpr):
+    """Rows ``[r0, r0 + ROWS)`` of the program's ``q_end`` and their (row, head) columns
+    ``c_r``, ``c_h``: ``(rows, row_ok, c_ok, c_rows)``."""
+    rows = r0 + tl.arange(0, ROWS)
+    return rows, rows < q_end, (r0 + c_r < q_end) & (c_h < H), (r0 + c_r).to(tl.int64)
+
+
+@triton.jit
 def _few_rows_step(q_ptr, stride_qs, stride_qh, w_ptr, stride_w, r0, q_end, c_r, c_h, dq, H: tl.constexpr,
                    ROWS: tl.constexpr, ZERO: tl.constexpr):
     """One step of the few-row kernels: rows ``[r0, r0 + ROWS)`` of the program's ``q_end``,
     their (row, head) columns ``c_r``, ``c_h``, and those columns' query values ([columns,
     ``dq``], ``ZERO`` where masked) and fp32 weights: ``(rows, row_ok, c_ok, c_rows, q, w)``."""
-    rows = r0 + tl.arange(0, ROWS)
-    row_ok = rows < q_end
-    c_ok = (r0 + c_r < q_end) & (c_h < H)
-    c_rows = (r0 + c_r).to(tl.int64)
+    rows, row_ok, c_ok, c_rows = _few_rows_columns(r0, q_end, c_r, c_h, H, ROWS)
     q = tl.load(q_ptr + c_rows[:, None] * stride_qs + c_h[:, None] * stride_qh + dq[None, :], mask=c_ok[:, None],
                 other=ZERO)
     w = tl.load(w_ptr + c_rows * stride_w + c_h, mask=c_ok, other=0.0).to(tl.float32)
@@ -455,6 +460,32 @@ def mx_rows_renormalise_kernel(
             tl.store(fix_k_ptr + pid, tl.max(bad.to(tl.int32), axis=0))
 
 
+@triton.jit
+def _mx_few_rows_from_raw(q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, w_ptr, stride_w, r0, q_end, c_r, c_h, dq,
+                          k_raw, k_sf, k_rows, k_scale, upcast, H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
+                          ROWS: tl.constexpr, NC: tl.constexpr, BLOCK_N: tl.constexpr, SPAN_EXACT: tl.constexpr,
+                          FOLD_LIMIT: tl.constexpr):
+    """A step of ``prefill_mx_few_rows_kernel`` from the MX query rows: renormalised in
+    registers, or (``upcast``, or a row of the step not exact) both operands' bf16 upcast.
+    Returns ``(rows, row_ok, x, k_mul)``: the ReLU'd weighted scores and the keys' scale."""
+    MMA: tl.constexpr = tl.float8e4nv if FMT == FMT_MXFP4 else tl.float16
+    ZERO: tl.constexpr = 0 if FMT == FMT_MXFP4 else 0.0  # (packed FP4 codes are int8)
+    rows, row_ok, c_ok, c_rows, q_raw, w = _few_rows_step(q_ptr, stride_qs, stride_qh, w_ptr, stride_w, r0, q_end,
+                                                         c_r, c_h, dq, H, ROWS, ZERO)
+    q_sf = tl.load(q_sf_ptr + c_rows * stride_qsf + c_h, mask=c_ok, other=0x7F7F7F7F)
+    q_bad = tl.max(_not_exact(q_sf, D // 32, SPAN_EXACT, FOLD_LIMIT).to(tl.int32), axis=0)
+    if upcast | (q_bad != 0):
+        s = tl.dot(_dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT), tl.trans(_dequant_tile(q_raw, q_sf, NC, D, FMT)))
+        x = tl.maximum(s, 0.0) * w[None, :]
+        k_mul = tl.full((BLOCK_N,), 1.0, tl.float32)
+    else:
+        q_vals, q_e = _renormalised(q_raw, q_sf, D, FMT, NC)
+        s = tl.dot(k_rows, tl.trans(q_vals.to(MMA)))
+        x = tl.maximum(s, 0.0) * (w * _pow2_biased(q_e))[None, :]
+        k_mul = k_scale
+    return rows, row_ok, x, k_mul
+
+
 @triton.jit(do_not_specialize=_DYNAMIC + ["stride_qs", "stride_k"], do_not_specialize_on_alignment=_SLICEABLE)
 def prefill_mx_few_rows_kernel(
     q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf,
@@ -462,10 +493,11 @@ def prefill_mx_few_rows_kernel(
     w_ptr, stride_w,
     ks_ptr, ke_ptr,
     out_ptr, stride_out,
+    q_rows_ptr, w_rows_ptr, fix_q_ptr,
     S_q, S_k, n_cols, err_ptr,
     H: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, ROWS: tl.constexpr,
     CLEAN: tl.constexpr, COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, SPAN_EXACT: tl.constexpr, FOLD_LIMIT: tl.constexpr,
+    NUM_STAGES: tl.constexpr, SPAN_EXACT: tl.constexpr, FOLD_LIMIT: tl.constexpr, Q_READY: tl.constexpr,
 ):
     """MX logits for few query rows in one launch: ``prefill_heads_on_n_kernel``'s layout
     ((query row, head) pairs on the MMA's N side) with each operand row renormalised in
@@ -474,7 +506,12 @@ def prefill_mx_few_rows_kernel(
     whose rows are all exact computes what the renormalise launch + the FP8-grid pass compute.
     A step with a row that is not exact (block exponents spanning more than ``SPAN_EXACT``
     binades, or a row scale past ``2^+-FOLD_LIMIT``) takes the bf16 upcast of both operands
-    instead (the recompute pass's math)."""
+    instead (the recompute pass's math).
+
+    ``Q_READY``: the query rows come renormalised by ``mx_rows_renormalise_kernel`` (``q_rows``
+    [S_q * H, D] in the MMA's dtype, ``w_rows`` the weights with the row scale folded in,
+    ``fix_q`` 1 per ``BLOCK_Q`` rows holding one that is not exact), so a program converts only
+    its key tile, once; otherwise those three pointers are not read."""
     pid_n = tl.program_id(0)
     pid_q = tl.program_id(1)
     stride_qs = _row_stride(stride_qs, q_ptr)
@@ -499,22 +536,28 @@ def prefill_mx_few_rows_kernel(
     k_scale = _pow2_biased(k_e)
     k_bad = tl.max(_not_exact(k_sf, NB, SPAN_EXACT, FOLD_LIMIT).to(tl.int32), axis=0)
     q_end = tl.minimum(S_q, (pid_q + 1) * BLOCK_Q)
-    for r0 in tl.range(pid_q * BLOCK_Q, q_end, ROWS, num_stages=NUM_STAGES):
-        rows, row_ok, c_ok, c_rows, q_raw, w = _few_rows_step(q_ptr, stride_qs, stride_qh, w_ptr, stride_w, r0, q_end,
-                                                             c_r, c_h, dq, H, ROWS, ZERO)
-        q_sf = tl.load(q_sf_ptr + c_rows * stride_qsf + c_h, mask=c_ok, other=0x7F7F7F7F)
-        q_bad = tl.max(_not_exact(q_sf, NB, SPAN_EXACT, FOLD_LIMIT).to(tl.int32), axis=0)
-        if (k_bad | q_bad) != 0:
-            s = tl.dot(_dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT), tl.trans(_dequant_tile(q_raw, q_sf, NC, D, FMT)))
-            x = tl.maximum(s, 0.0) * w[None, :]
-            k_mul = tl.full((BLOCK_N,), 1.0, tl.float32)
-        else:
-            q_vals, q_e = _renormalised(q_raw, q_sf, D, FMT, NC)
-            s = tl.dot(k_rows, tl.trans(q_vals.to(MMA)))
-            x = tl.maximum(s, 0.0) * (w * _pow2_biased(q_e))[None, :]
-            k_mul = k_scale
-        _store_few_rows(x, k_mul, rows, row_ok, cols, ks_ptr, ke_ptr, out_ptr, stride_out, S_k, n_cols, err_ptr,
-                        pid_n, ROWS, HEADS_P, BLOCK_N, CLEAN, COMPRESSED)
+    if Q_READY:
+        # the program's rows are one block of the renormalise launch's flags
+        upcast = (k_bad | tl.load(fix_q_ptr + pid_q)) != 0
+    else:
+        upcast = k_bad != 0
+    if Q_READY and not upcast:
+        # a loop of its own: the raw key tile is dead here (it is live in the other one)
+        for r0 in tl.range(pid_q * BLOCK_Q, q_end, ROWS, num_stages=NUM_STAGES):
+            rows, row_ok, c_ok, c_rows = _few_rows_columns(r0, q_end, c_r, c_h, H, ROWS)
+            pair = c_rows * H + c_h
+            q_vals = tl.load(q_rows_ptr + pair[:, None] * D + tl.arange(0, D)[None, :], mask=c_ok[:, None], other=0.0)
+            x = tl.maximum(tl.dot(k_rows, tl.trans(q_vals)), 0.0) * tl.load(w_rows_ptr + pair, mask=c_ok,
+                                                                            other=0.0)[None, :]
+            _store_few_rows(x, k_scale, rows, row_ok, cols, ks_ptr, ke_ptr, out_ptr, stride_out, S_k, n_cols, err_ptr,
+                            pid_n, ROWS, HEADS_P, BLOCK_N, CLEAN, COMPRESSED)
+    else:
+        for r0 in tl.range(pid_q * BLOCK_Q, q_end, ROWS, num_stages=NUM_STAGES):
+            rows, row_ok, x, k_mul = _mx_few_rows_from_raw(
+                q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, w_ptr, stride_w, r0, q_end, c_r, c_h, dq,
+                k_raw, k_sf, k_rows, k_scale, upcast, H, D, FMT, ROWS, NC, BLOCK_N, SPAN_EXACT, FOLD_LIMIT)
+            _store_few_rows(x, k_mul, rows, row_ok, cols, ks_ptr, ke_ptr, out_ptr, stride_out, S_k, n_cols, err_ptr,
+                            pid_n, ROWS, HEADS_P, BLOCK_N, CLEAN, COMPRESSED)
 
 
 @triton.jit(do_not_specialize=["stride_q", "stride_w"], do_not_specialize_on_alignment=["w_ptr"])

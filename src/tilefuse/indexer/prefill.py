@@ -59,10 +59,10 @@ class PrefillConfig:
     tile loaded once per program; for MX with ``fp4_via_fp8`` / ``mxfp8_via_f16``, the pass
     over the renormalised rows runs so (the recompute keeps the 2-D tile). The choice is the
     config's, never the call's row count, so a slice of the rows gets the same bits.
-    ``mx_inline`` (MX with ``heads_on_n``): one launch instead of three, each operand row
+    ``mx_inline`` (MX with ``heads_on_n``): 1, one launch instead of three, each operand row
     renormalised in the few-row kernel's registers, a step with a row that is not exact
-    computed with the bf16 upcast; 16x128 with 8 warps compiles without spills on sm_90a
-    (not yet timed on a GPU: off by default).
+    computed with the bf16 upcast (Hopper's default at most 32 rows); 2, the query rows
+    renormalised once by a first launch, the keys in the kernel's registers (two launches).
     ``gluon`` (Hopper): the 2-D tile's head loop as the Gluon kernel (async wgmma); then
     ``num_stages`` (>= 2) is its ring of query buffers, ``block_q`` 64 or 128, and warps
     beyond one per 16 rows split the keys; ``gluon_refill`` 1 or 2 (needs ``num_stages`` >= 3)
@@ -86,7 +86,7 @@ class PrefillConfig:
     gluon: bool = False  # the head loop as the Gluon kernel (Hopper)
     gluon_refill: int = 1  # Gluon query buffers refilled at a time
     relu_via_abs: int = 0  # 0, or 2: the head sum through |s| with a 2-part linear term
-    mx_inline: bool = False  # MX rows renormalised inside the few-row kernel (one launch)
+    mx_inline: int = 0  # MX rows renormalised inside the few-row kernel: 1 both operands, 2 the keys
 
     @functools.cached_property
     def launch_options(self) -> dict:
@@ -176,6 +176,8 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
                          f"of block_q / 16 and num_stages >= 2, got {cfg}")
     if cfg.gluon_refill not in (1, 2) or (cfg.gluon_refill == 2 and cfg.num_stages < 3):
         raise ValueError(f"gluon_refill must be 1, or 2 with num_stages >= 3, got {cfg}")
+    if cfg.mx_inline not in (0, 1, 2):
+        raise ValueError(f"mx_inline must be 0, 1 or 2, got {cfg.mx_inline}")
     if cfg.mx_inline and (fmt == "fp8" or not cfg.heads_on_n):
         raise ValueError(f"mx_inline runs MX operands on the few-row kernel (heads_on_n), got {cfg} for {fmt}")
     # One part misses the accuracy bound; three add time and no accuracy that shows (NOTES).
@@ -564,13 +566,20 @@ def _launch_mx_few_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean
     """MX logits in one launch of the few-row kernel, the rows renormalised in registers (``mx_inline``)."""
     s_q, h, _ = q.shape
     heads_p = next_power_of_2(h)
+    q_ready = cfg.mx_inline == 2
+    if q_ready:  # (fix_q per program: one flag block is one program's rows)
+        q_rows, w_rows, fix_q = _renormalise_rows(q, q_sf, weights, k, k_scale, fmt, d, cfg.block_q, cfg.block_n,
+                                                  keys=False)[:3]
+    else:  # not read: the error record keeps the compile key (its alignment does not vary)
+        q_rows = w_rows = fix_q = err
     consts = (h, heads_p, d, FORMAT_CODE[fmt], max(1, 128 // heads_p), clean, compressed, cfg.block_q, cfg.block_n,
-              cfg.num_stages, _SPAN_EXACT[fmt], _FOLD_EXP_LIMIT)
+              cfg.num_stages, _SPAN_EXACT[fmt], _FOLD_EXP_LIMIT, q_ready)
     grid = (cdiv(k.shape[0], cfg.block_n), cdiv(s_q, cfg.block_q))
     _mx_few_rows((consts, cfg.num_warps, q.dtype, weights.dtype, out.dtype), grid,
                  (q, q.stride(0), q.stride(1), q_sf, q_sf.stride(0), k, k.stride(0), k_scale, weights,
-                  weights.stride(0), ks, ke, out, out.stride(0), s_q, k.shape[0], out.shape[1], err, *consts),
-                 cfg.launch_options, sized=_sized_tile(cfg.block_q, cfg.block_n, (13, 14, 15, 16), (), ()))
+                  weights.stride(0), ks, ke, out, out.stride(0), q_rows, w_rows, fix_q, s_q, k.shape[0], out.shape[1],
+                  err, *consts),
+                 cfg.launch_options, sized=_sized_tile(cfg.block_q, cfg.block_n, (13, 17, 18, 19), (), ()))
 
 
 # A launch's ``sized`` (tilefuse._jit.replay): the grid, the size arguments and the rows of its
@@ -618,15 +627,17 @@ _RENORM_ROWS = 64  # rows (query: (row, head) pairs) per program of the renormal
 _renormalise = Launcher(kern.mx_rows_renormalise_kernel)
 
 
-def _renormalise_rows(q, q_sf, weights, k, k_scale, fmt: str, d: int, fix_q_rows: int, fix_k_rows: int):
+def _renormalise_rows(q, q_sf, weights, k, k_scale, fmt: str, d: int, fix_q_rows: int, fix_k_rows: int,
+                      keys: bool = True):
     """Both MX operands in one launch: ``(q_rows [S_q, H, D], w_rows [S_q, H] fp32, fix_q,
     k_rows [S_k, D], k_row_scale [S_k] fp32, fix_k)``. Rows are E4M3 (MXFP4) or f16 (MXFP8)
     renormalised by their largest block scale ``2^(e_max - 127)``: the keys' is the row scale,
     the queries' is folded into ``w_rows = weights * scale``. ``fix_q`` / ``fix_k`` (int32, one
     per ``fix_q_rows`` query rows / ``fix_k_rows`` keys, the last block partial) are 1 where a
-    row of the block is not exact. S_q and S_k must be > 0."""
+    row of the block is not exact. S_q (and S_k with ``keys``) must be > 0; without ``keys``
+    only the queries are renormalised (the key outputs are empty)."""
     s_q, h, _ = q.shape
-    s_k = k.shape[0]
+    s_k = k.shape[0] if keys else 0
     dev = q.device
     dtype = _RENORM_DTYPE[fmt]
     n_fix_q = cdiv(s_q, fix_q_rows)
@@ -637,11 +648,15 @@ def _renormalise_rows(q, q_sf, weights, k, k_scale, fmt: str, d: int, fix_q_rows
     q_rows = _jit.scratch(s_q, h, d, dtype=dtype, device=dev, sized=lambda s_q, *_: (s_q, h, d))
     w_rows = _jit.scratch(s_q, h, dtype=torch.float32, device=dev, sized=lambda s_q, *_: (s_q, h))
     fix_q = _jit.scratch(n_fix_q, dtype=torch.int32, device=dev, sized=lambda s_q, *_: (cdiv(s_q, fix_q_rows),))
-    k_rows = _jit.scratch(s_k, d, dtype=dtype, device=dev, sized=lambda s_q, s_k, *_: (s_k, d))
-    k_row_scale = _jit.scratch(s_k, dtype=torch.float32, device=dev, sized=lambda s_q, s_k, *_: (s_k,))
-    fix_k = _jit.scratch(n_fix_k, dtype=torch.int32, device=dev, sized=lambda s_q, s_k, *_: (cdiv(s_k, fix_k_rows),))
+    if not keys:
+        n_fix_k = 0
+    k_rows = _jit.scratch(s_k, d, dtype=dtype, device=dev, sized=lambda s_q, s_k, *_: (s_k if keys else 0, d))
+    k_row_scale = _jit.scratch(s_k, dtype=torch.float32, device=dev, sized=lambda s_q, s_k, *_: (s_k if keys else 0,))
+    fix_k = _jit.scratch(n_fix_k, dtype=torch.int32, device=dev,
+                         sized=lambda s_q, s_k, *_: (cdiv(s_k, fix_k_rows) if keys else 0,))
 
     def sized(s_q, s_k, *_):
+        s_k = s_k if keys else 0
         grid = (max(cdiv(s_q * h, _RENORM_ROWS), cdiv(s_q, fix_q_rows))
                 + max(cdiv(s_k, _RENORM_ROWS), cdiv(s_k, fix_k_rows)),)
         return grid, (s_q, s_k), ()
