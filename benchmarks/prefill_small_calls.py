@@ -3,9 +3,10 @@ call, wall per call and GPU time, to place ``prefill.SMALL_CALL`` and the config
 
 For each (format, S_q, S_k) and each candidate config (FP8: the Gluon head loop with the head
 sum through |s|, which launches the linear-term pass first, the plain Gluon head loop, one
-launch, and the few-row kernel; MX: the renormalised rows, three launches, the few-row
-MX kernel renormalising in registers, one launch, and the same with the query rows renormalised by a first launch), eager back-to-back calls with the same sizes (host and
-wall time, the best of three rounds) and the GPU time of one call in a CUDA graph. The call's
+launch, and the few-row kernel; MX: the renormalised rows, three launches, the few-row MX
+kernel renormalising in registers, one launch, and the same with the query rows renormalised
+by a first launch), eager back-to-back calls with the same sizes (host and wall time, the best
+of three rounds) and the GPU time of one call in a CUDA graph. The call's
 cost to an engine is the larger of its host and GPU time. The default row says what
 ``fp8_fp4_mqa_logits`` picks without a config.
 
