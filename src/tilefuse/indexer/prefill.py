@@ -635,7 +635,7 @@ def _renormalise_rows(q, q_sf, weights, k, k_scale, fmt: str, d: int, fix_q_rows
     the queries' is folded into ``w_rows = weights * scale``. ``fix_q`` / ``fix_k`` (int32, one
     per ``fix_q_rows`` query rows / ``fix_k_rows`` keys, the last block partial) are 1 where a
     row of the block is not exact. S_q (and S_k with ``keys``) must be > 0; without ``keys``
-    only the queries are renormalised (the key outputs are empty)."""
+    only the queries are renormalised (the key outputs returned are the query's)."""
     s_q, h, _ = q.shape
     s_k = k.shape[0] if keys else 0
     dev = q.device
@@ -648,12 +648,13 @@ def _renormalise_rows(q, q_sf, weights, k, k_scale, fmt: str, d: int, fix_q_rows
     q_rows = _jit.scratch(s_q, h, d, dtype=dtype, device=dev, sized=lambda s_q, *_: (s_q, h, d))
     w_rows = _jit.scratch(s_q, h, dtype=torch.float32, device=dev, sized=lambda s_q, *_: (s_q, h))
     fix_q = _jit.scratch(n_fix_q, dtype=torch.int32, device=dev, sized=lambda s_q, *_: (cdiv(s_q, fix_q_rows),))
-    if not keys:
-        n_fix_k = 0
-    k_rows = _jit.scratch(s_k, d, dtype=dtype, device=dev, sized=lambda s_q, s_k, *_: (s_k if keys else 0, d))
-    k_row_scale = _jit.scratch(s_k, dtype=torch.float32, device=dev, sized=lambda s_q, s_k, *_: (s_k if keys else 0,))
-    fix_k = _jit.scratch(n_fix_k, dtype=torch.int32, device=dev,
-                         sized=lambda s_q, s_k, *_: (cdiv(s_k, fix_k_rows) if keys else 0,))
+    if keys:
+        k_rows = _jit.scratch(s_k, d, dtype=dtype, device=dev, sized=lambda s_q, s_k, *_: (s_k, d))
+        k_row_scale = _jit.scratch(s_k, dtype=torch.float32, device=dev, sized=lambda s_q, s_k, *_: (s_k,))
+        fix_k = _jit.scratch(n_fix_k, dtype=torch.int32, device=dev,
+                             sized=lambda s_q, s_k, *_: (cdiv(s_k, fix_k_rows),))
+    else:  # no key programs: the query outputs stand in (same dtypes), never written as keys
+        k_rows, k_row_scale, fix_k = q_rows, w_rows, fix_q
 
     def sized(s_q, s_k, *_):
         s_k = s_k if keys else 0
