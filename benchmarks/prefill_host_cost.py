@@ -42,7 +42,8 @@ from tilefuse.indexer import windows as W  # noqa: E402
 
 _KERNELS = [(_prefill_kernel, name) for name in (
     "prefill_logits_kernel", "prefill_heads_on_n_kernel", "fill_outside_windows_kernel",
-    "mx_rows_renormalise_kernel", "linear_term_parts_kernel", "prefill_mx_few_rows_kernel")] + [(_prefill_kernel_sm100, "prefill_logits_mx_kernel")]
+    "mx_rows_renormalise_kernel", "linear_term_parts_kernel", "prefill_mx_few_rows_kernel")] + [
+    (_prefill_kernel_sm100, "prefill_logits_mx_kernel")]
 
 
 class _NoLaunch:
