@@ -41,8 +41,8 @@ VARIANTS = {  # name -> (format, config fields beyond the tile)
     "fp8-abs2": ("fp8", dict(relu_via_abs=2)),
     "fp8-abs2-unroll2": ("fp8", dict(relu_via_abs=2, head_unroll=2)),
     "mxfp4-via-fp8-abs2": ("mxfp4", dict(fp4_via_fp8=True, relu_via_abs=2)),
-    "mxfp4-inline": ("mxfp4", dict(fp4_via_fp8=True, heads_on_n=True, mx_inline=True)),
-    "mxfp8-inline": ("mxfp8", dict(mxfp8_via_f16=True, heads_on_n=True, mx_inline=True)),
+    "mxfp4-inline": ("mxfp4", dict(fp4_via_fp8=True, heads_on_n=True, mx_inline=1)),
+    "mxfp8-inline": ("mxfp8", dict(mxfp8_via_f16=True, heads_on_n=True, mx_inline=1)),
 }
 BF16_THRESHOLD = {"fp8": 1e-3, "mxfp8": 0.02, "mxfp4": 0.02}
 
@@ -195,6 +195,20 @@ def test_heads_on_n(h, d, layout, poisoned):
         run(q_mx, k_mx, w_mx, ks_mx, ke_mx, config=cfg)
 
 
+# MX operands on the FP8 kernels' grid (E4M3 for MXFP4, f16 for MXFP8)
+MX_VIA = {"mxfp4": dict(fp4_via_fp8=True), "mxfp8": dict(mxfp8_via_f16=True)}
+
+
+def _wide_span_rows(q, k, fmt):
+    """``(q, k, qq, kk)`` with query row 3's head 2 and key 17 past the exact block-exponent
+    span (15 binades for MXFP8, 8 for MXFP4), quantised again."""
+    q, k = q.float(), k.float()
+    q[3, 2, :32] *= 1e6 if fmt == "mxfp8" else 1e4
+    k[17, 32:64] *= 1e7 if fmt == "mxfp8" else 1e5
+    qq, kk = F.quantize_q(q.cpu(), fmt), F.quantize_k(k.cpu(), fmt)
+    return q, k, tuple(t.to(DEVICE) for t in qq), tuple(t.to(DEVICE) for t in kk)
+
+
 def _check_wide_span_prep(qq, kk, w, fmt, d, bad_q, bad_k):
     """The renormalise launch flags exactly the SMALL blocks of query row ``bad_q`` and key
     ``bad_k``, and every row of the other blocks times its scale is the dequantised row."""
@@ -270,9 +284,9 @@ def test_mx_inline_is_one_launch_and_the_renormalised_passes_bits(fmt, clean, co
     from tilefuse.indexer import _prefill_kernel as kern
 
     s_q, s_k, h, d = shapes((20, 300), (200, 4096)) + (8, 128)
-    via = dict(fp4_via_fp8=True) if fmt == "mxfp4" else dict(mxfp8_via_f16=True)
+    via = MX_VIA[fmt]
     passes = prefill.PrefillConfig(block_q=16, block_n=128, heads_on_n=True, **via)
-    inline = dataclasses.replace(passes, mx_inline=True)
+    inline = dataclasses.replace(passes, mx_inline=1)
     q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=31)
     ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(4), empty_fraction=0.2,
                               device=DEVICE)
@@ -286,11 +300,7 @@ def test_mx_inline_is_one_launch_and_the_renormalised_passes_bits(fmt, clean, co
     written = ~torch.isnan(ref) & ~torch.isnan(got)
     _same_bits_on_cpu(got[written], ref[written])
 
-    q, k = q.float(), k.float()
-    q[3, 2, :32] *= 1e6 if fmt == "mxfp8" else 1e4  # past the exact span (15 / 8 binades)
-    k[17, 32:64] *= 1e7 if fmt == "mxfp8" else 1e5
-    qq, kk = F.quantize_q(q.cpu(), fmt), F.quantize_k(k.cpu(), fmt)
-    qq, kk = tuple(t.to(DEVICE) for t in qq), tuple(t.to(DEVICE) for t in kk)
+    q, k, qq, kk = _wide_span_rows(q, k, fmt)
     got = run(qq, kk, w, ks, ke, config=inline, clean_logits=clean, max_seqlen_k=max_seqlen_k)
     check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k,
                  against_unquantised=False)
@@ -303,8 +313,8 @@ def test_mx_inline_weight_and_logit_dtypes(fmt, weights_dtype, logits_dtype, poi
     s_q, s_k = shapes((16, 128), (256, 4096))
     q, k, w, qq, kk = make_inputs(s_q, s_k, 8, 64, fmt, seed=5, weights_dtype=weights_dtype)
     ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(2), device=DEVICE)
-    via = dict(fp4_via_fp8=True) if fmt == "mxfp4" else dict(mxfp8_via_f16=True)
-    cfg = dataclasses.replace(SMALL, heads_on_n=True, mx_inline=True, **via)
+    via = MX_VIA[fmt]
+    cfg = dataclasses.replace(SMALL, heads_on_n=True, mx_inline=1, **via)
     out = run(qq, kk, w, ks, ke, config=cfg, logits_dtype=logits_dtype)
     check_logits(out, qq, kk, q, k, w, ks, ke, fmt, logits_dtype=logits_dtype)
 
@@ -318,7 +328,7 @@ def test_mx_inline_with_query_rows_ready(fmt, clean, compressed, poisoned, recor
     from tilefuse.indexer import _prefill_kernel as kern
 
     s_q, s_k, h, d = shapes((20, 200), (200, 4096)) + (8, 128)
-    via = dict(fp4_via_fp8=True) if fmt == "mxfp4" else dict(mxfp8_via_f16=True)
+    via = MX_VIA[fmt]
     one = prefill.PrefillConfig(block_q=4, block_n=128, heads_on_n=True, mx_inline=1, **via)
     two = dataclasses.replace(one, mx_inline=2)
     q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=41)
@@ -333,11 +343,7 @@ def test_mx_inline_with_query_rows_ready(fmt, clean, compressed, poisoned, recor
     ref = run(qq, kk, w, ks, ke, config=one, clean_logits=clean, max_seqlen_k=max_seqlen_k)
     _same_bits_on_cpu(got, ref)
 
-    q, k = q.float(), k.float()
-    q[3, 2, :32] *= 1e6 if fmt == "mxfp8" else 1e4  # past the exact span (15 / 8 binades)
-    k[17, 32:64] *= 1e7 if fmt == "mxfp8" else 1e5
-    qq, kk = F.quantize_q(q.cpu(), fmt), F.quantize_k(k.cpu(), fmt)
-    qq, kk = tuple(t.to(DEVICE) for t in qq), tuple(t.to(DEVICE) for t in kk)
+    q, k, qq, kk = _wide_span_rows(q, k, fmt)
     got = run(qq, kk, w, ks, ke, config=two, clean_logits=clean, max_seqlen_k=max_seqlen_k)
     check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k,
                  against_unquantised=False)
@@ -355,8 +361,7 @@ def test_few_rows_block_q_below_16(fmt, poisoned):
     s_q, s_k = shapes((7, 40), (300, 2048))
     q, k, w, qq, kk = make_inputs(s_q, s_k, 8, 64, fmt, seed=9)
     ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(6), device=DEVICE)
-    via = {"fp8": {}, "mxfp4": dict(fp4_via_fp8=True, mx_inline=True),
-           "mxfp8": dict(mxfp8_via_f16=True, mx_inline=True)}[fmt]
+    via = dict(MX_VIA[fmt], mx_inline=1) if fmt in MX_VIA else {}
     cfg = dataclasses.replace(SMALL, block_q=16, heads_on_n=True, **via)
     ref = run(qq, kk, w, ks, ke, config=cfg)
     for block_q in (2, 4):
@@ -369,13 +374,13 @@ def test_few_rows_block_q_below_16(fmt, poisoned):
 def test_mx_inline_rejects_what_it_cannot_run():
     _, _, w, qq, kk = make_inputs(16, 64, 4, 64, "mxfp4", seed=2)
     ks, ke = W.causal_tail(16, 64, device=DEVICE)
-    for fmt_q, fmt_k, cfg in (((qq[0], qq[1]), kk, dataclasses.replace(SMALL, fp4_via_fp8=True, mx_inline=True)),):
+    for fmt_q, fmt_k, cfg in (((qq[0], qq[1]), kk, dataclasses.replace(SMALL, fp4_via_fp8=True, mx_inline=1)),):
         with pytest.raises(ValueError, match="mx_inline"):
             tilefuse.fp8_fp4_mqa_logits(fmt_q, fmt_k, w, ks, ke, config=cfg)
     _, _, w8, qq8, kk8 = make_inputs(16, 64, 4, 64, "fp8", seed=2)
     with pytest.raises(ValueError, match="mx_inline"):
         tilefuse.fp8_fp4_mqa_logits(qq8, kk8, w8, ks, ke, config=dataclasses.replace(SMALL, heads_on_n=True,
-                                                                                       mx_inline=True))
+                                                                                       mx_inline=1))
     with pytest.raises(ValueError, match="mx_inline"):
         tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=dataclasses.replace(SMALL, fp4_via_fp8=True,
                                                                                  heads_on_n=True, mx_inline=3))
@@ -526,7 +531,7 @@ def test_mx_fixup_recomputes_the_flagged_tiles(fmt, tile, w_dtype, poisoned):
         k_sp += [(149, "wide"), (148, "zero")]
     qq, kk, w = _mx_operands(fmt, s_q, s_k, h, d, seed=77, q_exps=[(i, ex[n]) for i, n in q_sp],
                              k_exps=[(i, ex[n]) for i, n in k_sp], w_dtype=w_dtype)
-    via = dict(fp4_via_fp8=True) if fmt == "mxfp4" else dict(mxfp8_via_f16=True)
+    via = MX_VIA[fmt]
     cfg = dataclasses.replace(SMALL if tile == "small" else prefill.default_config(fmt, h, d, s_q), **via)
     ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(8), empty_fraction=0.1, overhang=5,
                               device=DEVICE)
@@ -990,7 +995,7 @@ def test_sizes_changing_every_call(checks_cached, monkeypatch):
 @pytest.mark.parametrize("fmt,config", [
     ("fp8", None), ("mxfp4", None), ("mxfp8", None), ("fp8", dataclasses.replace(SMALL, relu_via_abs=2)),
     ("mxfp8", dataclasses.replace(SMALL, mxfp8_via_f16=True, heads_on_n=True)),
-    ("mxfp4", dataclasses.replace(SMALL, fp4_via_fp8=True, heads_on_n=True, mx_inline=True))])
+    ("mxfp4", dataclasses.replace(SMALL, fp4_via_fp8=True, heads_on_n=True, mx_inline=1))])
 @pytest.mark.parametrize("clean,compressed", [(False, False), (True, False), (True, True)])
 def test_replays_follow_the_sizes(fmt, config, clean, compressed, poisoned, monkeypatch):
     """A layout's replay at new sizes every call (every pass of the default paths: the MX rows

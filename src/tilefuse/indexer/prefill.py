@@ -144,7 +144,7 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
     if hopper and few:
         # one launch renormalising in registers: 22-29 µs per eager call against 50-71 for the
         # three launches; in a graph 18-24 µs of GPU time against 15-17
-        return PrefillConfig(block_q=8, block_n=128, num_warps=8, num_stages=3, heads_on_n=True, mx_inline=True,
+        return PrefillConfig(block_q=8, block_n=128, num_warps=8, num_stages=3, heads_on_n=True, mx_inline=1,
                              fp4_via_fp8=fmt == "mxfp4", mxfp8_via_f16=fmt == "mxfp8")
     if fmt == "mxfp8":
         if hopper and not few:
@@ -563,7 +563,8 @@ _mx_few_rows = Launcher(kern.prefill_mx_few_rows_kernel)
 
 def _launch_mx_few_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg: PrefillConfig,
                         err) -> None:
-    """MX logits in one launch of the few-row kernel, the rows renormalised in registers (``mx_inline``)."""
+    """MX logits on the few-row kernel, the rows renormalised in its registers (``mx_inline`` 1; with 2
+    the query rows by a launch before it)."""
     s_q, h, _ = q.shape
     heads_p = next_power_of_2(h)
     q_ready = cfg.mx_inline == 2
