@@ -321,16 +321,19 @@ def test_mx_inline_weight_and_logit_dtypes(fmt, weights_dtype, logits_dtype, poi
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
 @pytest.mark.parametrize("clean,compressed", [(False, False), (True, True)])
-def test_mx_inline_with_query_rows_ready(fmt, clean, compressed, poisoned, record_launches):
+@pytest.mark.parametrize("mode", [2, 3])
+def test_mx_inline_with_query_rows_ready(fmt, clean, compressed, mode, poisoned, record_launches):
     """``mx_inline=2``: the query rows renormalised by a first launch (no key programs), the
-    keys in the kernel: the bits of ``mx_inline=1`` where rows are exact; a block of rows with
-    one that is not exact, and a wide-span key, computed with the bf16 upcast (reference)."""
+    keys in the kernel; ``mx_inline=3``: the same rows by producer programs of the one launch.
+    The bits of ``mx_inline=1`` where rows are exact; a block of rows with one that is not
+    exact, and a wide-span key, computed with the bf16 upcast (reference). The tile counters
+    of mode 3 are back at zero after every call."""
     from tilefuse.indexer import _prefill_kernel as kern
 
     s_q, s_k, h, d = shapes((20, 200), (200, 4096)) + (8, 128)
     via = MX_VIA[fmt]
     one = prefill.PrefillConfig(block_q=4, block_n=128, heads_on_n=True, mx_inline=1, **via)
-    two = dataclasses.replace(one, mx_inline=2)
+    two = dataclasses.replace(one, mx_inline=mode)
     q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=41)
     ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(8), empty_fraction=0.2,
                               device=DEVICE)
@@ -338,7 +341,7 @@ def test_mx_inline_with_query_rows_ready(fmt, clean, compressed, poisoned, recor
     few = record_launches(kern, "prefill_mx_few_rows_kernel")
     renorm = record_launches(kern, "mx_rows_renormalise_kernel")
     got = run(qq, kk, w, ks, ke, config=two, clean_logits=clean, max_seqlen_k=max_seqlen_k)
-    assert len(few) == 1 and len(renorm) == 1
+    assert len(few) == 1 and len(renorm) == (1 if mode == 2 else 0)
     check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k)
     ref = run(qq, kk, w, ks, ke, config=one, clean_logits=clean, max_seqlen_k=max_seqlen_k)
     _same_bits_on_cpu(got, ref)
@@ -352,6 +355,50 @@ def test_mx_inline_with_query_rows_ready(fmt, clean, compressed, poisoned, recor
         ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(i), device=DEVICE)
         got = run(qq, kk, w, ks, ke, config=two, clean_logits=clean, max_seqlen_k=max_seqlen_k and s_k)
         check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k and s_k)
+    if ON_GPU:
+        torch.cuda.synchronize()
+    assert all(not c.any() for c in prefill._TILE_COUNTERS.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_mx_inline_in_one_launch_in_graphs_and_on_two_streams(fmt):
+    """``mx_inline=3`` (producer programs of the launch, counters reset by the launch): a CUDA
+    graph replayed over new inputs, and two calls in flight at once on two streams, each
+    against the reference; the counters are zero after them."""
+    s_q, s_k, h, d = 100, 4096, 64, 128
+    cfg = prefill.PrefillConfig(block_q=16, block_n=128, num_warps=8, num_stages=3, heads_on_n=True, mx_inline=3,
+                                **MX_VIA[fmt])
+    q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=3)
+    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(3), device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (compiled and recorded off the capture)
+        for _ in range(3):
+            run(qq, kk, w, ks, ke, config=cfg)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(qq, kk, w, ks, ke, config=cfg)
+    for seed in (4, 5, 6):
+        q, k, w_new, qq_new, kk_new = make_inputs(s_q, s_k, h, d, fmt, seed=seed)
+        for dst, src in ((qq[0], qq_new[0]), (qq[1], qq_new[1]), (kk[0], kk_new[0]), (kk[1], kk_new[1]),
+                         (w, w_new.to(DEVICE))):
+            dst.copy_(src)
+        graph.replay()
+        check_logits(out, qq, kk, q, k, w, ks, ke, fmt)
+    calls = [make_inputs(s_q, s_k, h, d, fmt, seed=seed) for seed in (7, 8)]
+    streams = [torch.cuda.Stream() for _ in calls]
+    outs = []
+    for stream, (_, _, w_c, qq_c, kk_c) in zip(streams, calls):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            outs.append([run(qq_c, kk_c, w_c, ks, ke, config=cfg) for _ in range(4)])
+    torch.cuda.synchronize()
+    for (q, k, w_c, qq_c, kk_c), repeats in zip(calls, outs):
+        for got in repeats:
+            check_logits(got, qq_c, kk_c, q, k, w_c, ks, ke, fmt)
+    assert all(not c.any() for c in prefill._TILE_COUNTERS.values())
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
@@ -383,7 +430,7 @@ def test_mx_inline_rejects_what_it_cannot_run():
                                                                                        mx_inline=1))
     with pytest.raises(ValueError, match="mx_inline"):
         tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=dataclasses.replace(SMALL, fp4_via_fp8=True,
-                                                                                 heads_on_n=True, mx_inline=3))
+                                                                                 heads_on_n=True, mx_inline=4))
 
 
 # ---------------------------------------------------------------------------------------
@@ -946,7 +993,9 @@ def test_out_buffer_is_written_and_reused(layout, poisoned):
     ("mxfp4", SMALL), ("mxfp4", dataclasses.replace(SMALL, fp4_via_fp8=True)),
     ("mxfp8", dataclasses.replace(SMALL, mxfp8_via_f16=True)), ("fp8", dataclasses.replace(SMALL, relu_via_abs=2)),
     ("mxfp8", dataclasses.replace(SMALL, mxfp8_via_f16=True, heads_on_n=True, mx_inline=2)),
-    ("mxfp4", dataclasses.replace(SMALL, fp4_via_fp8=True, heads_on_n=True, mx_inline=2))])
+    ("mxfp4", dataclasses.replace(SMALL, fp4_via_fp8=True, heads_on_n=True, mx_inline=2)),
+    ("mxfp8", dataclasses.replace(SMALL, mxfp8_via_f16=True, heads_on_n=True, mx_inline=3)),
+    ("mxfp4", dataclasses.replace(SMALL, fp4_via_fp8=True, heads_on_n=True, mx_inline=3))])
 def test_one_layout_with_new_tensors_every_call(fmt, config, poisoned, monkeypatch):
     """Eager calls of one layout replay the launches of the first ones with their own tensors
     (new queries, keys, weights, windows and outputs every call, in any order) and new scratch
@@ -1183,8 +1232,8 @@ def test_size_classes_and_their_defaults():
     the plain Gluon loop (one launch) for small calls, the head sum through |s| above (fp32 and
     bf16 logits); elsewhere only the row count matters."""
     sc = prefill.size_class
-    assert [sc(32, 10**9), sc(33, 4096), sc(256, 4096), sc(257, 4096), sc(512, 4096), sc(512, 4097),
-            sc(128, 8193)] == [0, 1, 1, 2, 2, 3, 2]
+    assert [sc(32, 10**9), sc(33, 4096), sc(128, 4096), sc(128, 4097), sc(256, 4096), sc(257, 4096), sc(512, 4096),
+            sc(512, 4097), sc(128, 8193)] == [0, 1, 1, 2, 2, 3, 3, 4, 3]
     for logits in (torch.float32, torch.bfloat16):
         cfg = functools.partial(prefill.default_config, "fp8", 64, 128, logits_dtype=logits, arch=9)
         assert cfg(128, num_keys=4096).heads_on_n and cfg(16, num_keys=65536).heads_on_n
@@ -1194,15 +1243,19 @@ def test_size_classes_and_their_defaults():
     for arch in (None, 10):
         assert prefill.default_config("fp8", 64, 128, 128, arch=arch, num_keys=4096) == prefill.default_config(
             "fp8", 64, 128, 128, arch=arch, num_keys=10**6)
-    assert prefill.default_config("mxfp8", 64, 128, 128, arch=9, num_keys=4096) == prefill.default_config(
-        "mxfp8", 64, 128, 128, arch=9, num_keys=10**6)
+    assert prefill.default_config("mxfp8", 64, 128, 512, arch=9, num_keys=4096) == prefill.default_config(
+        "mxfp8", 64, 128, 512, arch=9, num_keys=10**6)
     # at most 32 rows: the few-row kernel over 4 rows a program (FP8), MX in one launch on Hopper
     assert prefill.default_config("fp8", 64, 128, 32, arch=9, num_keys=4096).block_q == 4
     for fmt in ("mxfp8", "mxfp4"):
         few = prefill.default_config(fmt, 64, 128, 32, arch=9, num_keys=4096)
         assert few.mx_inline and few.heads_on_n and few.block_q == 8
         assert not prefill.default_config(fmt, 64, 128, 32, arch=10, num_keys=4096).mx_inline
-        assert not prefill.default_config(fmt, 64, 128, 33, arch=9, num_keys=4096).mx_inline
+        # a few-row call up to MX_INLINE_CALL pairs: the query rows renormalised once, keys inline
+        assert prefill.default_config(fmt, 64, 128, 33, arch=9, num_keys=4096).mx_inline == 3
+        assert prefill.default_config(fmt, 64, 128, 128, arch=9, num_keys=4096).mx_inline == 3
+        assert not prefill.default_config(fmt, 64, 128, 128, arch=9, num_keys=4097).mx_inline
+        assert not prefill.default_config(fmt, 64, 128, 128, arch=10, num_keys=4096).mx_inline
 
 
 @pytest.mark.parametrize("arch", [None, 9, 10])

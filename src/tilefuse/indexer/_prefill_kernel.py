@@ -390,6 +390,20 @@ def _renormalise_tile(src_rows, sf, ok, dst_rows, D: tl.constexpr, FMT: tl.const
     return e_max
 
 
+@triton.jit
+def _renormalise_query_pairs(pair, ok, q_ptr, stride_q, stride_qh, q_sf_ptr, stride_qsf, w_ptr, stride_w, q_rows_ptr,
+                             w_rows_ptr, H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Query (row, head) pairs ``pair`` (where ``ok``) renormalised into ``q_rows`` [S_q * H, D],
+    their weights times the row scale into ``w_rows`` [S_q * H] (fp32)."""
+    row = (pair // H).to(tl.int64)
+    head = pair % H
+    sf = tl.load(q_sf_ptr + row * stride_qsf + head, mask=ok, other=0x7F7F7F7F)
+    e_max = _renormalise_tile(q_ptr + row * stride_q + head * stride_qh, sf, ok, q_rows_ptr + pair.to(tl.int64) * D,
+                              D, FMT, BLOCK_R)
+    w = tl.load(w_ptr + row * stride_w + head, mask=ok, other=0.0).to(tl.float32)
+    tl.store(w_rows_ptr + pair, w * _pow2_biased(e_max), mask=ok)
+
+
 @triton.jit(do_not_specialize=["stride_q", "stride_qsf", "stride_w", "stride_k", "S_q", "S_k"],
             do_not_specialize_on_alignment=["q_sf_ptr", "w_ptr", "k_sf_ptr"])
 def mx_rows_renormalise_kernel(
@@ -424,15 +438,9 @@ def mx_rows_renormalise_kernel(
     n_q_progs = tl.maximum(tl.cdiv(S_q * H, BLOCK_R), tl.cdiv(S_q, FIX_Q))
     if pid < n_q_progs:
         pair = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-        ok = pair < S_q * H
-        row = (pair // H).to(tl.int64)
-        head = pair % H
         if pid * BLOCK_R < S_q * H:
-            sf = tl.load(q_sf_ptr + row * stride_qsf + head, mask=ok, other=0x7F7F7F7F)
-            src = q_ptr + row * _row_stride(stride_q, q_ptr) + head * DQ
-            e_max = _renormalise_tile(src, sf, ok, q_rows_ptr + pair.to(tl.int64) * D, D, FMT, BLOCK_R)
-            w = tl.load(w_ptr + row * stride_w + head, mask=ok, other=0.0).to(tl.float32)
-            tl.store(w_rows_ptr + pair, w * _pow2_biased(e_max), mask=ok)
+            _renormalise_query_pairs(pair, pair < S_q * H, q_ptr, _row_stride(stride_q, q_ptr), DQ, q_sf_ptr,
+                                     stride_qsf, w_ptr, stride_w, q_rows_ptr, w_rows_ptr, H, D, FMT, BLOCK_R)
         if pid * FIX_Q < S_q:
             # Sub-tiles of 16 rows x all heads keep the scale tile small at any H and FIX_Q.
             heads = tl.arange(0, HEADS_P)
@@ -464,15 +472,21 @@ def mx_rows_renormalise_kernel(
 def _mx_few_rows_from_raw(q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, w_ptr, stride_w, r0, q_end, c_r, c_h, dq,
                           k_raw, k_sf, k_rows, k_scale, upcast, H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
                           ROWS: tl.constexpr, NC: tl.constexpr, BLOCK_N: tl.constexpr, SPAN_EXACT: tl.constexpr,
-                          FOLD_LIMIT: tl.constexpr):
+                          FOLD_LIMIT: tl.constexpr, UPCAST_ONLY: tl.constexpr):
     """A step of ``prefill_mx_few_rows_kernel`` from the MX query rows: renormalised in
-    registers, or (``upcast``, or a row of the step not exact) both operands' bf16 upcast.
+    registers, or (``upcast`` or ``UPCAST_ONLY``, or a row of the step not exact) both operands'
+    bf16 upcast.
     Returns ``(rows, row_ok, x, k_mul)``: the ReLU'd weighted scores and the keys' scale."""
     MMA: tl.constexpr = tl.float8e4nv if FMT == FMT_MXFP4 else tl.float16
     ZERO: tl.constexpr = 0 if FMT == FMT_MXFP4 else 0.0  # (packed FP4 codes are int8)
     rows, row_ok, c_ok, c_rows, q_raw, w = _few_rows_step(q_ptr, stride_qs, stride_qh, w_ptr, stride_w, r0, q_end,
                                                          c_r, c_h, dq, H, ROWS, ZERO)
     q_sf = tl.load(q_sf_ptr + c_rows * stride_qsf + c_h, mask=c_ok, other=0x7F7F7F7F)
+    if UPCAST_ONLY:  # (the caller's steps all upcast: the in-register renormalisation is not compiled)
+        s = tl.dot(_dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT), tl.trans(_dequant_tile(q_raw, q_sf, NC, D, FMT)))
+        x = tl.maximum(s, 0.0) * w[None, :]
+        k_mul = tl.full((BLOCK_N,), 1.0, tl.float32)
+        return rows, row_ok, x, k_mul
     q_bad = tl.max(_not_exact(q_sf, D // 32, SPAN_EXACT, FOLD_LIMIT).to(tl.int32), axis=0)
     if upcast | (q_bad != 0):
         s = tl.dot(_dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT), tl.trans(_dequant_tile(q_raw, q_sf, NC, D, FMT)))
@@ -486,41 +500,73 @@ def _mx_few_rows_from_raw(q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, w_p
     return rows, row_ok, x, k_mul
 
 
-@triton.jit(do_not_specialize=_DYNAMIC + ["stride_qs", "stride_k"], do_not_specialize_on_alignment=_SLICEABLE)
-def prefill_mx_few_rows_kernel(
-    q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf,
-    k_ptr, stride_k, k_scale_ptr,
-    w_ptr, stride_w,
-    ks_ptr, ke_ptr,
-    out_ptr, stride_out,
-    q_rows_ptr, w_rows_ptr, fix_q_ptr,
-    S_q, S_k, n_cols, err_ptr,
-    H: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, ROWS: tl.constexpr,
-    CLEAN: tl.constexpr, COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, SPAN_EXACT: tl.constexpr, FOLD_LIMIT: tl.constexpr, Q_READY: tl.constexpr,
-):
-    """MX logits for few query rows in one launch: ``prefill_heads_on_n_kernel``'s layout
-    ((query row, head) pairs on the MMA's N side) with each operand row renormalised in
-    registers as ``mx_rows_renormalise_kernel`` stores it (E4M3 for MXFP4, f16 for MXFP8; the
-    query's row scale folded into its weight, the key's applied to the head sum), so a step
-    whose rows are all exact computes what the renormalise launch + the FP8-grid pass compute.
-    A step with a row that is not exact (block exponents spanning more than ``SPAN_EXACT``
-    binades, or a row scale past ``2^+-FOLD_LIMIT``) takes the bf16 upcast of both operands
-    instead (the recompute pass's math).
+# Query (row, head) pairs an in-launch producer program renormalises (``Q_READY`` 2), and how
+# many times a program waiting for them reads their counter before it renormalises them itself.
+_PRODUCER_PAIRS = tl.constexpr(128)
+_MAX_SPINS = tl.constexpr(1 << 22)
 
-    ``Q_READY``: the query rows come renormalised by ``mx_rows_renormalise_kernel`` (``q_rows``
-    [S_q * H, D] in the MMA's dtype, ``w_rows`` the weights with the row scale folded in,
-    ``fix_q`` 1 per ``BLOCK_Q`` rows holding one that is not exact), so a program converts only
-    its key tile, once; otherwise those three pointers are not read."""
-    pid_n = tl.program_id(0)
-    pid_q = tl.program_id(1)
-    stride_qs = _row_stride(stride_qs, q_ptr)
-    stride_k = _row_stride(stride_k, k_ptr)
-    stride_out = _row_stride(stride_out, out_ptr)
+
+@triton.jit
+def _count_out(counters, arrivals):
+    """Arrival of one program at its query tile's counters (``[ready, arrived]``): the last of
+    the tile's ``arrivals`` programs (its producers after their ready count, its consumers after
+    reading it) resets both to 0 for the next launch, so they need no clearing between calls."""
+    if tl.atomic_add(counters + 1, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
+        tl.atomic_xchg(counters, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(counters + 1, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _produce_query_rows(tile, part, q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, w_ptr, stride_w, q_rows_ptr,
+                        w_rows_ptr, counters, S_q, arrivals, H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
+                        BLOCK_Q: tl.constexpr):
+    """Part ``part`` of query tile ``tile``'s (row, head) pairs renormalised (as the renormalise
+    launch writes them), then counted ready (release: every thread's stores first)."""
+    local = part * _PRODUCER_PAIRS + tl.arange(0, _PRODUCER_PAIRS)
+    pair = tile * (BLOCK_Q * H) + local
+    _renormalise_query_pairs(pair, (local < BLOCK_Q * H) & (pair < S_q * H), q_ptr, stride_qs, stride_qh, q_sf_ptr,
+                             stride_qsf, w_ptr, stride_w, q_rows_ptr, w_rows_ptr, H, D, FMT, _PRODUCER_PAIRS)
+    tl.debug_barrier()
+    tl.atomic_add(counters, 1, sem="release", scope="gpu")
+    _count_out(counters, arrivals)
+
+
+@triton.jit
+def _wait_query_rows(counters, producers, arrivals):
+    """Whether the tile's ``producers`` have counted its query rows ready (acquire), read until
+    they have or ``_MAX_SPINS`` reads have passed (then the caller renormalises them itself)."""
+    seen = tl.atomic_add(counters, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (seen < producers) & (spins < _MAX_SPINS):
+        seen = tl.atomic_add(counters, 0, sem="acquire", scope="gpu")
+        spins += 1
+    _count_out(counters, arrivals)
+    return seen >= producers
+
+
+@triton.jit
+def _mx_few_rows_tile(pid_n, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, k_ptr, stride_k, k_scale_ptr,
+                      w_ptr, stride_w, ks_ptr, ke_ptr, out_ptr, stride_out, q_rows_ptr, w_rows_ptr, fix_q_ptr, S_q,
+                      S_k, n_cols, err_ptr, counters, producers, arrivals, H: tl.constexpr, HEADS_P: tl.constexpr,
+                      D: tl.constexpr, FMT: tl.constexpr, ROWS: tl.constexpr, CLEAN: tl.constexpr,
+                      COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                      NUM_STAGES: tl.constexpr, SPAN_EXACT: tl.constexpr, FOLD_LIMIT: tl.constexpr,
+                      Q_READY: tl.constexpr):
+    """One (key tile, query tile) program of ``prefill_mx_few_rows_kernel``."""
     NB: tl.constexpr = D // 32
     DQ: tl.constexpr = D // 2 if FMT == FMT_MXFP4 else D
     MMA: tl.constexpr = tl.float8e4nv if FMT == FMT_MXFP4 else tl.float16
     ZERO: tl.constexpr = 0 if FMT == FMT_MXFP4 else 0.0  # (packed FP4 codes are int8)
+    # rows produced in this launch are read past L1 (written by other SMs during it)
+    Q_CACHE: tl.constexpr = ".cg" if Q_READY == 2 else ""
+    if Q_READY == 2:
+        # the tile's rows not exact, from their scales (its producers each saw a part of them);
+        # before the key tile, so that only the flag lives beside it
+        t_rows = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        heads = tl.arange(0, HEADS_P)
+        q_sf_tile = tl.load(q_sf_ptr + t_rows.to(tl.int64)[:, None] * stride_qsf + heads[None, :],
+                            mask=(t_rows < S_q)[:, None] & (heads < H)[None, :], other=0x7F7F7F7F)
+        q_bad = tl.max(tl.max(_not_exact(q_sf_tile, NB, SPAN_EXACT, FOLD_LIMIT).to(tl.int32), axis=1), axis=0)
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     key_ok = cols < S_k
@@ -536,28 +582,98 @@ def prefill_mx_few_rows_kernel(
     k_scale = _pow2_biased(k_e)
     k_bad = tl.max(_not_exact(k_sf, NB, SPAN_EXACT, FOLD_LIMIT).to(tl.int32), axis=0)
     q_end = tl.minimum(S_q, (pid_q + 1) * BLOCK_Q)
-    if Q_READY:
+    if Q_READY == 2:
+        upcast = (k_bad | q_bad) != 0
+        # (after the key tile's conversion, which overlaps the producers' work; a tile whose rows
+        # did not come in time takes the bf16 upcast, as one with a row not exact)
+        fast = _wait_query_rows(counters, producers, arrivals) & ~upcast
+    elif Q_READY:
         # the program's rows are one block of the renormalise launch's flags
         upcast = (k_bad | tl.load(fix_q_ptr + pid_q)) != 0
+        fast = ~upcast
     else:
         upcast = k_bad != 0
-    if Q_READY and not upcast:
+        fast = False
+    if Q_READY and fast:
         # a loop of its own: the raw key tile is dead here (it is live in the other one)
         for r0 in tl.range(pid_q * BLOCK_Q, q_end, ROWS, num_stages=NUM_STAGES):
             rows, row_ok, c_ok, c_rows = _few_rows_columns(r0, q_end, c_r, c_h, H, ROWS)
             pair = c_rows * H + c_h
-            q_vals = tl.load(q_rows_ptr + pair[:, None] * D + tl.arange(0, D)[None, :], mask=c_ok[:, None], other=0.0)
-            x = tl.maximum(tl.dot(k_rows, tl.trans(q_vals)), 0.0) * tl.load(w_rows_ptr + pair, mask=c_ok,
-                                                                            other=0.0)[None, :]
+            q_vals = tl.load(q_rows_ptr + pair[:, None] * D + tl.arange(0, D)[None, :], mask=c_ok[:, None], other=0.0,
+                             cache_modifier=Q_CACHE)
+            w_rows = tl.load(w_rows_ptr + pair, mask=c_ok, other=0.0, cache_modifier=Q_CACHE)
+            x = tl.maximum(tl.dot(k_rows, tl.trans(q_vals)), 0.0) * w_rows[None, :]
             _store_few_rows(x, k_scale, rows, row_ok, cols, ks_ptr, ke_ptr, out_ptr, stride_out, S_k, n_cols, err_ptr,
                             pid_n, ROWS, HEADS_P, BLOCK_N, CLEAN, COMPRESSED)
     else:
         for r0 in tl.range(pid_q * BLOCK_Q, q_end, ROWS, num_stages=NUM_STAGES):
             rows, row_ok, x, k_mul = _mx_few_rows_from_raw(
                 q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, w_ptr, stride_w, r0, q_end, c_r, c_h, dq,
-                k_raw, k_sf, k_rows, k_scale, upcast, H, D, FMT, ROWS, NC, BLOCK_N, SPAN_EXACT, FOLD_LIMIT)
+                k_raw, k_sf, k_rows, k_scale, upcast, H, D, FMT, ROWS, NC, BLOCK_N, SPAN_EXACT, FOLD_LIMIT,
+                Q_READY == 2)
             _store_few_rows(x, k_mul, rows, row_ok, cols, ks_ptr, ke_ptr, out_ptr, stride_out, S_k, n_cols, err_ptr,
                             pid_n, ROWS, HEADS_P, BLOCK_N, CLEAN, COMPRESSED)
+
+
+@triton.jit(do_not_specialize=_DYNAMIC + ["stride_qs", "stride_k"],
+            do_not_specialize_on_alignment=_SLICEABLE + ["counters_ptr"])
+def prefill_mx_few_rows_kernel(
+    q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf,
+    k_ptr, stride_k, k_scale_ptr,
+    w_ptr, stride_w,
+    ks_ptr, ke_ptr,
+    out_ptr, stride_out,
+    q_rows_ptr, w_rows_ptr, fix_q_ptr,
+    S_q, S_k, n_cols, err_ptr, counters_ptr,
+    H: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, ROWS: tl.constexpr,
+    CLEAN: tl.constexpr, COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr, SPAN_EXACT: tl.constexpr, FOLD_LIMIT: tl.constexpr, Q_READY: tl.constexpr,
+):
+    """MX logits for few query rows in one launch: ``prefill_heads_on_n_kernel``'s layout
+    ((query row, head) pairs on the MMA's N side) with each operand row renormalised in
+    registers as ``mx_rows_renormalise_kernel`` stores it (E4M3 for MXFP4, f16 for MXFP8; the
+    query's row scale folded into its weight, the key's applied to the head sum), so a step
+    whose rows are all exact computes what the renormalise launch + the FP8-grid pass compute.
+    A step with a row that is not exact (block exponents spanning more than ``SPAN_EXACT``
+    binades, or a row scale past ``2^+-FOLD_LIMIT``) takes the bf16 upcast of both operands
+    instead (the recompute pass's math). The grid is (key tiles, query tiles).
+
+    ``Q_READY`` 1: the query rows come renormalised by ``mx_rows_renormalise_kernel`` (``q_rows``
+    [S_q * H, D] in the MMA's dtype, ``w_rows`` the weights with the row scale folded in,
+    ``fix_q`` 1 per ``BLOCK_Q`` rows holding one that is not exact), so a program converts only
+    its key tile, once. ``Q_READY`` 2: the same rows written in this launch, by producer
+    programs ahead of the others on a 1-D grid (``_PRODUCER_PAIRS`` pairs of one query tile each,
+    then the (key tile, query tile) programs, key tiles fastest). A program waits for its tile's
+    producers through ``counters_ptr`` (int32 ``[2 * query tiles]``: ready, arrived; zero between
+    launches), which never waits for a program behind it on the grid: the producers wait for
+    nothing. (A program that has read the counter ``_MAX_SPINS`` times computes its tile with
+    the bf16 upcast instead: no wait is unbounded.) ``Q_READY`` 0: the query rows renormalised in registers; ``q_rows``, ``w_rows``,
+    ``fix_q`` and ``counters`` are not read."""
+    stride_qs = _row_stride(stride_qs, q_ptr)
+    stride_k = _row_stride(stride_k, k_ptr)
+    stride_out = _row_stride(stride_out, out_ptr)
+    if Q_READY == 2:
+        parts: tl.constexpr = (BLOCK_Q * H + _PRODUCER_PAIRS - 1) // _PRODUCER_PAIRS
+        n_k = tl.cdiv(S_k, BLOCK_N)
+        n_producers = tl.cdiv(S_q, BLOCK_Q) * parts
+        pid = tl.program_id(0)
+        if pid < n_producers:
+            tile = pid // parts
+            _produce_query_rows(tile, pid % parts, q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, w_ptr, stride_w,
+                                q_rows_ptr, w_rows_ptr, counters_ptr + 2 * tile, S_q, n_k + parts, H, D, FMT, BLOCK_Q)
+        else:
+            pid -= n_producers
+            pid_q = pid // n_k
+            _mx_few_rows_tile(pid % n_k, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, k_ptr, stride_k,
+                              k_scale_ptr, w_ptr, stride_w, ks_ptr, ke_ptr, out_ptr, stride_out, q_rows_ptr,
+                              w_rows_ptr, fix_q_ptr, S_q, S_k, n_cols, err_ptr, counters_ptr + 2 * pid_q, parts,
+                              n_k + parts, H, HEADS_P, D, FMT, ROWS, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N, NUM_STAGES,
+                              SPAN_EXACT, FOLD_LIMIT, Q_READY)
+    else:
+        _mx_few_rows_tile(tl.program_id(0), tl.program_id(1), q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, k_ptr,
+                          stride_k, k_scale_ptr, w_ptr, stride_w, ks_ptr, ke_ptr, out_ptr, stride_out, q_rows_ptr,
+                          w_rows_ptr, fix_q_ptr, S_q, S_k, n_cols, err_ptr, counters_ptr, 0, 0, H, HEADS_P, D, FMT,
+                          ROWS, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N, NUM_STAGES, SPAN_EXACT, FOLD_LIMIT, Q_READY)
 
 
 @triton.jit(do_not_specialize=["stride_q", "stride_w"], do_not_specialize_on_alignment=["w_ptr"])

@@ -62,7 +62,9 @@ class PrefillConfig:
     ``mx_inline`` (MX with ``heads_on_n``): 1, one launch instead of three, each operand row
     renormalised in the few-row kernel's registers, a step with a row that is not exact
     computed with the bf16 upcast (Hopper's default at most 32 rows); 2, the query rows
-    renormalised once by a first launch, the keys in the kernel's registers (two launches).
+    renormalised once by a first launch, the keys in the kernel's registers (two launches); 3,
+    as 2 in one launch: producer programs at the head of its grid renormalise the query rows,
+    which the others wait for (per-stream counters, reset by the kernel itself).
     ``gluon`` (Hopper): the 2-D tile's head loop as the Gluon kernel (async wgmma); then
     ``num_stages`` (>= 2) is its ring of query buffers, ``block_q`` 64 or 128, and warps
     beyond one per 16 rows split the keys; ``gluon_refill`` 1 or 2 (needs ``num_stages`` >= 3)
@@ -86,7 +88,7 @@ class PrefillConfig:
     gluon: bool = False  # the head loop as the Gluon kernel (Hopper)
     gluon_refill: int = 1  # Gluon query buffers refilled at a time
     relu_via_abs: int = 0  # 0, or 2: the head sum through |s| with a 2-part linear term
-    mx_inline: int = 0  # MX rows renormalised inside the few-row kernel: 1 both operands, 2 the keys
+    mx_inline: int = 0  # MX rows renormalised inside the few-row kernel: 1 both operands, 2 / 3 the keys
 
     @functools.cached_property
     def launch_options(self) -> dict:
@@ -106,17 +108,22 @@ FEW_ROWS = 32
 FEW_CALL_ROWS = 256
 FEW_CALL = 2**20
 SMALL_CALL = 2**21
+# MX on Hopper: up to this many pairs of a few-row call the query rows renormalised once and the
+# keys in the few-row kernel (mx_inline=2 / 3) beat the three launches in GPU time as well
+# (19-33 us against 38-39 at 64-128 rows of 4096 keys; 45-61 against 32-41 at 256 rows).
+MX_INLINE_CALL = 2**19
 
 
 def size_class(num_q_rows: int, num_keys: int) -> int:
-    """All that the default configs read of a call's sizes: 0 at most FEW_ROWS rows, 1 a few-row
-    call (FEW_CALL_ROWS, FEW_CALL), 2 a small call (SMALL_CALL), 3 the rest."""
+    """All that the default configs read of a call's sizes: 0 at most FEW_ROWS rows; a few-row
+    call (FEW_CALL_ROWS rows): 1 up to MX_INLINE_CALL pairs, 2 up to FEW_CALL; 3 a small call
+    (SMALL_CALL), 4 the rest."""
     if num_q_rows <= FEW_ROWS:
         return 0
     pairs = num_q_rows * num_keys
     if num_q_rows <= FEW_CALL_ROWS and pairs <= FEW_CALL:
-        return 1
-    return 2 if pairs <= SMALL_CALL else 3
+        return 1 if pairs <= MX_INLINE_CALL else 2
+    return 3 if pairs <= SMALL_CALL else 4
 
 
 def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | None = None,
@@ -131,20 +138,25 @@ def default_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
     del num_heads, head_dim  # one tile per format fits every H and D measured so far
     hopper = arch == 9
     few = num_q_rows is not None and num_q_rows <= FEW_ROWS
-    cls = 3 if num_q_rows is None or num_keys is None else size_class(num_q_rows, num_keys)
+    cls = 4 if num_q_rows is None or num_keys is None else size_class(num_q_rows, num_keys)
     if fmt == "fp8":
-        if few or (hopper and cls == 1):
+        if few or (hopper and cls in (1, 2)):
             # block_q 4 at most FEW_ROWS rows: 4x the programs, GPU time 6.4-7.7 µs against 9.6-12.2
             return PrefillConfig(block_q=4 if few else 16, block_n=128, num_warps=4, num_stages=3, heads_on_n=True)
         if hopper:
             return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon=True, gluon_refill=1,
-                                 relu_via_abs=0 if cls == 2 else 2)
+                                 relu_via_abs=0 if cls == 3 else 2)
         return PrefillConfig(block_q=64, block_n=128, num_warps=4, num_stages=3, head_unroll=2,
                              clean_pass=logits_dtype == torch.bfloat16)
     if hopper and few:
         # one launch renormalising in registers: 22-29 µs per eager call against 50-71 for the
         # three launches; in a graph 18-24 µs of GPU time against 15-17
         return PrefillConfig(block_q=8, block_n=128, num_warps=8, num_stages=3, heads_on_n=True, mx_inline=1,
+                             fp4_via_fp8=fmt == "mxfp4", mxfp8_via_f16=fmt == "mxfp8")
+    if hopper and cls == 1:
+        # the query rows renormalised once (by producer programs of the launch), the keys in the
+        # few-row kernel: half the three launches' GPU time, one launch
+        return PrefillConfig(block_q=16, block_n=128, num_warps=8, num_stages=3, heads_on_n=True, mx_inline=3,
                              fp4_via_fp8=fmt == "mxfp4", mxfp8_via_f16=fmt == "mxfp8")
     if fmt == "mxfp8":
         if hopper and not few:
@@ -176,8 +188,8 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
                          f"of block_q / 16 and num_stages >= 2, got {cfg}")
     if cfg.gluon_refill not in (1, 2) or (cfg.gluon_refill == 2 and cfg.num_stages < 3):
         raise ValueError(f"gluon_refill must be 1, or 2 with num_stages >= 3, got {cfg}")
-    if cfg.mx_inline not in (0, 1, 2):
-        raise ValueError(f"mx_inline must be 0, 1 or 2, got {cfg.mx_inline}")
+    if cfg.mx_inline not in (0, 1, 2, 3):
+        raise ValueError(f"mx_inline must be 0, 1, 2 or 3, got {cfg.mx_inline}")
     if cfg.mx_inline and (fmt == "fp8" or not cfg.heads_on_n):
         raise ValueError(f"mx_inline runs MX operands on the few-row kernel (heads_on_n), got {cfg} for {fmt}")
     # One part misses the accuracy bound; three add time and no accuracy that shows (NOTES).
@@ -564,23 +576,76 @@ _mx_few_rows = Launcher(kern.prefill_mx_few_rows_kernel)
 def _launch_mx_few_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg: PrefillConfig,
                         err) -> None:
     """MX logits on the few-row kernel, the rows renormalised in its registers (``mx_inline`` 1; with 2
-    the query rows by a launch before it)."""
+    the query rows by a launch before it, with 3 by producer programs of the same launch)."""
     s_q, h, _ = q.shape
     heads_p = next_power_of_2(h)
-    q_ready = cfg.mx_inline == 2
-    if q_ready:  # (fix_q per program: one flag block is one program's rows)
+    q_tiles = cdiv(s_q, cfg.block_q)
+    q_ready = cfg.mx_inline - 1
+    counters = err  # (not read unless q_ready is 2: the error record keeps the compile key)
+    if q_ready == 2:
+        counters = _tile_counters(q.device)
+        if q_tiles > _COUNTER_TILES:  # more query tiles than counters: the rows by a first launch
+            q_ready = 1
+    if q_ready == 1:  # (fix_q per program: one flag block is one program's rows)
         q_rows, w_rows, fix_q = _renormalise_rows(q, q_sf, weights, k, k_scale, fmt, d, cfg.block_q, cfg.block_n,
                                                   keys=False)[:3]
+    elif q_ready == 2:
+        q_rows = _jit.scratch(s_q, h, d, dtype=_RENORM_DTYPE[fmt], device=q.device, sized=lambda s_q, *_: (s_q, h, d))
+        w_rows = _jit.scratch(s_q, h, dtype=torch.float32, device=q.device, sized=lambda s_q, *_: (s_q, h))
+        fix_q = err
     else:  # not read: the error record keeps the compile key (its alignment does not vary)
         q_rows = w_rows = fix_q = err
     consts = (h, heads_p, d, FORMAT_CODE[fmt], max(1, 128 // heads_p), clean, compressed, cfg.block_q, cfg.block_n,
               cfg.num_stages, _SPAN_EXACT[fmt], _FOLD_EXP_LIMIT, q_ready)
-    grid = (cdiv(k.shape[0], cfg.block_n), cdiv(s_q, cfg.block_q))
-    _mx_few_rows((consts, cfg.num_warps, q.dtype, weights.dtype, out.dtype), grid,
+    if q_ready == 2:
+        sized = _sized_producers_and_tiles(cfg.block_q, cfg.block_n, cdiv(cfg.block_q * h, _PRODUCER_PAIRS))
+    else:
+        sized = _sized_tile(cfg.block_q, cfg.block_n, (13, 17, 18, 19), (), ())
+    _mx_few_rows((consts, cfg.num_warps, q.dtype, weights.dtype, out.dtype),
+                 sized[0](s_q, k.shape[0], out.shape[1], out.stride(0))[0],
                  (q, q.stride(0), q.stride(1), q_sf, q_sf.stride(0), k, k.stride(0), k_scale, weights,
                   weights.stride(0), ks, ke, out, out.stride(0), q_rows, w_rows, fix_q, s_q, k.shape[0], out.shape[1],
-                  err, *consts),
-                 cfg.launch_options, sized=_sized_tile(cfg.block_q, cfg.block_n, (13, 17, 18, 19), (), ()))
+                  err, counters, *consts),
+                 cfg.launch_options, sized=sized)
+
+
+# mx_inline=3: query (row, head) pairs per producer program (the kernel's _PRODUCER_PAIRS), and
+# the query tiles one call may have (counters per device and stream: 2 int32 a tile).
+_PRODUCER_PAIRS = 128
+_COUNTER_TILES = 4096
+_TILE_COUNTERS: dict = {}
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """The query-tile counters of ``mx_inline=3`` launches on the current stream of ``device``:
+    zero when no launch runs (each launch leaves them so), one buffer per stream so that calls
+    on two streams never share one (a call replayed on another stream takes the ordinary path:
+    the stream is in the op's replay key)."""
+    key = (device, _current_stream(device))
+    counters = _TILE_COUNTERS.get(key)
+    if counters is None:
+        counters = _TILE_COUNTERS[key] = torch.zeros(2 * _COUNTER_TILES, dtype=torch.int32, device=device)
+    return counters
+
+
+def _current_stream(device: torch.device) -> int:
+    return _stream_of(device.index if device.type == "cuda" else -1)
+
+
+def _stream_of(device_index: int) -> int:
+    """The current stream of a CUDA device by index (-1: a CPU tensor, 0)."""
+    return torch._C._cuda_getCurrentRawStream(device_index) if device_index >= 0 else 0
+
+
+@functools.cache
+def _sized_producers_and_tiles(block_q: int, block_n: int, parts: int):
+    """The 1-D grid of ``mx_inline=3``: ``parts`` producers per query tile, then the (key tile,
+    query tile) programs; sizes at the same positions as :func:`_sized_tile`'s."""
+    def sized(s_q, s_k, n_cols, stride_out):
+        q_tiles = -(-s_q // block_q)
+        return (q_tiles * (parts + -(-s_k // block_n)),), (stride_out, s_q, s_k, n_cols), ()
+
+    return sized, (13, 17, 18, 19), ()
 
 
 # A launch's ``sized`` (tilefuse._jit.replay): the grid, the size arguments and the rows of its
@@ -799,7 +864,9 @@ def fp8_fp4_mqa_logits(
                                                                   schedule_meta.get_device()),
                               # on the CPU, whether it runs at all depends on the interpreter (and
                               # which kernels, on the architecture the tests pose as)
-                              sig[4] >= 0 or (_validate.interpreter_enabled(), _arch(q_values.device)))
+                              sig[4] >= 0 or (_validate.interpreter_enabled(), _arch(q_values.device)),
+                              # (MX: mx_inline=3 binds the current stream's tile counters)
+                              None if q_sf is None else _stream_of(sig[4]))
                 entry = _REPLAYS.get(replay_key)
                 if entry.__class__ is tuple and not (
                         _sizes_agree(q_values, q_sf, k, k_scale, weights, ks, ke) and max(s_q, s_k, cols) < _MAX_SIZE
@@ -872,7 +939,8 @@ def _run_recorded(replay_key, tries: int, inputs: tuple, clean: bool, max_seqlen
         _run(*inputs[:7], clean, max_seqlen_k, cfg, inputs[7])
     if recording is None:  # another thread is recording: next time
         return
-    replayed = _jit.replay(recording, inputs, keep=(_ERR_RECORDS.get(q.device),))
+    replayed = _jit.replay(recording, inputs, keep=(_ERR_RECORDS.get(q.device),
+                                                    _TILE_COUNTERS.get((q.device, _current_stream(q.device)))))
     if replayed is None:
         replayed = tries + 1 if tries + 1 < _REPLAY_TRIES else _jit.NOT_REPLAYABLE
     elif replayed is not _jit.NOT_REPLAYABLE:
@@ -969,13 +1037,16 @@ def warmup_calls(fmt: str, num_heads: int, head_dim: int, weights_dtype: torch.d
     configuration (a call of each size class whose config no smaller call has, with every pass
     each one launches), on small inputs. After running them, any S_q, S_k, windows and strides
     run without a compile. Returns the calls (each takes no arguments and returns nothing)."""
+    if fmt not in FORMAT_CODE:  # before the heuristics, whose errors would not name it
+        raise ValueError(f"fmt: expected one of {sorted(FORMAT_CODE)}, got {fmt!r}")
     device = torch.device(device)
     calls = []
     arch = _arch(device)
     rows = 3 * FEW_ROWS
     # the smallest call of each size_class
     sizes, seen = [], set()
-    for s_q, s_k in ((FEW_ROWS // 2, 256), (rows, 256), (rows, FEW_CALL // rows + 1), (rows, SMALL_CALL // rows + 1)):
+    for s_q, s_k in ((FEW_ROWS // 2, 256), (rows, 256), (rows, MX_INLINE_CALL // rows + 1), (rows, FEW_CALL // rows + 1),
+                     (rows, SMALL_CALL // rows + 1)):
         cfg = resolve_config(fmt, num_heads, head_dim, s_q, None, logits_dtype, arch, s_k)
         if cfg not in seen:
             seen.add(cfg)
@@ -996,8 +1067,6 @@ def warmup_calls(fmt: str, num_heads: int, head_dim: int, weights_dtype: torch.d
 
 def _zero_inputs(fmt: str, s_q: int, s_k: int, h: int, d: int, device: torch.device):
     """Zero-valued operands of a format (unit scales), for warm-up launches."""
-    if fmt not in FORMAT_CODE:
-        raise ValueError(f"fmt: expected one of {sorted(FORMAT_CODE)}, got {fmt!r}")
     if fmt == "fp8":
         values = torch.zeros(s_q, h, d, dtype=torch.uint8, device=device).view(FP8_DTYPE)
         keys = torch.zeros(s_k, d, dtype=torch.uint8, device=device).view(FP8_DTYPE)

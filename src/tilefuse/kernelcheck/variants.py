@@ -336,12 +336,15 @@ def _prefill_points():
                 # relu_via_abs runs E4M3 operands (MXFP8 goes through f16); mx_inline: below
             if d == 128:  # options at D = 128
                 yield fmt, d, 64, opt, True, False, f32, f32, "option"
-        if fmt != "fp8":  # the few-row MX kernel (mx_inline): Hopper's default at most 32 rows, every layout
-            inline = prefill.default_config(fmt, 64, d, 16, arch=9)
-            for clean, compressed in _LAYOUTS:
-                yield fmt, d, 64, inline, clean, compressed, f32, f32, "default"
-            if d == 128:  # the query rows renormalised by a first launch (mx_inline=2)
-                yield fmt, d, 64, dataclasses.replace(inline, block_q=16, mx_inline=2), True, False, f32, f32, "option"
+        if fmt != "fp8":  # the few-row MX kernels, Hopper's defaults, every layout: at most 32 rows
+            # (mx_inline=1), and few-row calls up to MX_INLINE_CALL pairs (mx_inline=3: the query
+            # rows renormalised by producer programs of the launch)
+            for inline in (prefill.default_config(fmt, 64, d, 16, arch=9),
+                           prefill.default_config(fmt, 64, d, 64, arch=9, num_keys=4096)):
+                for clean, compressed in _LAYOUTS:
+                    yield fmt, d, 64, inline, clean, compressed, f32, f32, "default"
+            if d == 128:  # the same rows by a first launch (mx_inline=2)
+                yield fmt, d, 64, dataclasses.replace(inline, mx_inline=2), True, False, f32, f32, "option"
 
 
 @functools.lru_cache(maxsize=1)
