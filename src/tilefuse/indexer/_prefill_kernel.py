@@ -647,8 +647,8 @@ def prefill_mx_few_rows_kernel(
     producers through ``counters_ptr`` (int32 ``[2 * query tiles]``: ready, arrived; zero between
     launches), which never waits for a program behind it on the grid: the producers wait for
     nothing. (A program that has read the counter ``_MAX_SPINS`` times computes its tile with
-    the bf16 upcast instead: no wait is unbounded.) ``Q_READY`` 0: the query rows renormalised in registers; ``q_rows``, ``w_rows``,
-    ``fix_q`` and ``counters`` are not read."""
+    the bf16 upcast instead: no wait is unbounded.) ``Q_READY`` 0: the query rows renormalised
+    in registers; ``q_rows``, ``w_rows``, ``fix_q`` and ``counters`` are not read."""
     stride_qs = _row_stride(stride_qs, q_ptr)
     stride_k = _row_stride(stride_k, k_ptr)
     stride_out = _row_stride(stride_out, out_ptr)

@@ -1045,8 +1045,8 @@ def warmup_calls(fmt: str, num_heads: int, head_dim: int, weights_dtype: torch.d
     rows = 3 * FEW_ROWS
     # the smallest call of each size_class
     sizes, seen = [], set()
-    for s_q, s_k in ((FEW_ROWS // 2, 256), (rows, 256), (rows, MX_INLINE_CALL // rows + 1), (rows, FEW_CALL // rows + 1),
-                     (rows, SMALL_CALL // rows + 1)):
+    for s_q, s_k in ((FEW_ROWS // 2, 256), (rows, 256), (rows, MX_INLINE_CALL // rows + 1),
+                     (rows, FEW_CALL // rows + 1), (rows, SMALL_CALL // rows + 1)):
         cfg = resolve_config(fmt, num_heads, head_dim, s_q, None, logits_dtype, arch, s_k)
         if cfg not in seen:
             seen.add(cfg)
