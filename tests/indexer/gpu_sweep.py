@@ -11,6 +11,7 @@ On a GPU (the whole product, or a seeded sample that fits the time budget)::
 
     python -m tests.indexer.gpu_sweep --budget-s 540            # sample to fit 9 minutes
     python -m tests.indexer.gpu_sweep --all                     # every case
+    python -m tests.indexer.gpu_sweep --all --shard 3/8         # an eighth of them (8 processes)
     python -m tests.indexer.gpu_sweep --sample 300 --seed 7 --large
 
 On CPU the interpreter runs a handful of cases (``tests/indexer/test_paged_bounds.py``) with
@@ -68,8 +69,10 @@ def contract_cases() -> list[SweepCase]:
 
 
 def add_sweep_arguments(ap: argparse.ArgumentParser, budget_s: float) -> None:
-    """The options every contract sweep takes: --all, --sample, --budget-s, --seed."""
+    """The options every contract sweep takes: --all, --sample, --budget-s, --seed, --shard."""
     ap.add_argument("--all", action="store_true", help="every case of the contract")
+    ap.add_argument("--shard", default="0/1", help="I/N: every N-th case from the I-th of those picked (processes "
+                    "side by side, or rounds that cover --all between them)")
     ap.add_argument("--sample", type=int, default=None, help="cases to sample (default: fit --budget-s)")
     ap.add_argument("--budget-s", type=float, default=budget_s, help="stop sampling after this many seconds")
     ap.add_argument("--seed", type=int, default=0, help="sample seed (a new one each round)")
@@ -77,14 +80,19 @@ def add_sweep_arguments(ap: argparse.ArgumentParser, budget_s: float) -> None:
 
 def pick_cases(cases: list, args) -> tuple[list, float | None]:
     """The cases to run and the time budget: all of them in order (--all), a seeded sample
-    (--sample N), or all of them shuffled by the seed until --budget-s has passed."""
+    (--sample N), or all of them shuffled by the seed until --budget-s has passed; then the
+    shard's share of those (``--shard I/N``: cases I, I + N, ...)."""
+    index, count = (int(v) for v in args.shard.split("/"))
+    if not 0 <= index < count:
+        raise SystemExit(f"--shard: expected I/N with 0 <= I < N, got {args.shard}")
     if args.all:
-        return cases, None
+        return cases[index::count], None
     if args.sample is not None:
-        return (cases if args.sample >= len(cases) else random.Random(args.seed).sample(cases, args.sample)), None
+        picked = cases if args.sample >= len(cases) else random.Random(args.seed).sample(cases, args.sample)
+        return picked[index::count], None
     cases = list(cases)
     random.Random(args.seed).shuffle(cases)
-    return cases, args.budget_s
+    return cases[index::count], args.budget_s
 
 
 def run_cases(cases: list, run_one, budget_s: float | None) -> tuple[int, list[str]]:
