@@ -86,7 +86,8 @@ class Case:
         assert out.shape == (rows, self.max_context_len) and out.stride(1) == 1 and out.dtype == logits_dtype
         assert out.stride(0) >= self.max_context_len and (out.stride(0) % 16 == 0 or not own_out)
         inside = ~torch.isneginf(ref)
-        assert torch.equal(inside, R.paged_valid_mask(self.ctx, self.next_n, self.max_context_len))
+        assert torch.equal(inside, R.paged_valid_mask(self.ctx, self.next_n, self.max_context_len)), \
+            "the reference's -inf differ from the windows"
         out32 = out.float()
         if clean:
             assert torch.equal(torch.isneginf(out32), ~inside), "-inf mask differs from the reference"
@@ -95,12 +96,18 @@ class Case:
             assert not out32[inside].isnan().any(), "an in-window element was not written"
             out32 = torch.where(inside, out32, ref)
         bf16 = logits_dtype == torch.bfloat16 or self.w.dtype == torch.bfloat16
-        assert R.calc_diff(out32, ref) < (3e-5 if bf16 else 5e-6)
+        diff = R.calc_diff(out32, ref)
+        assert diff < (3e-5 if bf16 else 5e-6), f"diff {float(diff):.3g} against the reference"
         # Against unquantised inputs the error is quantisation noise, a statistic that needs a
-        # sample: small cases check the tight bar only.
+        # sample: small cases check the tight bar only. Over a few thousand elements the exact
+        # quantised reference itself passes the format's bar in some draws only (FP8 1e-3: 1-15%
+        # of the contract sweep's small cases on CPU), so the bar is also that reference's own
+        # distance, with room for the logits' rounding.
         if int(inside.sum()) * self.q.shape[2] >= 4096:
             unquant = R.paged_mqa_logits_ref(self.q, self.k, self.w, self.ctx, self.max_context_len)
-            assert R.calc_diff(out32, unquant) < BF16_THRESHOLD[self.fmt]
+            bar = max(BF16_THRESHOLD[self.fmt], 1.1 * float(R.calc_diff(ref, unquant)))
+            diff = R.calc_diff(out32, unquant)
+            assert diff < bar, f"diff {float(diff):.3g} against unquantised inputs, bar {bar:.3g}"
 
 
 def shapes(cpu, gpu):
