@@ -362,10 +362,13 @@ def test_mx_inline_with_query_rows_ready(fmt, clean, compressed, mode, poisoned,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
-def test_mx_inline_in_one_launch_in_graphs_and_on_two_streams(fmt):
+def test_mx_inline_in_one_launch_in_graphs_and_on_two_streams(fmt, record_launches):
     """``mx_inline=3`` (producer programs of the launch, counters reset by the launch): a CUDA
     graph replayed over new inputs, and two calls in flight at once on two streams, each
-    against the reference; the counters are zero after them."""
+    against the reference; the counters are zero after them. A graph captured on a stream
+    with no counters yet takes the two launches (its zeroing would not run at capture)."""
+    from tilefuse.indexer import _prefill_kernel as kern
+
     s_q, s_k, h, d = 100, 4096, 64, 128
     cfg = prefill.PrefillConfig(block_q=16, block_n=128, num_warps=8, num_stages=3, heads_on_n=True, mx_inline=3,
                                 **MX_VIA[fmt])
@@ -373,20 +376,27 @@ def test_mx_inline_in_one_launch_in_graphs_and_on_two_streams(fmt):
     ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(3), device=DEVICE)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # (compiled and recorded off the capture)
+    with torch.cuda.stream(side):  # (compiled and recorded off the capture, mx_inline=2's kernels too)
         for _ in range(3):
             run(qq, kk, w, ks, ke, config=cfg)
+        run(qq, kk, w, ks, ke, config=dataclasses.replace(cfg, mx_inline=2))
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    graph, fresh = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):  # (the side stream has its counters)
         out = run(qq, kk, w, ks, ke, config=cfg)
+    renormalise = record_launches(kern, "mx_rows_renormalise_kernel")
+    with torch.cuda.graph(fresh, stream=torch.cuda.Stream()):
+        out_fresh = run(qq, kk, w, ks, ke, config=cfg)
+    assert len(renormalise) == 1  # the first launch of mx_inline=2
     for seed in (4, 5, 6):
         q, k, w_new, qq_new, kk_new = make_inputs(s_q, s_k, h, d, fmt, seed=seed)
         for dst, src in ((qq[0], qq_new[0]), (qq[1], qq_new[1]), (kk[0], kk_new[0]), (kk[1], kk_new[1]),
                          (w, w_new.to(DEVICE))):
             dst.copy_(src)
         graph.replay()
+        fresh.replay()
         check_logits(out, qq, kk, q, k, w, ks, ke, fmt)
+        check_logits(out_fresh, qq, kk, q, k, w, ks, ke, fmt)
     calls = [make_inputs(s_q, s_k, h, d, fmt, seed=seed) for seed in (7, 8)]
     streams = [torch.cuda.Stream() for _ in calls]
     outs = []

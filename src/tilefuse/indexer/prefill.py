@@ -584,7 +584,7 @@ def _launch_mx_few_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean
     counters = err  # (not read unless q_ready is 2: the error record keeps the compile key)
     if q_ready == 2:
         counters = _tile_counters(q.device)
-        if q_tiles > _COUNTER_TILES:  # more query tiles than counters: the rows by a first launch
+        if counters is None or q_tiles > _COUNTER_TILES:  # (no counters, or too few): a first launch
             q_ready = 1
     if q_ready == 1:  # (fix_q per program: one flag block is one program's rows)
         q_rows, w_rows, fix_q = _renormalise_rows(q, q_sf, weights, k, k_scale, fmt, d, cfg.block_q, cfg.block_n,
@@ -616,14 +616,18 @@ _COUNTER_TILES = 4096
 _TILE_COUNTERS: dict = {}
 
 
-def _tile_counters(device: torch.device) -> torch.Tensor:
+def _tile_counters(device: torch.device) -> torch.Tensor | None:
     """The query-tile counters of ``mx_inline=3`` launches on the current stream of ``device``:
     zero when no launch runs (each launch leaves them so), one buffer per stream so that calls
     on two streams never share one (a call replayed on another stream takes the ordinary path:
-    the stream is in the op's replay key)."""
+    the stream is in the op's replay key). None on a stream that has none yet and is capturing
+    a CUDA graph: the zeroing would be captured, not run, and the buffer then hold garbage
+    outside the graph; such a call takes two launches (``mx_inline=2``)."""
     key = (device, _current_stream(device))
     counters = _TILE_COUNTERS.get(key)
     if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
         counters = _TILE_COUNTERS[key] = torch.zeros(2 * _COUNTER_TILES, dtype=torch.int32, device=device)
     return counters
 
