@@ -12,6 +12,7 @@ import functools
 
 import pytest
 import torch
+import triton
 
 import tilefuse
 import tilefuse.compat.deep_gemm as deep_gemm
@@ -358,6 +359,27 @@ def test_mx_inline_with_query_rows_ready(fmt, clean, compressed, mode, poisoned,
     if ON_GPU:
         torch.cuda.synchronize()
     assert all(not c.any() for c in prefill._TILE_COUNTERS.values())
+
+
+@pytest.mark.skipif(ON_GPU, reason="the spin bound is compiled in on a GPU (the interpreter reads it per call)")
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_mx_inline_in_one_launch_when_the_query_rows_never_come(fmt, poisoned, monkeypatch):
+    """``mx_inline=3``: a program whose query tile is not counted ready within its reads of
+    the counter computes the tile with the bf16 upcast (the reference holds), and the launch
+    still leaves the counters at zero. (A stale count stands in for producers that never come.)"""
+    from tilefuse.indexer import _prefill_kernel as kern
+
+    monkeypatch.setattr(kern, "_MAX_SPINS", triton.language.constexpr(3))
+    s_q, s_k, h, d = 20, 300, 8, 64
+    cfg = prefill.PrefillConfig(block_q=8, block_n=128, heads_on_n=True, mx_inline=3, **MX_VIA[fmt])
+    q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=12)
+    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(12), device=DEVICE)
+    run(qq, kk, w, ks, ke, config=cfg)  # (the stream's counters made)
+    counters = prefill._tile_counters(torch.device(DEVICE))
+    counters[2] = -1000  # query tile 1: its producers' count never reaches theirs
+    got = run(qq, kk, w, ks, ke, config=cfg)
+    check_logits(got, qq, kk, q, k, w, ks, ke, fmt)
+    assert not counters.any()
 
 
 @pytest.mark.gpu
