@@ -322,13 +322,14 @@ def test_mx_inline_weight_and_logit_dtypes(fmt, weights_dtype, logits_dtype, poi
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
 @pytest.mark.parametrize("clean,compressed", [(False, False), (True, True)])
-@pytest.mark.parametrize("mode", [2, 3])
+@pytest.mark.parametrize("mode", [2, 3, 4])
 def test_mx_inline_with_query_rows_ready(fmt, clean, compressed, mode, poisoned, record_launches):
     """``mx_inline=2``: the query rows renormalised by a first launch (no key programs), the
-    keys in the kernel; ``mx_inline=3``: the same rows by producer programs of the one launch.
+    keys in the kernel; ``mx_inline=3``: the same rows by producer programs of the one launch;
+    ``mx_inline=4``: the key tiles too.
     The bits of ``mx_inline=1`` where rows are exact; a block of rows with one that is not
     exact, and a wide-span key, computed with the bf16 upcast (reference). The tile counters
-    of mode 3 are back at zero after every call."""
+    of modes 3 and 4 are back at zero after every call."""
     from tilefuse.indexer import _prefill_kernel as kern
 
     s_q, s_k, h, d = shapes((20, 200), (200, 4096)) + (8, 128)
@@ -363,20 +364,22 @@ def test_mx_inline_with_query_rows_ready(fmt, clean, compressed, mode, poisoned,
 
 @pytest.mark.skipif(ON_GPU, reason="the spin bound is compiled in on a GPU (the interpreter reads it per call)")
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
-def test_mx_inline_in_one_launch_when_the_query_rows_never_come(fmt, poisoned, monkeypatch):
-    """``mx_inline=3``: a program whose query tile is not counted ready within its reads of
-    the counter computes the tile with the bf16 upcast (the reference holds), and the launch
-    still leaves the counters at zero. (A stale count stands in for producers that never come.)"""
+@pytest.mark.parametrize("mode,stale", [(3, 2), (4, 2), (4, 8)])
+def test_mx_inline_in_one_launch_when_the_rows_never_come(fmt, mode, stale, poisoned, monkeypatch):
+    """``mx_inline`` 3 and 4: a program whose query tile (counter 2; mode 4: or key tile, counter
+    8 = key tile 1 behind 3 query tiles) is not counted ready within its reads of the counter
+    computes the tile with the bf16 upcast (the reference holds), and the launch still leaves
+    the counters at zero. (A stale count stands in for producers that never come.)"""
     from tilefuse.indexer import _prefill_kernel as kern
 
     monkeypatch.setattr(kern, "_MAX_SPINS", triton.language.constexpr(3))
     s_q, s_k, h, d = 20, 300, 8, 64
-    cfg = prefill.PrefillConfig(block_q=8, block_n=128, heads_on_n=True, mx_inline=3, **MX_VIA[fmt])
+    cfg = prefill.PrefillConfig(block_q=8, block_n=128, heads_on_n=True, mx_inline=mode, **MX_VIA[fmt])
     q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=12)
     ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(12), device=DEVICE)
     run(qq, kk, w, ks, ke, config=cfg)  # (the stream's counters made)
     counters = prefill._tile_counters(torch.device(DEVICE))
-    counters[2] = -1000  # query tile 1: its producers' count never reaches theirs
+    counters[stale] = -1000  # its producers' count never reaches theirs
     got = run(qq, kk, w, ks, ke, config=cfg)
     check_logits(got, qq, kk, q, k, w, ks, ke, fmt)
     assert not counters.any()
@@ -384,15 +387,16 @@ def test_mx_inline_in_one_launch_when_the_query_rows_never_come(fmt, poisoned, m
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
-def test_mx_inline_in_one_launch_in_graphs_and_on_two_streams(fmt, record_launches):
-    """``mx_inline=3`` (producer programs of the launch, counters reset by the launch): a CUDA
+@pytest.mark.parametrize("mode", [3, 4])
+def test_mx_inline_in_one_launch_in_graphs_and_on_two_streams(fmt, mode, record_launches):
+    """``mx_inline`` 3 and 4 (producer programs of the launch, counters reset by the launch): a CUDA
     graph replayed over new inputs, and two calls in flight at once on two streams, each
     against the reference; the counters are zero after them. A graph captured on a stream
     with no counters yet takes the two launches (its zeroing would not run at capture)."""
     from tilefuse.indexer import _prefill_kernel as kern
 
     s_q, s_k, h, d = 100, 4096, 64, 128
-    cfg = prefill.PrefillConfig(block_q=16, block_n=128, num_warps=8, num_stages=3, heads_on_n=True, mx_inline=3,
+    cfg = prefill.PrefillConfig(block_q=16, block_n=128, num_warps=8, num_stages=3, heads_on_n=True, mx_inline=mode,
                                 **MX_VIA[fmt])
     q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=3)
     ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(3), device=DEVICE)
@@ -462,7 +466,7 @@ def test_mx_inline_rejects_what_it_cannot_run():
                                                                                        mx_inline=1))
     with pytest.raises(ValueError, match="mx_inline"):
         tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=dataclasses.replace(SMALL, fp4_via_fp8=True,
-                                                                                 heads_on_n=True, mx_inline=4))
+                                                                                 heads_on_n=True, mx_inline=5))
 
 
 # ---------------------------------------------------------------------------------------
@@ -1027,7 +1031,9 @@ def test_out_buffer_is_written_and_reused(layout, poisoned):
     ("mxfp8", dataclasses.replace(SMALL, mxfp8_via_f16=True, heads_on_n=True, mx_inline=2)),
     ("mxfp4", dataclasses.replace(SMALL, fp4_via_fp8=True, heads_on_n=True, mx_inline=2)),
     ("mxfp8", dataclasses.replace(SMALL, mxfp8_via_f16=True, heads_on_n=True, mx_inline=3)),
-    ("mxfp4", dataclasses.replace(SMALL, fp4_via_fp8=True, heads_on_n=True, mx_inline=3))])
+    ("mxfp4", dataclasses.replace(SMALL, fp4_via_fp8=True, heads_on_n=True, mx_inline=3)),
+    ("mxfp8", dataclasses.replace(SMALL, mxfp8_via_f16=True, heads_on_n=True, mx_inline=4)),
+    ("mxfp4", dataclasses.replace(SMALL, fp4_via_fp8=True, heads_on_n=True, mx_inline=4))])
 def test_one_layout_with_new_tensors_every_call(fmt, config, poisoned, monkeypatch):
     """Eager calls of one layout replay the launches of the first ones with their own tensors
     (new queries, keys, weights, windows and outputs every call, in any order) and new scratch

@@ -404,6 +404,17 @@ def _renormalise_query_pairs(pair, ok, q_ptr, stride_q, stride_qh, q_sf_ptr, str
     tl.store(w_rows_ptr + pair, w * _pow2_biased(e_max), mask=ok)
 
 
+@triton.jit
+def _renormalise_key_rows(rows, ok, k_ptr, stride_k, k_sf_ptr, k_rows_ptr, k_scale_ptr, D: tl.constexpr,
+                          FMT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Key rows ``rows`` (where ``ok``) renormalised into ``k_rows`` [S_k, D], their scales (fp32)
+    into ``k_scale``."""
+    sf = tl.load(k_sf_ptr + rows, mask=ok, other=0x7F7F7F7F)
+    e_max = _renormalise_tile(k_ptr + rows.to(tl.int64) * stride_k, sf, ok, k_rows_ptr + rows.to(tl.int64) * D, D,
+                              FMT, BLOCK_R)
+    tl.store(k_scale_ptr + rows, _pow2_biased(e_max), mask=ok)
+
+
 @triton.jit(do_not_specialize=["stride_q", "stride_qsf", "stride_w", "stride_k", "S_q", "S_k"],
             do_not_specialize_on_alignment=["q_sf_ptr", "w_ptr", "k_sf_ptr"])
 def mx_rows_renormalise_kernel(
@@ -454,18 +465,24 @@ def mx_rows_renormalise_kernel(
             tl.store(fix_q_ptr + pid, tl.max(tl.max(bad, axis=1), axis=0))
     else:
         pid -= n_q_progs
-        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-        ok = rows < S_k
         if pid * BLOCK_R < S_k:
-            sf = tl.load(k_sf_ptr + rows, mask=ok, other=0x7F7F7F7F)
-            src = k_ptr + rows.to(tl.int64) * _row_stride(stride_k, k_ptr)
-            e_max = _renormalise_tile(src, sf, ok, k_rows_ptr + rows.to(tl.int64) * D, D, FMT, BLOCK_R)
-            tl.store(k_scale_ptr + rows, _pow2_biased(e_max), mask=ok)
+            rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+            _renormalise_key_rows(rows, rows < S_k, k_ptr, _row_stride(stride_k, k_ptr), k_sf_ptr, k_rows_ptr,
+                                  k_scale_ptr, D, FMT, BLOCK_R)
         if pid * FIX_K < S_k:
             keys = pid * FIX_K + tl.arange(0, FIX_K)
             sf = tl.load(k_sf_ptr + keys, mask=keys < S_k, other=0x7F7F7F7F)
             bad = _not_exact(sf, NB, SPAN_EXACT, FOLD_LIMIT)
             tl.store(fix_k_ptr + pid, tl.max(bad.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _upcast_scores(k_raw, k_sf, q_raw, q_sf, w, D: tl.constexpr, FMT: tl.constexpr, NC: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """The ReLU'd weighted scores of a step from both operands' bf16 upcast, and the keys'
+    scale (1: the upcast carries it)."""
+    s = tl.dot(_dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT), tl.trans(_dequant_tile(q_raw, q_sf, NC, D, FMT)))
+    return tl.maximum(s, 0.0) * w[None, :], tl.full((BLOCK_N,), 1.0, tl.float32)
 
 
 @triton.jit
@@ -483,20 +500,16 @@ def _mx_few_rows_from_raw(q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, w_p
                                                          c_r, c_h, dq, H, ROWS, ZERO)
     q_sf = tl.load(q_sf_ptr + c_rows * stride_qsf + c_h, mask=c_ok, other=0x7F7F7F7F)
     if UPCAST_ONLY:  # (the caller's steps all upcast: the in-register renormalisation is not compiled)
-        s = tl.dot(_dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT), tl.trans(_dequant_tile(q_raw, q_sf, NC, D, FMT)))
-        x = tl.maximum(s, 0.0) * w[None, :]
-        k_mul = tl.full((BLOCK_N,), 1.0, tl.float32)
-        return rows, row_ok, x, k_mul
-    q_bad = tl.max(_not_exact(q_sf, D // 32, SPAN_EXACT, FOLD_LIMIT).to(tl.int32), axis=0)
-    if upcast | (q_bad != 0):
-        s = tl.dot(_dequant_tile(k_raw, k_sf, BLOCK_N, D, FMT), tl.trans(_dequant_tile(q_raw, q_sf, NC, D, FMT)))
-        x = tl.maximum(s, 0.0) * w[None, :]
-        k_mul = tl.full((BLOCK_N,), 1.0, tl.float32)
+        x, k_mul = _upcast_scores(k_raw, k_sf, q_raw, q_sf, w, D, FMT, NC, BLOCK_N)
     else:
-        q_vals, q_e = _renormalised(q_raw, q_sf, D, FMT, NC)
-        s = tl.dot(k_rows, tl.trans(q_vals.to(MMA)))
-        x = tl.maximum(s, 0.0) * (w * _pow2_biased(q_e))[None, :]
-        k_mul = k_scale
+        q_bad = tl.max(_not_exact(q_sf, D // 32, SPAN_EXACT, FOLD_LIMIT).to(tl.int32), axis=0)
+        if upcast | (q_bad != 0):
+            x, k_mul = _upcast_scores(k_raw, k_sf, q_raw, q_sf, w, D, FMT, NC, BLOCK_N)
+        else:
+            q_vals, q_e = _renormalised(q_raw, q_sf, D, FMT, NC)
+            s = tl.dot(k_rows, tl.trans(q_vals.to(MMA)))
+            x = tl.maximum(s, 0.0) * (w * _pow2_biased(q_e))[None, :]
+            k_mul = k_scale
     return rows, row_ok, x, k_mul
 
 
@@ -532,9 +545,20 @@ def _produce_query_rows(tile, part, q_ptr, stride_qs, stride_qh, q_sf_ptr, strid
 
 
 @triton.jit
-def _wait_query_rows(counters, producers, arrivals):
-    """Whether the tile's ``producers`` have counted its query rows ready (acquire), read until
-    they have or ``_MAX_SPINS`` reads have passed (then the caller renormalises them itself)."""
+def _produce_key_rows(tile, k_ptr, stride_k, k_sf_ptr, k_rows_ptr, k_scale_ptr, counters, S_k, arrivals,
+                      D: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tile ``tile`` renormalised (as the renormalise launch writes it), then counted ready."""
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    _renormalise_key_rows(rows, rows < S_k, k_ptr, stride_k, k_sf_ptr, k_rows_ptr, k_scale_ptr, D, FMT, BLOCK_N)
+    tl.debug_barrier()
+    tl.atomic_add(counters, 1, sem="release", scope="gpu")
+    _count_out(counters, arrivals)
+
+
+@triton.jit
+def _wait_ready(counters, producers, arrivals):
+    """Whether the tile's ``producers`` have counted its rows ready (acquire), read until they
+    have or ``_MAX_SPINS`` reads have passed (then the caller takes the bf16 upcast)."""
     seen = tl.atomic_add(counters, 0, sem="acquire", scope="gpu")
     spins = 0
     while (seen < producers) & (spins < _MAX_SPINS):
@@ -547,7 +571,8 @@ def _wait_query_rows(counters, producers, arrivals):
 @triton.jit
 def _mx_few_rows_tile(pid_n, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, k_ptr, stride_k, k_scale_ptr,
                       w_ptr, stride_w, ks_ptr, ke_ptr, out_ptr, stride_out, q_rows_ptr, w_rows_ptr, fix_q_ptr, S_q,
-                      S_k, n_cols, err_ptr, counters, producers, arrivals, H: tl.constexpr, HEADS_P: tl.constexpr,
+                      S_k, n_cols, err_ptr, counters, producers, arrivals, k_rows_ptr, k_row_scale_ptr,
+                      k_counters, k_arrivals, H: tl.constexpr, HEADS_P: tl.constexpr,
                       D: tl.constexpr, FMT: tl.constexpr, ROWS: tl.constexpr, CLEAN: tl.constexpr,
                       COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                       NUM_STAGES: tl.constexpr, SPAN_EXACT: tl.constexpr, FOLD_LIMIT: tl.constexpr,
@@ -558,8 +583,8 @@ def _mx_few_rows_tile(pid_n, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, strid
     MMA: tl.constexpr = tl.float8e4nv if FMT == FMT_MXFP4 else tl.float16
     ZERO: tl.constexpr = 0 if FMT == FMT_MXFP4 else 0.0  # (packed FP4 codes are int8)
     # rows produced in this launch are read past L1 (written by other SMs during it)
-    Q_CACHE: tl.constexpr = ".cg" if Q_READY == 2 else ""
-    if Q_READY == 2:
+    Q_CACHE: tl.constexpr = ".cg" if Q_READY >= 2 else ""
+    if Q_READY >= 2:
         # the tile's rows not exact, from their scales (its producers each saw a part of them);
         # before the key tile, so that only the flag lives beside it
         t_rows = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -575,18 +600,24 @@ def _mx_few_rows_tile(pid_n, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, strid
     c_r = c // HEADS_P
     c_h = c % HEADS_P
     dq = tl.arange(0, DQ)
-    k_raw = tl.load(k_ptr + cols.to(tl.int64)[:, None] * stride_k + dq[None, :], mask=key_ok[:, None], other=ZERO)
     k_sf = tl.load(k_scale_ptr + cols, mask=key_ok, other=0x7F7F7F7F)  # (UE8M0 1.0 past S_k)
-    k_vals, k_e = _renormalised(k_raw, k_sf, D, FMT, BLOCK_N)
-    k_rows = k_vals.to(MMA)
-    k_scale = _pow2_biased(k_e)
     k_bad = tl.max(_not_exact(k_sf, NB, SPAN_EXACT, FOLD_LIMIT).to(tl.int32), axis=0)
+    if Q_READY < 3:  # (3: the key tile comes renormalised too)
+        k_raw = tl.load(k_ptr + cols.to(tl.int64)[:, None] * stride_k + dq[None, :], mask=key_ok[:, None],
+                        other=ZERO)
+        k_vals, k_e = _renormalised(k_raw, k_sf, D, FMT, BLOCK_N)
+        k_rows = k_vals.to(MMA)
+        k_scale = _pow2_biased(k_e)
     q_end = tl.minimum(S_q, (pid_q + 1) * BLOCK_Q)
-    if Q_READY == 2:
+    if Q_READY == 3:
+        upcast = (k_bad | q_bad) != 0
+        q_here = _wait_ready(counters, producers, arrivals)
+        fast = q_here & _wait_ready(k_counters, 1, k_arrivals) & ~upcast
+    elif Q_READY == 2:
         upcast = (k_bad | q_bad) != 0
         # (after the key tile's conversion, which overlaps the producers' work; a tile whose rows
         # did not come in time takes the bf16 upcast, as one with a row not exact)
-        fast = _wait_query_rows(counters, producers, arrivals) & ~upcast
+        fast = _wait_ready(counters, producers, arrivals) & ~upcast
     elif Q_READY:
         # the program's rows are one block of the renormalise launch's flags
         upcast = (k_bad | tl.load(fix_q_ptr + pid_q)) != 0
@@ -595,6 +626,10 @@ def _mx_few_rows_tile(pid_n, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, strid
         upcast = k_bad != 0
         fast = False
     if Q_READY and fast:
+        if Q_READY == 3:
+            k_rows = tl.load(k_rows_ptr + cols.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :],
+                             mask=key_ok[:, None], other=0.0, cache_modifier=Q_CACHE)
+            k_scale = tl.load(k_row_scale_ptr + cols, mask=key_ok, other=1.0, cache_modifier=Q_CACHE)
         # a loop of its own: the raw key tile is dead here (it is live in the other one)
         for r0 in tl.range(pid_q * BLOCK_Q, q_end, ROWS, num_stages=NUM_STAGES):
             rows, row_ok, c_ok, c_rows = _few_rows_columns(r0, q_end, c_r, c_h, H, ROWS)
@@ -606,11 +641,15 @@ def _mx_few_rows_tile(pid_n, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, strid
             _store_few_rows(x, k_scale, rows, row_ok, cols, ks_ptr, ke_ptr, out_ptr, stride_out, S_k, n_cols, err_ptr,
                             pid_n, ROWS, HEADS_P, BLOCK_N, CLEAN, COMPRESSED)
     else:
+        if Q_READY == 3:
+            k_raw = tl.load(k_ptr + cols.to(tl.int64)[:, None] * stride_k + dq[None, :], mask=key_ok[:, None],
+                            other=ZERO)
         for r0 in tl.range(pid_q * BLOCK_Q, q_end, ROWS, num_stages=NUM_STAGES):
+            # (3: the renormalised key operands are not read, only the upcast runs: the raw tile stands in)
             rows, row_ok, x, k_mul = _mx_few_rows_from_raw(
                 q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, w_ptr, stride_w, r0, q_end, c_r, c_h, dq,
-                k_raw, k_sf, k_rows, k_scale, upcast, H, D, FMT, ROWS, NC, BLOCK_N, SPAN_EXACT, FOLD_LIMIT,
-                Q_READY == 2)
+                k_raw, k_sf, k_raw if Q_READY == 3 else k_rows, k_sf if Q_READY == 3 else k_scale, upcast, H, D,
+                FMT, ROWS, NC, BLOCK_N, SPAN_EXACT, FOLD_LIMIT, Q_READY >= 2)
             _store_few_rows(x, k_mul, rows, row_ok, cols, ks_ptr, ke_ptr, out_ptr, stride_out, S_k, n_cols, err_ptr,
                             pid_n, ROWS, HEADS_P, BLOCK_N, CLEAN, COMPRESSED)
 
@@ -624,7 +663,7 @@ def prefill_mx_few_rows_kernel(
     ks_ptr, ke_ptr,
     out_ptr, stride_out,
     q_rows_ptr, w_rows_ptr, fix_q_ptr,
-    S_q, S_k, n_cols, err_ptr, counters_ptr,
+    S_q, S_k, n_cols, err_ptr, counters_ptr, k_rows_ptr, k_row_scale_ptr,
     H: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, ROWS: tl.constexpr,
     CLEAN: tl.constexpr, COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, SPAN_EXACT: tl.constexpr, FOLD_LIMIT: tl.constexpr, Q_READY: tl.constexpr,
@@ -647,15 +686,20 @@ def prefill_mx_few_rows_kernel(
     producers through ``counters_ptr`` (int32 ``[2 * query tiles]``: ready, arrived; zero between
     launches), which never waits for a program behind it on the grid: the producers wait for
     nothing. (A program that has read the counter ``_MAX_SPINS`` times computes its tile with
-    the bf16 upcast instead: no wait is unbounded.) ``Q_READY`` 0: the query rows renormalised
-    in registers; ``q_rows``, ``w_rows``, ``fix_q`` and ``counters`` are not read."""
+    the bf16 upcast instead: no wait is unbounded.) ``Q_READY`` 3: as 2, and the key tiles too,
+    by one producer program each behind the query's (into ``k_rows`` [S_k, D] and their fp32
+    scales ``k_row_scale``; counters ``[2 * (query tiles + key tiles)]``, the keys' after the
+    query's), so a program converts nothing. ``Q_READY`` 0: the query rows renormalised in
+    registers; ``q_rows``, ``w_rows``, ``fix_q``, ``counters`` and the key scratch are not read."""
     stride_qs = _row_stride(stride_qs, q_ptr)
     stride_k = _row_stride(stride_k, k_ptr)
     stride_out = _row_stride(stride_out, out_ptr)
-    if Q_READY == 2:
+    if Q_READY >= 2:
         parts: tl.constexpr = (BLOCK_Q * H + _PRODUCER_PAIRS - 1) // _PRODUCER_PAIRS
+        KEYS: tl.constexpr = Q_READY == 3
         n_k = tl.cdiv(S_k, BLOCK_N)
-        n_producers = tl.cdiv(S_q, BLOCK_Q) * parts
+        q_tiles = tl.cdiv(S_q, BLOCK_Q)
+        n_producers = q_tiles * parts
         pid = tl.program_id(0)
         if pid < n_producers:
             tile = pid // parts
@@ -663,17 +707,26 @@ def prefill_mx_few_rows_kernel(
                                 q_rows_ptr, w_rows_ptr, counters_ptr + 2 * tile, S_q, n_k + parts, H, D, FMT, BLOCK_Q)
         else:
             pid -= n_producers
-            pid_q = pid // n_k
-            _mx_few_rows_tile(pid % n_k, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, k_ptr, stride_k,
-                              k_scale_ptr, w_ptr, stride_w, ks_ptr, ke_ptr, out_ptr, stride_out, q_rows_ptr,
-                              w_rows_ptr, fix_q_ptr, S_q, S_k, n_cols, err_ptr, counters_ptr + 2 * pid_q, parts,
-                              n_k + parts, H, HEADS_P, D, FMT, ROWS, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N, NUM_STAGES,
-                              SPAN_EXACT, FOLD_LIMIT, Q_READY)
+            if KEYS and pid < n_k:
+                _produce_key_rows(pid, k_ptr, stride_k, k_scale_ptr, k_rows_ptr, k_row_scale_ptr,
+                                  counters_ptr + 2 * (q_tiles + pid), S_k, q_tiles + 1, D, FMT, BLOCK_N)
+            else:
+                if KEYS:
+                    pid -= n_k
+                pid_q = pid // n_k
+                pid_n = pid % n_k
+                _mx_few_rows_tile(pid_n, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, k_ptr, stride_k,
+                                  k_scale_ptr, w_ptr, stride_w, ks_ptr, ke_ptr, out_ptr, stride_out, q_rows_ptr,
+                                  w_rows_ptr, fix_q_ptr, S_q, S_k, n_cols, err_ptr, counters_ptr + 2 * pid_q, parts,
+                                  n_k + parts, k_rows_ptr, k_row_scale_ptr, counters_ptr + 2 * (q_tiles + pid_n),
+                                  q_tiles + 1, H, HEADS_P, D, FMT, ROWS, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N,
+                                  NUM_STAGES, SPAN_EXACT, FOLD_LIMIT, Q_READY)
     else:
         _mx_few_rows_tile(tl.program_id(0), tl.program_id(1), q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, k_ptr,
                           stride_k, k_scale_ptr, w_ptr, stride_w, ks_ptr, ke_ptr, out_ptr, stride_out, q_rows_ptr,
-                          w_rows_ptr, fix_q_ptr, S_q, S_k, n_cols, err_ptr, counters_ptr, 0, 0, H, HEADS_P, D, FMT,
-                          ROWS, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N, NUM_STAGES, SPAN_EXACT, FOLD_LIMIT, Q_READY)
+                          w_rows_ptr, fix_q_ptr, S_q, S_k, n_cols, err_ptr, counters_ptr, 0, 0, k_rows_ptr,
+                          k_row_scale_ptr, counters_ptr, 0, H, HEADS_P, D, FMT, ROWS, CLEAN, COMPRESSED, BLOCK_Q,
+                          BLOCK_N, NUM_STAGES, SPAN_EXACT, FOLD_LIMIT, Q_READY)
 
 
 @triton.jit(do_not_specialize=["stride_q", "stride_w"], do_not_specialize_on_alignment=["w_ptr"])

@@ -37,6 +37,10 @@ _ENTRIES = [
     # Prefill MXFP8 on Hopper, bf16-upcast path: the dequantised operands and the scale bytes
     # push the 64x128 tile just past 255 registers.
     ("indexer.prefill", "sm_90a", "mxfp8 * full*", 128, "MXFP8 bf16-upcast tile at the register limit"),
+    # Prefill MXFP4 at most 32 rows on Hopper (the one-launch few-row kernel, both operands
+    # renormalised in registers) with triton 3.6: the query and key conversions live at once.
+    ("indexer.prefill", "sm_90a", "mxfp4 D128 * 8x128 w8s3 heads_on_n=True mx_inline=1", 96,
+     "both operands' in-register renormalisation at 255 registers", "3.6*"),
     # Prefill options (not the defaults).
     ("indexer.prefill", "sm_90a", "mxfp4 * head_unroll=2*", 64, "two heads' upcast operands live at once", "3.8*"),
     ("indexer.prefill", "sm_90a", "mxfp4 * head_unroll=2*", 96, "two heads' upcast operands live at once", "3.6*"),

@@ -343,8 +343,9 @@ def _prefill_points():
                            prefill.default_config(fmt, 64, d, 64, arch=9, num_keys=4096)):
                 for clean, compressed in _LAYOUTS:
                     yield fmt, d, 64, inline, clean, compressed, f32, f32, "default"
-            if d == 128:  # the same rows by a first launch (mx_inline=2)
-                yield fmt, d, 64, dataclasses.replace(inline, mx_inline=2), True, False, f32, f32, "option"
+            if d == 128:  # the same rows by a first launch (mx_inline=2); the key tiles by producers too (4)
+                for mode in (2, 4):
+                    yield fmt, d, 64, dataclasses.replace(inline, mx_inline=mode), True, False, f32, f32, "option"
 
 
 @functools.lru_cache(maxsize=1)
