@@ -513,8 +513,8 @@ def _mx_few_rows_from_raw(q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, w_p
     return rows, row_ok, x, k_mul
 
 
-# Query (row, head) pairs an in-launch producer program renormalises (``Q_READY`` 2), and how
-# many times a program waiting for them reads their counter before it renormalises them itself.
+# Query (row, head) pairs an in-launch producer program renormalises (``PREPARED`` 2 and 3), and
+# how many times a program waiting for its tiles reads a counter before it takes the bf16 upcast.
 _PRODUCER_PAIRS = tl.constexpr(128)
 _MAX_SPINS = tl.constexpr(1 << 22)
 
@@ -576,15 +576,15 @@ def _mx_few_rows_tile(pid_n, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, strid
                       D: tl.constexpr, FMT: tl.constexpr, ROWS: tl.constexpr, CLEAN: tl.constexpr,
                       COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                       NUM_STAGES: tl.constexpr, SPAN_EXACT: tl.constexpr, FOLD_LIMIT: tl.constexpr,
-                      Q_READY: tl.constexpr):
+                      PREPARED: tl.constexpr):
     """One (key tile, query tile) program of ``prefill_mx_few_rows_kernel``."""
     NB: tl.constexpr = D // 32
     DQ: tl.constexpr = D // 2 if FMT == FMT_MXFP4 else D
     MMA: tl.constexpr = tl.float8e4nv if FMT == FMT_MXFP4 else tl.float16
     ZERO: tl.constexpr = 0 if FMT == FMT_MXFP4 else 0.0  # (packed FP4 codes are int8)
     # rows produced in this launch are read past L1 (written by other SMs during it)
-    Q_CACHE: tl.constexpr = ".cg" if Q_READY >= 2 else ""
-    if Q_READY >= 2:
+    Q_CACHE: tl.constexpr = ".cg" if PREPARED >= 2 else ""
+    if PREPARED >= 2:
         # the tile's rows not exact, from their scales (its producers each saw a part of them);
         # before the key tile, so that only the flag lives beside it
         t_rows = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -602,31 +602,31 @@ def _mx_few_rows_tile(pid_n, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, strid
     dq = tl.arange(0, DQ)
     k_sf = tl.load(k_scale_ptr + cols, mask=key_ok, other=0x7F7F7F7F)  # (UE8M0 1.0 past S_k)
     k_bad = tl.max(_not_exact(k_sf, NB, SPAN_EXACT, FOLD_LIMIT).to(tl.int32), axis=0)
-    if Q_READY < 3:  # (3: the key tile comes renormalised too)
+    if PREPARED < 3:  # (3: the key tile comes renormalised too)
         k_raw = tl.load(k_ptr + cols.to(tl.int64)[:, None] * stride_k + dq[None, :], mask=key_ok[:, None],
                         other=ZERO)
         k_vals, k_e = _renormalised(k_raw, k_sf, D, FMT, BLOCK_N)
         k_rows = k_vals.to(MMA)
         k_scale = _pow2_biased(k_e)
     q_end = tl.minimum(S_q, (pid_q + 1) * BLOCK_Q)
-    if Q_READY == 3:
+    if PREPARED == 3:
         upcast = (k_bad | q_bad) != 0
         q_here = _wait_ready(counters, producers, arrivals)
         fast = q_here & _wait_ready(k_counters, 1, k_arrivals) & ~upcast
-    elif Q_READY == 2:
+    elif PREPARED == 2:
         upcast = (k_bad | q_bad) != 0
         # (after the key tile's conversion, which overlaps the producers' work; a tile whose rows
         # did not come in time takes the bf16 upcast, as one with a row not exact)
         fast = _wait_ready(counters, producers, arrivals) & ~upcast
-    elif Q_READY:
+    elif PREPARED:
         # the program's rows are one block of the renormalise launch's flags
         upcast = (k_bad | tl.load(fix_q_ptr + pid_q)) != 0
         fast = ~upcast
     else:
         upcast = k_bad != 0
         fast = False
-    if Q_READY and fast:
-        if Q_READY == 3:
+    if PREPARED and fast:
+        if PREPARED == 3:
             k_rows = tl.load(k_rows_ptr + cols.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :],
                              mask=key_ok[:, None], other=0.0, cache_modifier=Q_CACHE)
             k_scale = tl.load(k_row_scale_ptr + cols, mask=key_ok, other=1.0, cache_modifier=Q_CACHE)
@@ -641,15 +641,15 @@ def _mx_few_rows_tile(pid_n, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, strid
             _store_few_rows(x, k_scale, rows, row_ok, cols, ks_ptr, ke_ptr, out_ptr, stride_out, S_k, n_cols, err_ptr,
                             pid_n, ROWS, HEADS_P, BLOCK_N, CLEAN, COMPRESSED)
     else:
-        if Q_READY == 3:
+        if PREPARED == 3:
             k_raw = tl.load(k_ptr + cols.to(tl.int64)[:, None] * stride_k + dq[None, :], mask=key_ok[:, None],
                             other=ZERO)
         for r0 in tl.range(pid_q * BLOCK_Q, q_end, ROWS, num_stages=NUM_STAGES):
             # (3: the renormalised key operands are not read, only the upcast runs: the raw tile stands in)
             rows, row_ok, x, k_mul = _mx_few_rows_from_raw(
                 q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, w_ptr, stride_w, r0, q_end, c_r, c_h, dq,
-                k_raw, k_sf, k_raw if Q_READY == 3 else k_rows, k_sf if Q_READY == 3 else k_scale, upcast, H, D,
-                FMT, ROWS, NC, BLOCK_N, SPAN_EXACT, FOLD_LIMIT, Q_READY >= 2)
+                k_raw, k_sf, k_raw if PREPARED == 3 else k_rows, k_sf if PREPARED == 3 else k_scale, upcast, H, D,
+                FMT, ROWS, NC, BLOCK_N, SPAN_EXACT, FOLD_LIMIT, PREPARED >= 2)
             _store_few_rows(x, k_mul, rows, row_ok, cols, ks_ptr, ke_ptr, out_ptr, stride_out, S_k, n_cols, err_ptr,
                             pid_n, ROWS, HEADS_P, BLOCK_N, CLEAN, COMPRESSED)
 
@@ -666,7 +666,7 @@ def prefill_mx_few_rows_kernel(
     S_q, S_k, n_cols, err_ptr, counters_ptr, k_rows_ptr, k_row_scale_ptr,
     H: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, ROWS: tl.constexpr,
     CLEAN: tl.constexpr, COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, SPAN_EXACT: tl.constexpr, FOLD_LIMIT: tl.constexpr, Q_READY: tl.constexpr,
+    NUM_STAGES: tl.constexpr, SPAN_EXACT: tl.constexpr, FOLD_LIMIT: tl.constexpr, PREPARED: tl.constexpr,
 ):
     """MX logits for few query rows in one launch: ``prefill_heads_on_n_kernel``'s layout
     ((query row, head) pairs on the MMA's N side) with each operand row renormalised in
@@ -677,26 +677,27 @@ def prefill_mx_few_rows_kernel(
     binades, or a row scale past ``2^+-FOLD_LIMIT``) takes the bf16 upcast of both operands
     instead (the recompute pass's math). The grid is (key tiles, query tiles).
 
-    ``Q_READY`` 1: the query rows come renormalised by ``mx_rows_renormalise_kernel`` (``q_rows``
+    ``PREPARED``, what comes renormalised from outside the program's registers. 1: the query
+    rows, renormalised by ``mx_rows_renormalise_kernel`` (``q_rows``
     [S_q * H, D] in the MMA's dtype, ``w_rows`` the weights with the row scale folded in,
     ``fix_q`` 1 per ``BLOCK_Q`` rows holding one that is not exact), so a program converts only
-    its key tile, once. ``Q_READY`` 2: the same rows written in this launch, by producer
+    its key tile, once. ``PREPARED`` 2: the same rows written in this launch, by producer
     programs ahead of the others on a 1-D grid (``_PRODUCER_PAIRS`` pairs of one query tile each,
     then the (key tile, query tile) programs, key tiles fastest). A program waits for its tile's
     producers through ``counters_ptr`` (int32 ``[2 * query tiles]``: ready, arrived; zero between
     launches), which never waits for a program behind it on the grid: the producers wait for
     nothing. (A program that has read the counter ``_MAX_SPINS`` times computes its tile with
-    the bf16 upcast instead: no wait is unbounded.) ``Q_READY`` 3: as 2, and the key tiles too,
+    the bf16 upcast instead: no wait is unbounded.) ``PREPARED`` 3: as 2, and the key tiles too,
     by one producer program each behind the query's (into ``k_rows`` [S_k, D] and their fp32
     scales ``k_row_scale``; counters ``[2 * (query tiles + key tiles)]``, the keys' after the
-    query's), so a program converts nothing. ``Q_READY`` 0: the query rows renormalised in
+    query's), so a program converts nothing. ``PREPARED`` 0: the query rows renormalised in
     registers; ``q_rows``, ``w_rows``, ``fix_q``, ``counters`` and the key scratch are not read."""
     stride_qs = _row_stride(stride_qs, q_ptr)
     stride_k = _row_stride(stride_k, k_ptr)
     stride_out = _row_stride(stride_out, out_ptr)
-    if Q_READY >= 2:
+    if PREPARED >= 2:
         parts: tl.constexpr = (BLOCK_Q * H + _PRODUCER_PAIRS - 1) // _PRODUCER_PAIRS
-        KEYS: tl.constexpr = Q_READY == 3
+        KEYS: tl.constexpr = PREPARED == 3
         n_k = tl.cdiv(S_k, BLOCK_N)
         q_tiles = tl.cdiv(S_q, BLOCK_Q)
         n_producers = q_tiles * parts
@@ -720,13 +721,13 @@ def prefill_mx_few_rows_kernel(
                                   w_rows_ptr, fix_q_ptr, S_q, S_k, n_cols, err_ptr, counters_ptr + 2 * pid_q, parts,
                                   n_k + parts, k_rows_ptr, k_row_scale_ptr, counters_ptr + 2 * (q_tiles + pid_n),
                                   q_tiles + 1, H, HEADS_P, D, FMT, ROWS, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N,
-                                  NUM_STAGES, SPAN_EXACT, FOLD_LIMIT, Q_READY)
+                                  NUM_STAGES, SPAN_EXACT, FOLD_LIMIT, PREPARED)
     else:
         _mx_few_rows_tile(tl.program_id(0), tl.program_id(1), q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, k_ptr,
                           stride_k, k_scale_ptr, w_ptr, stride_w, ks_ptr, ke_ptr, out_ptr, stride_out, q_rows_ptr,
                           w_rows_ptr, fix_q_ptr, S_q, S_k, n_cols, err_ptr, counters_ptr, 0, 0, k_rows_ptr,
                           k_row_scale_ptr, counters_ptr, 0, H, HEADS_P, D, FMT, ROWS, CLEAN, COMPRESSED, BLOCK_Q,
-                          BLOCK_N, NUM_STAGES, SPAN_EXACT, FOLD_LIMIT, Q_READY)
+                          BLOCK_N, NUM_STAGES, SPAN_EXACT, FOLD_LIMIT, PREPARED)
 
 
 @triton.jit(do_not_specialize=["stride_q", "stride_w"], do_not_specialize_on_alignment=["w_ptr"])

@@ -583,20 +583,20 @@ def _launch_mx_few_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean
     s_q, h, _ = q.shape
     heads_p = next_power_of_2(h)
     q_tiles, k_tiles = cdiv(s_q, cfg.block_q), cdiv(k.shape[0], cfg.block_n)
-    q_ready = cfg.mx_inline - 1
-    counters = k_rows = k_row_scale = err  # (not read unless q_ready is 2 or 3: the error record keeps the key)
-    if q_ready >= 2:
+    prepared = cfg.mx_inline - 1
+    counters = k_rows = k_row_scale = err  # (not read unless prepared is 2 or 3: the error record keeps the key)
+    if prepared >= 2:
         counters = _tile_counters(q.device)
-        if counters is None or q_tiles + (k_tiles if q_ready == 3 else 0) > _COUNTER_TILES:
-            q_ready = 1  # (no counters, or too few): the query rows by a first launch
-    if q_ready == 1:  # (fix_q per program: one flag block is one program's rows)
+        if counters is None or q_tiles + (k_tiles if prepared == 3 else 0) > _COUNTER_TILES:
+            prepared = 1  # (no counters, or too few): the query rows by a first launch
+    if prepared == 1:  # (fix_q per program: one flag block is one program's rows)
         q_rows, w_rows, fix_q = _renormalise_rows(q, q_sf, weights, k, k_scale, fmt, d, cfg.block_q, cfg.block_n,
                                                   keys=False)[:3]
-    elif q_ready >= 2:
+    elif prepared >= 2:
         q_rows = _jit.scratch(s_q, h, d, dtype=_RENORM_DTYPE[fmt], device=q.device, sized=lambda s_q, *_: (s_q, h, d))
         w_rows = _jit.scratch(s_q, h, dtype=torch.float32, device=q.device, sized=lambda s_q, *_: (s_q, h))
         fix_q = err
-        if q_ready == 3:
+        if prepared == 3:
             k_rows = _jit.scratch(k.shape[0], d, dtype=_RENORM_DTYPE[fmt], device=q.device,
                                   sized=lambda s_q, s_k, *_: (s_k, d))
             k_row_scale = _jit.scratch(k.shape[0], dtype=torch.float32, device=q.device,
@@ -604,10 +604,10 @@ def _launch_mx_few_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean
     else:  # not read: the error record keeps the compile key (its alignment does not vary)
         q_rows = w_rows = fix_q = err
     consts = (h, heads_p, d, FORMAT_CODE[fmt], max(1, 128 // heads_p), clean, compressed, cfg.block_q, cfg.block_n,
-              cfg.num_stages, _SPAN_EXACT[fmt], _FOLD_EXP_LIMIT, q_ready)
-    if q_ready >= 2:
+              cfg.num_stages, _SPAN_EXACT[fmt], _FOLD_EXP_LIMIT, prepared)
+    if prepared >= 2:
         sized = _sized_producers_and_tiles(cfg.block_q, cfg.block_n, cdiv(cfg.block_q * h, _PRODUCER_PAIRS),
-                                           q_ready == 3)
+                                           prepared == 3)
     else:
         sized = _sized_tile(cfg.block_q, cfg.block_n, (13, 17, 18, 19), (), ())
     _mx_few_rows((consts, cfg.num_warps, q.dtype, weights.dtype, out.dtype),
@@ -627,12 +627,13 @@ _TILE_COUNTERS: dict = {}
 
 
 def _tile_counters(device: torch.device) -> torch.Tensor | None:
-    """The query-tile counters of ``mx_inline=3`` launches on the current stream of ``device``:
+    """The tile counters of ``mx_inline`` 3 and 4 launches on the current stream of ``device``:
     zero when no launch runs (each launch leaves them so), one buffer per stream so that calls
     on two streams never share one (a call replayed on another stream takes the ordinary path:
     the stream is in the op's replay key). None on a stream that has none yet and is capturing
     a CUDA graph: the zeroing would be captured, not run, and the buffer then hold garbage
-    outside the graph; such a call takes two launches (``mx_inline=2``)."""
+    outside the graph; such a call takes two launches (``mx_inline=2``). (A buffer a stream, 32
+    KiB, kept for the process: an engine's streams are few.)"""
     key = (device, _current_stream(device))
     counters = _TILE_COUNTERS.get(key)
     if counters is None:
@@ -880,7 +881,7 @@ def fp8_fp4_mqa_logits(
                               # on the CPU, whether it runs at all depends on the interpreter (and
                               # which kernels, on the architecture the tests pose as)
                               sig[4] >= 0 or (_validate.interpreter_enabled(), _arch(q_values.device)),
-                              # (MX: mx_inline=3 binds the current stream's tile counters)
+                              # (MX: mx_inline 3 and 4 bind the current stream's tile counters)
                               None if q_sf is None else _stream_of(sig[4]))
                 entry = _REPLAYS.get(replay_key)
                 if entry.__class__ is tuple and not (
