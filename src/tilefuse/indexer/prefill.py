@@ -632,8 +632,10 @@ def _tile_counters(device: torch.device) -> torch.Tensor | None:
     on two streams never share one (a call replayed on another stream takes the ordinary path:
     the stream is in the op's replay key). None on a stream that has none yet and is capturing
     a CUDA graph: the zeroing would be captured, not run, and the buffer then hold garbage
-    outside the graph; such a call takes two launches (``mx_inline=2``). (A buffer a stream, 32
-    KiB, kept for the process: an engine's streams are few.)"""
+    outside the graph; such a call takes two launches (``mx_inline=2``). A captured graph keeps
+    its capture stream's buffer: replayed on another stream while calls run on that one, the
+    two would share it. (A buffer a stream, 32 KiB, kept for the process: an engine's streams
+    are few.)"""
     key = (device, _current_stream(device))
     counters = _TILE_COUNTERS.get(key)
     if counters is None:
