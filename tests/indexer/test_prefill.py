@@ -378,7 +378,7 @@ def test_mx_inline_in_one_launch_when_the_rows_never_come(fmt, mode, stale, pois
     q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=12)
     ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(12), device=DEVICE)
     run(qq, kk, w, ks, ke, config=cfg)  # (the stream's counters made)
-    counters = prefill._tile_counters(torch.device(DEVICE))
+    counters = prefill._tile_counters(torch.device(DEVICE), 0)
     counters[stale] = -1000  # its producers' count never reaches theirs
     got = run(qq, kk, w, ks, ke, config=cfg)
     check_logits(got, qq, kk, q, k, w, ks, ke, fmt)
@@ -389,10 +389,11 @@ def test_mx_inline_in_one_launch_when_the_rows_never_come(fmt, mode, stale, pois
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
 @pytest.mark.parametrize("mode", [3, 4])
 def test_mx_inline_in_one_launch_in_graphs_and_on_two_streams(fmt, mode, record_launches):
-    """``mx_inline`` 3 and 4 (producer programs of the launch, counters reset by the launch): a CUDA
-    graph replayed over new inputs, and two calls in flight at once on two streams, each
-    against the reference; the counters are zero after them. A graph captured on a stream
-    with no counters yet takes the two launches (its zeroing would not run at capture)."""
+    """``mx_inline`` 3 and 4 (producer programs of the launch, counters reset by the launch): CUDA
+    graphs (captured on a stream with eager calls before and after, and on a new one; each
+    with counters of its own, zeroed by the graph) replayed over new inputs, and two calls in
+    flight at once on two streams, each against the reference; the streams' counters are zero
+    after them; no first launch (mx_inline=2's) anywhere."""
     from tilefuse.indexer import _prefill_kernel as kern
 
     s_q, s_k, h, d = 100, 4096, 64, 128
@@ -402,27 +403,30 @@ def test_mx_inline_in_one_launch_in_graphs_and_on_two_streams(fmt, mode, record_
     ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(3), device=DEVICE)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # (compiled and recorded off the capture, mx_inline=2's kernels too)
+    with torch.cuda.stream(side):  # (compiled and recorded off the capture)
         for _ in range(3):
             run(qq, kk, w, ks, ke, config=cfg)
-        run(qq, kk, w, ks, ke, config=dataclasses.replace(cfg, mx_inline=2))
     torch.cuda.current_stream().wait_stream(side)
-    graph, fresh = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):  # (the side stream has its counters)
-        out = run(qq, kk, w, ks, ke, config=cfg)
     renormalise = record_launches(kern, "mx_rows_renormalise_kernel")
+    graph, fresh = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):  # (a stream with counters of its own)
+        out = run(qq, kk, w, ks, ke, config=cfg)
     with torch.cuda.graph(fresh, stream=torch.cuda.Stream()):
         out_fresh = run(qq, kk, w, ks, ke, config=cfg)
-    assert len(renormalise) == 1  # the first launch of mx_inline=2
     for seed in (4, 5, 6):
         q, k, w_new, qq_new, kk_new = make_inputs(s_q, s_k, h, d, fmt, seed=seed)
         for dst, src in ((qq[0], qq_new[0]), (qq[1], qq_new[1]), (kk[0], kk_new[0]), (kk[1], kk_new[1]),
                          (w, w_new.to(DEVICE))):
             dst.copy_(src)
         graph.replay()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # (an eager call on the capture stream between replays)
+            eager = run(qq, kk, w, ks, ke, config=cfg)
+        torch.cuda.current_stream().wait_stream(side)
         fresh.replay()
         check_logits(out, qq, kk, q, k, w, ks, ke, fmt)
         check_logits(out_fresh, qq, kk, q, k, w, ks, ke, fmt)
+        check_logits(eager, qq, kk, q, k, w, ks, ke, fmt)
     calls = [make_inputs(s_q, s_k, h, d, fmt, seed=seed) for seed in (7, 8)]
     streams = [torch.cuda.Stream() for _ in calls]
     outs = []
@@ -435,6 +439,7 @@ def test_mx_inline_in_one_launch_in_graphs_and_on_two_streams(fmt, mode, record_
         for got in repeats:
             check_logits(got, qq_c, kk_c, q, k, w_c, ks, ke, fmt)
     assert all(not c.any() for c in prefill._TILE_COUNTERS.values())
+    assert not renormalise
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])

@@ -586,9 +586,11 @@ def _launch_mx_few_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean
     prepared = cfg.mx_inline - 1
     counters = k_rows = k_row_scale = err  # (not read unless prepared is 2 or 3: the error record keeps the key)
     if prepared >= 2:
-        counters = _tile_counters(q.device)
-        if counters is None or q_tiles + (k_tiles if prepared == 3 else 0) > _COUNTER_TILES:
-            prepared = 1  # (no counters, or too few): the query rows by a first launch
+        tiles = q_tiles + (k_tiles if prepared == 3 else 0)
+        if tiles > _COUNTER_TILES:
+            prepared = 1  # (more tiles than counters): the query rows by a first launch
+        else:
+            counters = _tile_counters(q.device, tiles)
     if prepared == 1:  # (fix_q per program: one flag block is one program's rows)
         q_rows, w_rows, fix_q = _renormalise_rows(q, q_sf, weights, k, k_scale, fmt, d, cfg.block_q, cfg.block_n,
                                                   keys=False)[:3]
@@ -626,21 +628,20 @@ _COUNTER_TILES = 4096
 _TILE_COUNTERS: dict = {}
 
 
-def _tile_counters(device: torch.device) -> torch.Tensor | None:
-    """The tile counters of ``mx_inline`` 3 and 4 launches on the current stream of ``device``:
-    zero when no launch runs (each launch leaves them so), one buffer per stream so that calls
-    on two streams never share one (a call replayed on another stream takes the ordinary path:
-    the stream is in the op's replay key). None on a stream that has none yet and is capturing
-    a CUDA graph: the zeroing would be captured, not run, and the buffer then hold garbage
-    outside the graph; such a call takes two launches (``mx_inline=2``). A captured graph keeps
-    its capture stream's buffer: replayed on another stream while calls run on that one, the
-    two would share it. (A buffer a stream, 32 KiB, kept for the process: an engine's streams
-    are few.)"""
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The tile counters of an ``mx_inline`` 3 or 4 launch of ``tiles`` tiles on the current
+    stream of ``device``: zero when no launch runs (each launch leaves them so), one buffer per
+    stream so that calls on two streams never share one (a call replayed on another stream takes
+    the ordinary path: the stream is in the op's replay key). A call captured into a CUDA graph
+    gets a buffer of the graph's own, zeroed by a node of the graph before each replay's launch
+    (the graph may be replayed on any stream, beside the calls on this one; capture is in the
+    replay key too). (A buffer a stream, 32 KiB, kept for the process: an engine's streams are
+    few.)"""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2 * tiles, dtype=torch.int32, device=device)
     key = (device, _current_stream(device))
     counters = _TILE_COUNTERS.get(key)
     if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
         counters = _TILE_COUNTERS[key] = torch.zeros(2 * _COUNTER_TILES, dtype=torch.int32, device=device)
     return counters
 
@@ -652,6 +653,13 @@ def _current_stream(device: torch.device) -> int:
 def _stream_of(device_index: int) -> int:
     """The current stream of a CUDA device by index (-1: a CPU tensor, 0)."""
     return torch._C._cuda_getCurrentRawStream(device_index) if device_index >= 0 else 0
+
+
+def _stream_and_capture(device_index: int) -> tuple:
+    """The current stream of a CUDA device by index and whether it is capturing a graph."""
+    if device_index < 0:
+        return 0, False
+    return torch._C._cuda_getCurrentRawStream(device_index), torch._C._cuda_isCurrentStreamCapturing()
 
 
 @functools.cache
@@ -883,8 +891,9 @@ def fp8_fp4_mqa_logits(
                               # on the CPU, whether it runs at all depends on the interpreter (and
                               # which kernels, on the architecture the tests pose as)
                               sig[4] >= 0 or (_validate.interpreter_enabled(), _arch(q_values.device)),
-                              # (MX: mx_inline 3 and 4 bind the current stream's tile counters)
-                              None if q_sf is None else _stream_of(sig[4]))
+                              # (MX: mx_inline 3 and 4 bind the current stream's tile counters,
+                              # a graph's call its own)
+                              None if q_sf is None else _stream_and_capture(sig[4]))
                 entry = _REPLAYS.get(replay_key)
                 if entry.__class__ is tuple and not (
                         _sizes_agree(q_values, q_sf, k, k_scale, weights, ks, ke) and max(s_q, s_k, cols) < _MAX_SIZE
