@@ -28,29 +28,24 @@ import tilefuse
 from tilefuse.indexer import prefill
 
 C = prefill.PrefillConfig
+
+
+def _few_row_mx(**via) -> dict:
+    """The few-row MX kernel in each ``mx_inline`` mode (16x128, 8 warps): ``inline`` (1), ``inline2`` .. ``4``."""
+    tile = C(block_q=16, block_n=128, num_warps=8, num_stages=3, heads_on_n=True, **via)
+    return {("inline" if mode == 1 else f"inline{mode}"): dataclasses.replace(tile, mx_inline=mode)
+            for mode in (1, 2, 3, 4)}
+
+
 CONFIGS = {
     "fp8": {"gluon abs2": C(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon=True, relu_via_abs=2),
             "gluon plain": C(block_q=64, block_n=128, num_warps=4, num_stages=4, gluon=True),
             "heads_on_n": C(block_q=16, block_n=128, num_warps=4, num_stages=3, heads_on_n=True)},
     "mxfp8": {"via f16 gluon": C(block_q=64, block_n=128, num_warps=4, num_stages=4, mxfp8_via_f16=True,
                                  gluon=True, gluon_refill=2),
-              "inline": C(block_q=16, block_n=128, num_warps=8, num_stages=3, mxfp8_via_f16=True, heads_on_n=True,
-                          mx_inline=1),
-              "inline2": C(block_q=16, block_n=128, num_warps=8, num_stages=3, mxfp8_via_f16=True, heads_on_n=True,
-                           mx_inline=2),
-              "inline3": C(block_q=16, block_n=128, num_warps=8, num_stages=3, mxfp8_via_f16=True, heads_on_n=True,
-                           mx_inline=3),
-              "inline4": C(block_q=16, block_n=128, num_warps=8, num_stages=3, mxfp8_via_f16=True, heads_on_n=True,
-                           mx_inline=4)},
+              **_few_row_mx(mxfp8_via_f16=True)},
     "mxfp4": {"via fp8": C(block_q=64, block_n=256, num_warps=8, num_stages=3, fp4_via_fp8=True),
-              "inline": C(block_q=16, block_n=128, num_warps=8, num_stages=3, fp4_via_fp8=True, heads_on_n=True,
-                          mx_inline=1),
-              "inline2": C(block_q=16, block_n=128, num_warps=8, num_stages=3, fp4_via_fp8=True, heads_on_n=True,
-                           mx_inline=2),
-              "inline3": C(block_q=16, block_n=128, num_warps=8, num_stages=3, fp4_via_fp8=True, heads_on_n=True,
-                           mx_inline=3),
-              "inline4": C(block_q=16, block_n=128, num_warps=8, num_stages=3, fp4_via_fp8=True, heads_on_n=True,
-                           mx_inline=4)},
+              **_few_row_mx(fp4_via_fp8=True)},
 }
 SHAPES = {"fp8": [(64, 4096), (128, 4096), (256, 4096), (128, 8192), (512, 4096), (256, 16384), (1024, 8192)],
           "mxfp8": [(16, 4096), (128, 4096), (256, 4096), (512, 4096), (2048, 8192)],

@@ -210,6 +210,23 @@ def _wide_span_rows(q, k, fmt):
     return q, k, tuple(t.to(DEVICE) for t in qq), tuple(t.to(DEVICE) for t in kk)
 
 
+def _mx_inline_case(s_q, s_k, fmt, seed, window_seed, compressed):
+    """Inputs of the few-row MX tests (H 8, D 128): ``(q, k, w, qq, kk, ks, ke, max_seqlen_k)``,
+    a fifth of the windows empty, the compressed width a little past the widest window."""
+    q, k, w, qq, kk = make_inputs(s_q, s_k, 8, 128, fmt, seed=seed)
+    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(window_seed), empty_fraction=0.2,
+                              device=DEVICE)
+    return q, k, w, qq, kk, ks, ke, int((ke - ks).max()) + 5 if compressed else 0
+
+
+def _check_wide_span_run(q, k, w, ks, ke, fmt, config, clean, max_seqlen_k):
+    """``config`` on a query row and a key past the exact span (bf16 upcast) against the reference."""
+    q, k, qq, kk = _wide_span_rows(q, k, fmt)
+    got = run(qq, kk, w, ks, ke, config=config, clean_logits=clean, max_seqlen_k=max_seqlen_k)
+    check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k,
+                 against_unquantised=False)
+
+
 def _check_wide_span_prep(qq, kk, w, fmt, d, bad_q, bad_k):
     """The renormalise launch flags exactly the SMALL blocks of query row ``bad_q`` and key
     ``bad_k``, and every row of the other blocks times its scale is the dequantised row."""
@@ -284,14 +301,9 @@ def test_mx_inline_is_one_launch_and_the_renormalised_passes_bits(fmt, clean, co
     block exponents span too wide are computed with the bf16 upcast, against the reference."""
     from tilefuse.indexer import _prefill_kernel as kern
 
-    s_q, s_k, h, d = shapes((20, 300), (200, 4096)) + (8, 128)
-    via = MX_VIA[fmt]
-    passes = prefill.PrefillConfig(block_q=16, block_n=128, heads_on_n=True, **via)
+    passes = prefill.PrefillConfig(block_q=16, block_n=128, heads_on_n=True, **MX_VIA[fmt])
     inline = dataclasses.replace(passes, mx_inline=1)
-    q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=31)
-    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(4), empty_fraction=0.2,
-                              device=DEVICE)
-    max_seqlen_k = int((ke - ks).max()) + 5 if compressed else 0
+    q, k, w, qq, kk, ks, ke, max_seqlen_k = _mx_inline_case(*shapes((20, 300), (200, 4096)), fmt, 31, 4, compressed)
     one = record_launches(kern, "prefill_mx_few_rows_kernel")
     renorm = record_launches(kern, "mx_rows_renormalise_kernel")
     got = run(qq, kk, w, ks, ke, config=inline, clean_logits=clean, max_seqlen_k=max_seqlen_k)
@@ -300,11 +312,7 @@ def test_mx_inline_is_one_launch_and_the_renormalised_passes_bits(fmt, clean, co
     ref = run(qq, kk, w, ks, ke, config=passes, clean_logits=clean, max_seqlen_k=max_seqlen_k)
     written = ~torch.isnan(ref) & ~torch.isnan(got)
     _same_bits_on_cpu(got[written], ref[written])
-
-    q, k, qq, kk = _wide_span_rows(q, k, fmt)
-    got = run(qq, kk, w, ks, ke, config=inline, clean_logits=clean, max_seqlen_k=max_seqlen_k)
-    check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k,
-                 against_unquantised=False)
+    _check_wide_span_run(q, k, w, ks, ke, fmt, inline, clean, max_seqlen_k)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
@@ -332,14 +340,9 @@ def test_mx_inline_with_query_rows_ready(fmt, clean, compressed, mode, poisoned,
     of modes 3 and 4 are back at zero after every call."""
     from tilefuse.indexer import _prefill_kernel as kern
 
-    s_q, s_k, h, d = shapes((20, 200), (200, 4096)) + (8, 128)
-    via = MX_VIA[fmt]
-    one = prefill.PrefillConfig(block_q=4, block_n=128, heads_on_n=True, mx_inline=1, **via)
+    one = prefill.PrefillConfig(block_q=4, block_n=128, heads_on_n=True, mx_inline=1, **MX_VIA[fmt])
     two = dataclasses.replace(one, mx_inline=mode)
-    q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=41)
-    ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(8), empty_fraction=0.2,
-                              device=DEVICE)
-    max_seqlen_k = int((ke - ks).max()) + 5 if compressed else 0
+    q, k, w, qq, kk, ks, ke, max_seqlen_k = _mx_inline_case(*shapes((20, 200), (200, 4096)), fmt, 41, 8, compressed)
     few = record_launches(kern, "prefill_mx_few_rows_kernel")
     renorm = record_launches(kern, "mx_rows_renormalise_kernel")
     got = run(qq, kk, w, ks, ke, config=two, clean_logits=clean, max_seqlen_k=max_seqlen_k)
@@ -347,13 +350,9 @@ def test_mx_inline_with_query_rows_ready(fmt, clean, compressed, mode, poisoned,
     check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k)
     ref = run(qq, kk, w, ks, ke, config=one, clean_logits=clean, max_seqlen_k=max_seqlen_k)
     _same_bits_on_cpu(got, ref)
-
-    q, k, qq, kk = _wide_span_rows(q, k, fmt)
-    got = run(qq, kk, w, ks, ke, config=two, clean_logits=clean, max_seqlen_k=max_seqlen_k)
-    check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k,
-                 against_unquantised=False)
+    _check_wide_span_run(q, k, w, ks, ke, fmt, two, clean, max_seqlen_k)
     for i, (s_q, s_k) in enumerate(((9, 300), (23, 130), (5, 257))):  # new sizes: replayed launches, new scratch
-        q, k, w, qq, kk = make_inputs(s_q, s_k, h, d, fmt, seed=50 + i)
+        q, k, w, qq, kk = make_inputs(s_q, s_k, 8, 128, fmt, seed=50 + i)
         ks, ke = W.random_windows(s_q, s_k, generator=torch.Generator().manual_seed(i), device=DEVICE)
         got = run(qq, kk, w, ks, ke, config=two, clean_logits=clean, max_seqlen_k=max_seqlen_k and s_k)
         check_logits(got, qq, kk, q, k, w, ks, ke, fmt, clean=clean, max_seqlen_k=max_seqlen_k and s_k)

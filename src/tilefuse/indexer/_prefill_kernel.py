@@ -521,8 +521,8 @@ _MAX_SPINS = tl.constexpr(1 << 22)
 
 @triton.jit
 def _count_out(counters, arrivals):
-    """Arrival of one program at its query tile's counters (``[ready, arrived]``): the last of
-    the tile's ``arrivals`` programs (its producers after their ready count, its consumers after
+    """Arrival of one program at a tile's counters (``[ready, arrived]``): the last of the
+    tile's ``arrivals`` programs (its producers after their ready count, its consumers after
     reading it) resets both to 0 for the next launch, so they need no clearing between calls."""
     if tl.atomic_add(counters + 1, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
         tl.atomic_xchg(counters, 0, sem="relaxed", scope="gpu")
@@ -530,18 +530,25 @@ def _count_out(counters, arrivals):
 
 
 @triton.jit
+def _count_ready(counters, arrivals):
+    """A producer's part of its tile stored: counted ready (release, after a CTA barrier, so
+    every thread's stores come first), then counted out."""
+    tl.debug_barrier()
+    tl.atomic_add(counters, 1, sem="release", scope="gpu")
+    _count_out(counters, arrivals)
+
+
+@triton.jit
 def _produce_query_rows(tile, part, q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, w_ptr, stride_w, q_rows_ptr,
                         w_rows_ptr, counters, S_q, arrivals, H: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
                         BLOCK_Q: tl.constexpr):
     """Part ``part`` of query tile ``tile``'s (row, head) pairs renormalised (as the renormalise
-    launch writes them), then counted ready (release: every thread's stores first)."""
+    launch writes them), then counted ready."""
     local = part * _PRODUCER_PAIRS + tl.arange(0, _PRODUCER_PAIRS)
     pair = tile * (BLOCK_Q * H) + local
     _renormalise_query_pairs(pair, (local < BLOCK_Q * H) & (pair < S_q * H), q_ptr, stride_qs, stride_qh, q_sf_ptr,
                              stride_qsf, w_ptr, stride_w, q_rows_ptr, w_rows_ptr, H, D, FMT, _PRODUCER_PAIRS)
-    tl.debug_barrier()
-    tl.atomic_add(counters, 1, sem="release", scope="gpu")
-    _count_out(counters, arrivals)
+    _count_ready(counters, arrivals)
 
 
 @triton.jit
@@ -550,9 +557,7 @@ def _produce_key_rows(tile, k_ptr, stride_k, k_sf_ptr, k_rows_ptr, k_scale_ptr, 
     """Key tile ``tile`` renormalised (as the renormalise launch writes it), then counted ready."""
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     _renormalise_key_rows(rows, rows < S_k, k_ptr, stride_k, k_sf_ptr, k_rows_ptr, k_scale_ptr, D, FMT, BLOCK_N)
-    tl.debug_barrier()
-    tl.atomic_add(counters, 1, sem="release", scope="gpu")
-    _count_out(counters, arrivals)
+    _count_ready(counters, arrivals)
 
 
 @triton.jit

@@ -620,10 +620,9 @@ def _launch_mx_few_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean
                  cfg.launch_options, sized=sized)
 
 
-# mx_inline 3 / 4: query (row, head) pairs per producer program (the kernel's _PRODUCER_PAIRS),
-# and the tiles (query, and with 4 key tiles) one call may have (counters per device and stream:
-# 2 int32 a tile).
-_PRODUCER_PAIRS = 128
+# mx_inline 3 / 4: query (row, head) pairs per producer program, and the tiles (query, and with 4
+# key tiles) one call may have (counters per device and stream: 2 int32 a tile).
+_PRODUCER_PAIRS = kern._PRODUCER_PAIRS.value
 _COUNTER_TILES = 4096
 _TILE_COUNTERS: dict = {}
 
@@ -657,9 +656,7 @@ def _stream_of(device_index: int) -> int:
 
 def _stream_and_capture(device_index: int) -> tuple:
     """The current stream of a CUDA device by index and whether it is capturing a graph."""
-    if device_index < 0:
-        return 0, False
-    return torch._C._cuda_getCurrentRawStream(device_index), torch._C._cuda_isCurrentStreamCapturing()
+    return _stream_of(device_index), device_index >= 0 and torch._C._cuda_isCurrentStreamCapturing()
 
 
 @functools.cache

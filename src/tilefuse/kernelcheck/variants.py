@@ -236,7 +236,7 @@ _Q_ROWS = (1, 16, 64, 256, 1024, 4096, 16384, 65536)
 # (clean_logits, compressed): clean full layout, raw full layout, compressed, compressed + -inf tail.
 _LAYOUTS = ((True, False), (False, False), (False, True), (True, True))
 # Integer PrefillConfig fields other than the tile, and the values callers may set.
-_PREFILL_INT_OPTIONS = {"head_unroll": (1, 2), "relu_via_abs": (0, 2), "mx_inline": (0, 1, 2)}
+_PREFILL_INT_OPTIONS = {"head_unroll": (1, 2), "relu_via_abs": (0, 2), "mx_inline": (0, 1, 2, 3, 4)}
 _S_Q, _S_K, _MAX_SEQLEN_K = 37, 300, 45
 
 
