@@ -17,7 +17,7 @@
 #     prefill eager cost beside DeepGEMM; PART=dgtests: DeepGEMM's own tests, 200 cases each ($DG_SHARD);
 #     PART=pick: the GPU tests named in $PICK; PART=probe: the warp-specialised decode key-loop probe; PART=bf16: the prefill bf16-logits and D 64 rows, Triton and Gluon loops, beside DeepGEMM
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
-#   PART=sweep-all: round $SWEEP_ROUND (0..$SWEEP_ROUNDS-1) of the whole decode contract product, 8 processes
+#   PART=sweep-all: round $SWEEP_ROUND (0..$SWEEP_ROUNDS-1) of the whole decode contract product, $SWEEP_PROCS processes
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
 #   PART=launch: after a launch-path change: its GPU tests, the launch cost taken apart (TP GEMM core
 #     beside cuBLAS), the decode and prefill host cost, then tests/tp and the indexer tests split over processes
@@ -191,11 +191,12 @@ case "$part" in
       tests/indexer/test_topk.py tests/indexer/test_warmup.py tests/indexer/test_prefill.py ${TESTS_K:+-k "$TESTS_K"}
     ;;
   sweep-all)  # round $SWEEP_ROUND of $SWEEP_ROUNDS (default 4) of the whole decode contract product:
-    # cases i with i % (8 x rounds) in this round's 8 shards, one process each (~9.7 cases/s in all: ~400 s)
-    rounds=${SWEEP_ROUNDS:-4}; r=${SWEEP_ROUND:-0}
-    for i in 0 1 2 3 4 5 6 7; do
-      step "sweep-all-$r-$i" "${SWEEP_S:-560}" python3 -m tests.indexer.gpu_sweep --all \
-        --shard $((r * 8 + i))/$((rounds * 8)) $([ "$r$i" = 00 ] && echo --large) &
+    # cases i with i % (P x rounds) in this round's P = $SWEEP_PROCS (default 8) shards, one process
+    # each (compile-bound: ~9.7 cases/s with 8 processes, so ~400 s a round of four)
+    rounds=${SWEEP_ROUNDS:-4}; r=${SWEEP_ROUND:-0}; procs=${SWEEP_PROCS:-8}
+    for ((i = 0; i < procs; i++)); do
+      step "sweep-all-$r-$i" "${SWEEP_S:-560}" python3 -m tests.indexer.gpu_sweep --all --budget-s $(( ${SWEEP_S:-560} - 40 )) \
+        --shard $((r * procs + i))/$((rounds * procs)) $([ "$r$i" = 00 ] && echo --large) &
     done
     wait
     ;;

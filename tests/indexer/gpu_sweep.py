@@ -79,14 +79,15 @@ def add_sweep_arguments(ap: argparse.ArgumentParser, budget_s: float) -> None:
 
 
 def pick_cases(cases: list, args) -> tuple[list, float | None]:
-    """The cases to run and the time budget: all of them in order (--all), a seeded sample
+    """The cases to run and the time budget: all of them in order (--all, stopping at --budget-s
+    like the others, so that a cut round still reports what it ran), a seeded sample
     (--sample N), or all of them shuffled by the seed until --budget-s has passed; then the
     shard's share of those (``--shard I/N``: cases I, I + N, ...)."""
     index, count = (int(v) for v in args.shard.split("/"))
     if not 0 <= index < count:
         raise SystemExit(f"--shard: expected I/N with 0 <= I < N, got {args.shard}")
     if args.all:
-        return cases[index::count], None
+        return cases[index::count], args.budget_s
     if args.sample is not None:
         picked = cases if args.sample >= len(cases) else random.Random(args.seed).sample(cases, args.sample)
         return picked[index::count], None
