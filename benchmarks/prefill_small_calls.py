@@ -31,10 +31,10 @@ C = prefill.PrefillConfig
 
 
 def _few_row_mx(**via) -> dict:
-    """The few-row MX kernel in each ``mx_inline`` mode (16x128, 8 warps): ``inline`` (1), ``inline2`` .. ``4``."""
+    """The few-row MX kernel in each ``mx_inline`` mode (16x128, 8 warps): ``inline`` (1), ``inline2``, ``inline3``."""
     tile = C(block_q=16, block_n=128, num_warps=8, num_stages=3, heads_on_n=True, **via)
     return {("inline" if mode == 1 else f"inline{mode}"): dataclasses.replace(tile, mx_inline=mode)
-            for mode in (1, 2, 3, 4)}
+            for mode in (1, 2, 3)}
 
 
 CONFIGS = {

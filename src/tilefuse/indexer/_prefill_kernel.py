@@ -404,17 +404,6 @@ def _renormalise_query_pairs(pair, ok, q_ptr, stride_q, stride_qh, q_sf_ptr, str
     tl.store(w_rows_ptr + pair, w * _pow2_biased(e_max), mask=ok)
 
 
-@triton.jit
-def _renormalise_key_rows(rows, ok, k_ptr, stride_k, k_sf_ptr, k_rows_ptr, k_scale_ptr, D: tl.constexpr,
-                          FMT: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Key rows ``rows`` (where ``ok``) renormalised into ``k_rows`` [S_k, D], their scales (fp32)
-    into ``k_scale``."""
-    sf = tl.load(k_sf_ptr + rows, mask=ok, other=0x7F7F7F7F)
-    e_max = _renormalise_tile(k_ptr + rows.to(tl.int64) * stride_k, sf, ok, k_rows_ptr + rows.to(tl.int64) * D, D,
-                              FMT, BLOCK_R)
-    tl.store(k_scale_ptr + rows, _pow2_biased(e_max), mask=ok)
-
-
 @triton.jit(do_not_specialize=["stride_q", "stride_qsf", "stride_w", "stride_k", "S_q", "S_k"],
             do_not_specialize_on_alignment=["q_sf_ptr", "w_ptr", "k_sf_ptr"])
 def mx_rows_renormalise_kernel(
@@ -465,10 +454,13 @@ def mx_rows_renormalise_kernel(
             tl.store(fix_q_ptr + pid, tl.max(tl.max(bad, axis=1), axis=0))
     else:
         pid -= n_q_progs
+        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = rows < S_k
         if pid * BLOCK_R < S_k:
-            rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-            _renormalise_key_rows(rows, rows < S_k, k_ptr, _row_stride(stride_k, k_ptr), k_sf_ptr, k_rows_ptr,
-                                  k_scale_ptr, D, FMT, BLOCK_R)
+            sf = tl.load(k_sf_ptr + rows, mask=ok, other=0x7F7F7F7F)
+            src = k_ptr + rows.to(tl.int64) * _row_stride(stride_k, k_ptr)
+            e_max = _renormalise_tile(src, sf, ok, k_rows_ptr + rows.to(tl.int64) * D, D, FMT, BLOCK_R)
+            tl.store(k_scale_ptr + rows, _pow2_biased(e_max), mask=ok)
         if pid * FIX_K < S_k:
             keys = pid * FIX_K + tl.arange(0, FIX_K)
             sf = tl.load(k_sf_ptr + keys, mask=keys < S_k, other=0x7F7F7F7F)
@@ -513,7 +505,7 @@ def _mx_few_rows_from_raw(q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, w_p
     return rows, row_ok, x, k_mul
 
 
-# Query (row, head) pairs an in-launch producer program renormalises (``PREPARED`` 2 and 3), and
+# Query (row, head) pairs an in-launch producer program renormalises (``PREPARED`` 2), and
 # how many times a program waiting for its tiles reads a counter before it takes the bf16 upcast.
 _PRODUCER_PAIRS = tl.constexpr(128)
 _MAX_SPINS = tl.constexpr(1 << 22)
@@ -552,15 +544,6 @@ def _produce_query_rows(tile, part, q_ptr, stride_qs, stride_qh, q_sf_ptr, strid
 
 
 @triton.jit
-def _produce_key_rows(tile, k_ptr, stride_k, k_sf_ptr, k_rows_ptr, k_scale_ptr, counters, S_k, arrivals,
-                      D: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key tile ``tile`` renormalised (as the renormalise launch writes it), then counted ready."""
-    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    _renormalise_key_rows(rows, rows < S_k, k_ptr, stride_k, k_sf_ptr, k_rows_ptr, k_scale_ptr, D, FMT, BLOCK_N)
-    _count_ready(counters, arrivals)
-
-
-@triton.jit
 def _wait_ready(counters, producers, arrivals):
     """Whether the tile's ``producers`` have counted its rows ready (acquire), read until they
     have or ``_MAX_SPINS`` reads have passed (then the caller takes the bf16 upcast)."""
@@ -576,8 +559,7 @@ def _wait_ready(counters, producers, arrivals):
 @triton.jit
 def _mx_few_rows_tile(pid_n, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, k_ptr, stride_k, k_scale_ptr,
                       w_ptr, stride_w, ks_ptr, ke_ptr, out_ptr, stride_out, q_rows_ptr, w_rows_ptr, fix_q_ptr, S_q,
-                      S_k, n_cols, err_ptr, counters, producers, arrivals, k_rows_ptr, k_row_scale_ptr,
-                      k_counters, k_arrivals, H: tl.constexpr, HEADS_P: tl.constexpr,
+                      S_k, n_cols, err_ptr, counters, producers, arrivals, H: tl.constexpr, HEADS_P: tl.constexpr,
                       D: tl.constexpr, FMT: tl.constexpr, ROWS: tl.constexpr, CLEAN: tl.constexpr,
                       COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                       NUM_STAGES: tl.constexpr, SPAN_EXACT: tl.constexpr, FOLD_LIMIT: tl.constexpr,
@@ -607,18 +589,12 @@ def _mx_few_rows_tile(pid_n, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, strid
     dq = tl.arange(0, DQ)
     k_sf = tl.load(k_scale_ptr + cols, mask=key_ok, other=0x7F7F7F7F)  # (UE8M0 1.0 past S_k)
     k_bad = tl.max(_not_exact(k_sf, NB, SPAN_EXACT, FOLD_LIMIT).to(tl.int32), axis=0)
-    if PREPARED < 3:  # (3: the key tile comes renormalised too)
-        k_raw = tl.load(k_ptr + cols.to(tl.int64)[:, None] * stride_k + dq[None, :], mask=key_ok[:, None],
-                        other=ZERO)
-        k_vals, k_e = _renormalised(k_raw, k_sf, D, FMT, BLOCK_N)
-        k_rows = k_vals.to(MMA)
-        k_scale = _pow2_biased(k_e)
+    k_raw = tl.load(k_ptr + cols.to(tl.int64)[:, None] * stride_k + dq[None, :], mask=key_ok[:, None], other=ZERO)
+    k_vals, k_e = _renormalised(k_raw, k_sf, D, FMT, BLOCK_N)
+    k_rows = k_vals.to(MMA)
+    k_scale = _pow2_biased(k_e)
     q_end = tl.minimum(S_q, (pid_q + 1) * BLOCK_Q)
-    if PREPARED == 3:
-        upcast = (k_bad | q_bad) != 0
-        q_here = _wait_ready(counters, producers, arrivals)
-        fast = q_here & _wait_ready(k_counters, 1, k_arrivals) & ~upcast
-    elif PREPARED == 2:
+    if PREPARED == 2:
         upcast = (k_bad | q_bad) != 0
         # (after the key tile's conversion, which overlaps the producers' work; a tile whose rows
         # did not come in time takes the bf16 upcast, as one with a row not exact)
@@ -631,10 +607,6 @@ def _mx_few_rows_tile(pid_n, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, strid
         upcast = k_bad != 0
         fast = False
     if PREPARED and fast:
-        if PREPARED == 3:
-            k_rows = tl.load(k_rows_ptr + cols.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :],
-                             mask=key_ok[:, None], other=0.0, cache_modifier=Q_CACHE)
-            k_scale = tl.load(k_row_scale_ptr + cols, mask=key_ok, other=1.0, cache_modifier=Q_CACHE)
         # a loop of its own: the raw key tile is dead here (it is live in the other one)
         for r0 in tl.range(pid_q * BLOCK_Q, q_end, ROWS, num_stages=NUM_STAGES):
             rows, row_ok, c_ok, c_rows = _few_rows_columns(r0, q_end, c_r, c_h, H, ROWS)
@@ -646,15 +618,11 @@ def _mx_few_rows_tile(pid_n, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, strid
             _store_few_rows(x, k_scale, rows, row_ok, cols, ks_ptr, ke_ptr, out_ptr, stride_out, S_k, n_cols, err_ptr,
                             pid_n, ROWS, HEADS_P, BLOCK_N, CLEAN, COMPRESSED)
     else:
-        if PREPARED == 3:
-            k_raw = tl.load(k_ptr + cols.to(tl.int64)[:, None] * stride_k + dq[None, :], mask=key_ok[:, None],
-                            other=ZERO)
         for r0 in tl.range(pid_q * BLOCK_Q, q_end, ROWS, num_stages=NUM_STAGES):
-            # (3: the renormalised key operands are not read, only the upcast runs: the raw tile stands in)
             rows, row_ok, x, k_mul = _mx_few_rows_from_raw(
                 q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, w_ptr, stride_w, r0, q_end, c_r, c_h, dq,
-                k_raw, k_sf, k_raw if PREPARED == 3 else k_rows, k_sf if PREPARED == 3 else k_scale, upcast, H, D,
-                FMT, ROWS, NC, BLOCK_N, SPAN_EXACT, FOLD_LIMIT, PREPARED >= 2)
+                k_raw, k_sf, k_rows, k_scale, upcast, H, D, FMT, ROWS, NC, BLOCK_N, SPAN_EXACT, FOLD_LIMIT,
+                PREPARED >= 2)
             _store_few_rows(x, k_mul, rows, row_ok, cols, ks_ptr, ke_ptr, out_ptr, stride_out, S_k, n_cols, err_ptr,
                             pid_n, ROWS, HEADS_P, BLOCK_N, CLEAN, COMPRESSED)
 
@@ -668,7 +636,7 @@ def prefill_mx_few_rows_kernel(
     ks_ptr, ke_ptr,
     out_ptr, stride_out,
     q_rows_ptr, w_rows_ptr, fix_q_ptr,
-    S_q, S_k, n_cols, err_ptr, counters_ptr, k_rows_ptr, k_row_scale_ptr,
+    S_q, S_k, n_cols, err_ptr, counters_ptr,
     H: tl.constexpr, HEADS_P: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, ROWS: tl.constexpr,
     CLEAN: tl.constexpr, COMPRESSED: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, SPAN_EXACT: tl.constexpr, FOLD_LIMIT: tl.constexpr, PREPARED: tl.constexpr,
@@ -692,17 +660,13 @@ def prefill_mx_few_rows_kernel(
     producers through ``counters_ptr`` (int32 ``[2 * query tiles]``: ready, arrived; zero between
     launches), which never waits for a program behind it on the grid: the producers wait for
     nothing. (A program that has read the counter ``_MAX_SPINS`` times computes its tile with
-    the bf16 upcast instead: no wait is unbounded.) ``PREPARED`` 3: as 2, and the key tiles too,
-    by one producer program each behind the query's (into ``k_rows`` [S_k, D] and their fp32
-    scales ``k_row_scale``; counters ``[2 * (query tiles + key tiles)]``, the keys' after the
-    query's), so a program converts nothing. ``PREPARED`` 0: the query rows renormalised in
-    registers; ``q_rows``, ``w_rows``, ``fix_q``, ``counters`` and the key scratch are not read."""
+    the bf16 upcast instead: no wait is unbounded.) ``PREPARED`` 0: the query rows renormalised
+    in registers; ``q_rows``, ``w_rows``, ``fix_q`` and ``counters`` are not read."""
     stride_qs = _row_stride(stride_qs, q_ptr)
     stride_k = _row_stride(stride_k, k_ptr)
     stride_out = _row_stride(stride_out, out_ptr)
     if PREPARED >= 2:
         parts: tl.constexpr = (BLOCK_Q * H + _PRODUCER_PAIRS - 1) // _PRODUCER_PAIRS
-        KEYS: tl.constexpr = PREPARED == 3
         n_k = tl.cdiv(S_k, BLOCK_N)
         q_tiles = tl.cdiv(S_q, BLOCK_Q)
         n_producers = q_tiles * parts
@@ -713,26 +677,18 @@ def prefill_mx_few_rows_kernel(
                                 q_rows_ptr, w_rows_ptr, counters_ptr + 2 * tile, S_q, n_k + parts, H, D, FMT, BLOCK_Q)
         else:
             pid -= n_producers
-            if KEYS and pid < n_k:
-                _produce_key_rows(pid, k_ptr, stride_k, k_scale_ptr, k_rows_ptr, k_row_scale_ptr,
-                                  counters_ptr + 2 * (q_tiles + pid), S_k, q_tiles + 1, D, FMT, BLOCK_N)
-            else:
-                if KEYS:
-                    pid -= n_k
-                pid_q = pid // n_k
-                pid_n = pid % n_k
-                _mx_few_rows_tile(pid_n, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, k_ptr, stride_k,
-                                  k_scale_ptr, w_ptr, stride_w, ks_ptr, ke_ptr, out_ptr, stride_out, q_rows_ptr,
-                                  w_rows_ptr, fix_q_ptr, S_q, S_k, n_cols, err_ptr, counters_ptr + 2 * pid_q, parts,
-                                  n_k + parts, k_rows_ptr, k_row_scale_ptr, counters_ptr + 2 * (q_tiles + pid_n),
-                                  q_tiles + 1, H, HEADS_P, D, FMT, ROWS, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N,
-                                  NUM_STAGES, SPAN_EXACT, FOLD_LIMIT, PREPARED)
+            pid_q = pid // n_k
+            pid_n = pid % n_k
+            _mx_few_rows_tile(pid_n, pid_q, q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, k_ptr, stride_k,
+                              k_scale_ptr, w_ptr, stride_w, ks_ptr, ke_ptr, out_ptr, stride_out, q_rows_ptr,
+                              w_rows_ptr, fix_q_ptr, S_q, S_k, n_cols, err_ptr, counters_ptr + 2 * pid_q, parts,
+                              n_k + parts, H, HEADS_P, D, FMT, ROWS, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N,
+                              NUM_STAGES, SPAN_EXACT, FOLD_LIMIT, PREPARED)
     else:
         _mx_few_rows_tile(tl.program_id(0), tl.program_id(1), q_ptr, stride_qs, stride_qh, q_sf_ptr, stride_qsf, k_ptr,
                           stride_k, k_scale_ptr, w_ptr, stride_w, ks_ptr, ke_ptr, out_ptr, stride_out, q_rows_ptr,
-                          w_rows_ptr, fix_q_ptr, S_q, S_k, n_cols, err_ptr, counters_ptr, 0, 0, k_rows_ptr,
-                          k_row_scale_ptr, counters_ptr, 0, H, HEADS_P, D, FMT, ROWS, CLEAN, COMPRESSED, BLOCK_Q,
-                          BLOCK_N, NUM_STAGES, SPAN_EXACT, FOLD_LIMIT, PREPARED)
+                          w_rows_ptr, fix_q_ptr, S_q, S_k, n_cols, err_ptr, counters_ptr, 0, 0, H, HEADS_P, D, FMT,
+                          ROWS, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N, NUM_STAGES, SPAN_EXACT, FOLD_LIMIT, PREPARED)
 
 
 @triton.jit(do_not_specialize=["stride_q", "stride_w"], do_not_specialize_on_alignment=["w_ptr"])

@@ -64,9 +64,7 @@ class PrefillConfig:
     computed with the bf16 upcast (Hopper's default at most 32 rows); 2, the query rows
     renormalised once by a first launch, the keys in the kernel's registers (two launches); 3,
     as 2 in one launch: producer programs at the head of its grid renormalise the query rows,
-    which the others wait for (per-stream counters, reset by the kernel itself); 4, as 3 with the
-    key tiles renormalised by producers too (the renormalise launch, the pass over its rows and
-    the recompute of flagged tiles in one launch).
+    which the others wait for (per-stream counters, reset by the kernel itself).
     ``gluon`` (Hopper): the 2-D tile's head loop as the Gluon kernel (async wgmma); then
     ``num_stages`` (>= 2) is its ring of query buffers, ``block_q`` 64 or 128, and warps
     beyond one per 16 rows split the keys; ``gluon_refill`` 1 or 2 (needs ``num_stages`` >= 3)
@@ -90,7 +88,7 @@ class PrefillConfig:
     gluon: bool = False  # the head loop as the Gluon kernel (Hopper)
     gluon_refill: int = 1  # Gluon query buffers refilled at a time
     relu_via_abs: int = 0  # 0, or 2: the head sum through |s| with a 2-part linear term
-    mx_inline: int = 0  # MX rows renormalised inside the few-row kernel: 1 both, 2 / 3 the keys, 4 neither
+    mx_inline: int = 0  # MX rows renormalised inside the few-row kernel: 1 both, 2 / 3 the keys
 
     @functools.cached_property
     def launch_options(self) -> dict:
@@ -190,8 +188,8 @@ def resolve_config(fmt: str, num_heads: int, head_dim: int, num_q_rows: int | No
                          f"of block_q / 16 and num_stages >= 2, got {cfg}")
     if cfg.gluon_refill not in (1, 2) or (cfg.gluon_refill == 2 and cfg.num_stages < 3):
         raise ValueError(f"gluon_refill must be 1, or 2 with num_stages >= 3, got {cfg}")
-    if cfg.mx_inline not in (0, 1, 2, 3, 4):
-        raise ValueError(f"mx_inline must be 0 to 4, got {cfg.mx_inline}")
+    if cfg.mx_inline not in (0, 1, 2, 3):
+        raise ValueError(f"mx_inline must be 0 to 3, got {cfg.mx_inline}")
     if cfg.mx_inline and (fmt == "fp8" or not cfg.heads_on_n):
         raise ValueError(f"mx_inline runs MX operands on the few-row kernel (heads_on_n), got {cfg} for {fmt}")
     # One part misses the accuracy bound; three add time and no accuracy that shows (NOTES).
@@ -578,57 +576,49 @@ _mx_few_rows = Launcher(kern.prefill_mx_few_rows_kernel)
 def _launch_mx_few_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg: PrefillConfig,
                         err) -> None:
     """MX logits on the few-row kernel, the rows renormalised in its registers (``mx_inline`` 1; with 2
-    the query rows by a launch before it, with 3 by producer programs of the same launch, with 4
-    the key rows too)."""
+    the query rows by a launch before it, with 3 by producer programs of the same launch)."""
     s_q, h, _ = q.shape
     heads_p = next_power_of_2(h)
-    q_tiles, k_tiles = cdiv(s_q, cfg.block_q), cdiv(k.shape[0], cfg.block_n)
     prepared = cfg.mx_inline - 1
-    counters = k_rows = k_row_scale = err  # (not read unless prepared is 2 or 3: the error record keeps the key)
-    if prepared >= 2:
-        tiles = q_tiles + (k_tiles if prepared == 3 else 0)
-        if tiles > _COUNTER_TILES:
+    counters = err  # (not read unless prepared is 2: the error record keeps the key)
+    if prepared == 2:
+        q_tiles = cdiv(s_q, cfg.block_q)
+        if q_tiles > _COUNTER_TILES:
             prepared = 1  # (more tiles than counters): the query rows by a first launch
         else:
-            counters = _tile_counters(q.device, tiles)
+            counters = _tile_counters(q.device, q_tiles)
     if prepared == 1:  # (fix_q per program: one flag block is one program's rows)
         q_rows, w_rows, fix_q = _renormalise_rows(q, q_sf, weights, k, k_scale, fmt, d, cfg.block_q, cfg.block_n,
                                                   keys=False)[:3]
-    elif prepared >= 2:
+    elif prepared == 2:
         q_rows = _jit.scratch(s_q, h, d, dtype=_RENORM_DTYPE[fmt], device=q.device, sized=lambda s_q, *_: (s_q, h, d))
         w_rows = _jit.scratch(s_q, h, dtype=torch.float32, device=q.device, sized=lambda s_q, *_: (s_q, h))
         fix_q = err
-        if prepared == 3:
-            k_rows = _jit.scratch(k.shape[0], d, dtype=_RENORM_DTYPE[fmt], device=q.device,
-                                  sized=lambda s_q, s_k, *_: (s_k, d))
-            k_row_scale = _jit.scratch(k.shape[0], dtype=torch.float32, device=q.device,
-                                       sized=lambda s_q, s_k, *_: (s_k,))
     else:  # not read: the error record keeps the compile key (its alignment does not vary)
         q_rows = w_rows = fix_q = err
     consts = (h, heads_p, d, FORMAT_CODE[fmt], max(1, 128 // heads_p), clean, compressed, cfg.block_q, cfg.block_n,
               cfg.num_stages, _SPAN_EXACT[fmt], _FOLD_EXP_LIMIT, prepared)
-    if prepared >= 2:
-        sized = _sized_producers_and_tiles(cfg.block_q, cfg.block_n, cdiv(cfg.block_q * h, _PRODUCER_PAIRS),
-                                           prepared == 3)
+    if prepared == 2:
+        sized = _sized_producers_and_tiles(cfg.block_q, cfg.block_n, cdiv(cfg.block_q * h, _PRODUCER_PAIRS))
     else:
         sized = _sized_tile(cfg.block_q, cfg.block_n, (13, 17, 18, 19), (), ())
     _mx_few_rows((consts, cfg.num_warps, q.dtype, weights.dtype, out.dtype),
                  sized[0](s_q, k.shape[0], out.shape[1], out.stride(0))[0],
                  (q, q.stride(0), q.stride(1), q_sf, q_sf.stride(0), k, k.stride(0), k_scale, weights,
                   weights.stride(0), ks, ke, out, out.stride(0), q_rows, w_rows, fix_q, s_q, k.shape[0], out.shape[1],
-                  err, counters, k_rows, k_row_scale, *consts),
+                  err, counters, *consts),
                  cfg.launch_options, sized=sized)
 
 
-# mx_inline 3 / 4: query (row, head) pairs per producer program, and the tiles (query, and with 4
-# key tiles) one call may have (counters per device and stream: 2 int32 a tile).
+# mx_inline 3: query (row, head) pairs per producer program, and the query tiles one call may have
+# (counters per device and stream: 2 int32 a tile).
 _PRODUCER_PAIRS = kern._PRODUCER_PAIRS.value
 _COUNTER_TILES = 4096
 _TILE_COUNTERS: dict = {}
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The tile counters of an ``mx_inline`` 3 or 4 launch of ``tiles`` tiles on the current
+    """The tile counters of an ``mx_inline`` 3 launch of ``tiles`` tiles on the current
     stream of ``device``: zero when no launch runs (each launch leaves them so), one buffer per
     stream so that calls on two streams never share one (a call replayed on another stream takes
     the ordinary path: the stream is in the op's replay key). A call captured into a CUDA graph
@@ -660,13 +650,12 @@ def _stream_and_capture(device_index: int) -> tuple:
 
 
 @functools.cache
-def _sized_producers_and_tiles(block_q: int, block_n: int, parts: int, keys: bool):
-    """The 1-D grid of ``mx_inline`` 3 and 4: ``parts`` producers per query tile (with ``keys``,
-    then one per key tile), then the (key tile, query tile) programs; sizes at the same
-    positions as :func:`_sized_tile`'s."""
+def _sized_producers_and_tiles(block_q: int, block_n: int, parts: int):
+    """The 1-D grid of ``mx_inline`` 3: ``parts`` producers per query tile, then the (key tile,
+    query tile) programs; sizes at the same positions as :func:`_sized_tile`'s."""
     def sized(s_q, s_k, n_cols, stride_out):
         q_tiles, k_tiles = -(-s_q // block_q), -(-s_k // block_n)
-        return (q_tiles * (parts + k_tiles) + (k_tiles if keys else 0),), (stride_out, s_q, s_k, n_cols), ()
+        return (q_tiles * (parts + k_tiles),), (stride_out, s_q, s_k, n_cols), ()
 
     return sized, (13, 17, 18, 19), ()
 
@@ -888,7 +877,7 @@ def fp8_fp4_mqa_logits(
                               # on the CPU, whether it runs at all depends on the interpreter (and
                               # which kernels, on the architecture the tests pose as)
                               sig[4] >= 0 or (_validate.interpreter_enabled(), _arch(q_values.device)),
-                              # (MX: mx_inline 3 and 4 bind the current stream's tile counters,
+                              # (MX: mx_inline 3 binds the current stream's tile counters,
                               # a graph's call its own)
                               None if q_sf is None else _stream_and_capture(sig[4]))
                 entry = _REPLAYS.get(replay_key)

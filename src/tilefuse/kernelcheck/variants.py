@@ -236,7 +236,7 @@ _Q_ROWS = (1, 16, 64, 256, 1024, 4096, 16384, 65536)
 # (clean_logits, compressed): clean full layout, raw full layout, compressed, compressed + -inf tail.
 _LAYOUTS = ((True, False), (False, False), (False, True), (True, True))
 # Integer PrefillConfig fields other than the tile, and the values callers may set.
-_PREFILL_INT_OPTIONS = {"head_unroll": (1, 2), "relu_via_abs": (0, 2), "mx_inline": (0, 1, 2, 3, 4)}
+_PREFILL_INT_OPTIONS = {"head_unroll": (1, 2), "relu_via_abs": (0, 2), "mx_inline": (0, 1, 2, 3)}
 _S_Q, _S_K, _MAX_SEQLEN_K = 37, 300, 45
 
 
@@ -343,9 +343,8 @@ def _prefill_points():
                            prefill.default_config(fmt, 64, d, 64, arch=9, num_keys=4096)):
                 for clean, compressed in _LAYOUTS:
                     yield fmt, d, 64, inline, clean, compressed, f32, f32, "default"
-            if d == 128:  # the same rows by a first launch (mx_inline=2); the key tiles by producers too (4)
-                for mode in (2, 4):
-                    yield fmt, d, 64, dataclasses.replace(inline, mx_inline=mode), True, False, f32, f32, "option"
+            if d == 128:  # the same rows by a first launch (mx_inline=2)
+                yield fmt, d, 64, dataclasses.replace(inline, mx_inline=2), True, False, f32, f32, "option"
 
 
 @functools.lru_cache(maxsize=1)
