@@ -17,6 +17,7 @@
 #     prefill eager cost beside DeepGEMM; PART=dgtests: DeepGEMM's own tests, 200 cases each ($DG_SHARD);
 #     PART=pick: the GPU tests named in $PICK; PART=probe: the warp-specialised decode key-loop probe; PART=bf16: the prefill bf16-logits and D 64 rows, Triton and Gluon loops, beside DeepGEMM
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
+#   PART=prefill-sweep: the whole prefill contract product, $SWEEP_PROCS processes
 #   PART=sweep-all: round $SWEEP_ROUND (0..$SWEEP_ROUNDS-1) of the whole decode contract product, $SWEEP_PROCS processes
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
 #   PART=launch: after a launch-path change: its GPU tests, the launch cost taken apart (TP GEMM core
@@ -197,6 +198,14 @@ case "$part" in
     for ((i = 0; i < procs; i++)); do
       step "sweep-all-$r-$i" "${SWEEP_S:-560}" python3 -m tests.indexer.gpu_sweep --all --budget-s $(( ${SWEEP_S:-560} - 40 )) \
         --shard $((r * procs + i))/$((rounds * procs)) $([ "$r$i" = 00 ] && echo --large) &
+    done
+    wait
+    ;;
+  prefill-sweep)  # the whole prefill contract product (3456 cases) over $SWEEP_PROCS (default 16) processes
+    procs=${SWEEP_PROCS:-16}
+    for ((i = 0; i < procs; i++)); do
+      step "prefill-sweep-$i" "${SWEEP_S:-560}" python3 -m tests.indexer.prefill_gpu_sweep --all \
+        --budget-s $(( ${SWEEP_S:-560} - 40 )) --shard "$i/$procs" $([ "$i" = 0 ] && echo --large) &
     done
     wait
     ;;

@@ -96,11 +96,16 @@ def check_logits(out, qq, kk, q, k, w, ks, ke, fmt, clean=True, max_seqlen_k=0, 
     out32 = torch.where(inside, out32, ref)
     bf16 = logits_dtype == torch.bfloat16 or w.dtype == torch.bfloat16
     tight = 3e-5 if bf16 else 5e-6
-    assert R.calc_diff(out32, ref) < tight
+    diff = float(R.calc_diff(out32, ref))
+    assert diff < tight, f"distance to the quantised reference {diff:.3g}, bar {tight:.3g}"
     # Against unquantised inputs the error is quantisation noise (FP8 sits near 7e-4 against a
-    # 1e-3 bar): a statistic that needs a sample, so tiny cases check the tight bar only.
+    # 1e-3 bar): a statistic that needs a sample, so tiny cases check the tight bar only, and
+    # the bar is also 1.1x the exact quantised reference's own distance (a draw of few keys may
+    # put the reference itself past it).
     if against_unquantised and int(inside.sum()) * q.shape[1] >= 8192:
-        assert R.calc_diff(out32, unquant) < BF16_THRESHOLD[fmt]
+        bar = max(BF16_THRESHOLD[fmt], 1.1 * float(R.calc_diff(ref, unquant)))
+        diff = float(R.calc_diff(out32, unquant))
+        assert diff < bar, f"distance to the unquantised reference {diff:.3g}, bar {bar:.3g}"
 
 
 def run(qq, kk, w, ks, ke, config=SMALL, **kw):
@@ -1433,3 +1438,22 @@ def test_gluon_rejects_tiles_it_cannot_run():
     if not HOPPER:
         with pytest.raises(ValueError, match="Hopper"):
             tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, config=prefill.PrefillConfig(gluon=True))
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs the whole sweep (python -m tests.indexer.prefill_gpu_sweep)")
+@pytest.mark.parametrize("i", range(4))
+def test_gpu_sweep_sample(i):
+    """Four cases of the GPU contract sweep (``tests/indexer/prefill_gpu_sweep.py``) at
+    interpreter sizes (at most 100 rows and 32 heads, 160-200 keys), and its large-offset
+    cases shrunk."""
+    import random
+
+    from . import prefill_gpu_sweep as sweep
+
+    small = [c for c in sweep.contract_cases() if c.rows <= 100 and c.heads <= 32]
+    case = random.Random(60).sample(small, 4)[i]
+    sweep.run_case(case, seed=61 + i, s_k=160 + 13 * i)
+    tilefuse.check_errors()
+    if i == 0:
+        sweep.run_large_keys(min_bytes=1 << 16, device=DEVICE, rows=4, span=200)
+        sweep.run_large_logits(min_elements=1 << 13, device=DEVICE, s_k=1024 + 64)
