@@ -17,6 +17,7 @@
 #     prefill eager cost beside DeepGEMM; PART=dgtests: DeepGEMM's own tests, 200 cases each ($DG_SHARD);
 #     PART=pick: the GPU tests named in $PICK; PART=probe: the warp-specialised decode key-loop probe; PART=bf16: the prefill bf16-logits and D 64 rows, Triton and Gluon loops, beside DeepGEMM
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
+#   PART=topk-parts: the top-k merge kernel's time taken apart
 #   PART=prefill-sweep: the whole prefill contract product, $SWEEP_PROCS processes
 #   PART=sweep-all: round $SWEEP_ROUND (0..$SWEEP_ROUNDS-1) of the whole decode contract product, $SWEEP_PROCS processes
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
@@ -244,6 +245,9 @@ case "$part" in
     step launch-cost 45 python3 benchmarks/launch_cost.py --calls 2000 --tp-m 64 4096 --output "$OUT/launch-cost.json"
     host_calls
     step bench-serving "${SERVING_S:-100}" python3 -m tilefuse.cli bench serving --steps 4 -o "$OUT/serving.json"
+    ;;
+  topk-parts)  # the merge kernel's launches taken apart (scan, selects, sort), 512 and 64 rows
+    step topk-parts "${TOPK_S:-90}" python3 benchmarks/topk_merge_parts.py --output "$OUT/topk-merge-parts.json"
     ;;
   topk)  # the fused top-k's speed beside the unfused pairs (its tests are in PART=tests)
     wait_deepgemm
