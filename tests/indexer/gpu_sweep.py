@@ -119,6 +119,22 @@ def run_cases(cases: list, run_one, budget_s: float | None) -> tuple[int, list[s
     return done, failed
 
 
+def run_large(fns) -> list[str]:
+    """Each large-offset case ``fn()`` (one at a time, memory freed after each): the names of
+    those that failed, every failure printed."""
+    failed = []
+    for fn in fns:
+        try:
+            fn()
+            torch.cuda.synchronize()
+            print(f"ok    {fn.__name__}", flush=True)
+        except Exception as e:  # report every failure, then exit nonzero
+            failed.append(fn.__name__)
+            print(f"FAIL  {fn.__name__}: {type(e).__name__}: {e}", flush=True)
+        torch.cuda.empty_cache()
+    return failed
+
+
 def run_case(case: SweepCase, seed: int, lens=None, chunk: int | None = None) -> None:
     """Build the inputs, run the op (poisoned output) and check it against the reference."""
     from tilefuse.indexer import paged
@@ -218,16 +234,7 @@ def main(argv=None) -> int:
         return 2
     cases, budget_s = pick_cases(contract_cases(), args)
     t0 = time.perf_counter()
-    failed = []
-    if args.large:
-        for fn in (run_large_cache, run_large_logits):
-            try:
-                fn()
-                torch.cuda.synchronize()
-                print(f"ok    {fn.__name__}", flush=True)
-            except Exception as e:  # report every failure, then exit nonzero
-                failed.append(fn.__name__)
-                print(f"FAIL  {fn.__name__}: {type(e).__name__}: {e}", flush=True)
+    failed = run_large((run_large_cache, run_large_logits)) if args.large else []
     # Every other case with a small chunk, so that requests cross chunk ends.
     done, failed_cases = run_cases(cases, lambda i, case: run_case(
         case, seed=args.seed * 100_003 + i, chunk=None if i % 2 else 2 * max(64, case.block_kv)), budget_s)

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from .gpu_sweep import DTYPES, FORMATS, HEAD_DIMS, HEADS, add_sweep_arguments, pick_cases, run_cases
+from .gpu_sweep import DTYPES, FORMATS, HEAD_DIMS, HEADS, add_sweep_arguments, pick_cases, run_cases, run_large
 
 QUERY_ROWS = (16, 100, 300)
 WINDOWS = ("causal", "random")
@@ -169,17 +169,7 @@ def main(argv=None) -> int:
         return 2
     cases, budget_s = pick_cases(contract_cases(), args)
     t0 = time.perf_counter()
-    failed = []
-    if args.large:
-        for fn in (run_large_keys, run_large_logits):
-            try:
-                fn()
-                torch.cuda.synchronize()
-                print(f"ok    {fn.__name__}", flush=True)
-            except Exception as e:  # report every failure, then exit nonzero
-                failed.append(fn.__name__)
-                print(f"FAIL  {fn.__name__}: {type(e).__name__}: {e}", flush=True)
-            torch.cuda.empty_cache()
+    failed = run_large((run_large_keys, run_large_logits)) if args.large else []
     done, failed_cases = run_cases(cases, lambda i, case: run_case(case, seed=args.seed * 100_003 + i), budget_s)
     failed += failed_cases
     print(f"{done} of {len(cases)} contract cases run in {time.perf_counter() - t0:.0f} s, {len(failed)} failed")
