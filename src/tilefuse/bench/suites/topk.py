@@ -9,6 +9,9 @@ top-k 2048. Each row times, in one rotation:
 * ``tilefuse`` — :func:`tilefuse.fp8_fp4_mqa_topk` / :func:`tilefuse.fp8_fp4_paged_mqa_topk`
   (the subject; ``peer_ratio`` is its speedup over each pair);
 * ``tilefuse+torch.topk`` — the tilefuse logits op (clean) then ``torch.topk``;
+* ``tilefuse+torch.topk unsorted`` — the same with ``sorted=False`` (the fastest top-k that
+  runs here: no sort of the ``topk`` results, so a weaker result than the contract's, and the
+  pair to beat);
 * ``tilefuse logits`` — the tilefuse logits op alone (unclean, as the fused op's chunks run
   it): the fused op less this row is what the chunked merge costs;
 * ``deep_gemm+torch.topk`` — DeepGEMM's logits (clean) then ``torch.topk``, when
@@ -189,6 +192,9 @@ def prefill_case(spec: Spec, device: str, peer=None, peer_skip: str | None = Non
             Impl("tilefuse+torch.topk",
                  lambda: torch.topk(tilefuse.fp8_fp4_mqa_logits(qq, kv, w, ks, ke), spec.topk, dim=1),
                  lambda out: check_pair(tuple(t.cpu() for t in out))),
+            Impl("tilefuse+torch.topk unsorted",
+                 lambda: torch.topk(tilefuse.fp8_fp4_mqa_logits(qq, kv, w, ks, ke), spec.topk, dim=1, sorted=False),
+                 lambda out: check_pair(tuple(t.cpu() for t in out))),
             Impl("tilefuse logits", lambda: tilefuse.fp8_fp4_mqa_logits(qq, kv, w, ks, ke, clean_logits=False),
                  lambda out: check_shape(out, (s_q, s_k))),
         ]
@@ -264,6 +270,10 @@ def decode_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None
             Impl("tilefuse+torch.topk",
                  lambda: torch.topk(tilefuse.fp8_fp4_paged_mqa_logits(qq, cache, w, ctx, table, meta, max_len, True),
                                     min(spec.topk, max_len), dim=1),
+                 lambda out: check_pair(tuple(t.cpu() for t in out))),
+            Impl("tilefuse+torch.topk unsorted",
+                 lambda: torch.topk(tilefuse.fp8_fp4_paged_mqa_logits(qq, cache, w, ctx, table, meta, max_len, True),
+                                    min(spec.topk, max_len), dim=1, sorted=False),
                  lambda out: check_pair(tuple(t.cpu() for t in out))),
             Impl("tilefuse logits",
                  lambda: tilefuse.fp8_fp4_paged_mqa_logits(qq, cache, w, ctx, table, meta, max_len, False),
