@@ -80,3 +80,75 @@ def test_no_compile_after_warmup_over_random_shapes(model):
                                         s_k if model.compressed else 0, model.logits_dtype)
         torch.cuda.synchronize()
     assert log.count == 0, f"compiled after warm-up: {log.kernels()}"
+
+
+def test_topk_warmup_runs_every_merge_variant(monkeypatch):
+    """With ``topk``, the warm-up runs the fused ops so that every merge variant launches: one
+    chunk, and first / middle / last chunks, each with and without values, for prefill windows
+    and both decode length layouts."""
+    from tilefuse.indexer import _topk_kernel as kern
+
+    real = kern.topk_merge_chunk_kernel
+    seen = set()
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.add((kw["MODE"], kw["FIRST"], kw["FINAL"], kw["WRITE_VALUES"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(kern, "topk_merge_chunk_kernel", Spy())
+    model = tilefuse.IndexerModel(fmt="fp8", num_heads=8, head_dim=64, block_kv=32, topk=16)
+    report = tilefuse.warmup(model, device=DEVICE)
+    assert report.calls["prefill_topk"] == len(prefill.warmup_sizes("fp8", 8, 64, torch.float32,
+                                                                      torch.device(DEVICE))) + 4
+    assert report.calls["decode_topk"] == 9
+    stages = {(True, True), (True, False), (False, False), (False, True)}
+    want = {(mode, first, final, values) for mode in (kern.WIN_PREFILL, kern.WIN_DECODE_1D, kern.WIN_DECODE_2D)
+            for first, final in stages for values in (False, True)}
+    assert seen == want
+    assert "prefill_topk" not in tilefuse.warmup(tilefuse.IndexerModel(num_heads=8, head_dim=64), device=DEVICE,
+                                                 decode=False).calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", [
+    tilefuse.IndexerModel(topk=2048),
+    tilefuse.IndexerModel(fmt="mxfp4", topk=2048, next_n=2),
+], ids=str)
+def test_no_compile_after_topk_warmup_over_random_shapes(model):
+    """After warm-up, fused top-k calls of random sizes (prefill S_q, S_k; decode B, lengths in
+    1-D and 2-D, max_context_len) compile nothing."""
+    from tilefuse.indexer import topk as topk_op
+
+    tilefuse.warmup(model)
+    g = torch.Generator().manual_seed(23)
+    q_full, kv_full = prefill._zero_inputs(model.fmt, 1024, 40000, model.num_heads, model.head_dim, "cuda")
+    w_full = torch.randn(1024, model.num_heads, device="cuda")
+    with _jit.count_compiles() as log:
+        for _ in range(6):
+            s_q = int(torch.randint(1, 1024, (1,), generator=g))
+            s_k = int(torch.randint(1, 40000, (1,), generator=g))
+            ks, ke = W.random_windows(s_q, s_k, generator=g, device="cuda")
+            q = (q_full[0][:s_q], None if q_full[1] is None else q_full[1][:s_q])
+            tilefuse.fp8_fp4_mqa_topk(q, (kv_full[0][:s_k], kv_full[1][:s_k]), w_full[:s_q], ks, ke, model.topk)
+        for ctx_2d in (False, True):
+            for _ in range(3):
+                batch = int(torch.randint(1, 40, (1,), generator=g))
+                max_len = int(torch.randint(1, 40000, (1,), generator=g))
+                pages = -(-max_len // model.block_kv)
+                cache = paged.new_paged_kv_cache(batch * pages, model.block_kv, model.head_dim, model.fmt,
+                                                 device="cuda")
+                table = torch.randperm(batch * pages, generator=g).int().view(batch, pages).cuda()
+                shape = (batch, model.next_n) if ctx_2d else (batch,)
+                lens = torch.randint(model.next_n, max_len + 1, shape, generator=g).int().cuda()
+                (values, sf), _ = prefill._zero_inputs(model.fmt, batch * model.next_n, 1, model.num_heads,
+                                                       model.head_dim, "cuda")
+                q = (values.view(batch, model.next_n, *values.shape[1:]),
+                     None if sf is None else sf.view(batch, model.next_n, model.num_heads))
+                w = torch.randn(batch * model.next_n, model.num_heads, device="cuda")
+                meta = paged.get_paged_mqa_logits_metadata(lens, model.block_kv, 132)
+                topk_op.fp8_fp4_paged_mqa_topk(q, cache, w, lens, table, meta, max_len, model.topk)
+        torch.cuda.synchronize()
+    assert log.compiles == [], log.compiles

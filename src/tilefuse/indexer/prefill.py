@@ -1050,21 +1050,9 @@ def warmup_calls(fmt: str, num_heads: int, head_dim: int, weights_dtype: torch.d
     configuration (a call of each size class whose config no smaller call has, with every pass
     each one launches), on small inputs. After running them, any S_q, S_k, windows and strides
     run without a compile. Returns the calls (each takes no arguments and returns nothing)."""
-    if fmt not in FORMAT_CODE:  # before the heuristics, whose errors would not name it
-        raise ValueError(f"fmt: expected one of {sorted(FORMAT_CODE)}, got {fmt!r}")
     device = torch.device(device)
     calls = []
-    arch = _arch(device)
-    rows = 3 * FEW_ROWS
-    # the smallest call of each size_class
-    sizes, seen = [], set()
-    for s_q, s_k in ((FEW_ROWS // 2, 256), (rows, 256), (rows, MX_INLINE_CALL // rows + 1),
-                     (rows, FEW_CALL // rows + 1), (rows, SMALL_CALL // rows + 1)):
-        cfg = resolve_config(fmt, num_heads, head_dim, s_q, None, logits_dtype, arch, s_k)
-        if cfg not in seen:
-            seen.add(cfg)
-            sizes.append((s_q, s_k))
-    for s_q, s_k in sizes:
+    for s_q, s_k in warmup_sizes(fmt, num_heads, head_dim, logits_dtype, device):
         q, kv = _zero_inputs(fmt, s_q, s_k, num_heads, head_dim, device)
         weights = torch.zeros(s_q, num_heads, dtype=weights_dtype, device=device)
         ks = torch.zeros(s_q, dtype=torch.int32, device=device)
@@ -1076,6 +1064,24 @@ def warmup_calls(fmt: str, num_heads: int, head_dim: int, weights_dtype: torch.d
 
         calls.append(call)
     return calls
+
+
+def warmup_sizes(fmt: str, num_heads: int, head_dim: int, logits_dtype: torch.dtype,
+                 device: torch.device) -> list[tuple[int, int]]:
+    """``(S_q, S_k)``: the smallest call of each size class whose config no smaller call has
+    (the first one at most FEW_ROWS rows)."""
+    if fmt not in FORMAT_CODE:  # before the heuristics, whose errors would not name it
+        raise ValueError(f"fmt: expected one of {sorted(FORMAT_CODE)}, got {fmt!r}")
+    arch = _arch(device)
+    rows = 3 * FEW_ROWS
+    sizes, seen = [], set()
+    for s_q, s_k in ((FEW_ROWS // 2, 256), (rows, 256), (rows, MX_INLINE_CALL // rows + 1),
+                     (rows, FEW_CALL // rows + 1), (rows, SMALL_CALL // rows + 1)):
+        cfg = resolve_config(fmt, num_heads, head_dim, s_q, None, logits_dtype, arch, s_k)
+        if cfg not in seen:
+            seen.add(cfg)
+            sizes.append((s_q, s_k))
+    return sizes
 
 
 def _zero_inputs(fmt: str, s_q: int, s_k: int, h: int, d: int, device: torch.device):

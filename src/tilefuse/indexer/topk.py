@@ -445,3 +445,76 @@ def fp8_fp4_paged_mqa_topk(
     _paged_mqa_topk(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta.shape[0] - 1,
                     max_context_len, logits_dtype, indices, topk, chunk, out, values)
     return (out, values) if return_values else out
+
+
+# ---------------------------------------------------------------------------------------
+# Warm-up
+# ---------------------------------------------------------------------------------------
+def warmup_calls(fmt: str, num_heads: int, head_dim: int, topk: int, weights_dtype: torch.dtype,
+                 logits_dtype: torch.dtype, device, block_kv: int = 64, next_n: int = 1, prefill_calls: bool = True,
+                 decode_calls: bool = True) -> dict[str, list]:
+    """Calls (``"prefill_topk"``, ``"decode_topk"``) that run every kernel variant the fused ops
+    can launch for this model configuration and ``topk``, on zero inputs: the chunks' logits
+    kernels (prefill: one call of each size class whose config no smaller call has; decode:
+    1-D and 2-D lengths, and ``indices`` at next_n 1) and every merge variant (one chunk, and
+    first / middle / last chunks, each with and without values). After them, any sizes, windows,
+    lengths and chunk counts compile nothing.
+
+    Raises:
+        ValueError / TypeError: a configuration the ops reject.
+    """
+    expect_int(topk, "topk", 1)
+    expect(topk <= _MAX_TOPK, ValueError, f"topk: at most {_MAX_TOPK}, got {topk}")
+    device = torch.device(device)
+    calls: dict[str, list] = {}
+    if prefill_calls:
+        calls["prefill_topk"] = _prefill_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype, device)
+    if decode_calls:
+        calls["decode_topk"] = _decode_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype, device,
+                                              block_kv, next_n)
+    return calls
+
+
+def _prefill_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype, device) -> list:
+    def call(s_q: int, s_k: int, chunk_k: int | None = None, return_values: bool = False):
+        def run() -> None:
+            q, kv = prefill._zero_inputs(fmt, s_q, s_k, num_heads, head_dim, device)
+            w = torch.zeros(s_q, num_heads, dtype=weights_dtype, device=device)
+            ks = torch.zeros(s_q, dtype=torch.int32, device=device)
+            ke = torch.full((s_q,), s_k, dtype=torch.int32, device=device)
+            fp8_fp4_mqa_topk(q, kv, w, ks, ke, topk, logits_dtype, return_values=return_values, chunk_k=chunk_k)
+        return run
+
+    sizes = prefill.warmup_sizes(fmt, num_heads, head_dim, logits_dtype, device)
+    calls = [call(s_q, s_k) for s_q, s_k in sizes]  # each size class's logits kernels
+    s_q = sizes[0][0]  # the merge's variants: one chunk, then three (first, middle, last)
+    for values in (False, True):
+        calls += [call(s_q, _PREFILL_KEY_TILE, _PREFILL_KEY_TILE, values),
+                  call(s_q, 2 * _PREFILL_KEY_TILE + 1, _PREFILL_KEY_TILE, values)]
+    return calls
+
+
+def _decode_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype, device, block_kv, next_n) -> list:
+    batch = 2
+
+    def call(ctx_2d: bool, chunks: int, return_values: bool = False, with_indices: bool = False):
+        def run() -> None:
+            length = (chunks - 1) * block_kv + 1
+            pages = cdiv(length, block_kv)
+            cache = paged.new_paged_kv_cache(batch * pages, block_kv, head_dim, fmt, device=device)
+            table = torch.arange(batch * pages, dtype=torch.int32, device=device).view(batch, pages)
+            (values, sf), _ = prefill._zero_inputs(fmt, batch * next_n, 1, num_heads, head_dim, device)
+            q = (values.view(batch, next_n, *values.shape[1:]),
+                 None if sf is None else sf.view(batch, next_n, num_heads))
+            w = torch.zeros(batch * next_n, num_heads, dtype=weights_dtype, device=device)
+            lens = torch.full((batch, next_n) if ctx_2d else (batch,), length, dtype=torch.int32, device=device)
+            idx = torch.arange(batch, dtype=torch.int32, device=device) if with_indices else None
+            meta = paged.get_paged_mqa_logits_metadata(lens, block_kv, 1, idx)
+            fp8_fp4_paged_mqa_topk(q, cache, w, lens, table, meta, length, topk, logits_dtype, idx,
+                                   return_values=return_values, chunk_k=block_kv)
+        return run
+
+    calls = [call(ctx_2d, chunks, values) for ctx_2d in (False, True) for chunks in (1, 3) for values in (False, True)]
+    if next_n == 1:
+        calls.append(call(False, 1, with_indices=True))
+    return calls

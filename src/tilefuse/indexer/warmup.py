@@ -21,7 +21,8 @@ from tilefuse import _jit
 
 @dataclasses.dataclass(frozen=True)
 class IndexerModel:
-    """What a model fixes about its indexer calls. ``block_kv`` and ``next_n`` are for decode."""
+    """What a model fixes about its indexer calls. ``block_kv`` and ``next_n`` are for decode;
+    ``topk`` > 0: the fused logits + top-k ops too, at that ``topk``."""
 
     fmt: str = "fp8"
     num_heads: int = 64
@@ -32,6 +33,7 @@ class IndexerModel:
     compressed: bool = False
     block_kv: int = 64
     next_n: int = 1
+    topk: int = 0
 
 
 @dataclasses.dataclass
@@ -50,8 +52,9 @@ class WarmupReport:
 
 def warmup_calls(model: IndexerModel, device: torch.device | str, prefill: bool = True,
                  decode: bool = True) -> dict[str, list]:
-    """The warm-up calls per op (``"prefill"``, ``"decode"``) for one model configuration."""
-    from tilefuse.indexer import paged
+    """The warm-up calls per op (``"prefill"``, ``"decode"``; with ``model.topk``, also
+    ``"prefill_topk"``, ``"decode_topk"``) for one model configuration."""
+    from tilefuse.indexer import paged, topk
     from tilefuse.indexer import prefill as prefill_op
 
     calls: dict[str, list] = {}
@@ -61,6 +64,9 @@ def warmup_calls(model: IndexerModel, device: torch.device | str, prefill: bool 
     if decode:
         calls["decode"] = paged.warmup_calls(model.fmt, model.num_heads, model.head_dim, model.block_kv, model.next_n,
                                              model.weights_dtype, model.logits_dtype, model.clean_logits, device)
+    if model.topk:
+        calls.update(topk.warmup_calls(model.fmt, model.num_heads, model.head_dim, model.topk, model.weights_dtype,
+                                       model.logits_dtype, device, model.block_kv, model.next_n, prefill, decode))
     return calls
 
 
