@@ -596,3 +596,61 @@ def test_bench_suite_rows_and_checks():
     check_some, _ = suite.make_checks(logits[rows], valid[rows], 16, rows, 5)
     assert check_some(good)["passed"] and not check_some(swapped)["passed"]
     assert suite.check_shape(logits, (5, 300))["passed"] and not suite.check_shape(logits, (5, 299))["passed"]
+
+
+_TRACED = [f"{kern.__name__}:topk_merge_chunk_kernel", "tilefuse.indexer._paged_kernel:paged_logits_kernel"] + [
+    f"{prefill_kernel.__name__}:{name}" for name in ("prefill_logits_kernel", "prefill_heads_on_n_kernel",
+                                                     "mx_rows_renormalise_kernel", "prefill_mx_few_rows_kernel")]
+
+
+def _traced_keys(calls) -> set:
+    """Triton's specialisation key of every merge and logits launch the calls make (not run)."""
+    import importlib
+
+    from tilefuse import _jit
+    from tilefuse.kernelcheck.variants import tracing
+
+    kernels = {p: getattr(importlib.import_module(p.partition(":")[0]), p.partition(":")[2]) for p in _TRACED}
+    with tracing(*_TRACED) as launches:
+        for call in calls:
+            call()
+    return {(launch.function, _jit.specialization_key(kernels[launch.function], launch.arguments, launch.options))
+            for launch in launches}
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU check of the keys; the GPU counts compiles (tests/indexer/test_warmup.py)")
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_specialisation_keys_after_warmup_cover_random_calls(fmt, monkeypatch):
+    """Every merge and logits launch of fused calls at random sizes (prefill S_q, S_k, windows,
+    chunk counts; decode batch, 1-D / 2-D lengths, max_context_len, table widths) has the key of
+    a launch the warm-up made: no compile after warm-up. (The GPU's one row a merge program.)"""
+    from tilefuse.indexer import prefill
+    from tilefuse.indexer import warmup as warmup_mod
+
+    monkeypatch.setattr(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0)
+    h, d, block_kv, k = 8, 64, 32, 16
+    model = tilefuse.IndexerModel(fmt=fmt, num_heads=h, head_dim=d, block_kv=block_kv, topk=k)
+    warm = warmup_mod.warmup_calls(model, "cpu")
+    warmed = _traced_keys(warm["prefill_topk"] + warm["decode_topk"])
+    g = torch.Generator().manual_seed(31)
+    calls = []
+    for s_q, s_k, chunk in ((1, 1, None), (5, 700, 256), (40, 3000, 512), (130, 9000, None), (3, 257, 256)):
+        q, kv = prefill._zero_inputs(fmt, s_q, s_k, h, d, torch.device("cpu"))
+        w = torch.randn(s_q, h + 3)[:, 1:1 + h]
+        ks, ke = W.random_windows(s_q, s_k, generator=g)
+        calls.append(lambda q=q, kv=kv, w=w, ks=ks, ke=ke, chunk=chunk:
+                     topk.fp8_fp4_mqa_topk(q, kv, w, ks, ke, k, chunk_k=chunk))
+    for batch, max_len, ctx_2d, chunk in ((1, 1, False, None), (3, 700, True, 64), (7, 3000, False, 128),
+                                          (2, 95, True, 32)):
+        pages = -(-max_len // block_kv) + 1
+        cache = paged.new_paged_kv_cache(batch * pages, block_kv, d, fmt)
+        table = torch.randperm(batch * pages, generator=g).int().view(batch, pages)
+        lens = torch.randint(1, max_len + 1, (batch, 1) if ctx_2d else (batch,), generator=g).int()
+        (vals, sf), _ = prefill._zero_inputs(fmt, batch, 1, h, d, torch.device("cpu"))
+        q = (vals.view(batch, 1, *vals.shape[1:]), None if sf is None else sf.view(batch, 1, h))
+        w = torch.randn(batch, h)
+        meta = paged.get_paged_mqa_logits_metadata(lens, block_kv, 4)
+        calls.append(lambda q=q, cache=cache, w=w, lens=lens, table=table, meta=meta, max_len=max_len, chunk=chunk:
+                     topk.fp8_fp4_paged_mqa_topk(q, cache, w, lens, table, meta, max_len, k, chunk_k=chunk))
+    seen = _traced_keys(calls)
+    assert seen and seen <= warmed, seen - warmed
