@@ -22,11 +22,10 @@ import dataclasses
 import itertools
 import random
 import sys
-import time
 
 import torch
 
-from .gpu_sweep import DTYPES, FORMATS, HEAD_DIMS, HEADS, add_sweep_arguments, pick_cases, run_cases, run_large
+from .gpu_sweep import DTYPES, FORMATS, HEAD_DIMS, HEADS, add_sweep_arguments, sweep
 
 QUERY_ROWS = (16, 100, 300)
 WINDOWS = ("causal", "random")
@@ -164,16 +163,9 @@ def main(argv=None) -> int:
     add_sweep_arguments(ap, budget_s=540.0)
     ap.add_argument("--large", action="store_true", help="also the >4 GiB keys and >2^31-element logits")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("prefill_gpu_sweep: needs a CUDA GPU (the CPU run is in tests/indexer/test_prefill.py)", file=sys.stderr)
-        return 2
-    cases, budget_s = pick_cases(contract_cases(), args)
-    t0 = time.perf_counter()
-    failed = run_large((run_large_keys, run_large_logits)) if args.large else []
-    done, failed_cases = run_cases(cases, lambda i, case: run_case(case, seed=args.seed * 100_003 + i), budget_s)
-    failed += failed_cases
-    print(f"{done} of {len(cases)} contract cases run in {time.perf_counter() - t0:.0f} s, {len(failed)} failed")
-    return 1 if failed else 0
+    return sweep(args, contract_cases(), lambda i, case: run_case(case, seed=args.seed * 100_003 + i),
+                 (run_large_keys, run_large_logits) if args.large else (), "prefill_gpu_sweep",
+                 "tests/indexer/test_prefill.py")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import dataclasses
 import itertools
 import random
 import sys
-import time
 
 import torch
 
@@ -103,21 +102,15 @@ def run_case(case: TopkCase, seed: int, small_chunk: bool, max_keys: int) -> Non
 
 
 def main(argv=None) -> int:
-    from .gpu_sweep import add_sweep_arguments, pick_cases, run_cases
+    from .gpu_sweep import add_sweep_arguments, sweep
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_sweep_arguments(ap, budget_s=300.0)
     ap.add_argument("--max-keys", type=int, default=20000, help="keys a row at most (default 20000)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("topk_gpu_sweep: needs a CUDA GPU (the CPU run is tests/indexer/test_topk.py)", file=sys.stderr)
-        return 2
-    cases, budget_s = pick_cases(contract_cases(), args)
-    t0 = time.perf_counter()
-    done, failed = run_cases(cases, lambda i, case: run_case(
-        case, seed=args.seed * 100_003 + i, small_chunk=i % 2 == 0, max_keys=args.max_keys), budget_s)
-    print(f"{done} of {len(cases)} top-k contract cases run in {time.perf_counter() - t0:.0f} s, {len(failed)} failed")
-    return 1 if failed else 0
+    return sweep(args, contract_cases(), lambda i, case: run_case(
+        case, seed=args.seed * 100_003 + i, small_chunk=i % 2 == 0, max_keys=args.max_keys),
+        name="topk_gpu_sweep", cpu_run="tests/indexer/test_topk.py", what="top-k contract")
 
 
 if __name__ == "__main__":
