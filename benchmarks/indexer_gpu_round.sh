@@ -202,11 +202,12 @@ case "$part" in
     done
     wait
     ;;
-  prefill-sweep)  # the whole prefill contract product (3456 cases) over $SWEEP_PROCS (default 16) processes
-    procs=${SWEEP_PROCS:-16}
+  prefill-sweep)  # the whole prefill contract product (3456 cases) over $SWEEP_PROCS (default 16) processes;
+    # SWEEP_FIRST=K: each shard from its K-th case (the rest of a cut run; no large cases then)
+    procs=${SWEEP_PROCS:-16}; first=${SWEEP_FIRST:-0}
     for ((i = 0; i < procs; i++)); do
-      step "prefill-sweep-$i" "${SWEEP_S:-560}" python3 -m tests.indexer.prefill_gpu_sweep --all \
-        --budget-s $(( ${SWEEP_S:-560} - 40 )) --shard "$i/$procs" $([ "$i" = 0 ] && echo --large) &
+      step "prefill-sweep-$i" "${SWEEP_S:-560}" python3 -m tests.indexer.prefill_gpu_sweep --all --first "$first" \
+        --budget-s $(( ${SWEEP_S:-560} - 40 )) --shard "$i/$procs" $([ "$i$first" = 00 ] && echo --large) &
     done
     wait
     ;;
@@ -229,16 +230,16 @@ case "$part" in
     wait_deepgemm
     host_calls
     ;;
-  dgtests)  # DeepGEMM's own tests, a new sample of $DG_CASES cases each: one prefill process beside
-    # one paged process (its larger paged cases take up to ~90 GiB, NOTES); $DG_SHARD (i/n) splits
-    # the sample over runs (the same $SEED in each); $DG_TESTS and $DG_SHARDS (several: one process each)
-    # pick the processes, e.g. DG_TESTS=prefill DG_SHARDS="0/2 1/2"
+  dgtests)  # DeepGEMM's own tests, a new sample of $DG_CASES cases each, one process after another
+    # (side by side, a paged process holding ~100 GiB left a prefill process out of memory: NOTES;
+    # alone, 200 prefill cases took 160 s, 200 paged ~200 s); $DG_SHARD (i/n) splits the sample
+    # over runs (the same $SEED in each); $DG_TESTS and $DG_SHARDS pick the processes, e.g.
+    # DG_TESTS=paged DG_SHARDS="0/2 1/2"
     wait_deepgemm
     for t in ${DG_TESTS:-prefill paged}; do for shard in ${DG_SHARDS:-${DG_SHARD:-0/1}}; do
-      step "deepgemm-$t-${shard/\//of}" "${DG_S:-300}" python3 benchmarks/deepgemm_tests.py --tests "$t" \
-        --cases "${DG_CASES:-200}" --seed "${SEED:-1}" --shard "$shard" &
+      step "deepgemm-$t-${shard/\//of}" "${DG_S:-250}" python3 benchmarks/deepgemm_tests.py --tests "$t" \
+        --cases "${DG_CASES:-200}" --seed "${SEED:-1}" --shard "$shard"
     done; done
-    wait
     ;;
   eager)  # the eager cost per call beside DeepGEMM and cuBLAS (after the other parts: timed alone)
     wait_deepgemm

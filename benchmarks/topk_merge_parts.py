@@ -1,7 +1,8 @@
 """Where the fused top-k's merge spends its time: the merge kernel's launches taken apart.
 
 One row block as the prefill op runs it (``--rows`` rows, two chunks of ``--chunk`` random
-fp32 logits, every column in every row's window), timed in batch mode per launch:
+fp32 logits, every column in every row's window), each part timed in a CUDA graph (the small
+parts are three short launches: back to back they time the host's launch rate):
 
 * ``first chunk``: the op's first merge (empty buffers, candidates above a rising bar, selects);
 * ``both chunks``: the first, then the last (its selects and the one sort a row);
@@ -32,7 +33,7 @@ from tilefuse.indexer import topk as T
 _INT64_MAX = 2**63 - 1
 
 
-def parts(rows: int, chunk: int, topk: int, iters: int, device: str = "cuda") -> dict:
+def parts(rows: int, chunk: int, topk: int, samples: int, device: str = "cuda") -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     n_keys = 2 * chunk
     logits = [torch.randn(rows, chunk, generator=g, device=device) for _ in range(2)]
@@ -71,11 +72,11 @@ def parts(rows: int, chunk: int, topk: int, iters: int, device: str = "cuda") ->
         torch.cuda.synchronize()
     held = counts.float()
     fns = {"first chunk": first, "both chunks": both, "scan only": scan_only}
-    stats = measure(fns, mode="batch", iters=iters, warmup=3)
+    stats = measure(fns, samples=samples)
     cand.copy_(random_keys)
-    stats |= measure({"select + sort": final_of(topk + topk // 2)}, mode="batch", iters=iters, warmup=3)
+    stats |= measure({"select + sort": final_of(topk + topk // 2)}, samples=samples)
     cand.copy_(random_keys)
-    stats |= measure({"sort only": final_of(topk)}, mode="batch", iters=iters, warmup=3)
+    stats |= measure({"sort only": final_of(topk)}, samples=samples)
     return {"rows": rows, "chunk": chunk, "topk": topk,
             "held_after_first_chunk": {"mean": float(held.mean()), "max": float(held.max())},
             "us": {n: s.to_dict() for n, s in stats.items()}}
@@ -86,20 +87,20 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[512, 64])
     ap.add_argument("--chunk", type=int, default=16384)
     ap.add_argument("--topk", type=int, default=2048)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("topk_merge_parts: needs a CUDA GPU", file=sys.stderr)
         return 2
-    results = [parts(r, args.chunk, args.topk, args.iters) for r in args.rows]
+    results = [parts(r, args.chunk, args.topk, args.samples) for r in args.rows]
     for r in results:
         row = "  ".join(f"{n} {s['median_us']:8.1f}" for n, s in r["us"].items())
         print(f"rows {r['rows']:5d} chunk {r['chunk']} topk {r['topk']}: {row} us; held after the first chunk "
               f"{r['held_after_first_chunk']['mean']:.0f} (max {r['held_after_first_chunk']['max']:.0f})")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"environment": env.environment("batch"), "parts": results}, f, indent=1)
+            json.dump({"environment": env.environment("graph"), "parts": results}, f, indent=1)
     return 0
 
 

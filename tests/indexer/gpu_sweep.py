@@ -76,6 +76,8 @@ def add_sweep_arguments(ap: argparse.ArgumentParser, budget_s: float) -> None:
     ap.add_argument("--sample", type=int, default=None, help="cases to sample (default: fit --budget-s)")
     ap.add_argument("--budget-s", type=float, default=budget_s, help="stop sampling after this many seconds")
     ap.add_argument("--seed", type=int, default=0, help="sample seed (a new one each round)")
+    ap.add_argument("--first", type=int, default=0, help="start at the shard's K-th case (the rest of a run "
+                    "that its budget cut: the same cases and case seeds)")
 
 
 def pick_cases(cases: list, args) -> tuple[list, float | None]:
@@ -96,8 +98,8 @@ def pick_cases(cases: list, args) -> tuple[list, float | None]:
     return cases[index::count], args.budget_s
 
 
-def run_cases(cases: list, run_one, budget_s: float | None) -> tuple[int, list[str]]:
-    """``run_one(i, case)`` for each case until the budget has passed, then
+def run_cases(cases: list, run_one, budget_s: float | None, first: int = 0) -> tuple[int, list[str]]:
+    """``run_one(i, case)`` for each case from the ``first``-th until the budget has passed, then
     ``tilefuse.check_errors()``; every failure is printed and named in the result, and a CUDA
     error ends the sweep (the context is gone). Returns (cases run, names of those that failed)."""
     import tilefuse
@@ -105,6 +107,8 @@ def run_cases(cases: list, run_one, budget_s: float | None) -> tuple[int, list[s
     t0 = time.perf_counter()
     failed, done = [], 0
     for i, case in enumerate(cases):
+        if i < first:
+            continue
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             break
         try:
@@ -130,9 +134,12 @@ def sweep(args, cases: list, run_one, large=(), name: str = "gpu_sweep",
     cases, budget_s = pick_cases(cases, args)
     t0 = time.perf_counter()
     failed = run_large(large) if large else []
-    done, failed_cases = run_cases(cases, run_one, budget_s)
+    first = getattr(args, "first", 0)
+    done, failed_cases = run_cases(cases, run_one, budget_s, first)
     failed += failed_cases
-    print(f"{done} of {len(cases)} {what} cases run in {time.perf_counter() - t0:.0f} s, {len(failed)} failed")
+    since = f" (from case {first})" if first else ""
+    print(f"{done} of {max(len(cases) - first, 0)} {what} cases{since} run in {time.perf_counter() - t0:.0f} s, "
+          f"{len(failed)} failed")
     return 1 if failed else 0
 
 

@@ -131,6 +131,23 @@ def test_contract_sample_in_bounds(case, poisoned):
     assert state.accesses > 0
 
 
+def test_sweep_resumes_a_cut_shard_with_the_same_case_seeds():
+    """``--first K``: the shard's cases from the K-th on, each with the index (so the seed) it
+    had in the full run; the cases before it are not run."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    gpu_sweep.add_sweep_arguments(ap, budget_s=60.0)
+    cases = gpu_sweep.contract_cases()
+    full, _ = gpu_sweep.pick_cases(cases, ap.parse_args(["--all", "--shard", "3/16"]))
+    args = ap.parse_args(["--all", "--shard", "3/16", "--first", "5"])
+    picked, budget = gpu_sweep.pick_cases(cases, args)
+    seen = []
+    done, failed = gpu_sweep.run_cases(picked[:9], lambda i, c: seen.append((i, c)), None, args.first)
+    assert (done, failed, budget) == (4, [], 60.0)
+    assert seen == [(i, full[i]) for i in range(5, 9)]
+
+
 @needs_interpreter
 def test_large_offset_cases_at_small_sizes():
     """The sweep's >4 GiB cache and >2^31-element logits cases, scaled down to run here."""
