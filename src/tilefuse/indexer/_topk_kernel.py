@@ -17,10 +17,10 @@ global memory, with a count and a bar carried between chunks: every key in the b
 the bar, and the row's final ``topk`` keys are among them. A chunk is scanned in blocks of
 ``W / 2`` columns: the keys above the bar are compacted into the buffer (a prefix sum of the
 mask gives each its slot). When the buffer could overflow with the next block, a **select**
-shrinks it to exactly its ``topk`` largest keys: the buffer is loaded into registers, a radix
-select finds its ``topk``-th key (a histogram of one digit of the keys per pass, from the top
-digit down, among the keys that share the digits chosen so far, until the bin holding the
-``topk``-th key holds no other key it must separate), the keys at or above it are compacted
+shrinks it to exactly its ``topk`` largest keys: a radix select finds its ``topk``-th key (a
+histogram of one digit of the keys per pass, from the top digit down, among the keys that share
+the digits chosen so far, until the bin holding the ``topk``-th key holds no other key it must
+separate; each pass reads the buffer a piece at a time), the keys at or above it are compacted
 back and it becomes the bar. Keys below a bar are below the final ``topk``-th key (bars only
 rise), so dropping them is exact. The last chunk ends with a select and one bitonic sort of the
 ``W`` survivors: a row is sorted once, whatever its length.
@@ -130,24 +130,29 @@ def _merge_bitonic(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, 
 
 
 @triton.jit
-def _select(cand_rows, count, bar, slot, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr,
-            DIGIT: tl.constexpr):
+def _select(cand_rows, count, bar, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr, DIGIT: tl.constexpr,
+            PIECE: tl.constexpr):
     """Each row's buffer (its first ``count`` keys) cut to its TOPK largest keys, compacted to
     the buffer's start: ``(count, bar)`` after it. Rows holding TOPK keys or fewer keep them.
 
     Radix select on the int64 keys, DIGIT bits a pass from the top: the histogram of the digit
     over the keys that share the digits chosen so far (``prefix``) names the bin of the
     ``need``-th largest; once that bin holds exactly the ``need`` keys still wanted, every key
-    at or above its lowest possible key is kept (TOPK keys: keys are unique)."""
+    at or above its lowest possible key is kept (TOPK keys: keys are unique).
+
+    The buffer is read PIECE keys a row at a time, in every pass and in the compaction: a
+    register tile of the whole buffer (2 W int64 keys and their temporaries) held the program
+    to one or two resident an SM."""
     BINS: tl.constexpr = 1 << DIGIT
     PASSES: tl.constexpr = (64 + DIGIT - 1) // DIGIT
     TOP_SHIFT: tl.constexpr = 64 - DIGIT
+    tl.static_assert(CAP % PIECE == 0)
     tl.debug_barrier()  # the buffer was stored by other threads of the program
-    x = tl.load(cand_rows + slot[None, :], mask=slot[None, :] < count[:, None], other=EMPTY_KEY)
-    valid = slot[None, :] < count[:, None]
+    piece = tl.arange(0, PIECE)
     bins_of_row = tl.arange(0, ROWS)[:, None] * BINS
     b_idx = tl.arange(0, BINS)[None, :]
     need = tl.where(count > TOPK, TOPK, 0).to(tl.int32)  # 0: the row keeps all it holds
+    n_pieces = tl.cdiv(tl.max(tl.where(need > 0, count, 0), axis=0), PIECE)
     prefix = tl.zeros([ROWS], tl.int64)  # the chosen digits as a signed number
     thr = tl.full([ROWS], EMPTY_KEY + 1, tl.int64)  # keep keys >= thr
     d = 0
@@ -155,16 +160,21 @@ def _select(cand_rows, count, bar, slot, TOPK: tl.constexpr, ROWS: tl.constexpr,
         shift = TOP_SHIFT - d * DIGIT
         shift = tl.maximum(shift, 0)
         width = tl.minimum(DIGIT, TOP_SHIFT + DIGIT - d * DIGIT)  # the last digit may be narrower
-        top = x >> shift  # the key's digits down to this one, signed
-        if d == 0:
-            in_prefix = valid
-            digit = (top + BINS // 2).to(tl.int32)
-        else:
-            in_prefix = valid & ((top >> width) == prefix[:, None])
-            digit = (top & ((1 << width) - 1)).to(tl.int32)
-        live = in_prefix & (need[:, None] > 0)
-        hist = tl.reshape(tl.histogram(tl.reshape(bins_of_row + digit, [ROWS * CAP]), ROWS * BINS,
-                                       mask=tl.reshape(live, [ROWS * CAP])), [ROWS, BINS])
+        hist = tl.zeros([ROWS, BINS], tl.int32)
+        for p in range(0, n_pieces):
+            slot = p * PIECE + piece[None, :]
+            valid = slot < count[:, None]
+            x = tl.load(cand_rows + slot, mask=valid, other=EMPTY_KEY)
+            top = x >> shift  # the key's digits down to this one, signed
+            if d == 0:
+                in_prefix = valid
+                digit = (top + BINS // 2).to(tl.int32)
+            else:
+                in_prefix = valid & ((top >> width) == prefix[:, None])
+                digit = (top & ((1 << width) - 1)).to(tl.int32)
+            live = in_prefix & (need[:, None] > 0)
+            hist += tl.reshape(tl.histogram(tl.reshape(bins_of_row + digit, [ROWS * PIECE]), ROWS * BINS,
+                                            mask=tl.reshape(live, [ROWS * PIECE])), [ROWS, BINS])
         # Keys in bins >= b, counted from the top: the bin where that reaches need.
         from_top = tl.flip(tl.cumsum(tl.flip(hist, 1), 1), 1)
         b = tl.max(tl.where(from_top >= need[:, None], b_idx, -1), axis=1)
@@ -181,14 +191,23 @@ def _select(cand_rows, count, bar, slot, TOPK: tl.constexpr, ROWS: tl.constexpr,
         prefix = tl.where(active, chosen, prefix)
         need = tl.where(done, 0, tl.where(active, need_b, need))
         d += 1
-    keep = valid & (x >= thr[:, None])
-    taken = keep.to(tl.int32)
-    new_count = tl.sum(taken, axis=1)
-    new_bar = tl.min(tl.where(keep, x, 0x7FFFFFFFFFFFFFFF), axis=1)
+    # Compaction, piece by piece: a piece's kept keys go below its own end, so no piece is
+    # overwritten before every thread has read it.
     shrunk = count > TOPK
-    tl.debug_barrier()  # every thread has loaded the buffer before it is overwritten
-    tl.store(cand_rows + (tl.cumsum(taken, axis=1) - 1), x, mask=keep & shrunk[:, None])
-    count = tl.where(shrunk, new_count, count)
+    kept = tl.zeros([ROWS], tl.int32)
+    new_bar = tl.full([ROWS], 0x7FFFFFFFFFFFFFFF, tl.int64)
+    for p in range(0, n_pieces):
+        slot = p * PIECE + piece[None, :]
+        valid = slot < count[:, None]
+        x = tl.load(cand_rows + slot, mask=valid, other=EMPTY_KEY)
+        keep = valid & (x >= thr[:, None])
+        taken = keep.to(tl.int32)
+        tl.debug_barrier()  # every thread has read this piece before it is overwritten
+        tl.store(cand_rows + (kept[:, None] + tl.cumsum(taken, axis=1) - 1), x, mask=keep & shrunk[:, None])
+        kept += tl.sum(taken, axis=1)
+        new_bar = tl.minimum(new_bar, tl.min(tl.where(keep, x, 0x7FFFFFFFFFFFFFFF), axis=1))
+    tl.debug_barrier()  # the compacted buffer is read by other threads next
+    count = tl.where(shrunk, kept, count)
     bar = tl.where(shrunk, new_bar, bar)
     return count, bar
 
@@ -205,6 +224,7 @@ def topk_merge_chunk_kernel(
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, DIGIT: tl.constexpr,
+    PIECE: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
@@ -226,7 +246,6 @@ def topk_merge_chunk_kernel(
     lo = tl.maximum(start, chunk_lo)
     hi = tl.where(live, tl.minimum(end, chunk_lo + chunk_width), lo)
     cand_rows = cand_ptr + row[:, None] * stride_c
-    slot = tl.arange(0, CAP)
     if FIRST:
         count = tl.zeros([ROWS], tl.int32)
         bar = tl.full([ROWS], EMPTY_KEY, tl.int64)
@@ -250,9 +269,9 @@ def topk_merge_chunk_kernel(
         tl.store(cand_rows + (count[:, None] + tl.cumsum(taken, axis=1) - 1), keys, mask=above)
         count += tl.sum(taken, axis=1)
         if tl.max(count, axis=0) > CAP - BLOCK:
-            count, bar = _select(cand_rows, count, bar, slot, TOPK, ROWS, CAP, DIGIT)
+            count, bar = _select(cand_rows, count, bar, TOPK, ROWS, CAP, DIGIT, PIECE)
     if FINAL:
-        count, bar = _select(cand_rows, count, bar, slot, TOPK, ROWS, CAP, DIGIT)
+        count, bar = _select(cand_rows, count, bar, TOPK, ROWS, CAP, DIGIT, PIECE)
         tl.debug_barrier()
         w_slot = tl.arange(0, W)
         x = tl.load(cand_rows + w_slot[None, :], mask=w_slot[None, :] < count[:, None], other=EMPTY_KEY)

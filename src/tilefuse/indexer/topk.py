@@ -74,6 +74,9 @@ _INTERPRETER_KEYS_PER_PROGRAM = 2048
 # Histogram bins of one radix-select pass over a program's rows (ROWS x 2^digit): 8-bit digits
 # at one row, narrower ones where rows share a program, so the histogram stays this small.
 _SELECT_BINS = 256
+# Keys of a program's rows that a select reads at a time (at least 16 a row): the whole 2 W
+# buffer as one register tile held the topk-2048 programs to 128-198 registers a thread.
+_SELECT_PIECE_KEYS = 1024
 _MAX_TOPK = 1 << 16
 _MAX_POSITION = 2**31 - 2  # keys hold 0x7FFFFFFF - position in 31 bits, above the empty slot
 
@@ -171,6 +174,7 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     if logits.device.type == "cpu" and _INTERPRETER_KEYS_PER_PROGRAM:
         rows_per_program = max(rows_per_program, min(next_power_of_2(rows), _INTERPRETER_KEYS_PER_PROGRAM // w))
         digit = 8
+    piece = min(2 * w, max(16, _SELECT_PIECE_KEYS // rows_per_program))
     kern.topk_merge_chunk_kernel[(cdiv(rows, rows_per_program),)](
         logits, logits.stride(0), bars, candidates, candidates.stride(0), counts,
         rows, row_base, win_a, win_b, n_keys, key_limit, next_n, ctx_stride,
@@ -178,7 +182,7 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
         out, out.stride(0), out if values is None else values, 0 if values is None else values.stride(0),
         error_record(out.device),
         TOPK=topk, W=w, LOG_W=w.bit_length() - 1, ROWS=rows_per_program, MODE=mode, FIRST=first, FINAL=final,
-        WRITE_VALUES=values is not None, DIGIT=digit,
+        WRITE_VALUES=values is not None, DIGIT=digit, PIECE=piece,
         num_warps=max(1, min(8, rows_per_program * w // 256)),
     )
 

@@ -53,21 +53,20 @@ _ENTRIES = [
      "3.6*"),
     ("indexer.paged", "sm_100a", "mxfp4 D128 H64 next_n2 * ctx2d", 48, "MXFP4 dequantised tile beside two rows",
      "3.6*"),
-    # Top-k merge: ptxas holds the 8-warp variants (topk 2048) to 128 registers and the small
-    # ones to what their warps allow; the select's 2 W keys in registers and the final sort's
-    # index arithmetic spill a few words (which variants moves with the Triton and the target).
-    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 prefill last*", 64, "select and final sort at 128 registers",
+    # Top-k merge: ptxas holds the 8-warp variants (topk 2048) to 64 registers on sm_90a (80 on
+    # sm_100a with 3.8), four programs an SM; the scan's and the select's per-piece temporaries
+    # and the final sort's index arithmetic spill a few words there, and the small variants at
+    # what their warps allow (which variants moves with the Triton and the target).
+    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 prefill last*", 24, "select and final sort at 64 registers",
      "3.8*"),
-    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * only w8", 56, "select and final sort at 128 registers",
+    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * only w8", 24, "select and final sort at 64 registers",
      "3.8*"),
-    ("indexer.topk_merge", "sm_90a", "k16 W16 rows2 prefill only*", 16, "two rows a warp", "3.8*"),
+    ("indexer.topk_merge", "*", "k2048 W2048 rows1 * first w8", 8, "scan and select at 64-80 registers"),
+    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 prefill middle w8", 4, "scan and select at 80 registers",
+     "3.8*"),
+    ("indexer.topk_merge", "*", "k2048 W2048 rows1 prefill middle w8", 24, "scan and select at 64 registers", "3.6*"),
     ("indexer.topk_merge", "sm_100a", "k16 W16 rows2 *", 16, "two rows a warp", "3.8*"),
-    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * first w8", 24, "scan and select at 128 registers", "3.6*"),
-    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 decode1d first*", 8, "scan and select at 128 registers",
-     "3.6*"),
-    ("indexer.topk_merge", "*", "k16 W16 rows2 prefill last*", 24, "two rows a warp", "3.6*"),
-    ("indexer.topk_merge", "*", "k100 W128 rows1 prefill * values", 32, "one warp at 128 registers", "3.6*"),
-    ("indexer.topk_merge", "sm_90a", "k512 W512 rows1 prefill *", 72, "two warps at 128-168 registers", "3.6*"),
+    ("indexer.topk_merge", "*", "k512 W512 rows1 prefill *", 8, "two warps at 96 registers", "3.6*"),
     # Persistent GEMM: the masked (unaligned) epilogue builds a pointer per element (on sm_90a
     # it no longer spills since the per-tile clock read went under TRACE); the reduce-scatter
     # epilogues hold the accumulator while loading every peer's partial.
