@@ -145,9 +145,14 @@ def test_merge_decode_windows(ctx_2d, logits_dtype):
     assert _equal(val, ref_val)
 
 
-def test_merge_long_rows_wide_state():
-    """topk 128 (a buffer of 128, scan blocks of 32) over 2000 keys in one and in four chunks:
-    random, ascending and descending rows, the three in one program."""
+@pytest.mark.parametrize("piece_keys", [None, 16])
+def test_merge_long_rows_wide_state(piece_keys, monkeypatch):
+    """topk 128 (a buffer of 256, scan blocks of 64) over 2000 keys in one and in four chunks:
+    random, ascending and descending rows, the three in one program; the selects reading the
+    buffer whole, or 16 keys a row at a time (16 pieces: each pass's histogram summed over
+    them, the compaction moving keys down piece by piece)."""
+    if piece_keys is not None:
+        monkeypatch.setattr(topk, "_SELECT_PIECE_KEYS", piece_keys)
     rows, n, k_top = 3, 2000, 128
     g = torch.Generator().manual_seed(31)
     logits = torch.cat([_pattern(p, 1, n, g) for p in ("random", "ascending", "descending")]).to(DEVICE)
