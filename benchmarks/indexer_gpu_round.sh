@@ -17,7 +17,8 @@
 #     prefill eager cost beside DeepGEMM; PART=dgtests: DeepGEMM's own tests, 200 cases each ($DG_SHARD);
 #     PART=pick: the GPU tests named in $PICK; PART=probe: the warp-specialised decode key-loop probe; PART=bf16: the prefill bf16-logits and D 64 rows, Triton and Gluon loops, beside DeepGEMM
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
-#   PART=topk-parts: the top-k merge kernel's time taken apart; PART=topk-sweep: the top-k contract sweep
+#   PART=topk-parts: the top-k merge kernel's time taken apart; PART=topk-sweep: the top-k contract sweep;
+#     PART=topk-across: the top-k of few rows across programs against torch.topk
 #   PART=prefill-sweep: the whole prefill contract product, $SWEEP_PROCS processes
 #   PART=sweep-all: round $SWEEP_ROUND (0..$SWEEP_ROUNDS-1) of the whole decode contract product, $SWEEP_PROCS processes
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
@@ -210,6 +211,9 @@ case "$part" in
         --budget-s $(( ${SWEEP_S:-560} - 40 )) --shard "$i/$procs" $([ "$i$first" = 00 ] && echo --large) &
     done
     wait
+    ;;
+  topk-across)  # the radix select across a row's programs beside torch.topk and one program a row
+    step topk-across "${ACROSS_S:-120}" python3 benchmarks/topk_across_programs.py --output "$OUT/topk-across-programs.json"
     ;;
   topk-sweep)  # the fused top-k's contract sweep alone, a new sample ($SEED)
     step topk-sweep "${TOPK_SWEEP_S:-150}" python3 -m tests.indexer.topk_gpu_sweep \

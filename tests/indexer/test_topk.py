@@ -128,6 +128,42 @@ def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k):
     assert _equal(val, ref_val)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("k_top,segments", [(5, 1), (40, 3), (130, 5)])
+def test_rows_across_programs(pattern, k_top, segments):
+    """The radix select across a row's programs (not yet used by the ops): random windows
+    (empty, shorter than topk, past the row's end), every tie pattern, segments that split
+    windows anywhere; index for index and value for value with the reference."""
+    rows, n = 6, 700
+    g = torch.Generator().manual_seed(len(pattern) + 7 * k_top)
+    logits = _pattern(pattern, rows, n, g).to(DEVICE)
+    ks, ke = W.random_windows(rows, n, g, DEVICE, empty_fraction=0.15, overhang=20)
+    ks[0], ke[0] = 0, n
+    ks[1], ke[1] = 3, 3 + k_top - 1  # one key fewer than topk
+    idx, val = topk._topk_rows_across_programs(logits, ks, ke, k_top, segments=segments, values=True)
+    ref_idx, ref_val = R.topk_of_logits(logits, R.window_mask(ks, ke, n), k_top)
+    assert torch.equal(idx, ref_idx)
+    assert _equal(val, ref_val)
+
+
+@pytest.mark.parametrize("ctx_2d", [False, True])
+def test_rows_across_programs_decode_windows(ctx_2d):
+    """The same over decode lengths (1-D causal rows of next_n 3, or 2-D), bf16 logits with ties."""
+    b, next_n, n, k_top = 5, 3, 300, 24
+    g = torch.Generator().manual_seed(40 + ctx_2d)
+    lens = torch.tensor([300, 0, 2, 130, 77], dtype=torch.int32)
+    ctx = (lens[:, None] * torch.rand(b, next_n, generator=g)).to(torch.int32) if ctx_2d else lens
+    ctx = ctx.to(DEVICE)
+    logits = torch.cat([_pattern("random", 6, n, g), _pattern("few-values", 9, n, g)]).to(torch.bfloat16).to(DEVICE)
+    mode = kern.WIN_DECODE_2D if ctx_2d else kern.WIN_DECODE_1D
+    idx, val = topk._topk_rows_across_programs(logits, ctx, ctx, k_top, mode=mode, next_n=next_n,
+                                               ctx_stride=ctx.stride(0) if ctx_2d else 1, segments=4, values=True)
+    ref_idx, ref_val = R.topk_of_logits(logits, R.paged_valid_mask(ctx, next_n, n), k_top)
+    assert torch.equal(idx, ref_idx)
+    assert _equal(val, ref_val)
+
+
 @pytest.mark.parametrize("ctx_2d", [False, True])
 @pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
 def test_merge_decode_windows(ctx_2d, logits_dtype):

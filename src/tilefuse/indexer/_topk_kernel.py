@@ -288,3 +288,87 @@ def topk_merge_chunk_kernel(
     else:
         tl.store(count_ptr + row, count, mask=live)
         tl.store(bar_ptr + row, bar, mask=live)
+
+
+# ---------------------------------------------------------------------------------------
+# Rows split over programs: a radix select across the programs of a row
+# ---------------------------------------------------------------------------------------
+# The top two digits of the keys, 11 bits each (the top one signed: the keys' order is signed).
+RADIX_BITS = 11
+_RADIX_BITS = tl.constexpr(RADIX_BITS)
+_RADIX_BINS = tl.constexpr(1 << RADIX_BITS)
+
+
+@triton.jit
+def _bin_of_kth(counts, need):
+    """The highest bin whose keys, with those of the bins above it, number at least ``need``;
+    and how many keys the bins above it hold."""
+    idx = tl.arange(0, _RADIX_BINS)
+    from_top = tl.flip(tl.cumsum(tl.flip(counts, 0), 0), 0)
+    b = tl.max(tl.where(from_top >= need, idx, -1), axis=0)
+    return b, tl.sum(tl.where(idx > b, counts, 0), axis=0)
+
+
+@triton.jit
+def _row_prefix(hist_row, topk, DIGITS: tl.constexpr):
+    """The top ``DIGITS`` digits (1 or 2) of the row's topk-th key, as a signed number, from the
+    row's histograms (``hist_row``: the first digit's bins, then the second's among the keys
+    in the first's chosen bin). A row of fewer than topk keys keeps all: its bins are its lowest."""
+    idx = tl.arange(0, _RADIX_BINS)
+    first = tl.load(hist_row + idx)
+    need = tl.minimum(tl.sum(first, axis=0), topk)
+    b0, above = _bin_of_kth(first, need)
+    prefix = (b0 - _RADIX_BINS // 2).to(tl.int64)
+    if DIGITS == 2:
+        b1, _ = _bin_of_kth(tl.load(hist_row + _RADIX_BINS + idx), need - above)
+        prefix = (prefix << _RADIX_BITS) | b1.to(tl.int64)
+    return prefix
+
+
+@triton.jit(do_not_specialize=["stride_l", "n_keys", "next_n", "ctx_stride", "segment", "stride_c", "topk"])
+def topk_rows_pass_kernel(
+    logits_ptr, stride_l, win_a_ptr, win_b_ptr, n_keys, next_n, ctx_stride, segment,
+    hist_ptr, cand_ptr, stride_c, count_ptr, topk,
+    PASS: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One pass of program (row, segment) over the row's keys at columns ``[segment * s,
+    segment * (s + 1))`` of its window. PASS 0: the histogram of the keys' first digit; 1: of
+    the second digit, among the keys in the first digit's bin of the row's topk-th key; 2: every
+    key at or above the two digits of the topk-th key appended to the row's candidates (a slot
+    range reserved by an atomic add on its count; at most topk plus that bin's other keys).
+    Histograms are summed into ``hist_ptr`` (2 x 2^11 int32 a row, zeroed before PASS 0)."""
+    row = tl.program_id(0)
+    seg = tl.program_id(1)
+    start, end = _row_window(win_a_ptr, win_b_ptr, row, 0, n_keys, n_keys, next_n, ctx_stride, count_ptr, MODE,
+                             False)
+    lo = tl.maximum(start, seg * segment)
+    hi = tl.minimum(end, seg * segment + segment)
+    hist_row = hist_ptr + row.to(tl.int64) * (2 * _RADIX_BINS)
+    row_logits = logits_ptr + row.to(tl.int64) * stride_l
+    cand_row = cand_ptr + row.to(tl.int64) * stride_c
+    col = tl.arange(0, BLOCK)
+    if PASS == 1:
+        prefix = _row_prefix(hist_row, topk, 1)
+    if PASS == 2:
+        bar = _row_prefix(hist_row, topk, 2) << (64 - 2 * _RADIX_BITS)
+    local = tl.zeros([_RADIX_BINS], tl.int32)
+    for b in range(lo, hi, BLOCK):
+        pos = b + col
+        inside = pos < hi
+        v = tl.load(row_logits + pos, mask=inside, other=0.0).to(tl.float32)
+        keys = _order_keys(v, pos)
+        if PASS == 0:
+            digit = ((keys >> (64 - _RADIX_BITS)) + _RADIX_BINS // 2).to(tl.int32)
+            local += tl.histogram(digit, _RADIX_BINS, mask=inside)
+        elif PASS == 1:
+            digit = ((keys >> (64 - 2 * _RADIX_BITS)) & (_RADIX_BINS - 1)).to(tl.int32)
+            local += tl.histogram(digit, _RADIX_BINS, mask=inside & ((keys >> (64 - _RADIX_BITS)) == prefix))
+        else:
+            keep = inside & (keys >= bar)
+            taken = keep.to(tl.int32)
+            n = tl.sum(taken, axis=0)
+            first_slot = tl.atomic_add(count_ptr + row, n, sem="relaxed")
+            tl.store(cand_row + (first_slot + tl.cumsum(taken, 0) - 1), keys, mask=keep)
+    if PASS < 2:
+        bins = tl.arange(0, _RADIX_BINS)
+        tl.atomic_add(hist_row + PASS * _RADIX_BINS + bins, local, mask=local > 0, sem="relaxed")

@@ -187,6 +187,47 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     )
 
 
+# Rows split over programs (``_topk_rows_across_programs``): programs a launch aims at, and the
+# fewest keys a program's segment holds.
+_ACROSS_PROGRAMS = 4 * 132
+_ACROSS_MIN_SEGMENT = 2048
+_ACROSS_BLOCK = 1024
+
+
+def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern.WIN_PREFILL, next_n: int = 1,
+                               ctx_stride: int = 1, segments: int | None = None, values: bool = False):
+    """The top-k of each row of ``logits [R, N]`` (columns are positions; windows as the merge
+    kernel reads them) by a radix select across ``segments`` programs a row: the histogram of
+    the keys' first 11-bit digit, then of the second among the keys in the topk-th key's first
+    bin, then every key at or above those two digits appended to the row's candidates, then the
+    merge kernel's last step (select, sort, write). For rows fewer than the SMs, where one
+    program a row leaves the GPU idle. Not yet used by the ops: timed against ``torch.topk``
+    first (``benchmarks/topk_across_programs.py``). Returns ``(indices, values or None)``."""
+    rows, n_keys = logits.shape
+    dev = logits.device
+    if segments is None:
+        segments = max(1, min(cdiv(_ACROSS_PROGRAMS, max(rows, 1)), cdiv(n_keys, _ACROSS_MIN_SEGMENT)))
+    segment = cdiv(max(n_keys, 1), segments)
+    bins = 1 << kern.RADIX_BITS
+    zeroed = torch.zeros(rows * (2 * bins + 1), dtype=torch.int32, device=dev)  # one memset
+    hist, counts = zeroed[:rows * 2 * bins], zeroed[rows * 2 * bins:]
+    candidates = torch.empty((rows, max(n_keys, 1)), dtype=torch.int64, device=dev)
+    out = torch.empty((rows, topk), dtype=torch.int32, device=dev)
+    vals = torch.empty((rows, topk), dtype=logits.dtype, device=dev) if values else None
+    if rows == 0:
+        return out, vals
+    for p in range(3):
+        kern.topk_rows_pass_kernel[(rows, segments)](
+            logits, logits.stride(0), win_a, win_b, n_keys, next_n, ctx_stride, segment,
+            hist, candidates, candidates.stride(0), counts, topk,
+            PASS=p, MODE=mode, BLOCK=_ACROSS_BLOCK, num_warps=4,
+        )
+    bars = torch.empty(rows, dtype=torch.int64, device=dev)  # read by the last step, not used without a scan
+    _merge(logits, bars, candidates, counts, 0, 0, win_a, win_b, n_keys, n_keys, next_n, ctx_stride, 0, out, vals,
+           topk, mode, first=False, final=True)
+    return out, vals
+
+
 def _chunks(n_keys: int, chunk_k: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` column ranges; one empty range when there are no keys (the rows still get -1)."""
     return [(lo, min(lo + chunk_k, n_keys)) for lo in range(0, max(n_keys, 1), chunk_k)]
