@@ -7,8 +7,8 @@ their values against ``torch.topk``'s before timing.
     python benchmarks/topk_across_programs.py [--shapes 1x131072 8x65536 64x32768] [--topk 2048] [--output f.json]
 
 (512 x 32768 is one row block of the prefill op at 32K keys: there the rows fill the GPU, and
-the question is whether three histogram passes and one short select beat the merge's scan and
-selects per key.)
+the question is whether three histogram passes, a compaction and one short select beat the
+merge's scan and selects per key.)
 """
 
 from __future__ import annotations

@@ -293,9 +293,13 @@ def topk_merge_chunk_kernel(
 # ---------------------------------------------------------------------------------------
 # Rows split over programs: a radix select across the programs of a row
 # ---------------------------------------------------------------------------------------
-# The top two digits of the keys, 11 bits each (the top one signed: the keys' order is signed).
-RADIX_BITS = 11
+# The keys' top RADIX_LEVELS digits of RADIX_BITS each (the first signed: the keys' order is
+# signed). 8-bit digits: `tl.histogram` spends a few instructions a key per bin a lane owns
+# (8 at 256 bins, 64 at 2048), so three narrow passes cost less than two 11-bit ones.
+RADIX_BITS = 8
+RADIX_LEVELS = 3
 _RADIX_BITS = tl.constexpr(RADIX_BITS)
+_RADIX_LEVELS = tl.constexpr(RADIX_LEVELS)
 _RADIX_BINS = tl.constexpr(1 << RADIX_BITS)
 
 
@@ -311,17 +315,18 @@ def _bin_of_kth(counts, need):
 
 @triton.jit
 def _row_prefix(hist_row, topk, DIGITS: tl.constexpr):
-    """The top ``DIGITS`` digits (1 or 2) of the row's topk-th key, as a signed number, from the
-    row's histograms (``hist_row``: the first digit's bins, then the second's among the keys
-    in the first's chosen bin). A row of fewer than topk keys keeps all: its bins are its lowest."""
+    """The top ``DIGITS`` digits of the row's topk-th key, as a signed number, from the row's
+    histograms (``hist_row``: level d's bins count the keys that share the digits chosen at the
+    levels above). A row of fewer than topk keys keeps all: its bins are its lowest."""
     idx = tl.arange(0, _RADIX_BINS)
     first = tl.load(hist_row + idx)
     need = tl.minimum(tl.sum(first, axis=0), topk)
-    b0, above = _bin_of_kth(first, need)
-    prefix = (b0 - _RADIX_BINS // 2).to(tl.int64)
-    if DIGITS == 2:
-        b1, _ = _bin_of_kth(tl.load(hist_row + _RADIX_BINS + idx), need - above)
-        prefix = (prefix << _RADIX_BITS) | b1.to(tl.int64)
+    b, above = _bin_of_kth(first, need)
+    prefix = (b - _RADIX_BINS // 2).to(tl.int64)
+    for d in tl.static_range(1, DIGITS):
+        need -= above
+        b, above = _bin_of_kth(tl.load(hist_row + d * _RADIX_BINS + idx), need)
+        prefix = (prefix << _RADIX_BITS) | b.to(tl.int64)
     return prefix
 
 
@@ -332,25 +337,25 @@ def topk_rows_pass_kernel(
     PASS: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One pass of program (row, segment) over the row's keys at columns ``[segment * s,
-    segment * (s + 1))`` of its window. PASS 0: the histogram of the keys' first digit; 1: of
-    the second digit, among the keys in the first digit's bin of the row's topk-th key; 2: every
-    key at or above the two digits of the topk-th key appended to the row's candidates (a slot
-    range reserved by an atomic add on its count; at most topk plus that bin's other keys).
-    Histograms are summed into ``hist_ptr`` (2 x 2^11 int32 a row, zeroed before PASS 0)."""
+    segment * (s + 1))`` of its window. PASS d < RADIX_LEVELS: the histogram of the keys' d-th
+    digit among the keys that share the digits above it with the row's topk-th key (read from
+    the levels above); PASS RADIX_LEVELS: every key at or above those digits appended to the
+    row's candidates (a slot range reserved by an atomic add on its count: topk keys plus the
+    others sharing all the digits with the topk-th). Histograms are summed into ``hist_ptr``
+    (RADIX_LEVELS x 2^RADIX_BITS int32 a row, zeroed before PASS 0)."""
     row = tl.program_id(0)
     seg = tl.program_id(1)
     start, end = _row_window(win_a_ptr, win_b_ptr, row, 0, n_keys, n_keys, next_n, ctx_stride, count_ptr, MODE,
                              False)
     lo = tl.maximum(start, seg * segment)
     hi = tl.minimum(end, seg * segment + segment)
-    hist_row = hist_ptr + row.to(tl.int64) * (2 * _RADIX_BINS)
+    hist_row = hist_ptr + row.to(tl.int64) * (_RADIX_LEVELS * _RADIX_BINS)
     row_logits = logits_ptr + row.to(tl.int64) * stride_l
     cand_row = cand_ptr + row.to(tl.int64) * stride_c
     col = tl.arange(0, BLOCK)
-    if PASS == 1:
-        prefix = _row_prefix(hist_row, topk, 1)
-    if PASS == 2:
-        bar = _row_prefix(hist_row, topk, 2) << (64 - 2 * _RADIX_BITS)
+    SHIFT: tl.constexpr = 64 - (PASS + 1) * _RADIX_BITS  # this pass's digit (PASS < RADIX_LEVELS)
+    if PASS > 0:
+        prefix = _row_prefix(hist_row, topk, PASS)
     local = tl.zeros([_RADIX_BINS], tl.int32)
     for b in range(lo, hi, BLOCK):
         pos = b + col
@@ -358,17 +363,16 @@ def topk_rows_pass_kernel(
         v = tl.load(row_logits + pos, mask=inside, other=0.0).to(tl.float32)
         keys = _order_keys(v, pos)
         if PASS == 0:
-            digit = ((keys >> (64 - _RADIX_BITS)) + _RADIX_BINS // 2).to(tl.int32)
+            digit = ((keys >> SHIFT) + _RADIX_BINS // 2).to(tl.int32)
             local += tl.histogram(digit, _RADIX_BINS, mask=inside)
-        elif PASS == 1:
-            digit = ((keys >> (64 - 2 * _RADIX_BITS)) & (_RADIX_BINS - 1)).to(tl.int32)
-            local += tl.histogram(digit, _RADIX_BINS, mask=inside & ((keys >> (64 - _RADIX_BITS)) == prefix))
+        elif PASS < _RADIX_LEVELS:
+            digit = ((keys >> SHIFT) & (_RADIX_BINS - 1)).to(tl.int32)
+            local += tl.histogram(digit, _RADIX_BINS, mask=inside & ((keys >> (SHIFT + _RADIX_BITS)) == prefix))
         else:
-            keep = inside & (keys >= bar)
+            keep = inside & (keys >= (prefix << (64 - _RADIX_LEVELS * _RADIX_BITS)))
             taken = keep.to(tl.int32)
-            n = tl.sum(taken, axis=0)
-            first_slot = tl.atomic_add(count_ptr + row, n, sem="relaxed")
+            first_slot = tl.atomic_add(count_ptr + row, tl.sum(taken, axis=0), sem="relaxed")
             tl.store(cand_row + (first_slot + tl.cumsum(taken, 0) - 1), keys, mask=keep)
-    if PASS < 2:
+    if PASS < _RADIX_LEVELS:
         bins = tl.arange(0, _RADIX_BINS)
         tl.atomic_add(hist_row + PASS * _RADIX_BINS + bins, local, mask=local > 0, sem="relaxed")

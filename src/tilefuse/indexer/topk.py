@@ -197,10 +197,10 @@ _ACROSS_BLOCK = 1024
 def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern.WIN_PREFILL, next_n: int = 1,
                                ctx_stride: int = 1, segments: int | None = None, values: bool = False):
     """The top-k of each row of ``logits [R, N]`` (columns are positions; windows as the merge
-    kernel reads them) by a radix select across ``segments`` programs a row: the histogram of
-    the keys' first 11-bit digit, then of the second among the keys in the topk-th key's first
-    bin, then every key at or above those two digits appended to the row's candidates, then the
-    merge kernel's last step (select, sort, write). For rows fewer than the SMs, where one
+    kernel reads them) by a radix select across ``segments`` programs a row: the histograms of
+    the keys' top three 8-bit digits (each among the keys sharing the digits above it with the
+    row's topk-th key), then every key at or above those 24 bits appended to the row's
+    candidates, then the merge kernel's last step (select, sort, write). For rows fewer than the SMs, where one
     program a row leaves the GPU idle. Not yet used by the ops: timed against ``torch.topk``
     first (``benchmarks/topk_across_programs.py``). Returns ``(indices, values or None)``."""
     rows, n_keys = logits.shape
@@ -208,15 +208,15 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     if segments is None:
         segments = max(1, min(cdiv(_ACROSS_PROGRAMS, max(rows, 1)), cdiv(n_keys, _ACROSS_MIN_SEGMENT)))
     segment = cdiv(max(n_keys, 1), segments)
-    bins = 1 << kern.RADIX_BITS
-    zeroed = torch.zeros(rows * (2 * bins + 1), dtype=torch.int32, device=dev)  # one memset
-    hist, counts = zeroed[:rows * 2 * bins], zeroed[rows * 2 * bins:]
+    hist_ints = kern.RADIX_LEVELS << kern.RADIX_BITS
+    zeroed = torch.zeros(rows * (hist_ints + 1), dtype=torch.int32, device=dev)  # one memset
+    hist, counts = zeroed[:rows * hist_ints], zeroed[rows * hist_ints:]
     candidates = torch.empty((rows, max(n_keys, 1)), dtype=torch.int64, device=dev)
     out = torch.empty((rows, topk), dtype=torch.int32, device=dev)
     vals = torch.empty((rows, topk), dtype=logits.dtype, device=dev) if values else None
     if rows == 0:
         return out, vals
-    for p in range(3):
+    for p in range(kern.RADIX_LEVELS + 1):
         kern.topk_rows_pass_kernel[(rows, segments)](
             logits, logits.stride(0), win_a, win_b, n_keys, next_n, ctx_stride, segment,
             hist, candidates, candidates.stride(0), counts, topk,
