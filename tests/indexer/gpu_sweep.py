@@ -134,11 +134,10 @@ def sweep(args, cases: list, run_one, large=(), name: str = "gpu_sweep",
     cases, budget_s = pick_cases(cases, args)
     t0 = time.perf_counter()
     failed = run_large(large) if large else []
-    first = getattr(args, "first", 0)
-    done, failed_cases = run_cases(cases, run_one, budget_s, first)
+    done, failed_cases = run_cases(cases, run_one, budget_s, args.first)
     failed += failed_cases
-    since = f" (from case {first})" if first else ""
-    print(f"{done} of {max(len(cases) - first, 0)} {what} cases{since} run in {time.perf_counter() - t0:.0f} s, "
+    since = f" (from case {args.first})" if args.first else ""
+    print(f"{done} of {max(len(cases) - args.first, 0)} {what} cases{since} run in {time.perf_counter() - t0:.0f} s, "
           f"{len(failed)} failed")
     return 1 if failed else 0
 

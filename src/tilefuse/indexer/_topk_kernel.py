@@ -130,6 +130,15 @@ def _merge_bitonic(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, 
 
 
 @triton.jit
+def _buffer_piece(cand_rows, p, piece, count, PIECE: tl.constexpr):
+    """Piece ``p`` of each row's buffer (slots ``p * PIECE + piece``): ``(valid, keys)``, the
+    slots past a row's ``count`` empty."""
+    slot = p * PIECE + piece[None, :]
+    valid = slot < count[:, None]
+    return valid, tl.load(cand_rows + slot, mask=valid, other=EMPTY_KEY)
+
+
+@triton.jit
 def _select(cand_rows, count, bar, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr, DIGIT: tl.constexpr,
             PIECE: tl.constexpr):
     """Each row's buffer (its first ``count`` keys) cut to its TOPK largest keys, compacted to
@@ -162,9 +171,7 @@ def _select(cand_rows, count, bar, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: 
         width = tl.minimum(DIGIT, TOP_SHIFT + DIGIT - d * DIGIT)  # the last digit may be narrower
         hist = tl.zeros([ROWS, BINS], tl.int32)
         for p in range(0, n_pieces):
-            slot = p * PIECE + piece[None, :]
-            valid = slot < count[:, None]
-            x = tl.load(cand_rows + slot, mask=valid, other=EMPTY_KEY)
+            valid, x = _buffer_piece(cand_rows, p, piece, count, PIECE)
             top = x >> shift  # the key's digits down to this one, signed
             if d == 0:
                 in_prefix = valid
@@ -197,9 +204,7 @@ def _select(cand_rows, count, bar, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: 
     kept = tl.zeros([ROWS], tl.int32)
     new_bar = tl.full([ROWS], 0x7FFFFFFFFFFFFFFF, tl.int64)
     for p in range(0, n_pieces):
-        slot = p * PIECE + piece[None, :]
-        valid = slot < count[:, None]
-        x = tl.load(cand_rows + slot, mask=valid, other=EMPTY_KEY)
+        valid, x = _buffer_piece(cand_rows, p, piece, count, PIECE)
         keep = valid & (x >= thr[:, None])
         taken = keep.to(tl.int32)
         tl.debug_barrier()  # every thread has read this piece before it is overwritten

@@ -187,8 +187,8 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     )
 
 
-# Rows split over programs (``_topk_rows_across_programs``): programs a launch aims at, and the
-# fewest keys a program's segment holds.
+# Rows split over programs (``_topk_rows_across_programs``): programs a launch aims at (four an
+# SM of an H200's 132), and the fewest keys a program's segment holds.
 _ACROSS_PROGRAMS = 4 * 132
 _ACROSS_MIN_SEGMENT = 2048
 _ACROSS_BLOCK = 1024
@@ -200,9 +200,10 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     kernel reads them) by a radix select across ``segments`` programs a row: the histograms of
     the keys' top three 8-bit digits (each among the keys sharing the digits above it with the
     row's topk-th key), then every key at or above those 24 bits appended to the row's
-    candidates, then the merge kernel's last step (select, sort, write). For rows fewer than the SMs, where one
-    program a row leaves the GPU idle. Not yet used by the ops: timed against ``torch.topk``
-    first (``benchmarks/topk_across_programs.py``). Returns ``(indices, values or None)``."""
+    candidates, then the merge kernel's last step (select, sort, write). For rows fewer than the
+    SMs, where one program a row leaves the GPU idle. Not yet used by the ops: timed against
+    ``torch.topk`` first (``benchmarks/topk_across_programs.py``). Returns ``(indices, values or
+    None)``."""
     rows, n_keys = logits.shape
     dev = logits.device
     if segments is None:
