@@ -18,6 +18,7 @@
 #     PART=pick: the GPU tests named in $PICK; PART=probe: the warp-specialised decode key-loop probe; PART=bf16: the prefill bf16-logits and D 64 rows, Triton and Gluon loops, beside DeepGEMM
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
 #   PART=topk-parts: the top-k merge kernel's time taken apart; PART=topk-sweep: the top-k contract sweep;
+#   PART=topk-check: the top-k GPU tests, warm-up count and contract sweep side by side (DeepGEMM builds meanwhile);
 #     PART=topk-across: the top-k of few rows across programs against torch.topk
 #   PART=prefill-sweep: the whole prefill contract product, $SWEEP_PROCS processes
 #   PART=sweep-all: round $SWEEP_ROUND (0..$SWEEP_ROUNDS-1) of the whole decode contract product, $SWEEP_PROCS processes
@@ -90,7 +91,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|table|host|topk|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|table|host|topk|topk-check|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -214,6 +215,21 @@ case "$part" in
     ;;
   topk-across)  # the radix select across a row's programs beside torch.topk and one program a row
     step topk-across "${ACROSS_S:-120}" python3 benchmarks/topk_across_programs.py --output "$OUT/topk-across-programs.json"
+    ;;
+  topk-check)  # after a top-k change, side by side: its GPU tests ($TOPK_TESTS), the warm-up's
+    # no-compile test, its contract sweep (a new sample: $SEED) and the prefill sweep cases in
+    # $SWEEP_CASES (SHARD:CASE of 16 shards, one case each); DeepGEMM builds meanwhile
+    step topk-tests "${TOPK_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider \
+      ${TOPK_TESTS:-tests/indexer/test_topk.py} &
+    step topk-warmup "${TOPK_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/indexer/test_warmup.py -k topk &
+    step topk-sweep "${TOPK_SWEEP_S:-150}" python3 -m tests.indexer.topk_gpu_sweep \
+      --budget-s $(( ${TOPK_SWEEP_S:-150} - 20 )) --seed "${SEED:-1}" &
+    for sc in ${SWEEP_CASES:-}; do
+      step "prefill-case-${sc/:/-}" 90 python3 -m tests.indexer.prefill_gpu_sweep --all --shard "${sc%%:*}/16" \
+        --first "${sc##*:}" --budget-s 1 &
+    done
+    wait
     ;;
   topk-sweep)  # the fused top-k's contract sweep alone, a new sample ($SEED)
     step topk-sweep "${TOPK_SWEEP_S:-150}" python3 -m tests.indexer.topk_gpu_sweep \

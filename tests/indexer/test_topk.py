@@ -131,10 +131,11 @@ def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("k_top,segments", [(5, 2), (130, 5)])
-def test_rows_across_programs(pattern, k_top, segments):
-    """The radix select across a row's programs (not yet used by the ops): random windows
-    (empty, shorter than topk, past the row's end), every tie pattern, segments that split
-    windows anywhere; index for index and value for value with the reference."""
+def test_rows_across_programs(pattern, k_top, segments, monkeypatch):
+    """The radix select across a row's programs: random windows (empty, shorter than topk, past
+    the row's end), every tie pattern, blocks of 64 keys dealt over the programs; index for
+    index and value for value with the reference."""
+    monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
     rows, n = 6, 700
     g = torch.Generator().manual_seed(len(pattern) + 7 * k_top)
     logits = _pattern(pattern, rows, n, g).to(DEVICE)
@@ -148,8 +149,9 @@ def test_rows_across_programs(pattern, k_top, segments):
 
 
 @pytest.mark.parametrize("ctx_2d", [False, True])
-def test_rows_across_programs_decode_windows(ctx_2d):
+def test_rows_across_programs_decode_windows(ctx_2d, monkeypatch):
     """The same over decode lengths (1-D causal rows of next_n 3, or 2-D), bf16 logits with ties."""
+    monkeypatch.setattr(topk, "_ACROSS_BLOCK", 32)
     b, next_n, n, k_top = 5, 3, 300, 24
     g = torch.Generator().manual_seed(40 + ctx_2d)
     lens = torch.tensor([300, 0, 2, 130, 77], dtype=torch.int32)
@@ -469,6 +471,38 @@ def test_decode_bf16_logits_and_rerun():
     assert torch.equal(tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 32, torch.bfloat16, varlen, chunk_k=64), first)
 
 
+@pytest.mark.parametrize("fmt,ctx_2d,logits_dtype", [("fp8", False, torch.float32), ("mxfp4", True, torch.float32),
+                                                       ("mxfp8", False, torch.bfloat16)])
+def test_decode_whole_rows(fmt, ctx_2d, logits_dtype, record_launches, monkeypatch):
+    """The default for few rows: one logits launch over whole rows, then the top-k across each
+    row's programs (four passes over every row, blocks of 64 keys dealt over 6 programs a row)
+    and one final merge; ties (repeated keys), a zero-length request, lengths past topk and
+    below it."""
+    monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
+    monkeypatch.setattr(topk, "_ACROSS_MIN_SEGMENT", 128)
+    case = PagedCase(fmt, lens=(700, 0, 129, 33), next_n=2, ctx_2d=ctx_2d, seed=50 + len(fmt) + ctx_2d,
+                     extra_cols=64, distinct_keys=40)
+    rows = case.w.shape[0]
+    assert topk.decode_whole_rows(rows, case.max_context_len, logits_dtype)
+    passes = record_launches(kern, "topk_rows_pass_kernel")
+    merges = record_launches(kern, "topk_merge_chunk_kernel")
+    case.check(48, chunk_k=None, logits_dtype=logits_dtype)
+    segments = topk.cdiv(case.max_context_len, 128)
+    assert segments == 6 and passes == [(rows, segments)] * (kern.RADIX_LEVELS + 1) and len(merges) == 1
+    idx = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 48, logits_dtype, chunk_k=case.block_kv)
+    assert torch.equal(idx, case.check(48, chunk_k=None, logits_dtype=logits_dtype))  # chunks agree
+
+
+def test_decode_whole_rows_limit():
+    """Whole rows while their logits and candidates fit the limit, chunks past it."""
+    limit = topk._WHOLE_ROWS_BYTES
+    assert topk.decode_whole_rows(1, 163840, torch.float32)
+    assert topk.decode_whole_rows(limit // 12, 1, torch.float32)
+    assert not topk.decode_whole_rows(limit // 12 + 1, 1, torch.float32)
+    assert topk.decode_whole_rows(limit // 10, 1, torch.bfloat16)
+    assert not topk.decode_whole_rows(64, 163840, torch.float32)
+
+
 def test_decode_empty_batch_and_zero_columns():
     case = PagedCase("fp8", lens=(0, 0), next_n=2, seed=13, extra_cols=0)
     out = tilefuse.fp8_fp4_paged_mqa_topk(*case.args()[:-1], 0, 8)
@@ -598,12 +632,13 @@ def test_bad_values_are_found_on_the_device():
     case = PagedCase("fp8", lens=(60, 100), next_n=2, seed=19)
     too_long = case.ctx.clone()
     too_long[1] = case.max_context_len + 7
-    tilefuse.fp8_fp4_paged_mqa_topk(case.qq, case.cache, case.w, too_long, case.table, case.meta,
-                                    case.max_context_len, 8)
-    with pytest.raises(tilefuse.DeviceValueError, match="max_context_len"):
+    for chunk_k in (None, 32):  # whole rows (the logits op checks), chunks (the merge checks)
+        tilefuse.fp8_fp4_paged_mqa_topk(case.qq, case.cache, case.w, too_long, case.table, case.meta,
+                                        case.max_context_len, 8, chunk_k=chunk_k)
+        with pytest.raises(tilefuse.DeviceValueError, match="max_context_len"):
+            tilefuse.check_errors()
+        tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 8, chunk_k=chunk_k)
         tilefuse.check_errors()
-    tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 8)
-    tilefuse.check_errors()
 
 
 def test_bench_suite_rows_and_checks():
@@ -639,7 +674,8 @@ def test_bench_suite_rows_and_checks():
     assert suite.check_shape(logits, (5, 300))["passed"] and not suite.check_shape(logits, (5, 299))["passed"]
 
 
-_TRACED = [f"{kern.__name__}:topk_merge_chunk_kernel", "tilefuse.indexer._paged_kernel:paged_logits_kernel"] + [
+_TRACED = [f"{kern.__name__}:topk_merge_chunk_kernel", f"{kern.__name__}:topk_rows_pass_kernel",
+           "tilefuse.indexer._paged_kernel:paged_logits_kernel"] + [
     f"{prefill_kernel.__name__}:{name}" for name in ("prefill_logits_kernel", "prefill_heads_on_n_kernel",
                                                      "mx_rows_renormalise_kernel", "prefill_mx_few_rows_kernel")]
 

@@ -335,14 +335,15 @@ def _row_prefix(hist_row, topk, DIGITS: tl.constexpr):
     return prefix
 
 
-@triton.jit(do_not_specialize=["stride_l", "n_keys", "next_n", "ctx_stride", "segment", "stride_c", "topk"])
+@triton.jit(do_not_specialize=["stride_l", "n_keys", "next_n", "ctx_stride", "segments", "stride_c", "topk"])
 def topk_rows_pass_kernel(
-    logits_ptr, stride_l, win_a_ptr, win_b_ptr, n_keys, next_n, ctx_stride, segment,
+    logits_ptr, stride_l, win_a_ptr, win_b_ptr, n_keys, next_n, ctx_stride, segments,
     hist_ptr, cand_ptr, stride_c, count_ptr, topk,
     PASS: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One pass of program (row, segment) over the row's keys at columns ``[segment * s,
-    segment * (s + 1))`` of its window. PASS d < RADIX_LEVELS: the histogram of the keys' d-th
+    """One pass of program (row, s) over the row's window, BLOCK keys at a time: blocks s, s +
+    segments, s + 2 segments ... (block-cyclic, so a row shorter than the logits' width still
+    spreads over all its programs). PASS d < RADIX_LEVELS: the histogram of the keys' d-th
     digit among the keys that share the digits above it with the row's topk-th key (read from
     the levels above); PASS RADIX_LEVELS: every key at or above those digits appended to the
     row's candidates (a slot range reserved by an atomic add on its count: topk keys plus the
@@ -352,8 +353,6 @@ def topk_rows_pass_kernel(
     seg = tl.program_id(1)
     start, end = _row_window(win_a_ptr, win_b_ptr, row, 0, n_keys, n_keys, next_n, ctx_stride, count_ptr, MODE,
                              False)
-    lo = tl.maximum(start, seg * segment)
-    hi = tl.minimum(end, seg * segment + segment)
     hist_row = hist_ptr + row.to(tl.int64) * (_RADIX_LEVELS * _RADIX_BINS)
     row_logits = logits_ptr + row.to(tl.int64) * stride_l
     cand_row = cand_ptr + row.to(tl.int64) * stride_c
@@ -362,11 +361,12 @@ def topk_rows_pass_kernel(
     if PASS > 0:
         prefix = _row_prefix(hist_row, topk, PASS)
     local = tl.zeros([_RADIX_BINS], tl.int32)
-    for b in range(lo, hi, BLOCK):
-        pos = b + col
-        inside = pos < hi
+    # Counted in blocks from the window's start, positions in int64: no bound passes int32.
+    for i in range(seg, tl.cdiv(end - start, BLOCK), segments):
+        pos = start.to(tl.int64) + i * BLOCK + col
+        inside = pos < end
         v = tl.load(row_logits + pos, mask=inside, other=0.0).to(tl.float32)
-        keys = _order_keys(v, pos)
+        keys = _order_keys(v, pos.to(tl.int32))
         if PASS == 0:
             digit = ((keys >> SHIFT) + _RADIX_BINS // 2).to(tl.int32)
             local += tl.histogram(digit, _RADIX_BINS, mask=inside)

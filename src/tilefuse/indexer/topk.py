@@ -25,6 +25,13 @@ could overflow; the last chunk sorts each row's ``topk`` once. The workspace is 
 logits plus ``2 W`` keys (the buffer, ``W = next_pow2(topk)``), a count and a bar per row of the
 block, independent of S_k; :func:`topk_bytes_moved` gives the traffic beside the unfused pair's.
 
+Decode rows few and short enough (:func:`decode_whole_rows`: their logits and candidates
+within 96 MiB) are taken whole instead: one logits launch over the rows' lengths, then each
+row's top-k split over several programs (``_topk_rows_across_programs``: digit histograms summed
+by atomics, the keys at or above the topk-th key's top 24 bits appended to the row's
+candidates, the merge kernel's select and sort), so that a batch of a few requests fills the
+GPU; the workspace is bounded by that limit rather than by the chunk.
+
 The result is always sorted: the one sort a row is a small part of the work (an unsorted
 variant is not offered).
 
@@ -55,6 +62,10 @@ _INDEX_DTYPE = torch.int32
 # and the candidate buffers. A prediction, not a measurement (``tilefuse bench topk --chunk-k/--chunk-q``
 # sweeps it).
 _WORKSPACE_BYTES = 32 << 20
+# Decode rows taken whole (``decode_whole_rows``): their logits (32 MiB of fp32 at most) and
+# the candidate buffers beside them. Memory held, not traffic: the logits op writes and the
+# passes read only the columns within each row's length.
+_WHOLE_ROWS_BYTES = 3 * _WORKSPACE_BYTES
 _MIN_CHUNK, _MAX_CHUNK = 2048, 65536
 # Prefill row blocks are whole multiples of this (the query tiles of every prefill kernel, so
 # the MX paths' per-tile recompute flags match the unfused op's).
@@ -102,6 +113,16 @@ def default_chunk_q(chunk_k: int, logits_dtype: torch.dtype) -> int:
     return max(_ROW_BLOCK, _WORKSPACE_BYTES // per_row // _ROW_BLOCK * _ROW_BLOCK)
 
 
+def decode_whole_rows(rows: int, max_context_len: int, logits_dtype: torch.dtype) -> bool:
+    """Whether the decode op (``chunk_k=None``) takes its rows whole: the logits of all rows at
+    once, then each row's top-k split over several programs (``_topk_rows_across_programs``),
+    when those logits and their candidate keys (int64, one slot a column) take at most
+    ``_WHOLE_ROWS_BYTES``. Chunks instead leave one program a row to the merge, which is 1.3-9x
+    slower than the split at the rows and widths where both were timed (``benchmarks/NOTES.md``)."""
+    per_key = torch.empty((), dtype=logits_dtype).element_size() + 8
+    return rows * max_context_len * per_key <= _WHOLE_ROWS_BYTES
+
+
 def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_bytes: int = 4,
                      chunk_q: int | None = None) -> dict:
     """Bytes of logits, state and result traffic of one call, beside the unfused pair's.
@@ -126,6 +147,11 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
     per_row = n_keys if n_keys <= topk else topk * (1 + math.log(n_keys / topk))
     return {
         "unfused": 2 * logits + indices,
+        # decode_whole_rows: the logits written once and read by each pass across programs (in
+        # L2 when they fit), a histogram of 3 x 256 int32 a row, the candidates (about topk a row)
+        "whole_rows_total": (2 + kern.RADIX_LEVELS) * logits + rows * (kern.RADIX_LEVELS << kern.RADIX_BITS) * 4
+        + rows * min(topk, n_keys) * 16 + indices,
+        "whole_rows_workspace_bytes": rows * max(n_keys, 1) * (logits_bytes + 8),
         "chunked_total": 2 * logits + state + indices,
         "chunked_workspace_bytes": block * (min(chunk_k, max(n_keys, 1)) * logits_bytes + 2 * state_width(topk) * 8
                                             + 12),
@@ -188,45 +214,47 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
 
 
 # Rows split over programs (``_topk_rows_across_programs``): programs a launch aims at (four an
-# SM of an H200's 132), and the fewest keys a program's segment holds.
+# SM of an H200's 132), the fewest keys of a row's width a program gets, and the keys a program
+# reads at a time (its blocks are block-cyclic over the row's programs).
 _ACROSS_PROGRAMS = 4 * 132
 _ACROSS_MIN_SEGMENT = 2048
 _ACROSS_BLOCK = 1024
 
 
 def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern.WIN_PREFILL, next_n: int = 1,
-                               ctx_stride: int = 1, segments: int | None = None, values: bool = False):
+                               ctx_stride: int = 1, segments: int | None = None, values: bool = False,
+                               out: torch.Tensor | None = None, out_values: torch.Tensor | None = None):
     """The top-k of each row of ``logits [R, N]`` (columns are positions; windows as the merge
     kernel reads them) by a radix select across ``segments`` programs a row: the histograms of
     the keys' top three 8-bit digits (each among the keys sharing the digits above it with the
     row's topk-th key), then every key at or above those 24 bits appended to the row's
     candidates, then the merge kernel's last step (select, sort, write). For rows fewer than the
-    SMs, where one program a row leaves the GPU idle. Not yet used by the ops: timed against
-    ``torch.topk`` first (``benchmarks/topk_across_programs.py``). Returns ``(indices, values or
-    None)``."""
+    SMs, where one program a row leaves the GPU idle. Writes ``out`` / ``out_values`` when given;
+    returns ``(indices, values or None)``."""
     rows, n_keys = logits.shape
     dev = logits.device
     if segments is None:
         segments = max(1, min(cdiv(_ACROSS_PROGRAMS, max(rows, 1)), cdiv(n_keys, _ACROSS_MIN_SEGMENT)))
-    segment = cdiv(max(n_keys, 1), segments)
     hist_ints = kern.RADIX_LEVELS << kern.RADIX_BITS
     zeroed = torch.zeros(rows * (hist_ints + 1), dtype=torch.int32, device=dev)  # one memset
     hist, counts = zeroed[:rows * hist_ints], zeroed[rows * hist_ints:]
     candidates = torch.empty((rows, max(n_keys, 1)), dtype=torch.int64, device=dev)
-    out = torch.empty((rows, topk), dtype=torch.int32, device=dev)
-    vals = torch.empty((rows, topk), dtype=logits.dtype, device=dev) if values else None
+    if out is None:
+        out = torch.empty((rows, topk), dtype=torch.int32, device=dev)
+    if out_values is None and values:
+        out_values = torch.empty((rows, topk), dtype=logits.dtype, device=dev)
     if rows == 0:
-        return out, vals
+        return out, out_values
     for p in range(kern.RADIX_LEVELS + 1):
         kern.topk_rows_pass_kernel[(rows, segments)](
-            logits, logits.stride(0), win_a, win_b, n_keys, next_n, ctx_stride, segment,
+            logits, logits.stride(0), win_a, win_b, n_keys, next_n, ctx_stride, segments,
             hist, candidates, candidates.stride(0), counts, topk,
             PASS=p, MODE=mode, BLOCK=_ACROSS_BLOCK, num_warps=4,
         )
     bars = torch.empty(rows, dtype=torch.int64, device=dev)  # read by the last step, not used without a scan
-    _merge(logits, bars, candidates, counts, 0, 0, win_a, win_b, n_keys, n_keys, next_n, ctx_stride, 0, out, vals,
-           topk, mode, first=False, final=True)
-    return out, vals
+    _merge(logits, bars, candidates, counts, 0, 0, win_a, win_b, n_keys, n_keys, next_n, ctx_stride, 0, out,
+           out_values, topk, mode, first=False, final=True)
+    return out, out_values
 
 
 def _chunks(n_keys: int, chunk_k: int) -> list[tuple[int, int]]:
@@ -376,7 +404,7 @@ def _paged_mqa_topk(
     weights: torch.Tensor,
     context_lens: torch.Tensor,
     block_table: torch.Tensor,
-    num_workers: int,
+    schedule_meta: torch.Tensor,
     max_context_len: int,
     logits_dtype: torch.dtype,
     indices: torch.Tensor | None,
@@ -389,6 +417,16 @@ def _paged_mqa_topk(
     fmt = format_of(q, q_sf)
     block_kv = kv_cache.shape[1]
     cfg = paged.resolve_paged_config(fmt, next_n, h, dq * 2 if fmt == "mxfp4" else dq, block_kv)
+    mode = kern.WIN_DECODE_1D if context_lens.dim() == 1 else kern.WIN_DECODE_2D
+    ctx_stride = context_lens.stride(0) if context_lens.dim() == 2 else 1
+    if chunk_k == 0:  # whole rows: one logits launch (its checks see the lengths), the top-k across programs
+        with deferred():
+            logits = tilefuse.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, context_lens, block_table,
+                                                       schedule_meta, max_context_len, False, logits_dtype, indices,
+                                                       config=cfg)
+            _topk_rows_across_programs(logits, context_lens, context_lens, topk, mode, next_n, ctx_stride,
+                                       out=out, out_values=values)
+        return
     # Keys a row may have: the output's width, and what the block table can address.
     covered = min(max_context_len, block_table.shape[1] * block_kv)
     # Row (b, t) sees [0, ends[b, t]), as 2-D lengths (contiguous, >= 0).
@@ -397,8 +435,6 @@ def _paged_mqa_topk(
     else:
         ends = context_lens
     ends = ends.clamp(min=0).to(torch.int32)
-    mode = kern.WIN_DECODE_1D if context_lens.dim() == 1 else kern.WIN_DECODE_2D
-    ctx_stride = context_lens.stride(0) if context_lens.dim() == 2 else 1
     chunks = _chunks(covered, chunk_k)
     bars, candidates, counts = _workspace(b * next_n, topk, len(chunks), q.device)
     with deferred():  # a chunk's errors surface at the next call, not the next chunk
@@ -406,7 +442,7 @@ def _paged_mqa_topk(
             width = hi - lo
             lens_c = (ends - lo).clamp(0, width).contiguous()
             table_c = block_table[:, lo // block_kv: cdiv(hi, block_kv)]
-            meta_c = tilefuse.get_paged_mqa_logits_metadata(lens_c, block_kv, num_workers)
+            meta_c = tilefuse.get_paged_mqa_logits_metadata(lens_c, block_kv, schedule_meta.shape[0] - 1)
             logits = tilefuse.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, lens_c, table_c, meta_c, width,
                                                        False, logits_dtype, indices, config=cfg)
             if b:
@@ -416,7 +452,7 @@ def _paged_mqa_topk(
 
 
 @_paged_mqa_topk.register_fake
-def _paged_mqa_topk_fake(q, q_sf, kv_cache, weights, context_lens, block_table, num_workers, max_context_len,
+def _paged_mqa_topk_fake(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
                          logits_dtype, indices, topk, chunk_k, out, values):
     return None
 
@@ -449,8 +485,9 @@ def fp8_fp4_paged_mqa_topk(
         return_values: also return each position's logit (``-inf`` at ``-1``; ``-0.0`` comes
             back as ``+0.0``).
         out: int32 ``[B * next_n, topk]`` to write the indices into (last stride 1).
-        chunk_k: token columns per chunk, a multiple of the page size ``block_kv`` (default:
-            :func:`default_chunk_k`).
+        chunk_k: token columns per chunk, a multiple of the page size ``block_kv``. Default:
+            whole rows where :func:`decode_whole_rows` says so (one logits launch, each row's
+            top-k split over several programs), else chunks of :func:`default_chunk_k`.
 
     Returns:
         int32 ``[B * next_n, topk]``: token indices within the request, row ``b * next_n + t``,
@@ -486,9 +523,14 @@ def fp8_fp4_paged_mqa_topk(
     block_kv = kv_cache.shape[1]
     _check_topk_args(logits_dtype, topk, chunk_k, max(1, block_kv), b * next_n, out, q_values.device, return_values)
     raise_pending(q_values.device)
-    chunk = chunk_k or default_chunk_k(topk, max(1, block_kv))
+    if chunk_k is not None:
+        chunk = chunk_k
+    elif decode_whole_rows(b * next_n, max_context_len, logits_dtype):
+        chunk = 0
+    else:
+        chunk = default_chunk_k(topk, max(1, block_kv))
     out, values = _outputs(b * next_n, topk, logits_dtype, q_values.device, out, return_values)
-    _paged_mqa_topk(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta.shape[0] - 1,
+    _paged_mqa_topk(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
                     max_context_len, logits_dtype, indices, topk, chunk, out, values)
     return (out, values) if return_values else out
 
@@ -502,8 +544,9 @@ def warmup_calls(fmt: str, num_heads: int, head_dim: int, topk: int, weights_dty
     """Calls (``"prefill_topk"``, ``"decode_topk"``) that run every kernel variant the fused ops
     can launch for this model configuration and ``topk``, on zero inputs: the chunks' logits
     kernels (prefill: one call of each size class whose config no smaller call has; decode:
-    1-D and 2-D lengths, and ``indices`` at next_n 1) and every merge variant (one chunk, and
-    first / middle / last chunks, each with and without values). After them, any sizes, windows,
+    1-D and 2-D lengths, and ``indices`` at next_n 1), every merge variant (one chunk, and
+    first / middle / last chunks, each with and without values) and, for decode, whole rows
+    (their logits launch and the passes of the top-k across programs). After them, any sizes, windows,
     lengths and chunk counts compile nothing.
 
     Raises:
@@ -543,7 +586,8 @@ def _prefill_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype,
 def _decode_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype, device, block_kv, next_n) -> list:
     batch = 2
 
-    def call(ctx_2d: bool, chunks: int, return_values: bool = False, with_indices: bool = False):
+    def call(ctx_2d: bool, chunks: int, return_values: bool = False, with_indices: bool = False,
+             whole: bool = False):
         def run() -> None:
             length = (chunks - 1) * block_kv + 1
             pages = cdiv(length, block_kv)
@@ -557,10 +601,11 @@ def _decode_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype, 
             idx = torch.arange(batch, dtype=torch.int32, device=device) if with_indices else None
             meta = paged.get_paged_mqa_logits_metadata(lens, block_kv, 1, idx)
             fp8_fp4_paged_mqa_topk(q, cache, w, lens, table, meta, length, topk, logits_dtype, idx,
-                                   return_values=return_values, chunk_k=block_kv)
+                                   return_values=return_values, chunk_k=None if whole else block_kv)
         return run
 
     calls = [call(ctx_2d, chunks, values) for ctx_2d in (False, True) for chunks in (1, 3) for values in (False, True)]
+    calls += [call(ctx_2d, 3, values, whole=True) for ctx_2d in (False, True) for values in (False, True)]
     if next_n == 1:
-        calls.append(call(False, 1, with_indices=True))
+        calls += [call(False, 1, with_indices=True), call(False, 3, with_indices=True, whole=True)]
     return calls

@@ -738,6 +738,36 @@ def topk_merge_variants() -> list[Variant]:
     return _unique(out)
 
 
+def topk_rows_pass_variants() -> list[Variant]:
+    """``topk_rows_pass_kernel`` as the decode top-k over whole rows launches it
+    (``topk._topk_rows_across_programs``): its four passes (three digit histograms, the
+    compaction) over 1-D and 2-D decode lengths and prefill windows from fp32 logits, and the
+    first and last pass from bf16 logits (the load differs)."""
+    import torch
+
+    from tilefuse.indexer import topk
+
+    path = f"{topk.kern.__name__}:topk_rows_pass_kernel"
+    merge = f"{topk.kern.__name__}:topk_merge_chunk_kernel"  # its variants are topk_merge's
+    modes = {topk.kern.WIN_PREFILL: "prefill", topk.kern.WIN_DECODE_1D: "decode1d",
+             topk.kern.WIN_DECODE_2D: "decode2d"}
+    out = []
+    for mode, dtype in ((topk.kern.WIN_DECODE_1D, torch.float32), (topk.kern.WIN_DECODE_2D, torch.float32),
+                        (topk.kern.WIN_PREFILL, torch.float32), (topk.kern.WIN_DECODE_1D, torch.bfloat16)):
+        rows, next_n = 4, 2 if mode != topk.kern.WIN_PREFILL else 1
+        win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
+        logits = torch.empty(rows, 5000, dtype=dtype)
+        with tracing(path, merge) as launches:  # traced launches are recorded, not run
+            topk._topk_rows_across_programs(logits, win, win, 2048, mode, next_n,
+                                            win.stride(0) if win.dim() == 2 else 1)
+        for launch in (x for x in launches if x.function == path):
+            p = launch.arguments["PASS"]
+            if dtype == torch.float32 or p in (0, topk.kern.RADIX_LEVELS):
+                out.append(variant_of(launch, "indexer.topk_rows_pass",
+                                      f"pass{p} {modes[mode]} logits={_short(dtype)}"))
+    return _unique(out)
+
+
 # --------------------------------------------------------------------------------------
 # Tensor-parallel GEMMs (persistent GEMM core and communication kernels)
 # --------------------------------------------------------------------------------------
@@ -956,6 +986,7 @@ KERNELS: dict[str, tuple[Callable[[], list[Variant]], str]] = {
     "indexer.paged_gluon": (paged_gluon_variants, "tilefuse.indexer._paged_kernel_gluon"),
     "indexer.paged_schedule": (paged_schedule_variants, "tilefuse.indexer._paged_kernel"),
     "indexer.topk_merge": (topk_merge_variants, "tilefuse.indexer._topk_kernel"),
+    "indexer.topk_rows_pass": (topk_rows_pass_variants, "tilefuse.indexer._topk_kernel"),
     "tp.gemm": (tp_gemm_variants, "tilefuse.tp._gemm_core"),
     "tp.comm": (tp_comm_variants, "tilefuse.tp._comm_kernels"),
     "tp.rs_gluon": (tp_rs_gluon_variants, "tilefuse.tp._gemm_rs_gluon"),

@@ -232,12 +232,13 @@ def decode_lengths(spec: Spec, seed: int = 0) -> torch.Tensor:
 
 
 def decode_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) -> Case:
-    from tilefuse.indexer.topk import default_chunk_k, topk_bytes_moved
+    from tilefuse.indexer.topk import decode_whole_rows, default_chunk_k, topk_bytes_moved
 
     lens = decode_lengths(spec)
     max_len = int(lens.max())
     rows_total = spec.rows_a * spec.next_n
     chunk = spec.chunk_k or default_chunk_k(spec.topk, BLOCK_KV)
+    whole = spec.chunk_k is None and decode_whole_rows(rows_total, max_len, torch.float32)
     valid_pairs = int(paged_row_ends(lens, spec.next_n).sum())
 
     def build() -> list[Impl]:
@@ -298,7 +299,7 @@ def decode_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None
         return impls
 
     params = spec.params()
-    params["chunk_k_used"] = chunk
+    params["chunk_k_used"] = "whole rows" if whole else chunk
     params["max_context_len"] = max_len
     params["bytes_moved"] = topk_bytes_moved(rows_total, max_len, spec.topk, chunk)
     return Case(name=spec.name, build=build, x=spec.shape, series=f"decode {spec.fmt} H{spec.heads}",
