@@ -136,13 +136,6 @@ def test_rows_across_programs(pattern, k_top, segments, monkeypatch):
     the row's end), every tie pattern, blocks of 64 keys dealt over the programs; index for
     index and value for value with the reference."""
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
-    real_merge, seen = topk._merge, {}
-
-    def merge(logits, bars, candidates, counts, *args, **kw):
-        seen["counts"] = counts.cpu().clone()
-        return real_merge(logits, bars, candidates, counts, *args, **kw)
-
-    monkeypatch.setattr(topk, "_merge", merge)
     rows, n = 6, 700
     g = torch.Generator().manual_seed(len(pattern) + 7 * k_top)
     logits = _pattern(pattern, rows, n, g).to(DEVICE)
@@ -153,12 +146,6 @@ def test_rows_across_programs(pattern, k_top, segments, monkeypatch):
     ref_idx, ref_val = R.topk_of_logits(logits, R.window_mask(ks, ke, n), k_top)
     assert torch.equal(idx, ref_idx)
     assert _equal(val, ref_val)
-    # Distinct values are resolved by their digits: exactly the top-k reach the last step (no select)
-    wanted = R.window_mask(ks, ke, n).sum(dim=1).clamp(max=k_top).cpu().to(torch.int32)
-    if pattern in ("ascending", "descending", "sawtooth", "random"):
-        assert torch.equal(seen["counts"], wanted)
-    else:
-        assert (seen["counts"] >= wanted).all()
 
 
 @pytest.mark.parametrize("ctx_2d", [False, True])

@@ -299,10 +299,10 @@ def topk_merge_chunk_kernel(
 # Rows split over programs: a radix select across the programs of a row
 # ---------------------------------------------------------------------------------------
 # The keys' top RADIX_LEVELS digits of RADIX_BITS each (the first signed: the keys' order is
-# signed): the value's 32 bits. 8-bit digits: `tl.histogram` spends a few instructions a key per
-# bin a lane owns (8 at 256 bins, 64 at 2048), so narrow passes cost less than wide ones.
+# signed). 8-bit digits: `tl.histogram` spends a few instructions a key per bin a lane owns
+# (8 at 256 bins, 64 at 2048), so three narrow passes cost less than two 11-bit ones.
 RADIX_BITS = 8
-RADIX_LEVELS = 4
+RADIX_LEVELS = 3
 _RADIX_BITS = tl.constexpr(RADIX_BITS)
 _RADIX_LEVELS = tl.constexpr(RADIX_LEVELS)
 _RADIX_BINS = tl.constexpr(1 << RADIX_BITS)
@@ -311,35 +311,28 @@ _RADIX_BINS = tl.constexpr(1 << RADIX_BITS)
 @triton.jit
 def _bin_of_kth(counts, need):
     """The highest bin whose keys, with those of the bins above it, number at least ``need``;
-    how many keys the bins above it hold, and how many it holds."""
+    and how many keys the bins above it hold."""
     idx = tl.arange(0, _RADIX_BINS)
     from_top = tl.flip(tl.cumsum(tl.flip(counts, 0), 0), 0)
     b = tl.max(tl.where(from_top >= need, idx, -1), axis=0)
-    return b, tl.sum(tl.where(idx > b, counts, 0), axis=0), tl.sum(tl.where(idx == b, counts, 0), axis=0)
+    return b, tl.sum(tl.where(idx > b, counts, 0), axis=0)
 
 
 @triton.jit
 def _row_prefix(hist_row, topk, DIGITS: tl.constexpr):
-    """``(prefix, bits, resolved)``: the top digits of the row's topk-th key as a signed number
-    of ``bits`` bits, from the row's histograms of levels ``0 .. DIGITS - 1`` (level d's bins
-    count the keys that share the digits chosen above it). ``resolved``: at some level the
-    topk-th key's bin held exactly the keys still wanted, so the keys at or above ``prefix <<
-    (64 - bits)`` are the row's top-k (a row of at most topk keys: all of them, at level 0);
-    the digits stop there (the levels below it are not counted)."""
+    """The top ``DIGITS`` digits of the row's topk-th key, as a signed number, from the row's
+    histograms (``hist_row``: level d's bins count the keys that share the digits chosen at the
+    levels above). A row of fewer than topk keys keeps all: its bins are its lowest."""
     idx = tl.arange(0, _RADIX_BINS)
     first = tl.load(hist_row + idx)
     need = tl.minimum(tl.sum(first, axis=0), topk)
-    b, above, in_b = _bin_of_kth(first, need)
+    b, above = _bin_of_kth(first, need)
     prefix = (b - _RADIX_BINS // 2).to(tl.int64)
-    bits = tl.full([], _RADIX_BITS, tl.int32)
-    resolved = in_b == need - above
     for d in tl.static_range(1, DIGITS):
         need -= above
-        b, above, in_b = _bin_of_kth(tl.load(hist_row + d * _RADIX_BINS + idx), need)
-        prefix = tl.where(resolved, prefix, (prefix << _RADIX_BITS) | b.to(tl.int64))
-        bits = tl.where(resolved, bits, bits + _RADIX_BITS)
-        resolved = resolved | (in_b == need - above)
-    return prefix, bits, resolved
+        b, above = _bin_of_kth(tl.load(hist_row + d * _RADIX_BINS + idx), need)
+        prefix = (prefix << _RADIX_BITS) | b.to(tl.int64)
+    return prefix
 
 
 @triton.jit(do_not_specialize=["stride_l", "n_keys", "next_n", "ctx_stride", "segments", "stride_c", "topk"])
@@ -350,13 +343,12 @@ def topk_rows_pass_kernel(
 ):
     """One pass of program (row, s) over the row's window, BLOCK keys at a time: blocks s, s +
     segments, s + 2 segments ... (block-cyclic, so a row shorter than the logits' width still
-    spreads over all its programs). PASS d < RADIX_LEVELS: the histogram of the keys' d-th digit
-    among the keys that share the digits above it with the row's topk-th key (read from the
-    levels above), skipped once a level above resolved the row; PASS RADIX_LEVELS: every key at
-    or above those digits appended to the row's candidates (a slot range reserved by an atomic
-    add on its count): exactly the row's top-k when resolved, else topk keys and the others of
-    the topk-th key's value. Histograms are summed into ``hist_ptr`` (RADIX_LEVELS x
-    2^RADIX_BITS int32 a row, zeroed before PASS 0)."""
+    spreads over all its programs). PASS d < RADIX_LEVELS: the histogram of the keys' d-th
+    digit among the keys that share the digits above it with the row's topk-th key (read from
+    the levels above); PASS RADIX_LEVELS: every key at or above those digits appended to the
+    row's candidates (a slot range reserved by an atomic add on its count: topk keys plus the
+    others sharing all the digits with the topk-th). Histograms are summed into ``hist_ptr``
+    (RADIX_LEVELS x 2^RADIX_BITS int32 a row, zeroed before PASS 0)."""
     row = tl.program_id(0)
     seg = tl.program_id(1)
     start, end = _row_window(win_a_ptr, win_b_ptr, row, 0, n_keys, n_keys, next_n, ctx_stride, count_ptr, MODE,
@@ -366,16 +358,11 @@ def topk_rows_pass_kernel(
     cand_row = cand_ptr + row.to(tl.int64) * stride_c
     col = tl.arange(0, BLOCK)
     SHIFT: tl.constexpr = 64 - (PASS + 1) * _RADIX_BITS  # this pass's digit (PASS < RADIX_LEVELS)
-    n_blocks = tl.cdiv(end - start, BLOCK)
     if PASS > 0:
-        prefix, bits, resolved = _row_prefix(hist_row, topk, PASS)
-        if PASS < _RADIX_LEVELS:
-            n_blocks = tl.where(resolved, 0, n_blocks)
-        else:
-            bar = prefix << (64 - bits)
+        prefix = _row_prefix(hist_row, topk, PASS)
     local = tl.zeros([_RADIX_BINS], tl.int32)
     # Counted in blocks from the window's start, positions in int64: no bound passes int32.
-    for i in range(seg, n_blocks, segments):
+    for i in range(seg, tl.cdiv(end - start, BLOCK), segments):
         pos = start.to(tl.int64) + i * BLOCK + col
         inside = pos < end
         v = tl.load(row_logits + pos, mask=inside, other=0.0).to(tl.float32)
@@ -387,7 +374,7 @@ def topk_rows_pass_kernel(
             digit = ((keys >> SHIFT) & (_RADIX_BINS - 1)).to(tl.int32)
             local += tl.histogram(digit, _RADIX_BINS, mask=inside & ((keys >> (SHIFT + _RADIX_BITS)) == prefix))
         else:
-            keep = inside & (keys >= bar)
+            keep = inside & (keys >= (prefix << (64 - _RADIX_LEVELS * _RADIX_BITS)))
             taken = keep.to(tl.int32)
             first_slot = tl.atomic_add(count_ptr + row, tl.sum(taken, axis=0), sem="relaxed")
             tl.store(cand_row + (first_slot + tl.cumsum(taken, 0) - 1), keys, mask=keep)
