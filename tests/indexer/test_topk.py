@@ -471,8 +471,7 @@ def test_decode_bf16_logits_and_rerun():
     assert torch.equal(tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 32, torch.bfloat16, varlen, chunk_k=64), first)
 
 
-@pytest.mark.parametrize("fmt,ctx_2d,logits_dtype", [("fp8", False, torch.float32), ("mxfp4", True, torch.float32),
-                                                       ("mxfp8", False, torch.bfloat16)])
+@pytest.mark.parametrize("fmt,ctx_2d,logits_dtype", [("fp8", False, torch.float32), ("mxfp4", True, torch.bfloat16)])
 def test_decode_whole_rows(fmt, ctx_2d, logits_dtype, record_launches, monkeypatch):
     """The default for few rows: one logits launch over whole rows, then the top-k across each
     row's programs (four passes over every row, blocks of 64 keys dealt over 6 programs a row)
