@@ -228,8 +228,9 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     kernel reads them) by a radix select across ``segments`` programs a row: the histograms of
     the keys' top three 8-bit digits (each among the keys sharing the digits above it with the
     row's topk-th key), then every key at or above those 24 bits appended to the row's
-    candidates, then the merge kernel's last step (select, sort, write). For rows fewer than the
-    SMs, where one program a row leaves the GPU idle. Writes ``out`` / ``out_values`` when given;
+    candidates, then the merge kernel's last step (select, sort, write). For the decode rows
+    taken whole (:func:`decode_whole_rows`), where one program a row leaves most of the GPU
+    idle. Writes ``out`` / ``out_values`` when given;
     returns ``(indices, values or None)``."""
     rows, n_keys = logits.shape
     dev = logits.device

@@ -741,30 +741,29 @@ def topk_merge_variants() -> list[Variant]:
 def topk_rows_pass_variants() -> list[Variant]:
     """``topk_rows_pass_kernel`` as the decode top-k over whole rows launches it
     (``topk._topk_rows_across_programs``): its four passes (three digit histograms, the
-    compaction) over 1-D and 2-D decode lengths and prefill windows from fp32 logits, and the
-    first and last pass from bf16 logits (the load differs)."""
+    compaction) over 1-D decode lengths from fp32 logits, the compaction over 2-D lengths (the
+    window load differs) and the first pass from bf16 logits (the logits load differs)."""
     import torch
 
     from tilefuse.indexer import topk
 
     path = f"{topk.kern.__name__}:topk_rows_pass_kernel"
     merge = f"{topk.kern.__name__}:topk_merge_chunk_kernel"  # its variants are topk_merge's
-    modes = {topk.kern.WIN_PREFILL: "prefill", topk.kern.WIN_DECODE_1D: "decode1d",
-             topk.kern.WIN_DECODE_2D: "decode2d"}
+    last = topk.kern.RADIX_LEVELS
     out = []
-    for mode, dtype in ((topk.kern.WIN_DECODE_1D, torch.float32), (topk.kern.WIN_DECODE_2D, torch.float32),
-                        (topk.kern.WIN_PREFILL, torch.float32), (topk.kern.WIN_DECODE_1D, torch.bfloat16)):
-        rows, next_n = 4, 2 if mode != topk.kern.WIN_PREFILL else 1
+    for mode, dtype, passes in ((topk.kern.WIN_DECODE_1D, torch.float32, range(last + 1)),
+                                (topk.kern.WIN_DECODE_2D, torch.float32, (last,)),
+                                (topk.kern.WIN_DECODE_1D, torch.bfloat16, (0,))):
+        rows, next_n = 4, 2
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
         logits = torch.empty(rows, 5000, dtype=dtype)
         with tracing(path, merge) as launches:  # traced launches are recorded, not run
             topk._topk_rows_across_programs(logits, win, win, 2048, mode, next_n,
                                             win.stride(0) if win.dim() == 2 else 1)
-        for launch in (x for x in launches if x.function == path):
-            p = launch.arguments["PASS"]
-            if dtype == torch.float32 or p in (0, topk.kern.RADIX_LEVELS):
-                out.append(variant_of(launch, "indexer.topk_rows_pass",
-                                      f"pass{p} {modes[mode]} logits={_short(dtype)}"))
+        for launch in (x for x in launches if x.function == path and x.arguments["PASS"] in passes):
+            name = "decode2d" if mode == topk.kern.WIN_DECODE_2D else "decode1d"
+            out.append(variant_of(launch, "indexer.topk_rows_pass",
+                                  f"pass{launch.arguments['PASS']} {name} logits={_short(dtype)}"))
     return _unique(out)
 
 
