@@ -299,8 +299,9 @@ def topk_merge_chunk_kernel(
 # Rows split over programs: a radix select across the programs of a row
 # ---------------------------------------------------------------------------------------
 # The keys' top RADIX_LEVELS digits of RADIX_BITS each (the first signed: the keys' order is
-# signed). 8-bit digits: `tl.histogram` spends a few instructions a key per bin a lane owns
-# (8 at 256 bins, 64 at 2048), so three narrow passes cost less than two 11-bit ones.
+# signed). 8-bit digits: `tl.histogram`'s work per key grows with the bins a lane owns (8 at
+# 256 bins, 64 at 2048), so three narrow passes cost less than two 11-bit ones (a 256-bin pass
+# measured ~1.1 SM cycles a key on the H200: benchmarks/NOTES.md).
 RADIX_BITS = 8
 RADIX_LEVELS = 3
 _RADIX_BITS = tl.constexpr(RADIX_BITS)

@@ -109,7 +109,7 @@ def default_chunk_k(topk: int, align: int) -> int:
 def default_chunk_q(chunk_k: int, logits_dtype: torch.dtype) -> int:
     """Prefill query rows per block: as many multiples of 128 as keep one chunk of logits within
     ``_WORKSPACE_BYTES`` (at least 128)."""
-    per_row = chunk_k * torch.empty((), dtype=logits_dtype).element_size()
+    per_row = chunk_k * logits_dtype.itemsize
     return max(_ROW_BLOCK, _WORKSPACE_BYTES // per_row // _ROW_BLOCK * _ROW_BLOCK)
 
 
@@ -119,7 +119,7 @@ def decode_whole_rows(rows: int, max_context_len: int, logits_dtype: torch.dtype
     when those logits and their candidate keys (int64, one slot a column) take at most
     ``_WHOLE_ROWS_BYTES``. Chunks instead leave one program a row to the merge, which is 1.3-9x
     slower than the split at the rows and widths where both were timed (``benchmarks/NOTES.md``)."""
-    per_key = torch.empty((), dtype=logits_dtype).element_size() + 8
+    per_key = logits_dtype.itemsize + 8
     return rows * max_context_len * per_key <= _WHOLE_ROWS_BYTES
 
 

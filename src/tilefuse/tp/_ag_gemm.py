@@ -121,7 +121,7 @@ def make_plan(
     sched = TileSchedule(mc, n, world, cfg.block_m, cfg.block_n, cfg.group_m,
                          tuple(chunk_order("arrival", rank, world)))
     tm = sched.tile_rows_per_chunk
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     sp = 4 if splits is None else splits  # ce: bands per chunk; push: copy-engine staging pieces
     if sp < 1:
         raise ValueError(f"splits must be >= 1, got {sp}")

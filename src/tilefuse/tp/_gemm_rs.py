@@ -114,7 +114,7 @@ def make_plan(
     if gemm_programs is not None and not (isinstance(gemm_programs, int) and 1 <= gemm_programs <= sms):
         raise ValueError(f"gemm_programs must be an int in [1, {sms}] (resident programs), got {gemm_programs!r}")
     cfg = config or default_config(m, n, k, sms)
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     sched = TileSchedule(mc, n, world, cfg.block_m, cfg.block_n, cfg.group_m,
                          tuple(chunk_order("owner_last", rank, world)))
     if lag is None:

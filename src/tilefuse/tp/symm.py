@@ -95,7 +95,7 @@ class Workspace:
         """The same region of rank ``peer``'s workspace, as a tensor (for copy-engine transfers)."""
         if self.peers is not None:
             return self.peers[peer].view(offset, shape, dtype)
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         if offset % item:
             raise ValueError(f"offset {offset} is not a multiple of {dtype}'s size")
         numel = 1
@@ -108,7 +108,7 @@ class Workspace:
 
 
 def _typed(buf: torch.Tensor, offset: int, shape, dtype) -> torch.Tensor:
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     numel = 1
     for s in shape:
         numel *= s
