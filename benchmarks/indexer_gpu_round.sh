@@ -214,7 +214,8 @@ case "$part" in
     wait
     ;;
   topk-across)  # the radix select across a row's programs beside torch.topk and one program a row
-    step topk-across "${ACROSS_S:-120}" python3 benchmarks/topk_across_programs.py --output "$OUT/topk-across-programs.json"
+    step topk-across "${ACROSS_S:-120}" python3 benchmarks/topk_across_programs.py ${ACROSS_ARGS:-} \
+      --output "$OUT/topk-across-programs.json"
     ;;
   topk-check)  # after a top-k change, side by side: its GPU tests ($TOPK_TESTS), the warm-up's
     # no-compile test, its contract sweep (a new sample: $SEED) and the prefill sweep cases in

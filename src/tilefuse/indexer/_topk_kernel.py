@@ -382,3 +382,123 @@ def topk_rows_pass_kernel(
     if PASS < _RADIX_LEVELS:
         bins = tl.arange(0, _RADIX_BINS)
         tl.atomic_add(hist_row + PASS * _RADIX_BINS + bins, local, mask=local > 0, sem="relaxed")
+
+
+# ---------------------------------------------------------------------------------------
+# Segments held in registers: the topk-th key found by bisection on counts
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def _count_at_least(hi, c):
+    return tl.sum((hi >= c).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _select_mask(hi, lo, n_valid, TOPK: tl.constexpr):
+    """Of the keys ``(hi, lo)`` (a key's value and position halves as int32, ``lo`` 0 where the
+    slot is empty, the order that of ``hi << 32 | lo``), the mask of the ``min(TOPK, n_valid)``
+    largest. The topk-th key's value half is bisected bit by bit (the largest ``t`` that TOPK
+    keys reach: compares and one sum a step, no histogram), and only when more keys than wanted
+    share it, its position half too. Empty and NaN slots share ``hi = INT32_MIN``, which no
+    candidate above ``INT32_MIN`` counts; ``lo >= 1`` keeps the empty ones out. No mask but the
+    result is held across the steps (registers go to the keys)."""
+    if n_valid > TOPK:
+        t = tl.where(_count_at_least(hi, 0) >= TOPK, 0, _INT32_MIN)
+        for i in tl.static_range(31):
+            c = t + (1 << (30 - i))
+            t = tl.where(_count_at_least(hi, c) >= TOPK, c, t)
+        need = TOPK - tl.sum((hi > t).to(tl.int32), axis=0)
+        p = t * 0 + 1  # keep the ties with lo >= p: the smallest positions first
+        if tl.sum(((hi == t) & (lo > 0)).to(tl.int32), axis=0) > need:
+            p = t * 0  # the largest p that `need` ties reach: at least 1, at most 2^31 - 1
+            for i in tl.static_range(31):
+                c = p + (1 << (30 - i))
+                p = tl.where(tl.sum(((hi == t) & (lo >= c)).to(tl.int32), axis=0) >= need, c, p)
+        sel = (hi > t) | ((hi == t) & (lo >= p))
+    else:
+        sel = lo > 0
+    return sel
+
+
+@triton.jit(do_not_specialize=["stride_s", "row_base", "n_keys", "key_limit", "next_n", "ctx_stride", "chunk_lo",
+                               "chunk_width", "n_src", "stride_d", "stride_i", "stride_v"])
+def topk_segment_kernel(
+    src_ptr, stride_s, row_base,
+    win_a_ptr, win_b_ptr, n_keys, key_limit, next_n, ctx_stride, chunk_lo, chunk_width,
+    n_src,
+    dst_ptr, stride_d,
+    idx_ptr, stride_i, val_ptr, stride_v,
+    err_ptr,
+    TOPK: tl.constexpr, KP: tl.constexpr, LOG_KP: tl.constexpr, SEG: tl.constexpr, FROM_LOGITS: tl.constexpr,
+    FINAL: tl.constexpr, MODE: tl.constexpr, CHECK: tl.constexpr, WRITE_VALUES: tl.constexpr,
+):
+    """Program (row, s) of ``S = num_programs(1)``: the ``TOPK`` largest keys of its part of the
+    row, all of them in registers (at most SEG).
+
+    Keys between launches are int64 slots read and written as int32 halves (``dst_ptr`` and,
+    for kept keys, ``src_ptr`` are int32 views, strides in int32): the position half at ``2 i``,
+    the value half at ``2 i + 1``, so no int64 tile is ever held. FROM_LOGITS: the part is the
+    s-th of S near-equal parts of the row's window within logits columns ``[0, chunk_width)``
+    (positions ``chunk_lo + c``); else of the row's ``n_src`` kept keys at ``src_ptr``. Not
+    FINAL: its keys go to slots ``[s KP, s KP + KP)`` of the row's ``dst_ptr`` (unsorted,
+    empty slots after them); FINAL (S = 1): sorted through ``dst_ptr`` (KP scratch slots a row),
+    the first TOPK indices (and values) written. The row's topk keys are among its parts' topk
+    keys, so a launch that is not FINAL shrinks a row by SEG / KP and loses nothing."""
+    tl.static_assert(KP >= TOPK)
+    tl.static_assert(SEG >= KP)
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    parts = tl.num_programs(1)
+    offs = tl.arange(0, SEG)
+    if FROM_LOGITS:
+        start, end = _row_window(win_a_ptr, win_b_ptr, row, row_base, n_keys, key_limit, next_n, ctx_stride, err_ptr,
+                                 MODE, CHECK)
+        lo_w = tl.maximum(start, chunk_lo)
+        hi_w = tl.maximum(tl.minimum(end, chunk_lo + chunk_width), lo_w)
+        part = tl.cdiv(hi_w - lo_w, parts)
+        a = tl.minimum(lo_w + s * part, hi_w)
+        b = tl.minimum(a + part, hi_w)
+        pos = a + offs
+        inside = pos < b
+        v = tl.load(src_ptr + row * stride_s + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
+        bits = v.to(tl.int32, bitcast=True)
+        bits = tl.where(bits == _INT32_MIN, 0, bits)  # -0.0 -> +0.0 (as _order_keys)
+        hi = tl.where(inside & (v == v), bits ^ ((bits >> 31) & _POS_MASK), _INT32_MIN)
+        lo = tl.where(inside, _POS_MASK - pos, 0)
+        n_valid = b - a
+    else:
+        part = tl.cdiv(n_src, parts)
+        a = tl.minimum(s * part, n_src)
+        b = tl.minimum(a + part, n_src)
+        slot = (a + offs).to(tl.int64)
+        inside = slot < b
+        src_row = src_ptr + row * stride_s
+        hi = tl.load(src_row + 2 * slot + 1, mask=inside, other=_INT32_MIN)
+        lo = tl.load(src_row + 2 * slot, mask=inside, other=0)
+        n_valid = tl.sum((lo > 0).to(tl.int32), axis=0)
+    sel = _select_mask(hi, lo, n_valid, TOPK)
+    rank = tl.cumsum(sel.to(tl.int32), axis=0)  # 1-based among the kept
+    sel = sel & (rank <= KP)  # KP slots whatever the values (the select keeps at most TOPK)
+    n_sel = tl.minimum(tl.sum(sel.to(tl.int32), axis=0), KP)
+    dst_row = dst_ptr + row * stride_d
+    if not FINAL:
+        dst_row += 2 * s * KP
+    tl.store(dst_row + 2 * (rank - 1), lo, mask=sel)
+    tl.store(dst_row + 2 * (rank - 1) + 1, hi, mask=sel)
+    k_slot = tl.arange(0, KP)
+    empty_slot = k_slot >= n_sel
+    tl.store(dst_row + 2 * k_slot, tl.zeros([KP], tl.int32), mask=empty_slot)
+    tl.store(dst_row + 2 * k_slot + 1, tl.full([KP], _INT32_MIN, tl.int32), mask=empty_slot)
+    if FINAL:
+        tl.debug_barrier()  # the slots were stored by other threads of the program
+        x_lo = tl.load(dst_row + 2 * k_slot[None, :])
+        x_hi = tl.load(dst_row + 2 * k_slot[None, :] + 1)
+        state = _sort_rows((x_hi.to(tl.int64) << 32) | x_lo.to(tl.int64), 1, KP, LOG_KP, 1)
+        out = k_slot[None, :] < TOPK
+        empty = state == EMPTY_KEY
+        idx = tl.where(empty, -1, -state.to(tl.int32) + _POS_MASK)
+        tl.store(idx_ptr + row * stride_i + k_slot[None, :], idx, mask=out)
+        if WRITE_VALUES:
+            hi_bits = (state >> 32).to(tl.int32)
+            bits = tl.where(hi_bits >= 0, hi_bits, hi_bits ^ _POS_MASK)
+            val = tl.where(empty, float("-inf"), bits.to(tl.float32, bitcast=True))
+            tl.store(val_ptr + row * stride_v + k_slot[None, :], val.to(val_ptr.dtype.element_ty), mask=out)
