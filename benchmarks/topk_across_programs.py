@@ -1,12 +1,10 @@
-"""The top-k of given rows: a radix select across each row's programs
-(``topk._topk_rows_across_programs``), segments held in registers (``topk._topk_rows_by_segments``,
-at each ``--segment-keys`` width), ``torch.topk`` and the merge kernel's one program a row, on the
-same random fp32 logits ``[R, N]`` (every column in every row's window), each timed in a CUDA
-graph. The tilefuse results are checked index for index against each other and their values
-against ``torch.topk``'s before timing.
+"""The top-k of rows fewer than the SMs: a radix select across each row's programs
+(``topk._topk_rows_across_programs``) against ``torch.topk`` and the merge kernel's one program a
+row, on the same random fp32 logits ``[R, N]`` (every column in every row's window), each timed
+in a CUDA graph. The two tilefuse results are checked index for index against each other and
+their values against ``torch.topk``'s before timing.
 
-    python benchmarks/topk_across_programs.py [--shapes 1x131072 8x65536 64x32768] [--topk 2048]
-        [--segment-keys 8192 4096] [--output f.json]
+    python benchmarks/topk_across_programs.py [--shapes 1x131072 8x65536 64x32768] [--topk 2048] [--output f.json]
 
 (512 x 32768 is one row block of the prefill op at 32K keys: there the rows fill the GPU, and
 the question is whether three histogram passes, a compaction and one short select beat the
@@ -39,37 +37,22 @@ def one_program_a_row(logits, ks, ke, k: int):
     return out
 
 
-def by_segments(logits, ks, ke, k: int, seg: int):
-    """``_topk_rows_by_segments`` with its wide segments ``seg`` keys."""
-    saved = T._SEGMENT_KEYS, T._SEGMENT_MAX_STATE
-    T._SEGMENT_KEYS, T._SEGMENT_MAX_STATE = seg, seg // 4
-    try:
-        return T._topk_rows_by_segments(logits, ks, ke, k)[0]
-    finally:
-        T._SEGMENT_KEYS, T._SEGMENT_MAX_STATE = saved
-
-
-def run(rows: int, n: int, k: int, samples: int, segment_keys=(), merge: bool = True) -> dict:
+def run(rows: int, n: int, k: int, samples: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(rows * 7 + n)
     logits = torch.randn(rows, n, generator=g, device="cuda")
     ks = torch.zeros(rows, dtype=torch.int32, device="cuda")
     ke = torch.full((rows,), n, dtype=torch.int32, device="cuda")
     across, _ = T._topk_rows_across_programs(logits, ks, ke, k)
+    merged = one_program_a_row(logits, ks, ke, k)
     ref = torch.topk(logits, k, dim=1).values
+    assert torch.equal(across, merged), "across programs != one program a row"
     assert torch.equal(logits.gather(1, across.long()), ref), "values differ from torch.topk's"
-    if merge:
-        assert torch.equal(across, one_program_a_row(logits, ks, ke, k)), "across programs != one program a row"
-    for seg in segment_keys:
-        assert torch.equal(across, by_segments(logits, ks, ke, k, seg)), f"across programs != segments of {seg}"
     fns = {
         "torch.topk": lambda: torch.topk(logits, k, dim=1),
         "torch.topk unsorted": lambda: torch.topk(logits, k, dim=1, sorted=False),
         "across programs": lambda: T._topk_rows_across_programs(logits, ks, ke, k),
+        "one program a row": lambda: one_program_a_row(logits, ks, ke, k),
     }
-    if merge:
-        fns["one program a row"] = lambda: one_program_a_row(logits, ks, ke, k)
-    for seg in segment_keys:
-        fns[f"segments of {seg}"] = lambda seg=seg: by_segments(logits, ks, ke, k, seg)
     stats = measure(fns, samples=samples)
     return {"rows": rows, "n": n, "topk": k, "us": {name: s.to_dict() for name, s in stats.items()}}
 
@@ -80,8 +63,6 @@ def main(argv=None) -> int:
                                                      "128x65536", "512x32768"])
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=20)
-    ap.add_argument("--segment-keys", type=int, nargs="*", default=[T._SEGMENT_KEYS])
-    ap.add_argument("--no-merge", action="store_true", help="leave out one program a row (the chunked merge)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -91,7 +72,7 @@ def main(argv=None) -> int:
     results = []
     for shape in args.shapes:
         rows, n = (int(v) for v in shape.split("x"))
-        r = run(rows, n, args.topk, args.samples, args.segment_keys, not args.no_merge)
+        r = run(rows, n, args.topk, args.samples)
         results.append(r)
         print(f"{rows:4d} x {n:6d}: " + "  ".join(f"{name} {s['median_us']:7.1f}" for name, s in r["us"].items())
               + " us", flush=True)

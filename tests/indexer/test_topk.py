@@ -166,54 +166,6 @@ def test_rows_across_programs_decode_windows(ctx_2d, monkeypatch):
     assert _equal(val, ref_val)
 
 
-def _small_segments(monkeypatch):
-    """Segments of 64 keys (narrow: 32), so that rows of a few hundred keys take three launches."""
-    if not ON_GPU:
-        monkeypatch.setattr(topk, "_SEGMENT_KEYS", 64)
-        monkeypatch.setattr(topk, "_SEGMENT_KEYS_NARROW", 32)
-        monkeypatch.setattr(topk, "_SEGMENT_MAX_STATE", 16)
-
-
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
-@pytest.mark.parametrize("pattern", PATTERNS)
-def test_rows_by_segments(pattern, monkeypatch):
-    """Segments held in registers (CPU: 64 keys, three launches a row; GPU: the real widths over
-    rows of 20000): random windows (empty, shorter than topk, past the row's end), every tie
-    pattern (ties at the topk-th value across parts, position 0 among them); index for index
-    and value for value with the reference, checks on."""
-    _small_segments(monkeypatch)
-    rows, n, k_top = shapes((6, 700, 13), (40, 20000, 2048))
-    g = torch.Generator().manual_seed(len(pattern) + 11)
-    logits = _pattern(pattern, rows, n, g).to(DEVICE)
-    ks, ke = W.random_windows(rows, n, g, DEVICE, empty_fraction=0.15, overhang=20)
-    ks[0], ke[0] = 0, n
-    ks[1], ke[1] = 3, 3 + k_top - 1  # one key fewer than topk
-    ks[2], ke[2] = 0, k_top + 1  # one key more
-    idx, val = topk._topk_rows_by_segments(logits, ks, ke, k_top, check=True, values=True)
-    tilefuse.check_errors()
-    ref_idx, ref_val = R.topk_of_logits(logits, R.window_mask(ks, ke, n), k_top)
-    assert torch.equal(idx, ref_idx)
-    assert _equal(val, ref_val)
-
-
-@pytest.mark.parametrize("ctx_2d", [False, True])
-def test_rows_by_segments_decode_windows(ctx_2d, monkeypatch):
-    """The same over decode lengths (1-D causal rows of next_n 3, or 2-D), bf16 logits with ties."""
-    _small_segments(monkeypatch)
-    b, next_n, n, k_top = 5, 3, shapes(300, 30000), shapes(14, 2048)
-    g = torch.Generator().manual_seed(40 + ctx_2d)
-    lens = torch.tensor([n, 0, 2, n // 2 + 7, n // 4 + 1], dtype=torch.int32)
-    ctx = (lens[:, None] * torch.rand(b, next_n, generator=g)).to(torch.int32) if ctx_2d else lens
-    ctx = ctx.to(DEVICE)
-    logits = torch.cat([_pattern("random", 6, n, g), _pattern("few-values", 9, n, g)]).to(torch.bfloat16).to(DEVICE)
-    mode = kern.WIN_DECODE_2D if ctx_2d else kern.WIN_DECODE_1D
-    idx, val = topk._topk_rows_by_segments(logits, ctx, ctx, k_top, mode=mode, next_n=next_n,
-                                           ctx_stride=ctx.stride(0) if ctx_2d else 1, values=True)
-    ref_idx, ref_val = R.topk_of_logits(logits, R.paged_valid_mask(ctx, next_n, n), k_top)
-    assert torch.equal(idx, ref_idx)
-    assert _equal(val, ref_val)
-
-
 @pytest.mark.parametrize("ctx_2d", [False, True])
 @pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
 def test_merge_decode_windows(ctx_2d, logits_dtype):
@@ -538,22 +490,6 @@ def test_decode_whole_rows(fmt, ctx_2d, logits_dtype, record_launches, monkeypat
     assert segments == 6 and passes == [(rows, segments)] * (kern.RADIX_LEVELS + 1) and len(merges) == 1
     idx = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 48, logits_dtype, chunk_k=case.block_kv)
     assert torch.equal(idx, case.check(48, chunk_k=None, logits_dtype=logits_dtype))  # chunks agree
-
-
-@pytest.mark.parametrize("fmt,ctx_2d,logits_dtype", [("fp8", False, torch.float32), ("mxfp4", True, torch.bfloat16)])
-def test_decode_whole_rows_by_segments(fmt, ctx_2d, logits_dtype, record_launches, monkeypatch):
-    """Whole rows from ``_SEGMENT_MIN_ROWS`` rows (here 1): one logits launch, then the segments'
-    launches; the same answers as chunks."""
-    _small_segments(monkeypatch)
-    monkeypatch.setattr(topk, "_SEGMENT_MIN_ROWS", 1)
-    case = PagedCase(fmt, lens=(700, 0, 129, 33), next_n=2, ctx_2d=ctx_2d, seed=60 + len(fmt) + ctx_2d,
-                     extra_cols=64, distinct_keys=40)
-    segs = record_launches(kern, "topk_segment_kernel")
-    passes = record_launches(kern, "topk_rows_pass_kernel")
-    k_top = shapes(14, 48)
-    idx = case.check(k_top, chunk_k=None, logits_dtype=logits_dtype)
-    assert len(segs) >= (1 if ON_GPU else 3) and not passes
-    assert torch.equal(idx, tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), k_top, logits_dtype, chunk_k=case.block_kv))
 
 
 def test_decode_whole_rows_limit():

@@ -258,93 +258,6 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     return out, out_values
 
 
-# Rows by segments (``_topk_rows_by_segments``): the keys a program holds in registers (the wide
-# and the narrow variant), and the widest state it serves (a launch shrinks a row by SEG / W).
-_SEGMENT_KEYS = 8192
-_SEGMENT_KEYS_NARROW = 4096
-_SEGMENT_MAX_STATE = _SEGMENT_KEYS // 4
-# Keys a thread holds: the value and position halves of 64 keys a thread spilled at 255 registers.
-_SEGMENT_KEYS_PER_THREAD = 32
-# Rows from which the decode op's whole rows go by segments rather than across programs.
-_SEGMENT_MIN_ROWS = 32
-
-
-def segments_serve(topk: int) -> bool:
-    """Whether ``_topk_rows_by_segments`` takes this ``topk`` (its state is a quarter of a
-    segment at most)."""
-    return state_width(topk) <= _SEGMENT_MAX_STATE
-
-
-def _segment_launch(src, stride_s, n_src, rows: int, parts: int, seg: int, dst, stride_d, topk: int, final: bool,
-                    out, out_values, from_logits: bool, win_a=None, win_b=None, mode: int = kern.WIN_PREFILL,
-                    next_n: int = 1, ctx_stride: int = 1, n_keys: int = 0, key_limit: int = 0, chunk_lo: int = 0,
-                    chunk_width: int = 0, check: bool = False, row_base: int = 0) -> None:
-    w = state_width(topk)
-    kern.topk_segment_kernel[(rows, parts)](
-        src, stride_s, row_base,
-        win_a if from_logits else src, win_b if from_logits else src, n_keys, key_limit, next_n, ctx_stride,
-        chunk_lo, chunk_width,
-        n_src,
-        dst, stride_d,
-        out, out.stride(0), out if out_values is None else out_values,
-        0 if out_values is None else out_values.stride(0), error_record(out.device),
-        TOPK=topk, KP=w, LOG_KP=w.bit_length() - 1, SEG=seg, FROM_LOGITS=from_logits, FINAL=final,
-        MODE=mode if from_logits else kern.WIN_PREFILL, CHECK=check and from_logits,
-        WRITE_VALUES=final and out_values is not None, num_warps=max(1, seg // (32 * _SEGMENT_KEYS_PER_THREAD)),
-    )
-
-
-def _segment_width(n: int) -> int:
-    return _SEGMENT_KEYS_NARROW if n <= _SEGMENT_KEYS_NARROW else _SEGMENT_KEYS
-
-
-def _topk_rows_by_segments(logits, win_a, win_b, topk: int, mode: int = kern.WIN_PREFILL, next_n: int = 1,
-                           ctx_stride: int = 1, n_keys: int | None = None, key_limit: int | None = None,
-                           check: bool = False, row_base: int = 0, values: bool = False,
-                           out: torch.Tensor | None = None, out_values: torch.Tensor | None = None):
-    """The top-k of each row of ``logits [R, N]`` (columns are positions; windows as the merge
-    kernel reads them), one program a segment of a row with the segment in registers
-    (``topk_segment_kernel``): each row cut into parts of at most ``_SEGMENT_KEYS`` keys, each
-    part's topk keys kept, and the kept keys cut again the same way until one part a row is
-    left, which is sorted and written. For rows that fill the GPU (the top-k across programs
-    spreads fewer rows wider). ``check``: the windows' values reported (``row_base``: the first
-    row's index in the op's output). Returns ``(indices, values or None)``."""
-    rows, width = logits.shape
-    n_keys = width if n_keys is None else n_keys
-    key_limit = n_keys if key_limit is None else key_limit
-    dev = logits.device
-    w = state_width(topk)
-    if out is None:
-        out = torch.empty((rows, topk), dtype=torch.int32, device=dev)
-    if out_values is None and values:
-        out_values = torch.empty((rows, topk), dtype=logits.dtype, device=dev)
-    if rows == 0:
-        return out, out_values
-    seg = _segment_width(width)
-    parts = cdiv(max(width, 1), seg)
-    # Every launch's output in one allocation: the first launch's parts, then the later ones
-    # (each at most half the one before), the final sort's scratch among them.
-    sizes = [parts * w]
-    while parts > 1:
-        parts = cdiv(parts * w, _segment_width(parts * w))
-        sizes.append(parts * w)
-    buf = torch.empty((rows, sum(sizes)), dtype=torch.int64, device=dev).view(torch.int32)  # keys as int32 halves
-    src, stride_s, n_src, base = logits, logits.stride(0), width, 0
-    for i, size in enumerate(sizes):
-        final = i == len(sizes) - 1
-        parts = size // w
-        dst = buf[:, 2 * base:]
-        if i == 0:
-            _segment_launch(src, stride_s, 0, rows, parts, seg, dst, buf.stride(0), topk, final, out, out_values,
-                            True, win_a, win_b, mode, next_n, ctx_stride, n_keys, key_limit, 0, width, check,
-                            row_base)
-        else:
-            _segment_launch(src, stride_s, n_src, rows, parts, _segment_width(n_src), dst, buf.stride(0), topk,
-                            final, out, out_values, False)
-        src, stride_s, n_src, base = dst, buf.stride(0), size, base + size
-    return out, out_values
-
-
 def _chunks(n_keys: int, chunk_k: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` column ranges; one empty range when there are no keys (the rows still get -1)."""
     return [(lo, min(lo + chunk_k, n_keys)) for lo in range(0, max(n_keys, 1), chunk_k)]
@@ -512,13 +425,8 @@ def _paged_mqa_topk(
             logits = tilefuse.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, context_lens, block_table,
                                                        schedule_meta, max_context_len, False, logits_dtype, indices,
                                                        config=cfg)
-            rows = b * next_n
-            if rows >= _SEGMENT_MIN_ROWS and segments_serve(topk):
-                _topk_rows_by_segments(logits, context_lens, context_lens, topk, mode, next_n, ctx_stride,
+            _topk_rows_across_programs(logits, context_lens, context_lens, topk, mode, next_n, ctx_stride,
                                        out=out, out_values=values)
-            else:
-                _topk_rows_across_programs(logits, context_lens, context_lens, topk, mode, next_n, ctx_stride,
-                                           out=out, out_values=values)
         return
     # Keys a row may have: the output's width, and what the block table can address.
     covered = min(max_context_len, block_table.shape[1] * block_kv)

@@ -767,36 +767,6 @@ def topk_rows_pass_variants() -> list[Variant]:
     return _unique(out)
 
 
-def topk_segment_variants() -> list[Variant]:
-    """``topk_segment_kernel`` as ``topk._topk_rows_by_segments`` launches it at topk 2048: from
-    fp32 logits over 1-D decode lengths in wide segments (then the kept keys, and the final
-    sort), the final launch alone from narrow rows with values, and the first launch over
-    prefill windows with their checks from bf16 logits."""
-    import torch
-
-    from tilefuse.indexer import topk
-
-    path = f"{topk.kern.__name__}:topk_segment_kernel"
-    modes = {topk.kern.WIN_PREFILL: "prefill", topk.kern.WIN_DECODE_1D: "decode1d"}
-    out = []
-    for mode, dtype, width, values, check in ((topk.kern.WIN_DECODE_1D, torch.float32, 40000, False, False),
-                                              (topk.kern.WIN_DECODE_1D, torch.float32, 3000, True, False),
-                                              (topk.kern.WIN_PREFILL, torch.bfloat16, 40000, False, True)):
-        rows = 4
-        win = torch.zeros(rows, dtype=torch.int32)
-        logits = torch.empty(rows, width, dtype=dtype)
-        with tracing(path) as launches:  # traced launches are recorded, not run
-            topk._topk_rows_by_segments(logits, win, win, 2048, mode, 2, check=check, values=values)
-        for launch in launches:
-            c = launch.arguments
-            if mode == topk.kern.WIN_PREFILL and not c["FROM_LOGITS"]:
-                continue
-            stage = ("logits" if c["FROM_LOGITS"] else "kept") + (" final" if c["FINAL"] else "")
-            name = f"{stage} {modes[mode]} SEG{c['SEG']} logits={_short(dtype)}" + (" values" if values else "")
-            out.append(variant_of(launch, "indexer.topk_segment", name))
-    return _unique(out)
-
-
 # --------------------------------------------------------------------------------------
 # Tensor-parallel GEMMs (persistent GEMM core and communication kernels)
 # --------------------------------------------------------------------------------------
@@ -1016,7 +986,6 @@ KERNELS: dict[str, tuple[Callable[[], list[Variant]], str]] = {
     "indexer.paged_schedule": (paged_schedule_variants, "tilefuse.indexer._paged_kernel"),
     "indexer.topk_merge": (topk_merge_variants, "tilefuse.indexer._topk_kernel"),
     "indexer.topk_rows_pass": (topk_rows_pass_variants, "tilefuse.indexer._topk_kernel"),
-    "indexer.topk_segment": (topk_segment_variants, "tilefuse.indexer._topk_kernel"),
     "tp.gemm": (tp_gemm_variants, "tilefuse.tp._gemm_core"),
     "tp.comm": (tp_comm_variants, "tilefuse.tp._comm_kernels"),
     "tp.rs_gluon": (tp_rs_gluon_variants, "tilefuse.tp._gemm_rs_gluon"),
