@@ -86,6 +86,7 @@ def test_topk_warmup_runs_every_merge_variant(monkeypatch):
     """With ``topk``, the warm-up runs the fused ops so that every merge variant launches: one
     chunk, and first / middle / last chunks, each with and without values, for prefill windows
     and both decode length layouts."""
+    from tilefuse import _jit
     from tilefuse.indexer import _topk_kernel as kern
 
     real = kern.topk_merge_chunk_kernel
@@ -98,9 +99,11 @@ def test_topk_warmup_runs_every_merge_variant(monkeypatch):
                 return real[grid](*args, **kw)
             return launch
 
-    monkeypatch.setattr(kern, "topk_merge_chunk_kernel", Spy())
+    spy = Spy()
+    monkeypatch.setattr(kern, "topk_merge_chunk_kernel", spy)
     model = tilefuse.IndexerModel(fmt="fp8", num_heads=8, head_dim=64, block_kv=32, topk=16)
-    report = tilefuse.warmup(model, device=DEVICE)
+    with _jit.redirected(real, spy):  # the op launches through tilefuse._jit.Launcher
+        report = tilefuse.warmup(model, device=DEVICE)
     assert report.calls["prefill_topk"] == len(prefill.warmup_sizes("fp8", 8, 64, torch.float32,
                                                                       torch.device(DEVICE))) + 4
     assert report.calls["decode_topk"] == 14  # 8 chunked, 4 whole rows, 2 with indices

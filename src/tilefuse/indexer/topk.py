@@ -51,7 +51,7 @@ import torch
 import tilefuse
 from tilefuse._device import capability_major
 from tilefuse._errors import deferred, error_record, raise_pending
-from tilefuse._jit import cdiv, next_power_of_2
+from tilefuse._jit import Launcher, cdiv, next_power_of_2
 from tilefuse._validate import check_kernel_device, expect, expect_int, expect_tensor
 from tilefuse.formats import format_of
 from tilefuse.indexer import _topk_kernel as kern
@@ -185,6 +185,17 @@ def _outputs(rows: int, topk: int, logits_dtype, device, out, return_values: boo
     return out, values
 
 
+# The kernels' launches by a key computed here (``tilefuse._jit.Launcher``): Triton's binder
+# costs more host time than a launch, and the decode op over whole rows makes six of them.
+_merge_launch = Launcher(kern.topk_merge_chunk_kernel)
+_pass_launch = Launcher(kern.topk_rows_pass_kernel)
+
+
+def _aligned(*tensors) -> tuple:
+    """What Triton specialises on in a pointer argument: its address divisible by 16."""
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, n_keys: int, key_limit: int,
            next_n: int, ctx_stride: int, row_base: int, out, values, topk: int, mode: int, first: bool,
            final: bool) -> None:
@@ -201,16 +212,18 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
         rows_per_program = max(rows_per_program, min(next_power_of_2(rows), _INTERPRETER_KEYS_PER_PROGRAM // w))
         digit = 8
     piece = min(2 * w, max(16, _SELECT_PIECE_KEYS // rows_per_program))
-    kern.topk_merge_chunk_kernel[(cdiv(rows, rows_per_program),)](
+    vals = out if values is None else values
+    err = error_record(out.device)
+    consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, digit, piece)
+    warps = max(1, min(8, rows_per_program * w // 256))
+    key = (consts, warps, logits.dtype, vals.dtype, win_a.dtype, win_b.dtype,
+           _aligned(logits, bars, candidates, counts, win_a, win_b, out, vals, err))
+    _merge_launch(key, (cdiv(rows, rows_per_program),), (
         logits, logits.stride(0), bars, candidates, candidates.stride(0), counts,
         rows, row_base, win_a, win_b, n_keys, key_limit, next_n, ctx_stride,
         lo, width,
-        out, out.stride(0), out if values is None else values, 0 if values is None else values.stride(0),
-        error_record(out.device),
-        TOPK=topk, W=w, LOG_W=w.bit_length() - 1, ROWS=rows_per_program, MODE=mode, FIRST=first, FINAL=final,
-        WRITE_VALUES=values is not None, DIGIT=digit, PIECE=piece,
-        num_warps=max(1, min(8, rows_per_program * w // 256)),
-    )
+        out, out.stride(0), vals, 0 if values is None else values.stride(0),
+        err, *consts), {"num_warps": warps})
 
 
 # Rows split over programs (``_topk_rows_across_programs``): programs a launch aims at (four an
@@ -219,6 +232,7 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
 _ACROSS_PROGRAMS = 4 * 132
 _ACROSS_MIN_SEGMENT = 2048
 _ACROSS_BLOCK = 1024
+_PASS_OPTIONS = {"num_warps": 4}
 
 
 def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern.WIN_PREFILL, next_n: int = 1,
@@ -246,13 +260,15 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
         out_values = torch.empty((rows, topk), dtype=logits.dtype, device=dev)
     if rows == 0:
         return out, out_values
+    aligned = _aligned(logits, win_a, win_b, hist, candidates, counts)
     for p in range(kern.RADIX_LEVELS + 1):
-        kern.topk_rows_pass_kernel[(rows, segments)](
+        consts = (p, mode, _ACROSS_BLOCK)
+        _pass_launch((consts, logits.dtype, win_a.dtype, win_b.dtype, aligned), (rows, segments), (
             logits, logits.stride(0), win_a, win_b, n_keys, next_n, ctx_stride, segments,
-            hist, candidates, candidates.stride(0), counts, topk,
-            PASS=p, MODE=mode, BLOCK=_ACROSS_BLOCK, num_warps=4,
-        )
-    bars = torch.empty(rows, dtype=torch.int64, device=dev)  # read by the last step, not used without a scan
+            hist, candidates, candidates.stride(0), counts, topk, *consts), _PASS_OPTIONS)
+    # The last step reads a bar a row and uses it only after a scan, which it has none of here:
+    # any int64 memory of a row each does (no allocation on the call's path).
+    bars = candidates
     _merge(logits, bars, candidates, counts, 0, 0, win_a, win_b, n_keys, n_keys, next_n, ctx_stride, 0, out,
            out_values, topk, mode, first=False, final=True)
     return out, out_values
