@@ -1,0 +1,124 @@
+"""Per-call cost of the fused top-k ops as an engine calls them eagerly, beside the unfused pairs.
+
+Back to back, default settings, at sizes whose GPU work is a few microseconds (so the host and
+launch path bounds a call): wall time per call over ``calls`` calls, the best of three rounds,
+and the GPU time of the same call in a CUDA graph (wall minus nothing: where wall >> GPU, wall
+is the host's). The pairs: tilefuse logits + ``torch.topk`` and, when ``import deep_gemm``
+works, DeepGEMM's logits + ``torch.topk``. Then ``--profile``: the host functions that take
+the fused decode call's time (cProfile, by own time).
+
+    python benchmarks/topk_host_cost.py [--output f.json] [--profile]
+
+Without a GPU it runs a few calls through the interpreter (the numbers then say nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+
+import torch
+
+import tilefuse
+from tilefuse import formats as F
+from tilefuse.bench import env
+from tilefuse.indexer import paged
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from paged_host_cost import graph_gpu_us, per_call_us  # noqa: E402
+
+H, D, BLOCK_KV, TOPK = 64, 128, 64, 2048
+
+
+def decode_inputs(batch: int, ctx: int, device: str):
+    g = torch.Generator().manual_seed(batch + ctx)
+    lens = torch.full((batch, 1), ctx, dtype=torch.int32)
+    keys = torch.randn(batch, ctx, D, generator=g).to(torch.bfloat16).to(device)
+    cache, table = paged.make_paged_kv_cache(keys, lens[:, 0].to(device), BLOCK_KV, "fp8", generator=g)
+    qq = tuple(None if t is None else t.to(device) for t in F.quantize_q(torch.randn(batch, 1, H, D, generator=g),
+                                                                         "fp8"))
+    w = torch.randn(batch, H, generator=g).to(device)
+    return qq, cache, w, lens.to(device), table
+
+
+def prefill_inputs(s_q: int, s_k: int, device: str):
+    g = torch.Generator().manual_seed(s_q + s_k)
+    qq = tuple(None if t is None else t.to(device) for t in F.quantize_q(torch.randn(s_q, H, D, generator=g), "fp8"))
+    kk = tuple(t.to(device) for t in F.quantize_k(torch.randn(s_k, D, generator=g), "fp8"))
+    w = torch.randn(s_q, H, generator=g).to(device)
+    ks = torch.zeros(s_q, dtype=torch.int32, device=device)
+    ke = (torch.arange(s_q, dtype=torch.int32, device=device) + (s_k - s_q + 1)).clamp(max=s_k)
+    return qq, kk, w, ks, ke
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--output", default=None)
+    ap.add_argument("--calls", type=int, default=None)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    calls = args.calls or (200 if gpu else 1)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if gpu else 8
+    try:
+        import deep_gemm
+    except ImportError:
+        deep_gemm = None
+    rows = []
+
+    def record(case, impl, fn):
+        row = {"case": case, "impl": impl, "eager_us": per_call_us(fn, calls, sync)}
+        if gpu:
+            row["graph_gpu_us"] = graph_gpu_us(fn, 10)
+        rows.append(row)
+        print(f"{case:28s} {impl:28s} eager {row['eager_us']:8.1f} us   GPU in a graph "
+              f"{row.get('graph_gpu_us', float('nan')):8.1f} us", flush=True)
+
+    decode_shapes = ((1, 4096), (32, 4096), (1, 32768)) if gpu else ((1, 96),)
+    for batch, ctx in decode_shapes:
+        qq, cache, w, lens, table = decode_inputs(batch, ctx, device)
+        meta = tilefuse.get_paged_mqa_logits_metadata(lens, BLOCK_KV, num_sms)
+        k = min(TOPK, ctx)
+        case = f"decode B{batch} ctx{ctx}"
+        out = torch.empty(batch, k, dtype=torch.int32, device=device)
+        record(case, "tilefuse fused", lambda: tilefuse.fp8_fp4_paged_mqa_topk(
+            qq, cache, w, lens, table, meta, ctx, k, out=out))
+        record(case, "tilefuse + torch.topk", lambda: torch.topk(tilefuse.fp8_fp4_paged_mqa_logits(
+            qq, cache, w, lens, table, meta, ctx), k, dim=1))
+        if deep_gemm is not None:
+            dg_meta = deep_gemm.get_paged_mqa_logits_metadata(lens, BLOCK_KV, num_sms)
+            record(case, "deep_gemm + torch.topk", lambda: torch.topk(deep_gemm.fp8_paged_mqa_logits(
+                qq[0], cache, w, lens, table, dg_meta, ctx, False), k, dim=1))
+        if args.profile and batch == 1 and ctx == 4096:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                tilefuse.fp8_fp4_paged_mqa_topk(qq, cache, w, lens, table, meta, ctx, k, out=out)
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+            print(text.getvalue(), flush=True)
+    s_q, s_k = (128, 4096) if gpu else (4, 96)
+    qq, kk, w, ks, ke = prefill_inputs(s_q, s_k, device)
+    k = min(TOPK, s_k)
+    case = f"prefill {s_q}/{s_k}"
+    record(case, "tilefuse fused", lambda: tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k))
+    record(case, "tilefuse + torch.topk", lambda: torch.topk(tilefuse.fp8_fp4_mqa_logits(
+        qq, kk, w, ks, ke, clean_logits=True), k, dim=1))
+    if deep_gemm is not None:
+        record(case, "deep_gemm + torch.topk", lambda: torch.topk(deep_gemm.fp8_mqa_logits(
+            qq[0], kk, w, ks, ke, clean_logits=True), k, dim=1))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"environment": env.environment("eager"), "calls": calls, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
