@@ -293,8 +293,7 @@ def _workspace(rows: int, topk: int, n_chunks: int, device) -> tuple[torch.Tenso
 # ---------------------------------------------------------------------------------------
 # Prefill
 # ---------------------------------------------------------------------------------------
-@torch.library.custom_op("tilefuse::mqa_topk", mutates_args=("out", "values"))
-def _mqa_topk(
+def _run_mqa_topk(
     q: torch.Tensor,
     q_sf: torch.Tensor | None,
     k: torch.Tensor,
@@ -332,6 +331,15 @@ def _mqa_topk(
                     _merge(logits, bars, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out[rows],
                            None if values is None else values[rows], topk, kern.WIN_PREFILL,
                            first=c == 0, final=c == len(chunks) - 1)
+
+
+@torch.library.custom_op("tilefuse::mqa_topk", mutates_args=("out", "values"))
+def _mqa_topk(
+    q: torch.Tensor, q_sf: torch.Tensor | None, k: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
+    ks: torch.Tensor, ke: torch.Tensor, logits_dtype: torch.dtype, topk: int, chunk_q: int, chunk_k: int,
+    out: torch.Tensor, values: torch.Tensor | None,
+) -> None:
+    _run_mqa_topk(q, q_sf, k, k_scale, weights, ks, ke, logits_dtype, topk, chunk_q, chunk_k, out, values)
 
 
 @_mqa_topk.register_fake
@@ -405,16 +413,18 @@ def fp8_fp4_mqa_topk(
     chunk_k = chunk_k or default_chunk_k(topk, _PREFILL_KEY_TILE)
     chunk_q = chunk_q or default_chunk_q(chunk_k, logits_dtype)
     out, values = _outputs(s_q, topk, logits_dtype, q_values.device, out, return_values)
-    _mqa_topk(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, logits_dtype, topk,
-              chunk_q, chunk_k, out, values)
+    # Eager: the implementation without the dispatcher (the custom op's wrapper was most of the
+    # eager cost of a call: benchmarks/NOTES.md); under torch.compile the custom op, one node.
+    run = _mqa_topk if torch.compiler.is_compiling() else _run_mqa_topk
+    run(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end, logits_dtype, topk,
+        chunk_q, chunk_k, out, values)
     return (out, values) if return_values else out
 
 
 # ---------------------------------------------------------------------------------------
 # Decode
 # ---------------------------------------------------------------------------------------
-@torch.library.custom_op("tilefuse::paged_mqa_topk", mutates_args=("out", "values"))
-def _paged_mqa_topk(
+def _run_paged_mqa_topk(
     q: torch.Tensor,
     q_sf: torch.Tensor | None,
     kv_cache: torch.Tensor,
@@ -466,6 +476,17 @@ def _paged_mqa_topk(
                 _merge(logits, bars, candidates, counts, lo, width, context_lens, context_lens, max_context_len,
                        covered, next_n, ctx_stride, 0, out, values, topk, mode, first=c == 0,
                        final=c == len(chunks) - 1)
+
+
+@torch.library.custom_op("tilefuse::paged_mqa_topk", mutates_args=("out", "values"))
+def _paged_mqa_topk(
+    q: torch.Tensor, q_sf: torch.Tensor | None, kv_cache: torch.Tensor, weights: torch.Tensor,
+    context_lens: torch.Tensor, block_table: torch.Tensor, schedule_meta: torch.Tensor, max_context_len: int,
+    logits_dtype: torch.dtype, indices: torch.Tensor | None, topk: int, chunk_k: int, out: torch.Tensor,
+    values: torch.Tensor | None,
+) -> None:
+    _run_paged_mqa_topk(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+                        logits_dtype, indices, topk, chunk_k, out, values)
 
 
 @_paged_mqa_topk.register_fake
@@ -547,8 +568,9 @@ def fp8_fp4_paged_mqa_topk(
     else:
         chunk = default_chunk_k(topk, max(1, block_kv))
     out, values = _outputs(b * next_n, topk, logits_dtype, q_values.device, out, return_values)
-    _paged_mqa_topk(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
-                    max_context_len, logits_dtype, indices, topk, chunk, out, values)
+    run = _paged_mqa_topk if torch.compiler.is_compiling() else _run_paged_mqa_topk  # as the prefill op
+    run(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
+        max_context_len, logits_dtype, indices, topk, chunk, out, values)
     return (out, values) if return_values else out
 
 
