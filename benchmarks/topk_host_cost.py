@@ -80,15 +80,17 @@ def main(argv=None) -> int:
         print(f"{case:28s} {impl:28s} eager {row['eager_us']:8.1f} us   GPU in a graph "
               f"{row.get('graph_gpu_us', float('nan')):8.1f} us", flush=True)
 
-    decode_shapes = ((1, 4096), (32, 4096), (1, 32768)) if gpu else ((1, 96),)
-    for batch, ctx in decode_shapes:
+    def decode(batch: int, ctx: int) -> None:
         qq, cache, w, lens, table = decode_inputs(batch, ctx, device)
         meta = tilefuse.get_paged_mqa_logits_metadata(lens, BLOCK_KV, num_sms)
         k = min(TOPK, ctx)
         case = f"decode B{batch} ctx{ctx}"
         out = torch.empty(batch, k, dtype=torch.int32, device=device)
-        record(case, "tilefuse fused", lambda: tilefuse.fp8_fp4_paged_mqa_topk(
-            qq, cache, w, lens, table, meta, ctx, k, out=out))
+
+        def fused():
+            tilefuse.fp8_fp4_paged_mqa_topk(qq, cache, w, lens, table, meta, ctx, k, out=out)
+
+        record(case, "tilefuse fused", fused)
         record(case, "tilefuse + torch.topk", lambda: torch.topk(tilefuse.fp8_fp4_paged_mqa_logits(
             qq, cache, w, lens, table, meta, ctx), k, dim=1))
         if deep_gemm is not None:
@@ -99,11 +101,14 @@ def main(argv=None) -> int:
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(calls):
-                tilefuse.fp8_fp4_paged_mqa_topk(qq, cache, w, lens, table, meta, ctx, k, out=out)
+                fused()
             prof.disable()
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
             print(text.getvalue(), flush=True)
+
+    for batch, ctx in ((1, 4096), (32, 4096), (1, 32768)) if gpu else ((1, 96),):
+        decode(batch, ctx)
     s_q, s_k = (128, 4096) if gpu else (4, 96)
     qq, kk, w, ks, ke = prefill_inputs(s_q, s_k, device)
     k = min(TOPK, s_k)
