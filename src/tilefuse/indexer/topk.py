@@ -38,8 +38,9 @@ variant is not offered).
 These ops add no host synchronisation of their own: window and length errors are found by the
 merge kernel and raised at the next op call or by :func:`tilefuse.check_errors` (see
 ``tilefuse._errors``); each chunk's logits op runs on windows and lengths valid by
-construction (their checks are on the device too, so no chunk syncs). The ops are ``torch.library`` custom ops
-with fake implementations and write into ``out=`` if given.
+construction (their checks are on the device too, so no chunk syncs). Under ``torch.compile``
+the ops are ``torch.library`` custom ops with fake implementations; eager calls run the same
+implementation without the dispatcher. They write into ``out=`` if given.
 """
 
 from __future__ import annotations
