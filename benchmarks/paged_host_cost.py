@@ -44,6 +44,19 @@ def inputs(fmt: str, batch: int, ctx: int, next_n: int, device: str):
     return qq, cache, w, lens.to(device), table
 
 
+def host_setup():
+    """``(gpu, device, sync, num_sms, deep_gemm module or None)`` of this machine, for the
+    host-cost scripts (on CPU: the interpreter's device, no sync, 8 workers)."""
+    gpu = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if gpu else 8
+    try:
+        import deep_gemm
+    except ImportError:
+        deep_gemm = None
+    return gpu, "cuda" if gpu else "cpu", sync, num_sms, deep_gemm
+
+
 def per_call_us(fn, calls: int, sync, rounds: int = 3) -> float:
     """Wall time per call of ``calls`` back-to-back calls after a sync, the best of ``rounds``."""
     fn()
@@ -109,16 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--output", default=None)
     ap.add_argument("--calls", type=int, default=None)
     args = ap.parse_args(argv)
-    gpu = torch.cuda.is_available()
-    device = "cuda" if gpu else "cpu"
+    gpu, device, sync, num_sms, deep_gemm = host_setup()
     calls = args.calls or (200 if gpu else 2)
     batch, ctx = (32, 4096) if gpu else (2, 96)
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if gpu else 8
-    try:
-        import deep_gemm
-    except ImportError:
-        deep_gemm = None
     rows = []
 
     def record(name, us, **extra):

@@ -2,8 +2,8 @@
 
 Back to back, default settings, at sizes whose GPU work is a few microseconds (so the host and
 launch path bounds a call): wall time per call over ``calls`` calls, the best of three rounds,
-and the GPU time of the same call in a CUDA graph (wall minus nothing: where wall >> GPU, wall
-is the host's). The pairs: tilefuse logits + ``torch.topk`` and, when ``import deep_gemm``
+beside the GPU time of the same call in a CUDA graph (where the wall time is well above it, the
+host's path is what a call costs). The pairs: tilefuse logits + ``torch.topk`` and, when ``import deep_gemm``
 works, DeepGEMM's logits + ``torch.topk``. Then ``--profile``: the host functions that take
 the fused decode call's time (cProfile, by own time).
 
@@ -22,14 +22,12 @@ import pstats
 import sys
 
 import torch
+from paged_host_cost import graph_gpu_us, host_setup, per_call_us  # (sibling scripts: benchmarks/ is on sys.path)
 
 import tilefuse
 from tilefuse import formats as F
 from tilefuse.bench import env
 from tilefuse.indexer import paged
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from paged_host_cost import graph_gpu_us, per_call_us  # noqa: E402
 
 H, D, BLOCK_KV, TOPK = 64, 128, 64, 2048
 
@@ -61,15 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=None)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
-    gpu = torch.cuda.is_available()
-    device = "cuda" if gpu else "cpu"
+    gpu, device, sync, num_sms, deep_gemm = host_setup()
     calls = args.calls or (200 if gpu else 1)
-    sync = torch.cuda.synchronize if gpu else (lambda: None)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count if gpu else 8
-    try:
-        import deep_gemm
-    except ImportError:
-        deep_gemm = None
     rows = []
 
     def record(case, impl, fn):
