@@ -81,10 +81,16 @@ def _key_extent(ctx_ptr, stride_ctx, b, NEXT_N: tl.constexpr, NEXT_N_P: tl.const
     """Keys request ``b`` reads: its length (1-D) or its longest row (2-D), at least 0; and
     its shortest length (negative when one is bad)."""
     if CTX_2D:
-        t = tl.arange(0, NEXT_N_P)
-        lens = tl.load(ctx_ptr + b * stride_ctx + t, mask=t < NEXT_N, other=0)
-        n = tl.max(lens, axis=0)
-        lo = tl.min(lens, axis=0)
+        # Scalar loads, not a vector load and a reduction: the extent sets the loop's bounds,
+        # and a reduced vector keeps them (and what follows from them) in per-thread
+        # registers instead of uniform ones (+23 registers a thread at next_n 2, a program
+        # fewer an SM).
+        n = tl.load(ctx_ptr + b * stride_ctx)
+        lo = n
+        for t in tl.static_range(1, NEXT_N):
+            n_t = tl.load(ctx_ptr + b * stride_ctx + t)
+            n = tl.maximum(n, n_t)
+            lo = tl.minimum(lo, n_t)
     else:
         n = tl.load(ctx_ptr + b * stride_ctx)
         lo = n

@@ -245,10 +245,9 @@ def paged_logits_gluon_kernel(
     # [keys, rows], key vectors in its slice 1, row vectors in its slice 0.
     out_l: gl.constexpr = _head_sums(gl.zeros([BLOCK_N, NC], gl.float32, mma), ROWS, HEADS_P).type.layout
     key_l: gl.constexpr = out_l if ROWS == 1 else gl.SliceLayout(1, out_l)
-    # Small vectors (page ids, 2-D lengths) whole in every warp: their reductions stay in a warp.
+    # The page ids whole in every warp: their reductions stay in a warp.
     IDS_PER_LANE: gl.constexpr = MAX_CHUNK_PAGES // 32 if MAX_CHUNK_PAGES > 32 else 1
     ids_l: gl.constexpr = gl.BlockedLayout([IDS_PER_LANE], [32], [num_warps], [0])
-    lens_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     TPW_D: gl.constexpr = D // 16  # lanes along a query row (16 bytes each)
     q_l: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_D, TPW_D], [num_warps, 1], [1, 0])
 
@@ -267,14 +266,15 @@ def paged_logits_gluon_kernel(
     chunk_page_ids = first_page + slots
     chunk_pages_ok = (slots < chunk_pages) & (chunk_page_ids < max_blocks)
     ids = gl.load(bt_row + chunk_page_ids, mask=chunk_pages_ok, other=0)
+    # Scalar loads of the lengths, not a reduced vector: the loop's bounds then stay uniform
+    # (see _paged_kernel._key_extent).
+    longest = gl.load(ctx_ptr + b64 * stride_ctx)
+    shortest = longest
     if CTX_2D:
-        t = gl.arange(0, NEXT_N_P, layout=lens_l)
-        lens = gl.load(ctx_ptr + b64 * stride_ctx + t, mask=t < NEXT_N, other=0)
-        longest = gl.max(lens, axis=0)
-        shortest = gl.min(lens, axis=0)
-    else:
-        longest = gl.load(ctx_ptr + b64 * stride_ctx)
-        shortest = longest
+        for t in gl.static_range(1, NEXT_N):
+            n_t = gl.load(ctx_ptr + b64 * stride_ctx + t)
+            longest = gl.maximum(longest, n_t)
+            shortest = gl.minimum(shortest, n_t)
     extent = gl.maximum(longest, 0)
     if (pid_g == 0) & (chunk_idx == 0):
         b32 = b64.to(gl.int32)

@@ -48,11 +48,6 @@ _ENTRIES = [
     ("indexer.prefill", "sm_100a", "fp8 * relu_via_abs=*", 24,
      "Triton loop on sm_100a with the linear term's operands beside the key tile (option, timed on Hopper only)",
      "3.8*"),
-    # Decode with triton 3.6 on sm_100a: the 2-D lengths' loads beside two rows of 64 heads.
-    ("indexer.paged", "sm_100a", "fp8 D128 H64 next_n2 * ctx2d tma", 8, "next_n 2 with 2-D lengths at 168 registers",
-     "3.6*"),
-    ("indexer.paged", "sm_100a", "mxfp4 D128 H64 next_n2 * ctx2d", 48, "MXFP4 dequantised tile beside two rows",
-     "3.6*"),
     # Top-k merge: ptxas holds the 8-warp variants (topk 2048) to 64 registers on sm_90a (80 on
     # sm_100a with 3.8), four programs an SM; the scan's and the select's per-piece temporaries
     # and the final sort's index arithmetic spill a few words there, and the small variants at

@@ -586,7 +586,7 @@ def paged_variants() -> list[Variant]:
         for next_n in (1, 2):
             one(fmt, d, next_n=next_n)
     for kw in ({"h": 8}, {"h": 128}, {"next_n": 4}, {"next_n": 8}, {"block_kv": 32}, {"block_kv": 128},
-               {"ctx_2d": True, "next_n": 2}, {"clean": True}, {"w_dtype": bf16, "out_dtype": bf16},
+               {"ctx_2d": True}, {"ctx_2d": True, "next_n": 2}, {"clean": True}, {"w_dtype": bf16, "out_dtype": bf16},
                {"indices": True}, {"page_pad": 4},
                {"block_kv": 32, "next_n": 6, "ctx_2d": True, "w_dtype": bf16, "out_dtype": bf16}):
         one("fp8", 128, **kw)
