@@ -833,6 +833,27 @@ def test_batch_size_and_width_changing_every_call():
         case.run(out=torch.empty(3, case.max_context_len + 1, device=DEVICE))
 
 
+def test_chunk_per_call_fills_the_gpu_before_it_grows():
+    """The per-call chunk: 512-2048 keys aiming at ``_TARGET_PROGRAMS`` programs, and smaller
+    chunks, down to one tile, while they give at most the device's resident programs
+    (``wave``); whole pages, a power of two of them."""
+    pages = paged.chunk_pages_for
+    # Large batches: the rule aimed at _TARGET_PROGRAMS programs, whatever the wave.
+    assert pages(256, 8192, 64, 64, wave=264) == pages(256, 8192, 64, 64) == 1024 // 64
+    assert pages(64, 163840, 64, 64, wave=264) == 2048 // 64
+    assert pages(8, 32768, 64, 64, wave=264) == 512 // 64
+    # Small ones: shorter chunks until the wave is filled, never below one tile.
+    assert pages(1, 8192, 64, 64, wave=264) == 1  # 64 keys: 128 programs
+    assert pages(1, 65536, 64, 64, wave=264) == 256 // 64  # 256 programs of 256 keys
+    assert pages(2, 65536, 64, 64, wave=264) == 512 // 64
+    assert pages(1, 8192, 64, 128, wave=264) == 2  # one 128-key tile
+    assert pages(1, 8192, 32, 64, wave=264) == 2  # one tile of two 32-token pages
+    assert pages(1, 8192, 128, 64, wave=264) == 1  # one page is the smallest chunk
+    # Row groups count as programs; no device (wave 0) keeps 512 keys.
+    assert pages(1, 65536, 64, 64, wave=264, groups=2) == 512 // 64
+    assert pages(1, 8192, 64, 64) == pages(1, 300, 64, 64) == 512 // 64
+
+
 def test_out_buffer_bad_layouts_raise():
     case = Case("fp8", lens=(70, 129), next_n=1, block_kv=32, seed=25)
     good = torch.empty(2, case.max_context_len, device=DEVICE)

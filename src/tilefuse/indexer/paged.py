@@ -51,7 +51,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tilefuse import _config, _errors, _validate, formats
 from tilefuse._config import apply_override, register_config
-from tilefuse._device import capability_major
+from tilefuse._device import capability_major, sm_count
 from tilefuse._errors import error_record, raise_pending_fast
 from tilefuse._jit import Launcher, cdiv, host_descriptor, next_power_of_2
 from tilefuse._validate import expect, expect_int, expect_tensor
@@ -106,8 +106,12 @@ register_config("paged", PagedConfig)
 # Programs the per-call chunk aims for: about 16 per SM on a 132-SM H200, so that programs
 # starting their pipeline overlap others streaming (benchmarks/NOTES.md, paged rounds).
 _TARGET_PROGRAMS = 2048
-# Chunk sizes the per-call choice moves between, in keys.
+# Chunk sizes the per-call choice moves between, in keys (down to one tile where a batch is
+# too small to fill the GPU: see chunk_pages_for).
 _MIN_CHUNK, _MAX_CHUNK = 512, 2048
+# Programs per SM that every default configuration holds resident at once (4-5 at 64-key
+# tiles, 3-4 at 128): a batch with fewer programs than this many per SM runs in one wave.
+_RESIDENT_PER_SM = 2
 # Dot columns (query rows x padded heads) one program takes at most, and from which size it
 # runs on 8 warps (two warpgroups share the accumulator).
 _MAX_DOT_COLUMNS = 256
@@ -149,11 +153,18 @@ def _pages_for(keys: int, block_kv: int, block_n: int) -> int:
     return pages
 
 
-def chunk_pages_for(batch: int, max_context_len: int, block_kv: int, block_n: int) -> int:
-    """Pages per program for this call: the largest chunk in [512, 2048] keys that still gives
-    about ``_TARGET_PROGRAMS`` programs over the batch (whole pages, a power of two of them)."""
+def chunk_pages_for(batch: int, max_context_len: int, block_kv: int, block_n: int, wave: int = 0,
+                    groups: int = 1) -> int:
+    """Pages per program for this call (whole pages, a power of two of them): the largest chunk
+    in [512, 2048] keys that still gives about ``_TARGET_PROGRAMS`` programs over the batch;
+    below 512 keys, down to one tile, the smallest chunk that gives at most ``wave`` programs
+    (the GPU's resident programs, ``_RESIDENT_PER_SM`` an SM): every program of such a batch
+    runs at once, and its time is one program's tiles one after another. ``groups``: programs
+    per (request, chunk), the query rows' groups."""
     keys = max(1, batch) * max(1, max_context_len)
     target = _MIN_CHUNK
+    while target > block_n and keys * groups // (target // 2) <= wave:
+        target //= 2
     while target < _MAX_CHUNK and keys // (2 * target) >= _TARGET_PROGRAMS:
         target *= 2
     key = (target, block_kv, block_n)  # (a few values of each: per call a lookup)
@@ -562,6 +573,7 @@ class _Plan:
     block_kv: int
     cfg: PagedConfig
     chunk_pages: int  # pages per program fixed by ``cfg.chunk``; 0: picked per call (chunk_pages_for)
+    wave: int  # programs the device holds at once (chunk_pages_for); 0 on the CPU
     groups: int
     page_unit: int
     q_unit: int
@@ -711,7 +723,8 @@ def _make_plan(fmt, next_n, h, d, block_kv, q, kv_cache, context_lens, indices, 
     at = tail.index("kv_desc")
     before, after = tuple(consts[n] for n in tail[:at]), tuple(consts[n] for n in tail[at + 1:])
     launch_key = (gluon, before, after, cfg.num_warps, cfg.num_stages)
-    return _Plan(next_n, block_kv, cfg, chunk_pages, groups, page_unit, q_unit, consts, tma, before, after,
+    wave = (sm_count(q.device) or 0) * _RESIDENT_PER_SM
+    return _Plan(next_n, block_kv, cfg, chunk_pages, wave, groups, page_unit, q_unit, consts, tma, before, after,
                  launch_key, options, gluon, launcher, kv_descriptor)
 
 
@@ -814,7 +827,8 @@ def _launch(plan: _Plan, q, q_sf, kv_cache, weights, context_lens, block_table, 
     if out.numel() == 0:
         return
     b = q.shape[0]
-    chunk_pages = plan.chunk_pages or chunk_pages_for(b, max_context_len, plan.block_kv, plan.cfg.block_n)
+    chunk_pages = plan.chunk_pages or chunk_pages_for(b, max_context_len, plan.block_kv, plan.cfg.block_n,
+                                                      plan.wave, plan.groups)
     chunks_per_request = cdiv(max_context_len, chunk_pages * plan.block_kv)
     programs = plan.groups * b * chunks_per_request
     # Besides the plan: what Triton specialises on that the plan's layout key leaves open.
