@@ -8,6 +8,9 @@
 #   PART=suite: the README's test command on the whole suite (xdist where the image has it, else
 #     split over processes), the two contract sweeps beside it, then top-k speed
 #   PART=decode: the decode schedule grid beside DeepGEMM; PART=topk: top-k speed
+#   PART=decode-ab: after a decode kernel change: its GPU tests, a contract sample, the A/B against
+#     $AB_PREV, the schedule grid beside DeepGEMM; PART=decode-profile: the decode GPU tests over
+#     processes, then Nsight Compute on the decode kernels (tilefuse's, DeepGEMM's) at $PROFILE_ROWS
 #   PART=table: bench paged at the decode table's rows beside DeepGEMM
 #   PART=closing: the README's two commands side by side (test suite, demo), then top-k speed and
 #     the top-k A/B over $AB_TREES
@@ -91,7 +94,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|table|host|topk|topk-check|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|decode-ab|decode-profile|table|host|topk|topk-check|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -165,6 +168,28 @@ case "$part" in
     step paged-sweep "${SWEEP_S:-220}" python3 benchmarks/paged_sweep.py --grid schedule --samples 15 \
       --output "$OUT/paged-sweep-schedule.json" --rows ${DECODE_ROWS:-1x1x131072 1x1x8192 8x1x32768 \
       8x1x32768/32 32x1x8192 32x1x4096 64x1x8192 64x2x8192 128x1x32768 256x2x8192 1024x1x1024}
+    ;;
+  decode-ab)  # after a decode kernel change: its GPU tests and a contract sample while DeepGEMM
+    # builds, the default config against $AB_PREV (a src tree), then the schedule grid beside DeepGEMM
+    step tests-paged 150 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_paged.py \
+      tests/indexer/test_paged_bounds.py tests/indexer/test_paged_gluon.py
+    step gpu-sweep 70 python3 -m tests.indexer.gpu_sweep --budget-s 50 --seed "${SEED:-1}" --large
+    step paged-ab 120 python3 benchmarks/prefill_ab.py "${AB_PREV:-.ab/prev}" . --op paged --rounds 2 \
+      --output "$OUT/paged-ab.json"
+    wait_deepgemm
+    step paged-sweep "${SWEEP_S:-200}" python3 benchmarks/paged_sweep.py --grid schedule --samples 15 \
+      --output "$OUT/paged-sweep-schedule.json" --rows ${DECODE_ROWS:-1x1x8192 1x1x131072 8x1x32768 \
+      32x1x4096 32x1x8192 64x1x8192 64x2x8192 256x2x8192}
+    ;;
+  decode-profile)  # the decode GPU tests over processes while DeepGEMM builds, then Nsight Compute
+    # on tilefuse's and DeepGEMM's decode kernels at $PROFILE_ROWS
+    shards tests-paged "${TESTS_S:-200}" "${TEST_PROCS:-6}" tests/indexer/test_paged.py \
+      tests/indexer/test_paged_bounds.py tests/indexer/test_paged_gluon.py
+    wait_deepgemm
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+    step ncu "${NCU_S:-150}" "$NCU" --clock-control none -k "regex:paged_logits|paged_mqa_logits" \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis python3 benchmarks/paged_profile.py ${PROFILE_ROWS:-8x1x32768 256x2x8192}
     ;;
   table)  # the decode rows of the paged issue's table beside DeepGEMM (bench paged)
     wait_deepgemm

@@ -7,8 +7,13 @@ rows are the speed targets of the paged op (block 64, FP8, fp32 logits, 2-D cont
 uniform in 0.7-1.3 of the mean); bytes = KV pages read + logits written. The outcome goes to
 ``benchmarks/NOTES.md`` and the winners into ``default_paged_config``.
 
+``--layers N``: N copies of the cache, queries and weights (one table, lengths and metadata, as a
+model's layers share them), the captured calls cycling through them: a row whose pages fit in
+the 60 MB L2 is then not timed out of L2 (every call of an engine's decode step reads another
+layer's cache).
+
     python benchmarks/paged_sweep.py --output paged-sweep.json
-    python benchmarks/paged_sweep.py --rows 8x1x32768 1x1x131072/32 --grid schedule
+    python benchmarks/paged_sweep.py --rows 8x1x32768 1x1x131072/32 --grid schedule --layers 5
 """
 
 from __future__ import annotations
@@ -37,14 +42,17 @@ H, D, BLOCK_KV = 64, 128, 64
 
 
 def configs(next_n: int, heads: int = H, grid: str = "tuning") -> list[PagedConfig]:
-    """``tuning``: the default and its neighbours; ``schedule``: also the chunk per program
-    (256-4096 keys), the head sum on the tensor cores and two warpgroups per 128-key tile."""
+    """``default``: the default alone; ``tuning``: the default and its neighbours; ``schedule``:
+    also the chunk per program (64-4096 keys), the head sum on the tensor cores and two
+    warpgroups per 128-key tile."""
     base = default_paged_config("fp8", next_n, heads, D, BLOCK_KV)
     rep = lambda **kw: PagedConfig(**{**base.__dict__, **kw})  # noqa: E731
+    if grid == "default":
+        return [base]
     out = [base] + [rep(chunk=c) for c in (512, 1024, 2048)]
     out += [rep(block_n=64, num_stages=4), rep(num_stages=2), rep(num_stages=4), rep(num_warps=8)]
     if grid == "schedule":
-        out += [rep(chunk=c) for c in (256, 4096)]
+        out += [rep(chunk=c) for c in (64, 128, 256, 4096)]
         out += [rep(head_sum_mma=True), rep(head_sum_mma=True, chunk=1024)]
         out += [rep(num_warps=8, chunk=c) for c in (256, 1024)]
         out += [rep(num_stages=2, chunk=c) for c in (256, 1024)]
@@ -83,16 +91,42 @@ def make_row(b: int, next_n: int, mean: int, out_cols: int | None = None, seed: 
                 bytes=kv_bytes + b * next_n * int(ctx.max()) * 4)  # columns the kernel writes (no clean)
 
 
+def add_layers(row, layers: int) -> None:
+    """``row["layers"]``: ``layers`` (queries, cache, weights), the first the row's own, the others
+    copies at other addresses (the same values: the check of the first holds for all)."""
+    row["layers"] = [(row["q"], row["cache"], row["w"])]
+    for _ in range(layers - 1):
+        q, sf = row["q"]
+        row["layers"].append(((q.clone(), None if sf is None else sf.clone()), row["cache"].clone(), row["w"].clone()))
+
+
+def cycling(call_layer, layers: int):
+    """A callable running ``call_layer(i)`` for i = 0, 1, .. layers - 1, 0, .. on successive calls
+    (a graph of ``calls`` captured calls reads that many different layers)."""
+    state = [0]
+
+    def call():
+        i = state[0]
+        state[0] = (i + 1) % layers
+        return call_layer(i)
+    return call
+
+
 def deep_gemm_call(row):
-    """DeepGEMM's decode kernel on the row's inputs (None when it does not import)."""
+    """DeepGEMM's decode kernel on the row's inputs (None when it does not import); with
+    ``row["layers"]``, cycling through them."""
     try:
         import deep_gemm
     except Exception:
         return None
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     meta = deep_gemm.get_paged_mqa_logits_metadata(row["ctx"], BLOCK_KV, num_sms)
-    return functools.partial(deep_gemm.fp8_paged_mqa_logits, row["q"][0], row["cache"], row["w"], row["ctx"],
-                             row["table"], meta, row["max_len"], False)
+    layers = row.get("layers") or [(row["q"], row["cache"], row["w"])]
+
+    def layer(i):
+        q, cache, w = layers[i]
+        return deep_gemm.fp8_paged_mqa_logits(q[0], cache, w, row["ctx"], row["table"], meta, row["max_len"], False)
+    return cycling(layer, len(layers))
 
 
 def main(argv=None):
@@ -100,10 +134,11 @@ def main(argv=None):
     ap.add_argument("--output", default="paged-sweep.json")
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--rows", nargs="+", type=parse_row, help="BxNEXT_NxCTX[/H] (default: the target rows)")
-    ap.add_argument("--grid", choices=("tuning", "schedule"), default="tuning")
+    ap.add_argument("--grid", choices=("tuning", "schedule", "default"), default="tuning")
+    ap.add_argument("--layers", type=int, default=1, help="caches the timed calls cycle through (default 1)")
     args = ap.parse_args(argv)
     record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": [],
-              "grid": args.grid}
+              "grid": args.grid, "layers": args.layers}
     copy = ceilings.ceiling_value(record["ceilings"], "copy")
     print(f"copy ceiling {copy:.2f} TB/s", flush=True)
     rows = [(b, n, c, H, None) for b, n, c in ROWS] + [(b, n, c, H, w) for b, n, c, w in WIDE_ROWS]
@@ -112,6 +147,7 @@ def main(argv=None):
     table = []
     for b, next_n, mean, heads, wide in rows:
         row = make_row(b, next_n, mean, wide, heads=heads)
+        add_layers(row, args.layers)
         args_ = (row["q"], row["cache"], row["w"], row["ctx"], row["table"], row["meta"], row["max_len"])
         ref = R.fp8_fp4_paged_mqa_logits_ref(row["q"], row["cache"], row["w"], row["ctx"], row["table"],
                                              row["max_len"])
@@ -125,7 +161,11 @@ def main(argv=None):
                 torch.cuda.synchronize()
                 diff = R.calc_diff(torch.where(inside, out.float(), ref), ref)
                 checks[name] = {"ok": diff < 5e-6 and not out[inside].isnan().any().item(), "calc_diff": diff}
-                fns[name] = fn
+
+                def layer(i, cfg=cfg, layers=row["layers"], shared=args_[3:]):
+                    q, cache, w = layers[i]
+                    return tilefuse.fp8_fp4_paged_mqa_logits(q, cache, w, *shared, config=cfg)
+                fns[name] = cycling(layer, args.layers)
             except Exception as e:  # a config that does not compile or launch is a row, not a crash
                 checks[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         peer = deep_gemm_call(row) if next_n <= 2 else None  # DeepGEMM runs next_n 1 and 2 on SM90

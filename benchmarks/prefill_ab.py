@@ -4,9 +4,11 @@ Each tree (a directory holding ``src/tilefuse``, e.g. ``git archive <commit> src
 DIR``) is timed in its own process; the order of the trees rotates every round, and each
 shape's time is the median over rounds of the per-round medians. FP8, H64 D128, causal
 windows, clean logits; a CUDA graph of 5 calls per sample. ``--op topk``: the fused prefill
-top-k (``fp8_fp4_mqa_topk``, k 2048) at ``TOPK_SHAPES`` instead.
+top-k (``fp8_fp4_mqa_topk``, k 2048) at ``TOPK_SHAPES`` instead; ``--op paged``: the decode
+logits (``fp8_fp4_paged_mqa_logits``, default config, 64-token pages, 2-D lengths uniform in
+0.7-1.3 of the mean, no clean) at ``PAGED_SHAPES``.
 
-    python benchmarks/prefill_ab.py TREE [TREE ...] [--rounds 3] [--op topk] [--output ab.json]
+    python benchmarks/prefill_ab.py TREE [TREE ...] [--rounds 3] [--op topk|paged] [--output ab.json]
 """
 
 from __future__ import annotations
@@ -25,11 +27,49 @@ SHAPES = [  # (S_q, S_k, logits dtype)
 
 TOPK_SHAPES = [(2048, 32768, "float32"), (2048, 131072, "float32")]
 
+PAGED_SHAPES = [  # (B, next_n, mean context)
+    (1, 1, 8192), (1, 1, 65536), (8, 1, 32768), (32, 1, 4096), (64, 1, 8192), (256, 1, 8192),
+    (64, 2, 8192), (256, 2, 8192), (64, 2, 32768), (256, 4, 8192),
+]
+
 _CHILD = r"""
 import json, sys, torch, tilefuse
 shapes, op = json.loads(sys.argv[1]), sys.argv[2]
 g = torch.Generator(device="cuda").manual_seed(0)
 res = {}
+if op == "paged":
+    from tilefuse import formats
+    from tilefuse.indexer.paged import make_paged_kv_cache
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cpu = torch.Generator().manual_seed(0)
+    for b, n, mean in shapes:
+        ctx = (mean * (0.7 + 0.6 * torch.rand(b, n, generator=cpu))).long().clamp(min=n)
+        ctx = ctx.sort(dim=1).values.to(torch.int32).cuda()
+        keys = torch.randn(b, int(ctx.max()), 128, device="cuda", generator=g).to(torch.bfloat16)
+        cache, table = make_paged_kv_cache(keys, ctx, 64, "fp8")
+        del keys
+        qd = formats.quantize_q(torch.randn(b, n, 64, 128, device="cuda", generator=g), "fp8")
+        w = torch.randn(b * n, 64, device="cuda", generator=g)
+        meta = tilefuse.get_paged_mqa_logits_metadata(ctx, 64, sms)
+        width = int(ctx.max())
+        fn = lambda: tilefuse.fp8_fp4_paged_mqa_logits(qd, cache, w, ctx, table, meta, width)
+        shapes_done = f"B{b} n{n} ctx{mean}"
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(5):
+                fn()
+        samples = []
+        for _ in range(25):
+            a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(); graph.replay(); e.record(); torch.cuda.synchronize()
+            samples.append(a.elapsed_time(e) * 1e3 / 5)
+        samples.sort()
+        res[shapes_done] = samples[len(samples) // 2]
+        del graph, cache, table
+    shapes = []
 for s_q, s_k, dt in shapes:
     q = torch.randn(s_q, 64, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
     k = torch.randn(s_k, 128, device="cuda", generator=g).to(torch.float8_e4m3fn)
@@ -76,10 +116,10 @@ def main() -> int:
     ap.add_argument("trees", nargs="+")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shapes", type=int, default=None, help="time the first N shapes only")
-    ap.add_argument("--op", choices=("logits", "topk"), default="logits")
+    ap.add_argument("--op", choices=("logits", "topk", "paged"), default="logits")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
-    shapes = (TOPK_SHAPES if a.op == "topk" else SHAPES)[:a.shapes]
+    shapes = {"topk": TOPK_SHAPES, "paged": PAGED_SHAPES}.get(a.op, SHAPES)[:a.shapes]
     per_round: dict[str, list[dict]] = {t: [] for t in a.trees}
     for r in range(a.rounds):
         order = a.trees[r % len(a.trees):] + a.trees[:r % len(a.trees)]
