@@ -44,11 +44,19 @@ H, D, BLOCK_KV = 64, 128, 64
 def configs(next_n: int, heads: int = H, grid: str = "tuning") -> list[PagedConfig]:
     """``default``: the default alone; ``tuning``: the default and its neighbours; ``schedule``:
     also the chunk per program (64-4096 keys), the head sum on the tensor cores and two
-    warpgroups per 128-key tile."""
+    warpgroups per 128-key tile; ``persistent``: the default beside the persistent kernel at
+    one to three programs an SM and rings of 3 to 6 buffers."""
     base = default_paged_config("fp8", next_n, heads, D, BLOCK_KV)
     rep = lambda **kw: PagedConfig(**{**base.__dict__, **kw})  # noqa: E731
     if grid == "default":
         return [base]
+    if grid == "persistent":
+        other = PagedConfig(**{**base.__dict__, "persistent": False})
+        return list(dict.fromkeys([other, rep(persistent=True, ctas_per_sm=2, num_stages=4),
+                                   rep(persistent=True, ctas_per_sm=3, num_stages=4),
+                                   rep(persistent=True, ctas_per_sm=2, num_stages=6),
+                                   rep(persistent=True, ctas_per_sm=1, num_stages=8),
+                                   rep(persistent=True, ctas_per_sm=3, num_stages=3)]))
     out = [base] + [rep(chunk=c) for c in (512, 1024, 2048)]
     out += [rep(block_n=64, num_stages=4), rep(num_stages=2), rep(num_stages=4), rep(num_warps=8)]
     if grid == "schedule":
@@ -64,6 +72,8 @@ def configs(next_n: int, heads: int = H, grid: str = "tuning") -> list[PagedConf
 
 
 def name_of(cfg: PagedConfig) -> str:
+    if cfg.persistent:
+        return f"persistent {cfg.ctas_per_sm or 'default'}/SM st{cfg.num_stages}"
     mma = " mma" if cfg.head_sum_mma else ""
     return f"n{cfg.block_n} r{cfg.rows} chunk{cfg.chunk} w{cfg.num_warps} st{cfg.num_stages}{mma}"
 
@@ -134,7 +144,7 @@ def main(argv=None):
     ap.add_argument("--output", default="paged-sweep.json")
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--rows", nargs="+", type=parse_row, help="BxNEXT_NxCTX[/H] (default: the target rows)")
-    ap.add_argument("--grid", choices=("tuning", "schedule", "default"), default="tuning")
+    ap.add_argument("--grid", choices=("tuning", "schedule", "default", "persistent"), default="tuning")
     ap.add_argument("--layers", type=int, default=1, help="caches the timed calls cycle through (default 1)")
     args = ap.parse_args(argv)
     record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": [],

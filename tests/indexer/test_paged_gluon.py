@@ -145,10 +145,11 @@ def test_the_two_kernels_take_the_same_runtime_arguments():
     assert "kv_desc" in gk.arg_names[n:]
 
 
-def test_the_custom_op_unpacks_the_gluon_flag():
-    cfg = paged.PagedConfig(block_n=64, rows=2, chunk=128, num_stages=3, tma=True, gluon=True)
-    packed = [int(v) for v in dataclasses.astuple(cfg)]
-    assert paged.PagedConfig(*packed[:6], *(bool(v) for v in packed[6:])) == cfg
+def test_the_custom_op_unpacks_the_kernel_flags():
+    for cfg in (paged.PagedConfig(block_n=64, rows=2, chunk=128, num_stages=3, tma=True, gluon=True),
+                paged.PagedConfig(num_stages=5, persistent=True, ctas_per_sm=2)):
+        packed = [int(v) for v in dataclasses.astuple(cfg)]
+        assert paged._config_from_ints(packed) == cfg
 
 
 def test_registered_compiles_keep_every_wgmma():

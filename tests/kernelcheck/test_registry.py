@@ -68,7 +68,7 @@ def test_targets_follow_the_dispatch_table(registry):
             assert v.targets == (("sm_90a",) if mx else ("sm_90a", "sm_100a")), v.name
         elif v.kernel == "indexer.prefill_sm100":
             assert v.targets == ("sm_100a",)
-        elif v.kernel in ("indexer.prefill_gluon", "indexer.paged_gluon", "tp.rs_gluon"):
+        elif v.kernel in ("indexer.prefill_gluon", "indexer.paged_gluon", "indexer.paged_persistent", "tp.rs_gluon"):
             assert v.targets == ("sm_90a",)
         else:
             assert v.targets == V.TARGETS_ALL

@@ -87,7 +87,13 @@ class PagedConfig:
     says, ``num_stages`` key buffers (at least 2), 4 warps, or 8 where ``num_warps`` >= 8 and
     ``rows`` is even) where it applies: 64-key tiles, at most 128 dot columns (``rows`` x padded
     heads), a cache whose value rows the TMA view reads (pages of a multiple of 64 tokens, or
-    of 8, 16 or 32: one box per page); elsewhere the Triton kernel runs.
+    of 8, 16 or 32: one box per page); elsewhere the Triton kernel runs. ``persistent``: FP8
+    on an sm_90 GPU, the persistent warp-specialised kernel (``_paged_kernel_ws.py``:
+    ``ctas_per_sm`` programs an SM, 0 for the default, walk the batch's 64-key tiles, a
+    producer warp loading and a consumer warpgroup scoring; ``num_stages`` key buffers, at least
+    2) where it applies: H a power of two, ``next_n * H`` in [16, 256], queries whose rows are
+    evenly strided and 16-byte aligned, a cache the TMA views read; ``block_n``, ``rows``,
+    ``chunk`` and ``num_warps`` do not apply to it. Elsewhere the kernel the other fields pick.
     """
 
     block_n: int = 128  # keys per tile: a power of two >= 16, independent of the page size
@@ -99,6 +105,8 @@ class PagedConfig:
     head_sum_mma: bool = False  # the head sum as a tf32 dot
     tma: bool = False  # the key values by TMA
     gluon: bool = False  # the Gluon kernel (sm_90, FP8) where it applies
+    persistent: bool = False  # the persistent warp-specialised kernel (sm_90, FP8) where it applies
+    ctas_per_sm: int = 0  # its programs an SM (0: 3 up to 128 dot columns, else 2)
 
 
 register_config("paged", PagedConfig)
@@ -592,6 +600,9 @@ class _Plan:
     gluon: bool
     launcher: Launcher
     kv_descriptor: object
+    # The persistent kernel where the config asks for it and it applies (None elsewhere): a
+    # call whose queries are not 16-byte aligned takes the kernel the fields above describe.
+    persistent: _Persistent | None
     # Partial launches (Launcher.partial) by the alignment of the two specialised pointers:
     # what a call passes is its tensors, sizes and grid, everything else is this plan's.
     fast: dict = dataclasses.field(default_factory=dict, compare=False)
@@ -724,8 +735,88 @@ def _make_plan(fmt, next_n, h, d, block_kv, q, kv_cache, context_lens, indices, 
     before, after = tuple(consts[n] for n in tail[:at]), tuple(consts[n] for n in tail[at + 1:])
     launch_key = (gluon, before, after, cfg.num_warps, cfg.num_stages)
     wave = (sm_count(q.device) or 0) * _RESIDENT_PER_SM
+    persistent = _persistent_plan(cfg, fmt, next_n, h, d, block_kv, q, kv_cache, context_lens, indices, clean_logits)
     return _Plan(next_n, block_kv, cfg, chunk_pages, wave, groups, page_unit, q_unit, consts, tma, before, after,
-                 launch_key, options, gluon, launcher, kv_descriptor)
+                 launch_key, options, gluon, launcher, kv_descriptor, persistent)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Persistent:
+    """What a plan launches with the persistent kernel (``_paged_kernel_ws``)."""
+
+    columns: int  # next_n * H: a request's query rows, one TMA box
+    q_row_stride: int  # elements between the queries' (row, head) rows
+    kv_rows: int  # rows of the key values' view
+    box: int  # keys a TMA box of values (or scales) holds: min(64, block_kv)
+    page_words: int  # the page stride, in 4-byte words
+    data_words: int  # a page's values and scales, in 4-byte words
+    programs_per_sm: int
+    consts: tuple  # the kernel's constexpr arguments, in signature order
+    options: dict
+    launch_key: tuple
+    fast: dict = dataclasses.field(default_factory=dict, compare=False)
+
+
+# Registers of an SM shared by the programs resident on it (the persistent kernel's register
+# cap follows from its programs an SM: five warps each).
+_SM_REGISTERS, _WS_THREADS = 65536, 160
+
+
+def _persistent_plan(cfg: PagedConfig, fmt: str, next_n: int, h: int, d: int, block_kv: int, q: torch.Tensor,
+                     kv_cache: torch.Tensor, context_lens: torch.Tensor, indices, clean_logits) -> _Persistent | None:
+    """The persistent kernel's part of a plan where ``cfg`` asks for it and it applies, else None."""
+    if not (cfg.persistent and fmt == "fp8" and _is_sm90(q.device)):
+        return None
+    from tilefuse.indexer import _paged_kernel_ws as ws
+
+    columns = next_n * h
+    powers_of_two = not (h & (h - 1) or next_n & (next_n - 1))
+    if not (powers_of_two and ws.MIN_DOT_COLUMNS <= columns <= ws.MAX_DOT_COLUMNS and d in (32, 64, 128)):
+        return None
+    # The queries as rows [B * next_n * H, D]: rows evenly strided, 16-byte aligned.
+    s_b, s_t, s_h = q.stride()[:3]
+    if s_h % 16 or (next_n > 1 and s_t != h * s_h) or (q.shape[0] > 1 and s_b != next_n * h * s_h):
+        return None
+    view = _tma_view(kv_cache, d, ws.KEYS_PER_TILE, split_boxes=True)
+    if view is None or kv_cache.stride(0) % 16:
+        return None
+    ctas = cfg.ctas_per_sm or (3 if columns <= 128 else 2)
+    maxnreg = min(255, _SM_REGISTERS // (ctas * _WS_THREADS) // 8 * 8)
+    consts = (next_n, next_power_of_2(next_n), h, d, block_kv, context_lens.dim() == 2, bool(clean_logits),
+              indices is not None, max(2, cfg.num_stages), cfg.block_fill, 4)
+    options = {"maxnreg": maxnreg}
+    return _Persistent(columns, s_h, view[0], view[1], kv_cache.stride(0) // 4, block_kv * (d + 4) // 4, ctas,
+                       consts, options, ("ws", consts, maxnreg))
+
+
+def _launch_persistent(p: _Persistent, q, kv_cache, weights, context_lens, block_table, indices, out,
+                       max_context_len: int) -> None:
+    """One launch of the persistent kernel into ``out`` (already checked; ``q`` 16-byte aligned)."""
+    from tilefuse.indexer import _paged_kernel_ws as ws
+
+    b = q.shape[0]
+    programs = max(1, min(p.programs_per_sm * (sm_count(q.device) or 1), b * cdiv(max_context_len, ws.KEYS_PER_TILE)))
+    rows = b * p.columns
+    idx = indices if indices is not None else context_lens
+    fast = p.fast.get(None)
+    if fast is not None and fast(q, kv_cache, weights, context_lens, block_table, idx, out, b, max_context_len,
+                                 out.stride(0), programs, rows):
+        return
+    q_desc = ws.q_descriptor(q, rows, q.shape[3], p.q_row_stride, p.columns)
+    kv_desc = ws.kv_descriptor(kv_cache.view(FP8_DTYPE), p.kv_rows, q.shape[3], p.box)
+    sf_desc = ws.sf_descriptor(kv_cache.view(torch.float32), kv_cache.shape[0], p.page_words, p.data_words, p.box)
+    args = (q_desc, kv_desc, sf_desc, weights, context_lens, block_table, idx, out, error_record(q.device),
+            b, max_context_len, block_table.shape[1], kv_cache.shape[0], kv_cache.stride(0) // q.shape[3],
+            weights.stride(0), context_lens.stride(0), block_table.stride(0), out.stride(0), *p.consts)
+    key = (p.launch_key, weights.dtype, out.dtype)
+    ws.launcher(key, (programs,), args, p.options)
+    if fast is None and max_context_len < _MAX_RUNTIME_INT:
+        # The tensors (the cache as both descriptors' base), the sizes and the grid change per
+        # call; the query descriptor's rows follow the batch.
+        fast = ws.launcher.partial(key, (programs,), args, p.options, live=(0, (1, 2), 3, 4, 5, 6, 7, 9, 10, 17),
+                                   live_grid=(10,), live_rows={0: 11})
+        if fast is not None:
+            p.fast[None] = fast
 
 
 # The Gluon kernel's tile (``_paged_kernel_gluon``): 64 keys, at most 128 (row, head) columns.
@@ -826,6 +917,10 @@ def _launch(plan: _Plan, q, q_sf, kv_cache, weights, context_lens, block_table, 
     """One kernel launch into ``out`` (already checked)."""
     if out.numel() == 0:
         return
+    if plan.persistent is not None and q.data_ptr() % 16 == 0:
+        _launch_persistent(plan.persistent, q, kv_cache, weights, context_lens, block_table, indices, out,
+                           max_context_len)
+        return
     b = q.shape[0]
     chunk_pages = plan.chunk_pages or chunk_pages_for(b, max_context_len, plan.block_kv, plan.cfg.block_n,
                                                       plan.wave, plan.groups)
@@ -862,6 +957,15 @@ def _launch(plan: _Plan, q, q_sf, kv_cache, weights, context_lens, block_table, 
             plan.fast[aligned] = fast
 
 
+_BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(PagedConfig) if f.type in ("bool", bool))
+
+
+def _config_from_ints(values: list[int]) -> PagedConfig:
+    """The config the custom op carries as ints (``dataclasses.astuple``), flags back as bools."""
+    fields = dataclasses.fields(PagedConfig)
+    return PagedConfig(**{f.name: bool(v) if f.name in _BOOL_FIELDS else v for f, v in zip(fields, values)})
+
+
 @torch.library.custom_op("tilefuse::paged_mqa_logits", mutates_args=("out",))
 def _paged_mqa_logits(
     q: torch.Tensor,
@@ -877,8 +981,7 @@ def _paged_mqa_logits(
     clean_logits: bool,
     config: list[int],
 ) -> None:
-    # The int fields, then the flags (head_sum_mma, tma, gluon) as bools.
-    cfg = PagedConfig(*config[:6], *(bool(v) for v in config[6:]))
+    cfg = _config_from_ints(config)
     plan = _plan_for(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
                      clean_logits, out.dtype, indices, out, cfg)
     _launch(plan, q, q_sf, kv_cache, weights, context_lens, block_table, indices, out, max_context_len)

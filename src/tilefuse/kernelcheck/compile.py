@@ -266,6 +266,8 @@ def compile_variant(variant: Variant, target: str, sass: bool = True) -> KernelR
     else:
         src = ASTSource(fn, signature, constexprs, attrs)
     options = {"num_warps": variant.num_warps, "num_stages": variant.num_stages}
+    if variant.maxnreg is not None:
+        options["maxnreg"] = variant.maxnreg
 
     t0 = time.perf_counter()
     stdout = io.StringIO()

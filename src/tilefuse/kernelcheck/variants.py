@@ -62,6 +62,7 @@ class Variant:
     aligned: tuple[str, ...] = ()
     targets: tuple[str, ...] = TARGETS_ALL
     origin: str = "default"
+    maxnreg: int | None = None  # the launch's register cap, where it sets one
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -75,7 +76,7 @@ class Variant:
     def compile_key(self) -> tuple:
         """Two variants with the same key compile to the same code."""
         return (self.function, tuple(sorted(self.signature.items())), tuple(sorted(self.constexprs.items())),
-                self.num_warps, self.num_stages, tuple(sorted(self.aligned)))
+                self.num_warps, self.num_stages, tuple(sorted(self.aligned)), self.maxnreg)
 
 
 # --------------------------------------------------------------------------------------
@@ -223,7 +224,8 @@ def variant_of(launch: Launch, kernel: str, name: str, origin: str = "default",
     # Gluon kernels take num_warps as a parameter as well as a launch option.
     warps = launch.options.get("num_warps", const.get("num_warps", 4))
     return Variant(kernel, name, launch.function, sig, const, int(warps),
-                   int(launch.options.get("num_stages", 3)), tuple(aligned), targets, origin)
+                   int(launch.options.get("num_stages", 3)), tuple(aligned), targets, origin,
+                   launch.options.get("maxnreg"))
 
 
 # --------------------------------------------------------------------------------------
@@ -671,6 +673,68 @@ def paged_gluon_variants() -> list[Variant]:
     return _unique(out)
 
 
+def paged_persistent_variants() -> list[Variant]:
+    """``paged_logits_ws_kernel`` (Hopper only) as ``fp8_fp4_paged_mqa_logits`` launches it with
+    ``PagedConfig(persistent=True)`` on an sm_90 GPU (the dispatch's device test made to say
+    so): FP8, H 64 at next_n 1, 2 and 4 (64 to 256 columns: three programs an SM, two at 256),
+    H 32 and 16, H 128; 32-, 64- and 128-token pages (two boxes per tile, one, half a page);
+    1-D and 2-D lengths, cleaning, bf16 weights + logits, varlen ``indices``, D 64 and 32; as
+    options 2 and 6 buffers and one or two programs an SM."""
+    import torch
+
+    from tilefuse.indexer import _paged_kernel_ws as ws
+    from tilefuse.indexer import paged
+
+    path = f"{ws.__name__}:paged_logits_ws_kernel"
+    f32, bf16 = torch.float32, torch.bfloat16
+    batch, max_len = 3, 301
+    out = []
+
+    def one(h, next_n, block_kv, d=128, ctx_2d=True, clean=False, w_dtype=f32, out_dtype=f32, indices=False,
+            num_stages=None, ctas=0, origin="default"):
+        lens = torch.tensor([37, max_len, 150], dtype=torch.int32)
+        ctx = torch.stack([lens - next_n + 1 + t for t in range(next_n)], dim=1) if ctx_2d else lens
+        pages = -(-max_len // block_kv)
+        cache = paged.new_paged_kv_cache(batch * pages, block_kv, d, "fp8")
+        table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+        q = (_values((batch, next_n, h, d), "fp8"), None)
+        idx = torch.arange(batch, dtype=torch.int32) if indices else None
+        meta = paged._schedule(ctx, block_kv, 5)  # the op reads its shape only
+        default = paged.default_paged_config("fp8", next_n, h, d, block_kv)
+        cfg = dataclasses.replace(default, persistent=True, num_stages=num_stages or default.num_stages,
+                                  ctas_per_sm=ctas)
+        with tracing(path) as launches, mock.patch.object(paged, "_is_sm90", lambda device: True):
+            paged._plans.clear()  # plans made without the GPU test would keep another kernel
+            try:
+                paged.fp8_fp4_paged_mqa_logits(q, cache, _weights(batch * next_n, h, w_dtype), ctx, table, meta,
+                                               max_len, clean, out_dtype, idx, config=cfg)
+            finally:
+                paged._plans.clear()
+        (launch,) = launches
+        c = launch.arguments
+        extras = [x for x, on in (("ctx1d", not ctx_2d), ("clean", clean), (f"w={_short(w_dtype)}", w_dtype != f32),
+                                  (f"out={_short(out_dtype)}", out_dtype != f32), ("indices", indices)) if on]
+        name = (f"fp8 D{d} H{h} next_n{next_n} kv{block_kv} buf{c['NUM_BUF']} regs{launch.options['maxnreg']}"
+                + "".join(" " + x for x in extras))
+        out.append(variant_of(launch, "indexer.paged_persistent", name, origin, ("sm_90a",)))
+
+    for next_n in (1, 2, 4):
+        one(64, next_n, 64)
+    one(32, 1, 64)
+    one(32, 2, 64, ctx_2d=False, clean=True)
+    one(16, 1, 64, d=64)
+    one(128, 1, 64)
+    one(64, 1, 32, clean=True)
+    one(64, 2, 128, w_dtype=bf16, out_dtype=bf16)
+    one(64, 1, 64, ctx_2d=False, indices=True)
+    one(16, 8, 32, d=32, clean=True)
+    one(64, 2, 64, num_stages=6, origin="option")
+    one(64, 2, 64, num_stages=2, origin="option")
+    one(64, 1, 64, ctas=2, origin="option")
+    one(64, 2, 64, ctas=1, origin="option")
+    return _unique(out)
+
+
 def paged_schedule_variants() -> list[Variant]:
     """``paged_schedule_kernel`` as ``get_paged_mqa_logits_metadata`` launches it: 1-D and 2-D
     lengths."""
@@ -983,6 +1047,7 @@ KERNELS: dict[str, tuple[Callable[[], list[Variant]], str]] = {
     "indexer.prefill_gluon": (prefill_gluon_variants, "tilefuse.indexer._prefill_kernel_gluon"),
     "indexer.paged": (paged_variants, "tilefuse.indexer._paged_kernel"),
     "indexer.paged_gluon": (paged_gluon_variants, "tilefuse.indexer._paged_kernel_gluon"),
+    "indexer.paged_persistent": (paged_persistent_variants, "tilefuse.indexer._paged_kernel_ws"),
     "indexer.paged_schedule": (paged_schedule_variants, "tilefuse.indexer._paged_kernel"),
     "indexer.topk_merge": (topk_merge_variants, "tilefuse.indexer._topk_kernel"),
     "indexer.topk_rows_pass": (topk_rows_pass_variants, "tilefuse.indexer._topk_kernel"),

@@ -1,0 +1,306 @@
+"""The persistent warp-specialised decode kernel (``PagedConfig(persistent=True)``,
+``_paged_kernel_ws.py``): where the launch picks it, and on a Hopper GPU the op's contract with
+it (both references, exact -inf and NaN masks, every element written, bitwise reruns, bad
+values reported and never read out of bounds), its agreement with the Triton kernel, and the
+same bits whatever its programs an SM, ring depth, batch split and CUDA-graph replays.
+
+Gluon has no interpreter: the dispatch is checked on CPU by the launch plan (nothing runs) and
+the kernel compiled for sm_90a; the kernel itself runs on an sm_90 GPU. Against the Triton
+kernel the logits may differ in the order of the head sum only (see test_paged_gluon.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import tilefuse
+from tilefuse import _jit, _validate
+from tilefuse.indexer import _paged_kernel_ws as ws
+from tilefuse.indexer import paged
+
+from ..conftest import DEVICE, ON_GPU
+from .test_paged import BAD_VALUES, Case, _args, _bits
+from .test_paged_gluon import _agrees, _tolerance
+
+pytestmark = pytest.mark.usefixtures("no_pending_errors")
+
+HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+on_hopper = pytest.mark.skipif(not HOPPER, reason="the persistent decode kernel runs on Hopper (sm_90) only")
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def _config(next_n: int, h: int, d: int, block_kv: int, **fields) -> paged.PagedConfig:
+    """The op's own config for this model with the persistent kernel asked for."""
+    base = paged.resolve_paged_config("fp8", next_n, h, d, block_kv)
+    return dataclasses.replace(base, **{"persistent": True, "num_stages": 4, **fields})
+
+
+@pytest.fixture
+def ws_launches():
+    """The grid of every launch of the persistent kernel (which still runs)."""
+    seen = []
+    real = ws.paged_logits_ws_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(grid)
+                return real[grid](*args, **kwargs)
+            return launch
+
+    with _jit.redirected(real, Spy()):
+        yield seen
+
+
+# ---------------------------------------------------------------------------------------
+# Dispatch (CPU: the launch plan, nothing runs)
+# ---------------------------------------------------------------------------------------
+def _plan(monkeypatch, *, sm90=True, fmt="fp8", h=64, next_n=1, d=128, block_kv=64, page_pad=0, q_pad=0,
+          config=None):
+    """The launch plan of a small batch with the GPU test answering ``sm90``; ``q_pad`` pads
+    each (row, head) of the queries (rows no longer evenly strided when the heads of a row are
+    packed)."""
+    from tilefuse.kernelcheck.variants import _scales, _values
+
+    monkeypatch.setattr(paged, "_is_sm90", lambda device: sm90)
+    monkeypatch.setattr(paged, "_plans", {})
+    monkeypatch.setattr(_validate, "interpreter_enabled", lambda: True)
+    batch, max_len = 3, 301
+    lens = torch.tensor([37, max_len, 150], dtype=torch.int32)
+    pages = -(-max_len // block_kv)
+    width = paged.paged_kv_cache_width(d, fmt)
+    cache = paged.new_paged_kv_cache(batch * pages, block_kv, d, fmt, page_stride=block_kv * width + page_pad)
+    table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+    q = _values((batch, next_n + q_pad, h, d), fmt)[:, :next_n] if q_pad else _values((batch, next_n, h, d), fmt)
+    q_sf = None if fmt == "fp8" else _scales((batch, next_n, h), fmt)
+    w = torch.zeros(batch * next_n, h)
+    meta = paged._schedule(lens, block_kv, 5)
+    return paged._plan_for(q, q_sf, cache, w, lens, table, meta, max_len, False, torch.float32, None, None, config)
+
+
+def test_dispatch_takes_the_persistent_kernel_where_it_runs(monkeypatch):
+    for next_n, h, d, block_kv in ((1, 64, 128, 64), (2, 64, 128, 32), (4, 64, 128, 128), (1, 16, 64, 64),
+                                   (8, 16, 32, 8), (1, 128, 128, 256), (2, 8, 128, 64)):
+        p = _plan(monkeypatch, next_n=next_n, h=h, d=d, block_kv=block_kv,
+                  config=_config(next_n, h, d, block_kv)).persistent
+        assert p is not None, (next_n, h, d, block_kv)
+        assert p.columns == next_n * h and p.box == min(64, block_kv) and p.data_words == block_kv * (d + 4) // 4
+        # Three programs an SM up to 128 columns, two above; the register cap follows.
+        assert p.programs_per_sm == (3 if next_n * h <= 128 else 2)
+        assert p.options["maxnreg"] == (136 if p.programs_per_sm == 3 else 200)
+    p = _plan(monkeypatch, config=_config(1, 64, 128, 64, ctas_per_sm=1, num_stages=1)).persistent
+    assert p.programs_per_sm == 1 and p.options["maxnreg"] == 255
+    assert p.consts[ws.arg_names.index("NUM_BUF") - ws.arg_names.index("NEXT_N")] == 2  # at least two buffers
+    with tilefuse.config_override("paged", persistent=True):
+        assert _plan(monkeypatch).persistent is not None
+
+
+def test_dispatch_falls_back_where_it_does_not_apply(monkeypatch):
+    cases = {
+        "not asked": dict(config=dataclasses.replace(_config(1, 64, 128, 64), persistent=False)),
+        "not sm_90": dict(sm90=False, config=_config(1, 64, 128, 64)),
+        "mx format": dict(fmt="mxfp8", config=_config(1, 64, 128, 64)),
+        "heads not a power of two": dict(h=48, config=_config(1, 48, 128, 64)),
+        "next_n not a power of two": dict(next_n=3, h=16, config=_config(3, 16, 128, 64)),
+        "over 256 columns": dict(next_n=8, h=64, config=_config(8, 64, 128, 64)),
+        "under 16 columns": dict(next_n=2, h=4, config=_config(2, 4, 128, 64)),
+        "page stride": dict(page_pad=4, config=_config(1, 64, 128, 64)),
+        "page size": dict(block_kv=48, config=_config(1, 64, 128, 48)),
+        "queries' rows": dict(next_n=2, q_pad=1, config=_config(2, 64, 128, 64)),
+    }
+    for why, kw in cases.items():
+        plan = _plan(monkeypatch, **kw)
+        assert plan.persistent is None, why
+
+
+def test_registered_compiles_keep_every_wgmma():
+    """Two registered variants compiled with their SASS: every wgmma of the PTX is there, no
+    spill under the register cap of three (two) programs an SM."""
+    from tilefuse.kernelcheck import checks, variants
+    from tilefuse.kernelcheck.compile import compile_many
+
+    names = ("fp8 D128 H64 next_n2 kv64 buf4 regs136", "fp8 D128 H64 next_n4 kv64 buf3 regs200")
+    picked = [v for v in variants.variants("indexer.paged_persistent") if v.name in names]
+    assert len(picked) == 2 and all(v.targets == ("sm_90a",) for v in picked)
+    reports = compile_many([(v, "sm_90a") for v in picked], jobs=2, sass=True)
+    assert all(r.ok and r.sass_opcodes for r in reports), [r.error for r in reports]
+    assert not [f for r in reports for f in checks.failures(r)]
+    assert all(r.spill_stores == 0 for r in reports)
+
+
+# ---------------------------------------------------------------------------------------
+# On the GPU: the contract, and the Triton kernel's logits
+# ---------------------------------------------------------------------------------------
+# (block_kv, next_n, H, D, 2-D lengths, clean, weights and logits dtype, indices, extra output
+#  columns): pages of 8 to 256 tokens, 16 to 256 (row, head) columns, D 32, 64 and 128.
+GRID = [
+    (64, 1, 64, 128, False, False, F32, False, 5),
+    (64, 1, 64, 128, True, True, F32, False, 5),
+    (64, 2, 64, 128, False, True, F32, False, 5),
+    (64, 2, 64, 128, True, False, BF16, False, 5),
+    (64, 4, 64, 128, True, True, F32, False, 5),
+    (32, 1, 64, 128, False, True, F32, False, 5),
+    (32, 2, 32, 128, True, True, BF16, False, 5),
+    (32, 4, 32, 128, False, True, F32, False, 5),
+    (128, 1, 32, 128, True, True, F32, False, 5),
+    (128, 2, 64, 128, False, True, BF16, False, 5),
+    (256, 1, 64, 128, True, True, F32, False, 1500),
+    (16, 2, 16, 64, False, True, F32, False, 5),
+    (8, 1, 32, 32, False, True, F32, False, 5),
+    (64, 1, 16, 64, False, True, F32, True, 5),
+    (64, 8, 16, 32, True, True, F32, False, 5),
+    (64, 1, 128, 128, True, False, BF16, True, 1500),
+]
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("block_kv,next_n,h,d,ctx_2d,clean,dtype,indices,extra", GRID)
+def test_persistent_kernel_meets_the_contract_and_agrees_with_triton(block_kv, next_n, h, d, ctx_2d, clean, dtype,
+                                                                     indices, extra, poisoned, ws_launches):
+    # Lengths: zero, one key, one past a tile, whole and partial tiles, requests spanning programs.
+    lens = (3000, 0, 65, 1, 130, 2049, 0, 64)
+    case = Case("fp8", lens=lens, next_n=next_n, h=h, d=d, block_kv=block_kv, ctx_2d=ctx_2d, weights_dtype=dtype,
+                extra_cols=extra, seed=block_kv + 3 * next_n + h + d)
+    cfg = _config(next_n, h, d, block_kv)
+    idx = torch.arange(len(lens), dtype=torch.int32, device=DEVICE) if indices else None
+    out = case.run(clean=clean, logits_dtype=dtype, config=cfg, indices=idx)
+    assert len(ws_launches) == 1, "the persistent kernel did not run"
+    case.check(out, clean, dtype)
+    again = case.run(clean=clean, logits_dtype=dtype, config=cfg, indices=idx)
+    assert torch.equal(_bits(out), _bits(again)), "a rerun differs"
+    triton = case.run(clean=clean, logits_dtype=dtype, config=dataclasses.replace(cfg, persistent=False),
+                      indices=idx)
+    assert len(ws_launches) == 2
+    _agrees(out, triton, _tolerance(dtype, dtype))
+
+
+@pytest.mark.gpu
+@on_hopper
+def test_persistent_kernel_is_bitwise_the_same_for_any_share_and_ring(ws_launches):
+    """Every key's logits depend on its own row only: one to three programs an SM, rings of 2
+    to 6 buffers and eagerly or from a graph give the same bits."""
+    case = Case("fp8", lens=(9000, 0, 4097, 64, 63, 1, 0, 700), next_n=2, h=64, d=128, block_kv=64, seed=71)
+    first = case.run(clean=True, config=_config(2, 64, 128, 64))
+    for ctas, stages in ((1, 4), (2, 2), (3, 6), (2, 3)):
+        again = case.run(clean=True, config=_config(2, 64, 128, 64, ctas_per_sm=ctas, num_stages=stages))
+        assert torch.equal(_bits(first), _bits(again)), (ctas, stages)
+    assert len(ws_launches) == 5
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("ctx_2d", [False, True])
+def test_persistent_kernel_over_many_requests(ctx_2d, poisoned, ws_launches):
+    """More requests than one pass of the share search reads (1024), many of them empty."""
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(0, 300, (1500,), generator=g)
+    lens[torch.rand(1500, generator=g) < 0.3] = 0
+    case = Case("fp8", lens=tuple(lens.tolist()), next_n=2, h=32, d=128, block_kv=64, ctx_2d=ctx_2d, seed=9)
+    for clean in (False, True):
+        out = case.run(clean=clean, config=_config(2, 32, 128, 64))
+        case.check(out, clean)
+    assert len(ws_launches) == 2
+
+
+@pytest.mark.gpu
+@on_hopper
+def test_persistent_kernel_replays_in_a_graph_with_new_lengths(ws_launches):
+    """Captured once, replayed after the lengths (and so every program's share) changed in place."""
+    case = Case("fp8", lens=(4000, 100, 0, 2500), next_n=1, h=64, d=128, block_kv=64, seed=12)
+    cfg = _config(1, 64, 128, 64)
+    out = torch.empty(4, case.max_context_len, device=DEVICE)
+    case.run(clean=True, config=cfg, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        case.run(clean=True, config=cfg, out=out)
+    for lens in ((10, 4000, 3000, 0), (1, 1, 1, 1), (4000, 4000, 4000, 4000)):
+        case.ctx.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        case.check(out, True, own_out=False)
+
+
+@pytest.mark.gpu
+@on_hopper
+def test_unaligned_queries_take_the_other_kernel(ws_launches):
+    case = Case("fp8", lens=(300, 70), next_n=1, h=64, d=128, block_kv=64, seed=3)
+    q = case.qq[0]
+    flat = torch.empty(q.numel() + 1, dtype=torch.uint8, device=DEVICE)
+    shifted = flat[1:].view(q.dtype).view(q.shape)
+    shifted.copy_(q)
+    out = tilefuse.fp8_fp4_paged_mqa_logits((shifted, None), case.cache, case.w, case.ctx, case.table, case.meta,
+                                            case.max_context_len, True, config=_config(1, 64, 128, 64))
+    assert not ws_launches
+    case.check(out, True)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("block_kv", [32, 64, 128])
+def test_persistent_bad_page_ids_score_nan_and_are_reported(block_kv, ws_launches):
+    """Page ids -1, one past the cache and 10_000_000: those keys score NaN (their TMA boxes read
+    the cache's first page), every other element has the good table's bits, the error is
+    recorded, nothing faults."""
+    case = Case("fp8", lens=(5 * block_kv + 7, 4 * block_kv), next_n=1, h=64, d=128, block_kv=block_kv,
+                seed=72 + block_kv)
+    cfg = _config(1, 64, 128, block_kv)
+    good = case.run(clean=True, config=cfg)
+    table = case.table.clone()
+    table[0, 1] = -1
+    table[1, 0] = case.cache.shape[0]
+    table[1, 2] = 10_000_000
+    out = tilefuse.fp8_fp4_paged_mqa_logits(case.qq, case.cache, case.w, case.ctx, table, case.meta,
+                                            case.max_context_len, True, config=cfg)
+    with pytest.raises(tilefuse.DeviceValueError, match="block_table: page id (-1|[0-9]+) is outside"):
+        tilefuse.check_errors()
+    bad = torch.zeros_like(out, dtype=torch.bool)
+    bad[0, block_kv:2 * block_kv] = True
+    bad[1, :block_kv] = True
+    bad[1, 2 * block_kv:3 * block_kv] = True
+    assert out[bad].isnan().all()
+    assert torch.equal(_bits(out[~bad]), _bits(good[~bad]))
+    assert len(ws_launches) == 2
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("name", [n for n, (_, text, _) in BAD_VALUES.items() if text is not None])
+def test_persistent_bad_values_are_found_on_the_device(name, ws_launches):
+    """Bad lengths and page ids (test_paged's cases) reported by the persistent kernel, in bounds."""
+    case = Case("fp8", lens=(60, 100), next_n=2, block_kv=32, seed=17)
+    _, text, changes = BAD_VALUES[name]
+    args = _args(case)
+    for key, fn in changes.items():
+        args[key] = fn(args[key])
+    tilefuse.fp8_fp4_paged_mqa_logits(**args, clean_logits=True, config=_config(2, 8, 64, 32))
+    torch.cuda.synchronize()
+    assert len(ws_launches) == 1
+    with pytest.raises(tilefuse.DeviceValueError, match=text):
+        tilefuse.check_errors()
+
+
+@pytest.mark.gpu
+@on_hopper
+def test_persistent_bad_request_ids_in_indices(ws_launches):
+    base = Case("fp8", lens=(120, 0, 75), next_n=1, h=16, d=128, block_kv=64, seed=8)
+    indices = torch.tensor([0, 3, 1], dtype=torch.int32, device=DEVICE)
+    tilefuse.fp8_fp4_paged_mqa_logits(base.qq, base.cache, base.w, base.ctx, base.table, base.meta,
+                                      base.max_context_len, True, indices=indices, config=_config(1, 16, 128, 64))
+    assert len(ws_launches) == 1
+    with pytest.raises(tilefuse.DeviceValueError, match="indices: request id 3 is outside the batch"):
+        tilefuse.check_errors()
+
+
+@pytest.mark.gpu
+@on_hopper
+def test_persistent_all_zero_lengths(poisoned, ws_launches):
+    """All-zero lengths: only the -inf fill runs."""
+    case = Case("fp8", lens=(0, 0, 0), next_n=1, h=64, d=128, block_kv=64, seed=5)
+    out = case.run(clean=True, config=_config(1, 64, 128, 64))
+    assert torch.isneginf(out).all()
+    assert len(ws_launches) == 1
