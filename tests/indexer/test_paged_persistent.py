@@ -82,14 +82,15 @@ def _plan(monkeypatch, *, sm90=True, fmt="fp8", h=64, next_n=1, d=128, block_kv=
 
 
 def test_dispatch_takes_the_persistent_kernel_where_it_runs(monkeypatch):
-    for next_n, h, d, block_kv in ((1, 64, 128, 64), (2, 64, 128, 32), (4, 64, 128, 128), (1, 16, 64, 64),
-                                   (8, 16, 32, 8), (1, 128, 128, 256), (2, 8, 128, 64)):
+    for next_n, h, d, block_kv, columns in ((1, 64, 128, 64, 64), (2, 64, 128, 32, 128), (4, 64, 128, 128, 256),
+                                            (1, 16, 64, 64, 16), (8, 16, 32, 8, 128), (1, 128, 128, 256, 128),
+                                            (2, 8, 128, 64, 16), (3, 64, 128, 64, 256), (3, 16, 64, 32, 64)):
         p = _plan(monkeypatch, next_n=next_n, h=h, d=d, block_kv=block_kv,
                   config=_config(next_n, h, d, block_kv)).persistent
         assert p is not None, (next_n, h, d, block_kv)
-        assert p.columns == next_n * h and p.box == min(64, block_kv) and p.data_words == block_kv * (d + 4) // 4
+        assert p.columns == columns and p.box == min(64, block_kv) and p.data_words == block_kv * (d + 4) // 4
         # Three programs an SM up to 128 columns, two above; the register cap follows.
-        assert p.programs_per_sm == (3 if next_n * h <= 128 else 2)
+        assert p.programs_per_sm == (3 if columns <= 128 else 2)
         assert p.options["maxnreg"] == (136 if p.programs_per_sm == 3 else 200)
     p = _plan(monkeypatch, config=_config(1, 64, 128, 64, ctas_per_sm=1, num_stages=1)).persistent
     assert p.programs_per_sm == 1 and p.options["maxnreg"] == 255
@@ -104,8 +105,8 @@ def test_dispatch_falls_back_where_it_does_not_apply(monkeypatch):
         "not sm_90": dict(sm90=False, config=_config(1, 64, 128, 64)),
         "mx format": dict(fmt="mxfp8", config=_config(1, 64, 128, 64)),
         "heads not a power of two": dict(h=48, config=_config(1, 48, 128, 64)),
-        "next_n not a power of two": dict(next_n=3, h=16, config=_config(3, 16, 128, 64)),
         "over 256 columns": dict(next_n=8, h=64, config=_config(8, 64, 128, 64)),
+        "over 256 columns, rows padded": dict(next_n=3, h=128, config=_config(3, 128, 128, 64)),
         "under 16 columns": dict(next_n=2, h=4, config=_config(2, 4, 128, 64)),
         "page stride": dict(page_pad=4, config=_config(1, 64, 128, 64)),
         "page size": dict(block_kv=48, config=_config(1, 64, 128, 48)),
@@ -152,6 +153,8 @@ GRID = [
     (8, 1, 32, 32, False, True, F32, False, 5),
     (64, 1, 16, 64, False, True, F32, True, 5),
     (64, 8, 16, 32, True, True, F32, False, 5),
+    (64, 3, 64, 128, False, True, F32, False, 5),
+    (32, 3, 16, 128, True, True, BF16, False, 5),
     (64, 1, 128, 128, True, False, BF16, True, 1500),
 ]
 

@@ -31,7 +31,7 @@ its logit is computed by the same operations in the same order.
 The first program reports bad lengths and request ids; the producer reports the bad page
 ids it meets, into the error record (``tilefuse._errors``).
 
-Applies to: FP8, H a power of two, ``next_n * H`` in [16, 256], D 32/64/128, pages of a
+Applies to: FP8, H a power of two, ``next_pow2(next_n) * H`` in [16, 256], D 32/64/128, pages of a
 power of two of at least 8 tokens (one box per page a tile covers), queries whose rows are
 evenly strided (a 2-D view ``[B * next_n * H, D]``), caches whose value rows and scales the
 TMA views read; elsewhere ``paged.py`` runs another kernel. Like the other Gluon kernels it
@@ -184,19 +184,22 @@ def _publish(q_desc, w_ptr, ctx_ptr, q_smem, w_smem, info_smem, rows_smem, q_rea
     """Request ``b`` into slot ``qc % 2`` of the request ring (producer): its queries by TMA,
     its weights as fp32, its key count, tile count and row ends; returns the key and tile
     counts."""
-    NC: gl.constexpr = NEXT_N * NUM_HEADS
+    NC: gl.constexpr = NEXT_N_P * NUM_HEADS
     slot = qc % 2
     mbarrier.wait(q_empty.index(slot), ((qc // 2) & 1) ^ 1)
-    # Arrival one of two: the queries' bytes.
+    # Arrival one of two: the queries' bytes (with next_n not a power of two, the box's last
+    # rows are the next request's, or past the queries' end and zero: their weights are 0).
     mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [(b * NC).to(gl.int32), 0], q_ready.index(slot), q_smem.index(slot))
+    tma.async_copy_global_to_shared(q_desc, [(b * NEXT_N * NUM_HEADS).to(gl.int32), 0], q_ready.index(slot),
+                                    q_smem.index(slot))
     longest, _ = _request_lengths(ctx_ptr, stride_ctx, b, b >= 0, NEXT_N, CTX_2D)
     key_len = gl.minimum(gl.maximum(longest, 0), max_context_len)
     n_tiles = (key_len + BLOCK_N - 1) // BLOCK_N
     W_PER_LANE: gl.constexpr = NC // 32 if NC > 32 else 1
     w_l: gl.constexpr = gl.BlockedLayout([W_PER_LANE], [32], [1], [0])
     c = gl.arange(0, NC, layout=w_l)
-    w = gl.load(w_ptr + (b * NEXT_N + c // NUM_HEADS) * stride_w + c % NUM_HEADS).to(gl.float32)
+    w = gl.load(w_ptr + (b * NEXT_N + c // NUM_HEADS) * stride_w + c % NUM_HEADS, mask=c // NUM_HEADS < NEXT_N,
+                other=0.0).to(gl.float32)
     w_smem.index(slot).store(w)
     r_l: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     t = gl.arange(0, NEXT_N_P, layout=r_l)
@@ -330,11 +333,11 @@ def _consumer(k_smem, sf_smem, ok_smem, q_smem, w_smem, info_smem, rows_smem,
               i_first, count, bf_first, cf_first, f_count, batch, max_context_len, stride_ctx, stride_out,
               NEXT_N: gl.constexpr, NEXT_N_P: gl.constexpr, NUM_HEADS: gl.constexpr, CTX_2D: gl.constexpr,
               CLEAN: gl.constexpr, NUM_BUF: gl.constexpr, BLOCK_FILL: gl.constexpr, num_warps: gl.constexpr):
-    NC: gl.constexpr = NEXT_N * NUM_HEADS
+    NC: gl.constexpr = NEXT_N_P * NUM_HEADS
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, NC, 32])
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
-    out_l: gl.constexpr = _head_sums(gl.zeros([BLOCK_N, NC], gl.float32, mma), NEXT_N, NUM_HEADS).type.layout
+    out_l: gl.constexpr = _head_sums(gl.zeros([BLOCK_N, NC], gl.float32, mma), NEXT_N_P, NUM_HEADS).type.layout
     if NEXT_N == 1:
         key_l: gl.constexpr = out_l
         row_l: gl.constexpr = out_l  # (unused)
@@ -361,7 +364,7 @@ def _consumer(k_smem, sf_smem, ok_smem, q_smem, w_smem, info_smem, rows_smem,
             # Every warp has read the buffer before it is handed back.
             _partition_barrier()
             mbarrier.arrive(k_empty.index(buf), count=1)
-            logits = _head_sums(gl.maximum(s, 0.0) * w[None, :], NEXT_N, NUM_HEADS)
+            logits = _head_sums(gl.maximum(s, 0.0) * w[None, :], NEXT_N_P, NUM_HEADS)
             j = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
             if NEXT_N == 1:
                 logits = logits * sf
@@ -371,7 +374,7 @@ def _consumer(k_smem, sf_smem, ok_smem, q_smem, w_smem, info_smem, rows_smem,
                 logits = gl.where(ok != 0, logits, float("nan"))
                 gl.store(out_ptr + b * NEXT_N * stride_out + j, logits.to(out_ptr.dtype.element_ty), mask=j < key_len)
             else:
-                t = gl.arange(0, NEXT_N, layout=row_l)
+                t = gl.arange(0, NEXT_N_P, layout=row_l)
                 logits = logits * sf[:, None]
                 if CLEAN:
                     logits = gl.where(j[:, None] < row_end[None, :], logits, float("-inf"))
@@ -422,7 +425,7 @@ def paged_logits_ws_kernel(
     NUM_BUF: gl.constexpr, BLOCK_FILL: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4, "one consumer warpgroup")
-    NC: gl.constexpr = NEXT_N * NUM_HEADS
+    NC: gl.constexpr = NEXT_N_P * NUM_HEADS
     gl.static_assert(NC >= MIN_COLUMNS and NC <= MAX_COLUMNS, "16 to 256 (row, head) columns")
     BOX: gl.constexpr = BLOCK_N if BLOCK_N < BLOCK_KV else BLOCK_KV
     PARTS: gl.constexpr = BLOCK_N // BOX

@@ -91,7 +91,7 @@ class PagedConfig:
     on an sm_90 GPU, the persistent warp-specialised kernel (``_paged_kernel_ws.py``:
     ``ctas_per_sm`` programs an SM, 0 for the default, walk the batch's 64-key tiles, a
     producer warp loading and a consumer warpgroup scoring; ``num_stages`` key buffers, at least
-    2) where it applies: H a power of two, ``next_n * H`` in [16, 256], queries whose rows are
+    2) where it applies: H a power of two, ``next_pow2(next_n) * H`` in [16, 256], queries whose rows are
     evenly strided and 16-byte aligned, a cache the TMA views read; ``block_n``, ``rows``,
     ``chunk`` and ``num_warps`` do not apply to it. Elsewhere the kernel the other fields pick.
     """
@@ -744,7 +744,7 @@ def _make_plan(fmt, next_n, h, d, block_kv, q, kv_cache, context_lens, indices, 
 class _Persistent:
     """What a plan launches with the persistent kernel (``_paged_kernel_ws``)."""
 
-    columns: int  # next_n * H: a request's query rows, one TMA box
+    columns: int  # next_pow2(next_n) * H: a request's query rows, one TMA box
     q_row_stride: int  # elements between the queries' (row, head) rows
     kv_rows: int  # rows of the key values' view
     box: int  # keys a TMA box of values (or scales) holds: min(64, block_kv)
@@ -769,9 +769,8 @@ def _persistent_plan(cfg: PagedConfig, fmt: str, next_n: int, h: int, d: int, bl
         return None
     from tilefuse.indexer import _paged_kernel_ws as ws
 
-    columns = next_n * h
-    powers_of_two = not (h & (h - 1) or next_n & (next_n - 1))
-    if not (powers_of_two and ws.MIN_DOT_COLUMNS <= columns <= ws.MAX_DOT_COLUMNS and d in (32, 64, 128)):
+    columns = next_power_of_2(next_n) * h  # (rows past next_n: weights 0, not stored)
+    if h & (h - 1) or not ws.MIN_DOT_COLUMNS <= columns <= ws.MAX_DOT_COLUMNS or d not in (32, 64, 128):
         return None
     # The queries as rows [B * next_n * H, D]: rows evenly strided, 16-byte aligned.
     s_b, s_t, s_h = q.stride()[:3]
@@ -796,7 +795,7 @@ def _launch_persistent(p: _Persistent, q, kv_cache, weights, context_lens, block
 
     b = q.shape[0]
     programs = max(1, min(p.programs_per_sm * (sm_count(q.device) or 1), b * cdiv(max_context_len, ws.KEYS_PER_TILE)))
-    rows = b * p.columns
+    rows = b * q.shape[1] * q.shape[2]  # the queries' (row, head) rows
     idx = indices if indices is not None else context_lens
     fast = p.fast.get(None)
     if fast is not None and fast(q, kv_cache, weights, context_lens, block_table, idx, out, b, max_context_len,

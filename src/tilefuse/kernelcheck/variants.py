@@ -678,8 +678,8 @@ def paged_persistent_variants() -> list[Variant]:
     ``PagedConfig(persistent=True)`` on an sm_90 GPU (the dispatch's device test made to say
     so): FP8, H 64 at next_n 1, 2 and 4 (64 to 256 columns: three programs an SM, two at 256),
     H 32 and 16, H 128; 32-, 64- and 128-token pages (two boxes per tile, one, half a page);
-    1-D and 2-D lengths, cleaning, bf16 weights + logits, varlen ``indices``, D 64 and 32; as
-    options 2 and 6 buffers and one or two programs an SM."""
+    1-D and 2-D lengths, cleaning, bf16 weights + logits, varlen ``indices``, D 64 and 32,
+    next_n 3 (four rows' columns); as options 2 and 6 buffers and one or two programs an SM."""
     import torch
 
     from tilefuse.indexer import _paged_kernel_ws as ws
@@ -728,6 +728,7 @@ def paged_persistent_variants() -> list[Variant]:
     one(64, 2, 128, w_dtype=bf16, out_dtype=bf16)
     one(64, 1, 64, ctx_2d=False, indices=True)
     one(16, 8, 32, d=32, clean=True)
+    one(64, 3, 64, clean=True)  # next_n not a power of two: a row of the box unused
     one(64, 2, 64, num_stages=6, origin="option")
     one(64, 2, 64, num_stages=2, origin="option")
     one(64, 1, 64, ctas=2, origin="option")
