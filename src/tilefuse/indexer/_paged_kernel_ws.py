@@ -127,6 +127,18 @@ def _locate(sizes, ok, carry, target, found, start):
 
 
 @gluon.jit
+def _report_lengths(err_ptr, idx_ptr, b, ok, longest, shortest, batch, max_context_len, max_blocks,
+                    BLOCK_KV: gl.constexpr, HAS_INDICES: gl.constexpr):
+    """Bad lengths and request ids of requests ``b`` (a block) into the error record."""
+    _report(err_ptr, ERR_LEN_NEGATIVE, ok & (shortest < 0), b)
+    _report(err_ptr, ERR_LEN_PAST_WIDTH, ok & (longest > max_context_len), b)
+    _report(err_ptr, ERR_LEN_PAST_TABLE, ok & (longest > max_blocks * BLOCK_KV), b)
+    if HAS_INDICES:
+        req = gl.load(idx_ptr + b, mask=ok, other=0)
+        _report(err_ptr, ERR_INDEX, ok & ((req < 0) | (req >= batch)), req)
+
+
+@gluon.jit
 def _share(ctx_ptr, idx_ptr, err_ptr, batch, max_context_len, max_blocks, stride_ctx,
            NEXT_N: gl.constexpr, BLOCK_KV: gl.constexpr, CTX_2D: gl.constexpr, CLEAN: gl.constexpr,
            HAS_INDICES: gl.constexpr, num_warps: gl.constexpr):
@@ -138,41 +150,53 @@ def _share(ctx_ptr, idx_ptr, err_ptr, batch, max_context_len, max_blocks, stride
     b_l: gl.constexpr = gl.BlockedLayout([BLOCK_B // (32 * num_warps)], [32], [num_warps], [0])
     rows = gl.arange(0, BLOCK_B, layout=b_l)
     zero = pid.to(gl.int64) * 0
-    total_t = zero
-    total_f = zero
-    # Pass one: the totals (and the reports).
-    for b0 in range(0, batch, BLOCK_B):
-        b = b0 + rows
-        ok = b < batch
-        longest, shortest = _request_lengths(ctx_ptr, stride_ctx, b.to(gl.int64), ok, NEXT_N, CTX_2D)
+    if batch <= BLOCK_B:  # one read of the lengths
+        ok = rows < batch
+        longest, shortest = _request_lengths(ctx_ptr, stride_ctx, rows.to(gl.int64), ok, NEXT_N, CTX_2D)
         key_len, tiles, fill = _work(longest, ok, max_context_len, CLEAN)
-        total_t += gl.sum(tiles.to(gl.int64), axis=0)
-        total_f += gl.sum(fill.to(gl.int64), axis=0)
+        tiles = tiles.to(gl.int64)
+        fill = fill.to(gl.int64)
+        total_t = gl.sum(tiles, axis=0)
+        total_f = gl.sum(fill, axis=0)
         if pid == 0:
-            _report(err_ptr, ERR_LEN_NEGATIVE, ok & (shortest < 0), b)
-            _report(err_ptr, ERR_LEN_PAST_WIDTH, ok & (longest > max_context_len), b)
-            _report(err_ptr, ERR_LEN_PAST_TABLE, ok & (longest > max_blocks * BLOCK_KV), b)
-            if HAS_INDICES:
-                req = gl.load(idx_ptr + b, mask=ok, other=0)
-                _report(err_ptr, ERR_INDEX, ok & ((req < 0) | (req >= batch)), req)
-    t_lo = pid * total_t // programs
-    t_hi = (pid + 1) * total_t // programs
-    f_lo = pid * total_f // programs
-    f_hi = (pid + 1) * total_f // programs
-    # Pass two: where the share starts.
-    found_t = pid * 0
-    found_f = found_t
-    start_t = zero
-    start_f = zero
-    carry_t = zero
-    carry_f = zero
-    for b0 in range(0, batch, BLOCK_B):
-        b = b0 + rows
-        ok = b < batch
-        longest, _ = _request_lengths(ctx_ptr, stride_ctx, b.to(gl.int64), ok, NEXT_N, CTX_2D)
-        key_len, tiles, fill = _work(longest, ok, max_context_len, CLEAN)
-        found_t, start_t, carry_t = _locate(tiles.to(gl.int64), ok, carry_t, t_lo, found_t, start_t)
-        found_f, start_f, carry_f = _locate(fill.to(gl.int64), ok, carry_f, f_lo, found_f, start_f)
+            _report_lengths(err_ptr, idx_ptr, rows, ok, longest, shortest, batch, max_context_len, max_blocks,
+                            BLOCK_KV, HAS_INDICES)
+        t_lo = pid * total_t // programs
+        t_hi = (pid + 1) * total_t // programs
+        f_lo = pid * total_f // programs
+        f_hi = (pid + 1) * total_f // programs
+        found_t, start_t, _ = _locate(tiles, ok, zero, t_lo, pid * 0, zero)
+        found_f, start_f, _ = _locate(fill, ok, zero, f_lo, pid * 0, zero)
+    else:  # two: the totals (and the reports), then where the share starts
+        total_t = zero
+        total_f = zero
+        for b0 in range(0, batch, BLOCK_B):
+            b = b0 + rows
+            ok = b < batch
+            longest, shortest = _request_lengths(ctx_ptr, stride_ctx, b.to(gl.int64), ok, NEXT_N, CTX_2D)
+            key_len, tiles, fill = _work(longest, ok, max_context_len, CLEAN)
+            total_t += gl.sum(tiles.to(gl.int64), axis=0)
+            total_f += gl.sum(fill.to(gl.int64), axis=0)
+            if pid == 0:
+                _report_lengths(err_ptr, idx_ptr, b, ok, longest, shortest, batch, max_context_len, max_blocks,
+                                BLOCK_KV, HAS_INDICES)
+        t_lo = pid * total_t // programs
+        t_hi = (pid + 1) * total_t // programs
+        f_lo = pid * total_f // programs
+        f_hi = (pid + 1) * total_f // programs
+        found_t = pid * 0
+        found_f = found_t
+        start_t = zero
+        start_f = zero
+        carry_t = zero
+        carry_f = zero
+        for b0 in range(0, batch, BLOCK_B):
+            b = b0 + rows
+            ok = b < batch
+            longest, _ = _request_lengths(ctx_ptr, stride_ctx, b.to(gl.int64), ok, NEXT_N, CTX_2D)
+            key_len, tiles, fill = _work(longest, ok, max_context_len, CLEAN)
+            found_t, start_t, carry_t = _locate(tiles.to(gl.int64), ok, carry_t, t_lo, found_t, start_t)
+            found_f, start_f, carry_f = _locate(fill.to(gl.int64), ok, carry_f, f_lo, found_f, start_f)
     return (found_t, (t_lo - start_t).to(gl.int32), (t_hi - t_lo).to(gl.int32),
             found_f, f_lo - start_f, f_hi - f_lo)
 
