@@ -41,11 +41,9 @@ def _config(next_n: int, h: int, d: int, block_kv: int, **fields) -> paged.Paged
     return dataclasses.replace(base, **{"block_n": 64, "gluon": True, **fields})
 
 
-@pytest.fixture
-def gluon_launches():
-    """The grid of every launch of the Gluon kernel (which still runs)."""
-    seen = []
-    real = gk.paged_logits_gluon_kernel
+def spying(real, seen: list):
+    """Within the block, every launch of the kernel ``real`` (which still runs) appends its grid
+    to ``seen``."""
 
     class Spy:
         def __getitem__(self, grid):
@@ -54,8 +52,34 @@ def gluon_launches():
                 return real[grid](*args, **kwargs)
             return launch
 
-    with _jit.redirected(real, Spy()):  # the op launches through tilefuse._jit.Launcher
+    return _jit.redirected(real, Spy())  # the op launches through tilefuse._jit.Launcher
+
+
+@pytest.fixture
+def gluon_launches():
+    """The grid of every launch of the Gluon kernel."""
+    seen = []
+    with spying(gk.paged_logits_gluon_kernel, seen):
         yield seen
+
+
+def _persistent_config(next_n: int, h: int, d: int, block_kv: int, **fields) -> paged.PagedConfig:
+    """The op's own config for this model with the persistent kernel asked for."""
+    base = paged.resolve_paged_config("fp8", next_n, h, d, block_kv)
+    return dataclasses.replace(base, **{"persistent": True, "num_stages": 4, **fields})
+
+
+@pytest.fixture(params=["gluon", "persistent"])
+def hopper_kernel(request):
+    """Each Hopper decode kernel in turn: its config for ``(next_n, h, d, block_kv)`` and the
+    grid of each of its launches."""
+    from tilefuse.indexer import _paged_kernel_ws as ws
+
+    config, real = ((_config, gk.paged_logits_gluon_kernel) if request.param == "gluon"
+                    else (_persistent_config, ws.paged_logits_ws_kernel))
+    seen = []
+    with spying(real, seen):
+        yield config, seen
 
 
 def _tolerance(weights_dtype, logits_dtype) -> float:
@@ -254,13 +278,14 @@ def test_gluon_kernel_is_bitwise_the_same_for_any_chunk_and_ring(gluon_launches)
 @pytest.mark.gpu
 @on_hopper
 @pytest.mark.parametrize("block_kv", [32, 64, 128])
-def test_gluon_bad_page_ids_score_nan_and_are_reported(block_kv, gluon_launches):
+def test_hopper_bad_page_ids_score_nan_and_are_reported(block_kv, hopper_kernel):
     """Page ids -1, one past the cache and 10_000_000: those keys score NaN (a TMA box of them
     reads row 0 of the cache), every other element has the good table's bits, the error is
     recorded, nothing faults."""
+    config, launches = hopper_kernel
     case = Case("fp8", lens=(5 * block_kv + 7, 4 * block_kv), next_n=1, h=64, d=128, block_kv=block_kv,
                 seed=72 + block_kv)
-    cfg = _config(1, 64, 128, block_kv)
+    cfg = config(1, 64, 128, block_kv)
     good = case.run(clean=True, config=cfg)
     table = case.table.clone()
     table[0, 1] = -1
@@ -276,51 +301,56 @@ def test_gluon_bad_page_ids_score_nan_and_are_reported(block_kv, gluon_launches)
     bad[1, 2 * block_kv:3 * block_kv] = True
     assert out[bad].isnan().all()
     assert torch.equal(_bits(out[~bad]), _bits(good[~bad]))
-    assert len(gluon_launches) == 2
+    assert len(launches) == 2
 
 
 @pytest.mark.gpu
 @on_hopper
 @pytest.mark.parametrize("name", [n for n, (_, text, _) in BAD_VALUES.items() if text is not None])
-def test_gluon_bad_values_are_found_on_the_device(name, gluon_launches):
-    """Bad lengths and page ids (test_paged's cases) reported by the Gluon kernel, in bounds."""
+def test_hopper_bad_values_are_found_on_the_device(name, hopper_kernel):
+    """Bad lengths and page ids (test_paged's cases) reported by the kernel, in bounds."""
+    config, launches = hopper_kernel
     case = Case("fp8", lens=(60, 100), next_n=2, block_kv=32, seed=17)
     _, text, changes = BAD_VALUES[name]
     args = _args(case)
     for key, fn in changes.items():
         args[key] = fn(args[key])
-    tilefuse.fp8_fp4_paged_mqa_logits(**args, clean_logits=True, config=_config(2, 8, 64, 32))
+    tilefuse.fp8_fp4_paged_mqa_logits(**args, clean_logits=True, config=config(2, 8, 64, 32))
     torch.cuda.synchronize()
-    assert len(gluon_launches) == 1
+    assert len(launches) == 1
     with pytest.raises(tilefuse.DeviceValueError, match=text):
         tilefuse.check_errors()
 
 
 @pytest.mark.gpu
 @on_hopper
-def test_gluon_bad_request_ids_in_indices(gluon_launches):
+def test_hopper_bad_request_ids_in_indices(hopper_kernel):
+    config, launches = hopper_kernel
     base = Case("fp8", lens=(120, 0, 75), next_n=1, h=16, d=128, block_kv=64, seed=8)
     indices = torch.tensor([0, 3, 1], dtype=torch.int32, device=DEVICE)
     tilefuse.fp8_fp4_paged_mqa_logits(base.qq, base.cache, base.w, base.ctx, base.table, base.meta,
-                                      base.max_context_len, True, indices=indices, config=_config(1, 16, 128, 64))
-    assert len(gluon_launches) == 1
+                                      base.max_context_len, True, indices=indices, config=config(1, 16, 128, 64))
+    assert len(launches) == 1
     with pytest.raises(tilefuse.DeviceValueError, match="indices: request id 3 is outside the batch"):
         tilefuse.check_errors()
 
 
 @pytest.mark.gpu
 @on_hopper
-def test_gluon_all_zero_lengths_and_the_config_override(poisoned, gluon_launches):
+def test_hopper_all_zero_lengths_and_the_config_override(poisoned, hopper_kernel):
     """All-zero lengths (only the -inf fill runs); the override selects the kernel by itself."""
+    config, launches = hopper_kernel
     case = Case("fp8", lens=(0, 0, 0), next_n=1, h=64, d=128, block_kv=64, seed=5)
-    out = case.run(clean=True, config=_config(1, 64, 128, 64))
+    out = case.run(clean=True, config=config(1, 64, 128, 64))
     assert torch.isneginf(out).all()
     case = Case("fp8", lens=(700, 0, 129), next_n=1, h=64, d=128, block_kv=64, seed=6)
-    with tilefuse.config_override("paged", gluon=True):
+    cfg = config(1, 64, 128, 64)
+    flags = {"gluon": cfg.gluon, "persistent": cfg.persistent, "block_n": cfg.block_n, "num_stages": cfg.num_stages}
+    with tilefuse.config_override("paged", **flags):
         out = case.run(clean=True)
-    assert len(gluon_launches) == 2
+    assert len(launches) == 2
     case.check(out, True)
-    assert torch.equal(_bits(out), _bits(case.run(clean=True, config=_config(1, 64, 128, 64))))
+    assert torch.equal(_bits(out), _bits(case.run(clean=True, config=cfg)))
 
 
 def test_plans_need_no_gpu_to_import_the_kernel():

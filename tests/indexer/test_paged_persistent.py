@@ -1,8 +1,9 @@
 """The persistent warp-specialised decode kernel (``PagedConfig(persistent=True)``,
 ``_paged_kernel_ws.py``): where the launch picks it, and on a Hopper GPU the op's contract with
-it (both references, exact -inf and NaN masks, every element written, bitwise reruns, bad
-values reported and never read out of bounds), its agreement with the Triton kernel, and the
-same bits whatever its programs an SM, ring depth, batch split and CUDA-graph replays.
+it (both references, exact -inf and NaN masks, every element written, bitwise reruns), its
+agreement with the Triton kernel, and the same bits whatever its programs an SM, ring depth,
+batch split and CUDA-graph replays. Bad values (reported, never read out of bounds) are
+test_paged_gluon.py's tests, run on both Hopper kernels.
 
 Gluon has no interpreter: the dispatch is checked on CPU by the launch plan (nothing runs) and
 the kernel compiled for sm_90a; the kernel itself runs on an sm_90 GPU. Against the Triton
@@ -17,13 +18,13 @@ import pytest
 import torch
 
 import tilefuse
-from tilefuse import _jit, _validate
+from tilefuse import _validate
 from tilefuse.indexer import _paged_kernel_ws as ws
 from tilefuse.indexer import paged
 
 from ..conftest import DEVICE, ON_GPU
-from .test_paged import BAD_VALUES, Case, _args, _bits
-from .test_paged_gluon import _agrees, _tolerance
+from .test_paged import Case, _bits
+from .test_paged_gluon import _agrees, _persistent_config, _tolerance, spying
 
 pytestmark = pytest.mark.usefixtures("no_pending_errors")
 
@@ -32,26 +33,14 @@ on_hopper = pytest.mark.skipif(not HOPPER, reason="the persistent decode kernel 
 F32, BF16 = torch.float32, torch.bfloat16
 
 
-def _config(next_n: int, h: int, d: int, block_kv: int, **fields) -> paged.PagedConfig:
-    """The op's own config for this model with the persistent kernel asked for."""
-    base = paged.resolve_paged_config("fp8", next_n, h, d, block_kv)
-    return dataclasses.replace(base, **{"persistent": True, "num_stages": 4, **fields})
+_config = _persistent_config
 
 
 @pytest.fixture
 def ws_launches():
-    """The grid of every launch of the persistent kernel (which still runs)."""
+    """The grid of every launch of the persistent kernel."""
     seen = []
-    real = ws.paged_logits_ws_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append(grid)
-                return real[grid](*args, **kwargs)
-            return launch
-
-    with _jit.redirected(real, Spy()):
+    with spying(ws.paged_logits_ws_kernel, seen):
         yield seen
 
 
@@ -240,70 +229,3 @@ def test_unaligned_queries_take_the_other_kernel(ws_launches):
                                             case.max_context_len, True, config=_config(1, 64, 128, 64))
     assert not ws_launches
     case.check(out, True)
-
-
-@pytest.mark.gpu
-@on_hopper
-@pytest.mark.parametrize("block_kv", [32, 64, 128])
-def test_persistent_bad_page_ids_score_nan_and_are_reported(block_kv, ws_launches):
-    """Page ids -1, one past the cache and 10_000_000: those keys score NaN (their TMA boxes read
-    the cache's first page), every other element has the good table's bits, the error is
-    recorded, nothing faults."""
-    case = Case("fp8", lens=(5 * block_kv + 7, 4 * block_kv), next_n=1, h=64, d=128, block_kv=block_kv,
-                seed=72 + block_kv)
-    cfg = _config(1, 64, 128, block_kv)
-    good = case.run(clean=True, config=cfg)
-    table = case.table.clone()
-    table[0, 1] = -1
-    table[1, 0] = case.cache.shape[0]
-    table[1, 2] = 10_000_000
-    out = tilefuse.fp8_fp4_paged_mqa_logits(case.qq, case.cache, case.w, case.ctx, table, case.meta,
-                                            case.max_context_len, True, config=cfg)
-    with pytest.raises(tilefuse.DeviceValueError, match="block_table: page id (-1|[0-9]+) is outside"):
-        tilefuse.check_errors()
-    bad = torch.zeros_like(out, dtype=torch.bool)
-    bad[0, block_kv:2 * block_kv] = True
-    bad[1, :block_kv] = True
-    bad[1, 2 * block_kv:3 * block_kv] = True
-    assert out[bad].isnan().all()
-    assert torch.equal(_bits(out[~bad]), _bits(good[~bad]))
-    assert len(ws_launches) == 2
-
-
-@pytest.mark.gpu
-@on_hopper
-@pytest.mark.parametrize("name", [n for n, (_, text, _) in BAD_VALUES.items() if text is not None])
-def test_persistent_bad_values_are_found_on_the_device(name, ws_launches):
-    """Bad lengths and page ids (test_paged's cases) reported by the persistent kernel, in bounds."""
-    case = Case("fp8", lens=(60, 100), next_n=2, block_kv=32, seed=17)
-    _, text, changes = BAD_VALUES[name]
-    args = _args(case)
-    for key, fn in changes.items():
-        args[key] = fn(args[key])
-    tilefuse.fp8_fp4_paged_mqa_logits(**args, clean_logits=True, config=_config(2, 8, 64, 32))
-    torch.cuda.synchronize()
-    assert len(ws_launches) == 1
-    with pytest.raises(tilefuse.DeviceValueError, match=text):
-        tilefuse.check_errors()
-
-
-@pytest.mark.gpu
-@on_hopper
-def test_persistent_bad_request_ids_in_indices(ws_launches):
-    base = Case("fp8", lens=(120, 0, 75), next_n=1, h=16, d=128, block_kv=64, seed=8)
-    indices = torch.tensor([0, 3, 1], dtype=torch.int32, device=DEVICE)
-    tilefuse.fp8_fp4_paged_mqa_logits(base.qq, base.cache, base.w, base.ctx, base.table, base.meta,
-                                      base.max_context_len, True, indices=indices, config=_config(1, 16, 128, 64))
-    assert len(ws_launches) == 1
-    with pytest.raises(tilefuse.DeviceValueError, match="indices: request id 3 is outside the batch"):
-        tilefuse.check_errors()
-
-
-@pytest.mark.gpu
-@on_hopper
-def test_persistent_all_zero_lengths(poisoned, ws_launches):
-    """All-zero lengths: only the -inf fill runs."""
-    case = Case("fp8", lens=(0, 0, 0), next_n=1, h=64, d=128, block_kv=64, seed=5)
-    out = case.run(clean=True, config=_config(1, 64, 128, 64))
-    assert torch.isneginf(out).all()
-    assert len(ws_launches) == 1

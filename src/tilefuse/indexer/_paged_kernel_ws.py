@@ -53,14 +53,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tilefuse import _errors as E
 from tilefuse._jit import Launcher, host_descriptor
-
-ERR_LEN_NEGATIVE = gl.constexpr(E.CONTEXT_LEN_NEGATIVE)
-ERR_LEN_PAST_WIDTH = gl.constexpr(E.CONTEXT_LEN_PAST_WIDTH)
-ERR_LEN_PAST_TABLE = gl.constexpr(E.CONTEXT_LEN_PAST_TABLE)
-ERR_PAGE_ID = gl.constexpr(E.PAGE_ID_OUT_OF_RANGE)
-ERR_INDEX = gl.constexpr(E.INDEX_OUT_OF_RANGE)
+from tilefuse.indexer._paged_kernel_gluon import (
+    ERR_INDEX,
+    ERR_LEN_NEGATIVE,
+    ERR_LEN_PAST_TABLE,
+    ERR_LEN_PAST_WIDTH,
+    ERR_PAGE_ID,
+    _report,
+    _smem_layout,
+)
 
 # Keys per tile (the MMA's M side, one warpgroup) and the (row, head) columns one MMA takes.
 KEYS_PER_TILE, MIN_DOT_COLUMNS, MAX_DOT_COLUMNS = 64, 16, 256  # (for the host)
@@ -73,14 +75,6 @@ PRODUCER_REGS = gl.constexpr(40)
 
 # A barrier of the calling partition's warps (triton 3.6 names it thread_barrier).
 _partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-
-
-@gluon.jit
-def _report(err_ptr, CODE: gl.constexpr, bad, detail):
-    """Mark error ``CODE`` with ``detail`` where ``bad`` (scalars or vectors of one layout)."""
-    zero = detail * 0
-    gl.store(err_ptr + 2 * CODE + zero, zero + 1, mask=bad)
-    gl.store(err_ptr + 2 * CODE + 1 + zero, detail, mask=bad)
 
 
 @gluon.jit
@@ -127,6 +121,23 @@ def _locate(sizes, ok, carry, target, found, start):
 
 
 @gluon.jit
+def _bounds(total, pid, programs):
+    """Program ``pid``'s equal share ``[lo, hi)`` of ``total`` units of work."""
+    return pid * total // programs, (pid + 1) * total // programs
+
+
+@gluon.jit
+def _block_work(ctx_ptr, stride_ctx, b, batch, max_context_len, NEXT_N: gl.constexpr, CTX_2D: gl.constexpr,
+                CLEAN: gl.constexpr):
+    """Requests ``b`` (a block): which exist, their longest and shortest lengths, and their work
+    (tiles, ``-inf`` columns) as int64."""
+    ok = b < batch
+    longest, shortest = _request_lengths(ctx_ptr, stride_ctx, b.to(gl.int64), ok, NEXT_N, CTX_2D)
+    _, tiles, fill = _work(longest, ok, max_context_len, CLEAN)
+    return ok, longest, shortest, tiles.to(gl.int64), fill.to(gl.int64)
+
+
+@gluon.jit
 def _report_lengths(err_ptr, idx_ptr, b, ok, longest, shortest, batch, max_context_len, max_blocks,
                     BLOCK_KV: gl.constexpr, HAS_INDICES: gl.constexpr):
     """Bad lengths and request ids of requests ``b`` (a block) into the error record."""
@@ -151,39 +162,28 @@ def _share(ctx_ptr, idx_ptr, err_ptr, batch, max_context_len, max_blocks, stride
     rows = gl.arange(0, BLOCK_B, layout=b_l)
     zero = pid.to(gl.int64) * 0
     if batch <= BLOCK_B:  # one read of the lengths
-        ok = rows < batch
-        longest, shortest = _request_lengths(ctx_ptr, stride_ctx, rows.to(gl.int64), ok, NEXT_N, CTX_2D)
-        key_len, tiles, fill = _work(longest, ok, max_context_len, CLEAN)
-        tiles = tiles.to(gl.int64)
-        fill = fill.to(gl.int64)
-        total_t = gl.sum(tiles, axis=0)
-        total_f = gl.sum(fill, axis=0)
+        ok, longest, shortest, tiles, fill = _block_work(ctx_ptr, stride_ctx, rows, batch, max_context_len, NEXT_N,
+                                                         CTX_2D, CLEAN)
         if pid == 0:
             _report_lengths(err_ptr, idx_ptr, rows, ok, longest, shortest, batch, max_context_len, max_blocks,
                             BLOCK_KV, HAS_INDICES)
-        t_lo = pid * total_t // programs
-        t_hi = (pid + 1) * total_t // programs
-        f_lo = pid * total_f // programs
-        f_hi = (pid + 1) * total_f // programs
+        t_lo, t_hi = _bounds(gl.sum(tiles, axis=0), pid, programs)
+        f_lo, f_hi = _bounds(gl.sum(fill, axis=0), pid, programs)
         found_t, start_t, _ = _locate(tiles, ok, zero, t_lo, pid * 0, zero)
         found_f, start_f, _ = _locate(fill, ok, zero, f_lo, pid * 0, zero)
     else:  # two: the totals (and the reports), then where the share starts
         total_t = zero
         total_f = zero
         for b0 in range(0, batch, BLOCK_B):
-            b = b0 + rows
-            ok = b < batch
-            longest, shortest = _request_lengths(ctx_ptr, stride_ctx, b.to(gl.int64), ok, NEXT_N, CTX_2D)
-            key_len, tiles, fill = _work(longest, ok, max_context_len, CLEAN)
-            total_t += gl.sum(tiles.to(gl.int64), axis=0)
-            total_f += gl.sum(fill.to(gl.int64), axis=0)
+            ok, longest, shortest, tiles, fill = _block_work(ctx_ptr, stride_ctx, b0 + rows, batch, max_context_len,
+                                                             NEXT_N, CTX_2D, CLEAN)
+            total_t += gl.sum(tiles, axis=0)
+            total_f += gl.sum(fill, axis=0)
             if pid == 0:
-                _report_lengths(err_ptr, idx_ptr, b, ok, longest, shortest, batch, max_context_len, max_blocks,
-                                BLOCK_KV, HAS_INDICES)
-        t_lo = pid * total_t // programs
-        t_hi = (pid + 1) * total_t // programs
-        f_lo = pid * total_f // programs
-        f_hi = (pid + 1) * total_f // programs
+                _report_lengths(err_ptr, idx_ptr, b0 + rows, ok, longest, shortest, batch, max_context_len,
+                                max_blocks, BLOCK_KV, HAS_INDICES)
+        t_lo, t_hi = _bounds(total_t, pid, programs)
+        f_lo, f_hi = _bounds(total_f, pid, programs)
         found_t = pid * 0
         found_f = found_t
         start_t = zero
@@ -191,12 +191,10 @@ def _share(ctx_ptr, idx_ptr, err_ptr, batch, max_context_len, max_blocks, stride
         carry_t = zero
         carry_f = zero
         for b0 in range(0, batch, BLOCK_B):
-            b = b0 + rows
-            ok = b < batch
-            longest, _ = _request_lengths(ctx_ptr, stride_ctx, b.to(gl.int64), ok, NEXT_N, CTX_2D)
-            key_len, tiles, fill = _work(longest, ok, max_context_len, CLEAN)
-            found_t, start_t, carry_t = _locate(tiles.to(gl.int64), ok, carry_t, t_lo, found_t, start_t)
-            found_f, start_f, carry_f = _locate(fill.to(gl.int64), ok, carry_f, f_lo, found_f, start_f)
+            ok, _, _, tiles, fill = _block_work(ctx_ptr, stride_ctx, b0 + rows, batch, max_context_len, NEXT_N,
+                                                CTX_2D, CLEAN)
+            found_t, start_t, carry_t = _locate(tiles, ok, carry_t, t_lo, found_t, start_t)
+            found_f, start_f, carry_f = _locate(fill, ok, carry_f, f_lo, found_f, start_f)
     return (found_t, (t_lo - start_t).to(gl.int32), (t_hi - t_lo).to(gl.int32),
             found_f, f_lo - start_f, f_hi - f_lo)
 
@@ -496,25 +494,14 @@ def paged_logits_ws_kernel(
 # Host side
 # ---------------------------------------------------------------------------------------
 @functools.cache
-def _fp8_rows_layout(d: int):
-    """Rows of ``d`` E4M3 bytes (key values, queries), swizzled by row."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=min(128, d), element_bitwidth=8, rank=2)
-
-
-@functools.cache
 def _scales_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 def q_descriptor(q2d, rows: int, d: int, row_stride: int, columns: int):
     """The queries viewed as ``[rows, d]`` E4M3 rows (row stride ``row_stride``), a request's
-    ``columns`` rows a box."""
-    return host_descriptor(TensorDescriptor, q2d, [rows, d], [row_stride, 1], [columns, d], layout=_fp8_rows_layout(d))
-
-
-def kv_descriptor(values, rows: int, d: int, box: int):
-    """The key values viewed as ``[rows, d]`` E4M3 rows, boxes of ``box`` rows."""
-    return host_descriptor(TensorDescriptor, values, [rows, d], [d, 1], [box, d], layout=_fp8_rows_layout(d))
+    ``columns`` rows a box (laid out as the key values, ``kv_descriptor``)."""
+    return host_descriptor(TensorDescriptor, q2d, [rows, d], [row_stride, 1], [columns, d], layout=_smem_layout(d))
 
 
 def sf_descriptor(words, num_blocks: int, page_words: int, data_words: int, box: int):

@@ -791,6 +791,7 @@ def _persistent_plan(cfg: PagedConfig, fmt: str, next_n: int, h: int, d: int, bl
 def _launch_persistent(p: _Persistent, q, kv_cache, weights, context_lens, block_table, indices, out,
                        max_context_len: int) -> None:
     """One launch of the persistent kernel into ``out`` (already checked; ``q`` 16-byte aligned)."""
+    from tilefuse.indexer import _paged_kernel_gluon as gk
     from tilefuse.indexer import _paged_kernel_ws as ws
 
     b = q.shape[0]
@@ -802,7 +803,7 @@ def _launch_persistent(p: _Persistent, q, kv_cache, weights, context_lens, block
                                  out.stride(0), programs, rows):
         return
     q_desc = ws.q_descriptor(q, rows, q.shape[3], p.q_row_stride, p.columns)
-    kv_desc = ws.kv_descriptor(kv_cache.view(FP8_DTYPE), p.kv_rows, q.shape[3], p.box)
+    kv_desc = gk.kv_descriptor(kv_cache.view(FP8_DTYPE), p.kv_rows, q.shape[3], p.box)
     sf_desc = ws.sf_descriptor(kv_cache.view(torch.float32), kv_cache.shape[0], p.page_words, p.data_words, p.box)
     args = (q_desc, kv_desc, sf_desc, weights, context_lens, block_table, idx, out, error_record(q.device),
             b, max_context_len, block_table.shape[1], kv_cache.shape[0], kv_cache.stride(0) // q.shape[3],

@@ -605,6 +605,53 @@ def paged_variants() -> list[Variant]:
     return _unique(out)
 
 
+def _traced_hopper_paged(path: str, h: int, next_n: int, block_kv: int, d: int, ctx_2d: bool, clean: bool, w_dtype,
+                         out_dtype, indices: bool, cfg_fields: dict):
+    """The one launch of kernel ``path`` by ``fp8_fp4_paged_mqa_logits`` on a small FP8 batch,
+    with the config the op picks updated by ``cfg_fields`` and the dispatch's device test made
+    to answer sm_90 (the Hopper decode kernels)."""
+    import torch
+
+    from tilefuse.indexer import paged
+
+    batch, max_len = 3, 301
+    lens = torch.tensor([37, max_len, 150], dtype=torch.int32)
+    ctx = torch.stack([lens - next_n + 1 + t for t in range(next_n)], dim=1) if ctx_2d else lens
+    pages = -(-max_len // block_kv)
+    cache = paged.new_paged_kv_cache(batch * pages, block_kv, d, "fp8")
+    table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+    q = (_values((batch, next_n, h, d), "fp8"), None)
+    idx = torch.arange(batch, dtype=torch.int32) if indices else None
+    meta = paged._schedule(ctx, block_kv, 5)  # the op reads its shape only
+    cfg = dataclasses.replace(paged.default_paged_config("fp8", next_n, h, d, block_kv), **cfg_fields)
+    with tracing(path) as launches, mock.patch.object(paged, "_is_sm90", lambda device: True):
+        paged._plans.clear()  # plans made without the GPU test would keep another kernel
+        try:
+            paged.fp8_fp4_paged_mqa_logits(q, cache, _weights(batch * next_n, h, w_dtype), ctx, table, meta, max_len,
+                                           clean, out_dtype, idx, config=cfg)
+        finally:
+            paged._plans.clear()
+    (launch,) = launches
+    return launch
+
+
+def paged_default(next_n: int, h: int, d: int, block_kv: int):
+    """The FP8 decode config the op picks for this model."""
+    from tilefuse.indexer import paged
+
+    return paged.default_paged_config("fp8", next_n, h, d, block_kv)
+
+
+def _extras(ctx_2d_name: str, ctx_on: bool, clean: bool, w_dtype, out_dtype, indices: bool) -> str:
+    """The name's suffix of a decode variant's options."""
+    import torch
+
+    f32 = torch.float32
+    on = ((ctx_2d_name, ctx_on), ("clean", clean), (f"w={_short(w_dtype)}", w_dtype != f32),
+          (f"out={_short(out_dtype)}", out_dtype != f32), ("indices", indices))
+    return "".join(" " + x for x, flag in on if flag)
+
+
 def paged_gluon_variants() -> list[Variant]:
     """``paged_logits_gluon_kernel`` (Hopper only) as ``fp8_fp4_paged_mqa_logits`` launches it with
     ``PagedConfig(gluon=True)`` on an sm_90 GPU (the dispatch's device test made to say so): FP8
@@ -617,39 +664,20 @@ def paged_gluon_variants() -> list[Variant]:
     import torch
 
     from tilefuse.indexer import _paged_kernel_gluon as gk
-    from tilefuse.indexer import paged
 
     path = f"{gk.__name__}:paged_logits_gluon_kernel"
     f32, bf16 = torch.float32, torch.bfloat16
-    batch, max_len = 3, 301
     out = []
 
     def one(h, next_n, block_kv, d=128, ctx_2d=False, clean=False, w_dtype=f32, out_dtype=f32, indices=False,
             num_stages=None, num_warps=None, origin="default"):
-        lens = torch.tensor([37, max_len, 150], dtype=torch.int32)
-        ctx = torch.stack([lens - next_n + 1 + t for t in range(next_n)], dim=1) if ctx_2d else lens
-        pages = -(-max_len // block_kv)
-        cache = paged.new_paged_kv_cache(batch * pages, block_kv, d, "fp8")
-        table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
-        q = (_values((batch, next_n, h, d), "fp8"), None)
-        idx = torch.arange(batch, dtype=torch.int32) if indices else None
-        meta = paged._schedule(ctx, block_kv, 5)  # the op reads its shape only
-        default = paged.default_paged_config("fp8", next_n, h, d, block_kv)
-        cfg = dataclasses.replace(default, block_n=64, gluon=True, num_stages=num_stages or default.num_stages,
-                                  num_warps=num_warps or default.num_warps)
-        with tracing(path) as launches, mock.patch.object(paged, "_is_sm90", lambda device: True):
-            paged._plans.clear()  # plans made without the GPU test would keep the Triton kernel
-            try:
-                paged.fp8_fp4_paged_mqa_logits(q, cache, _weights(batch * next_n, h, w_dtype), ctx, table, meta,
-                                               max_len, clean, out_dtype, idx, config=cfg)
-            finally:
-                paged._plans.clear()
-        (launch,) = launches
+        default = paged_default(next_n, h, d, block_kv)
+        launch = _traced_hopper_paged(path, h, next_n, block_kv, d, ctx_2d, clean, w_dtype, out_dtype, indices,
+                                      dict(block_n=64, gluon=True, num_stages=num_stages or default.num_stages,
+                                           num_warps=num_warps or default.num_warps))
         c = launch.arguments
-        extras = [x for x, on in (("ctx2d", ctx_2d), ("clean", clean), (f"w={_short(w_dtype)}", w_dtype != f32),
-                                  (f"out={_short(out_dtype)}", out_dtype != f32), ("indices", indices)) if on]
         name = (f"fp8 D{d} H{h} next_n{next_n} kv{block_kv} rows{c['ROWS']}x{c['HEADS_P']} n{c['BLOCK_N']} "
-                f"w{c['num_warps']} buf{c['NUM_BUF']}" + "".join(" " + x for x in extras))
+                f"w{c['num_warps']} buf{c['NUM_BUF']}" + _extras("ctx2d", ctx_2d, clean, w_dtype, out_dtype, indices))
         out.append(variant_of(launch, "indexer.paged_gluon", name, origin, ("sm_90a",)))
 
     for h in (16, 32, 64):
@@ -683,39 +711,20 @@ def paged_persistent_variants() -> list[Variant]:
     import torch
 
     from tilefuse.indexer import _paged_kernel_ws as ws
-    from tilefuse.indexer import paged
 
     path = f"{ws.__name__}:paged_logits_ws_kernel"
     f32, bf16 = torch.float32, torch.bfloat16
-    batch, max_len = 3, 301
     out = []
 
     def one(h, next_n, block_kv, d=128, ctx_2d=True, clean=False, w_dtype=f32, out_dtype=f32, indices=False,
             num_stages=None, ctas=0, origin="default"):
-        lens = torch.tensor([37, max_len, 150], dtype=torch.int32)
-        ctx = torch.stack([lens - next_n + 1 + t for t in range(next_n)], dim=1) if ctx_2d else lens
-        pages = -(-max_len // block_kv)
-        cache = paged.new_paged_kv_cache(batch * pages, block_kv, d, "fp8")
-        table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
-        q = (_values((batch, next_n, h, d), "fp8"), None)
-        idx = torch.arange(batch, dtype=torch.int32) if indices else None
-        meta = paged._schedule(ctx, block_kv, 5)  # the op reads its shape only
-        default = paged.default_paged_config("fp8", next_n, h, d, block_kv)
-        cfg = dataclasses.replace(default, persistent=True, num_stages=num_stages or default.num_stages,
-                                  ctas_per_sm=ctas)
-        with tracing(path) as launches, mock.patch.object(paged, "_is_sm90", lambda device: True):
-            paged._plans.clear()  # plans made without the GPU test would keep another kernel
-            try:
-                paged.fp8_fp4_paged_mqa_logits(q, cache, _weights(batch * next_n, h, w_dtype), ctx, table, meta,
-                                               max_len, clean, out_dtype, idx, config=cfg)
-            finally:
-                paged._plans.clear()
-        (launch,) = launches
-        c = launch.arguments
-        extras = [x for x, on in (("ctx1d", not ctx_2d), ("clean", clean), (f"w={_short(w_dtype)}", w_dtype != f32),
-                                  (f"out={_short(out_dtype)}", out_dtype != f32), ("indices", indices)) if on]
-        name = (f"fp8 D{d} H{h} next_n{next_n} kv{block_kv} buf{c['NUM_BUF']} regs{launch.options['maxnreg']}"
-                + "".join(" " + x for x in extras))
+        default = paged_default(next_n, h, d, block_kv)
+        launch = _traced_hopper_paged(path, h, next_n, block_kv, d, ctx_2d, clean, w_dtype, out_dtype, indices,
+                                      dict(persistent=True, num_stages=num_stages or default.num_stages,
+                                           ctas_per_sm=ctas))
+        name = (f"fp8 D{d} H{h} next_n{next_n} kv{block_kv} buf{launch.arguments['NUM_BUF']} "
+                f"regs{launch.options['maxnreg']}"
+                + _extras("ctx1d", not ctx_2d, clean, w_dtype, out_dtype, indices))
         out.append(variant_of(launch, "indexer.paged_persistent", name, origin, ("sm_90a",)))
 
     for next_n in (1, 2, 4):
