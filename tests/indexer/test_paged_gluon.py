@@ -99,8 +99,10 @@ def _agrees(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
 # ---------------------------------------------------------------------------------------
 # Dispatch (CPU: the launch plan, nothing runs)
 # ---------------------------------------------------------------------------------------
-def _plan(monkeypatch, *, sm90=True, fmt="fp8", h=64, next_n=1, d=128, block_kv=64, page_pad=0, config=None):
-    """The launch plan of a small batch with the GPU test answering ``sm90``."""
+def _plan(monkeypatch, *, sm90=True, fmt="fp8", h=64, next_n=1, d=128, block_kv=64, page_pad=0, q_pad=0,
+          config=None):
+    """The launch plan of a small batch with the GPU test answering ``sm90``; ``q_pad`` extra
+    query rows a request in memory (the rows of a request's heads no longer evenly strided)."""
     from tilefuse.kernelcheck.variants import _scales, _values
 
     monkeypatch.setattr(paged, "_is_sm90", lambda device: sm90)
@@ -112,7 +114,7 @@ def _plan(monkeypatch, *, sm90=True, fmt="fp8", h=64, next_n=1, d=128, block_kv=
     width = paged.paged_kv_cache_width(d, fmt)
     cache = paged.new_paged_kv_cache(batch * pages, block_kv, d, fmt, page_stride=block_kv * width + page_pad)
     table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
-    q = _values((batch, next_n, h, d), fmt)
+    q = _values((batch, next_n + q_pad, h, d), fmt)[:, :next_n]
     q_sf = None if fmt == "fp8" else _scales((batch, next_n, h), fmt)
     w = torch.zeros(batch * next_n, h)
     meta = paged._schedule(lens, block_kv, 5)

@@ -18,13 +18,11 @@ import pytest
 import torch
 
 import tilefuse
-from tilefuse import _validate
 from tilefuse.indexer import _paged_kernel_ws as ws
-from tilefuse.indexer import paged
 
 from ..conftest import DEVICE, ON_GPU
 from .test_paged import Case, _bits
-from .test_paged_gluon import _agrees, _persistent_config, _tolerance, spying
+from .test_paged_gluon import _agrees, _persistent_config, _plan, _tolerance, spying
 
 pytestmark = pytest.mark.usefixtures("no_pending_errors")
 
@@ -47,29 +45,6 @@ def ws_launches():
 # ---------------------------------------------------------------------------------------
 # Dispatch (CPU: the launch plan, nothing runs)
 # ---------------------------------------------------------------------------------------
-def _plan(monkeypatch, *, sm90=True, fmt="fp8", h=64, next_n=1, d=128, block_kv=64, page_pad=0, q_pad=0,
-          config=None):
-    """The launch plan of a small batch with the GPU test answering ``sm90``; ``q_pad`` pads
-    each (row, head) of the queries (rows no longer evenly strided when the heads of a row are
-    packed)."""
-    from tilefuse.kernelcheck.variants import _scales, _values
-
-    monkeypatch.setattr(paged, "_is_sm90", lambda device: sm90)
-    monkeypatch.setattr(paged, "_plans", {})
-    monkeypatch.setattr(_validate, "interpreter_enabled", lambda: True)
-    batch, max_len = 3, 301
-    lens = torch.tensor([37, max_len, 150], dtype=torch.int32)
-    pages = -(-max_len // block_kv)
-    width = paged.paged_kv_cache_width(d, fmt)
-    cache = paged.new_paged_kv_cache(batch * pages, block_kv, d, fmt, page_stride=block_kv * width + page_pad)
-    table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
-    q = _values((batch, next_n + q_pad, h, d), fmt)[:, :next_n] if q_pad else _values((batch, next_n, h, d), fmt)
-    q_sf = None if fmt == "fp8" else _scales((batch, next_n, h), fmt)
-    w = torch.zeros(batch * next_n, h)
-    meta = paged._schedule(lens, block_kv, 5)
-    return paged._plan_for(q, q_sf, cache, w, lens, table, meta, max_len, False, torch.float32, None, None, config)
-
-
 def test_dispatch_takes_the_persistent_kernel_where_it_runs(monkeypatch):
     for next_n, h, d, block_kv, columns in ((1, 64, 128, 64, 64), (2, 64, 128, 32, 128), (4, 64, 128, 128, 256),
                                             (1, 16, 64, 64, 16), (8, 16, 32, 8, 128), (1, 128, 128, 256, 128),

@@ -60,6 +60,7 @@ from tilefuse.indexer._paged_kernel_gluon import (
     ERR_LEN_PAST_TABLE,
     ERR_LEN_PAST_WIDTH,
     ERR_PAGE_ID,
+    _head_sums,
     _report,
     _smem_layout,
 )
@@ -316,17 +317,6 @@ def _producer(q_desc, kv_desc, sf_desc, w_ptr, ctx_ptr, bt_ptr, err_ptr,
                                             NUM_HEADS, CTX_2D)
                 qc += 1
                 base = i * 0 - 64
-
-
-@gluon.jit
-def _head_sums(x, ROWS: gl.constexpr, HEADS: gl.constexpr):
-    """[keys, ROWS * HEADS] -> each query row's sum over its heads: [keys] for one row, else
-    [keys, ROWS]."""
-    if ROWS == 1:
-        out = gl.sum(x, axis=1)
-    else:
-        out = gl.sum(gl.reshape(x, [x.shape[0], ROWS, HEADS]), axis=2)
-    return out
 
 
 @gluon.jit
