@@ -502,6 +502,79 @@ def test_decode_whole_rows_limit():
     assert not topk.decode_whole_rows(64, 163840, torch.float32)
 
 
+def _spied(real, before):
+    """A stand-in for the Triton kernel ``real`` (through ``tilefuse._jit.redirected``) that
+    calls ``before(kwargs)`` ahead of each launch, which then runs."""
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(**kwargs):
+                before(kwargs)
+                return real[grid](**kwargs)
+            return launch
+
+    return Spy()
+
+
+@pytest.mark.parametrize("fmt,ctx_2d", [("fp8", False), ("mxfp4", True)])
+def test_decode_whole_rows_leave_the_kept_histograms_zero(fmt, ctx_2d, monkeypatch):
+    """The passes' histograms and counts come from a buffer kept per device and stream, which
+    the final merge zeroes for every row (an empty request, rows shorter than topk and longer):
+    filled when the merge starts, zeros after each call, and the next call on it right. A call
+    of more rows than the buffer holds takes a zeroed buffer of its own and leaves the kept one."""
+    from tilefuse import _jit
+
+    monkeypatch.setattr(topk, "_ACROSS_BLOCK", 32)
+    monkeypatch.setattr(topk, "_ACROSS_MIN_SEGMENT", 64)
+    monkeypatch.setattr(topk, "_KEPT_ROWS", 8)
+    monkeypatch.setattr(topk, "_kept_histograms", {})
+    at_merge = []  # (histograms, counts) as the merge found them
+    real = kern.topk_merge_chunk_kernel
+    spy = _spied(real, lambda kw: at_merge.append((kw["hist_ptr"].clone(), kw["count_ptr"].clone())))
+    with _jit.redirected(real, spy):
+        kept = None
+        for seed, lens in ((70, (150, 0, 9, 70)), (71, (3, 120, 0, 200))):  # 8 rows
+            case = PagedCase(fmt, lens=lens, next_n=2, ctx_2d=ctx_2d, seed=seed + ctx_2d, extra_cols=30)
+            case.check(16, chunk_k=None)
+            (now,) = topk._kept_histograms.values()
+            assert kept is None or now is kept  # the same buffer for both calls
+            kept = now
+            hist, counts = at_merge[-1]
+            assert hist.any() and counts.any()  # the passes summed into it
+            assert not kept.hist.any() and not kept.counts.any()
+        wide = PagedCase(fmt, lens=(150, 0, 9, 70, 33), next_n=2, ctx_2d=ctx_2d, seed=72)  # 10 rows
+        wide.check(16, chunk_k=None)
+    assert at_merge[-1][0].shape[0] == 10 * topk._HIST_INTS  # a buffer of its own
+    assert list(topk._kept_histograms.values()) == [kept] and not kept.hist.any() and not kept.counts.any()
+
+
+@pytest.mark.parametrize("failing", ["pass", "merge"])
+def test_decode_whole_rows_failure_between_launches(failing, monkeypatch):
+    """A launch that raises after the passes have summed into the kept buffer (the third pass,
+    or the merge) leaves the buffer out: the next call takes a zeroed one and is right."""
+    from tilefuse import _jit
+
+    monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
+    monkeypatch.setattr(topk, "_kept_histograms", {})
+    case = PagedCase("fp8", lens=(200, 0, 17), next_n=2, seed=73)
+    case.check(16, chunk_k=None)
+    (first,) = topk._kept_histograms.values()
+    real = kern.topk_rows_pass_kernel if failing == "pass" else kern.topk_merge_chunk_kernel
+
+    def fail(kw):
+        if failing == "merge" or kw["PASS"] == 2:
+            raise RuntimeError("launch failed")
+
+    with _jit.redirected(real, _spied(real, fail)), pytest.raises(RuntimeError, match="launch failed"):
+        tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 16)
+    assert topk._kept_histograms == {}  # not put back
+    assert first.hist.any()  # half used
+    other = PagedCase("fp8", lens=(90, 130, 5), next_n=2, seed=74)
+    other.check(16, chunk_k=None)
+    (kept,) = topk._kept_histograms.values()
+    assert kept.hist.data_ptr() != first.hist.data_ptr()
+    assert not kept.hist.any() and not kept.counts.any()
+
+
 def test_decode_empty_batch_and_zero_columns():
     case = PagedCase("fp8", lens=(0, 0), next_n=2, seed=13, extra_cols=0)
     out = tilefuse.fp8_fp4_paged_mqa_topk(*case.args()[:-1], 0, 8)

@@ -46,6 +46,7 @@ implementation without the dispatcher. They write into ``out=`` if given.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -199,11 +200,12 @@ def _aligned(*tensors) -> tuple:
 
 def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, n_keys: int, key_limit: int,
            next_n: int, ctx_stride: int, row_base: int, out, values, topk: int, mode: int, first: bool,
-           final: bool) -> None:
+           final: bool, hist: torch.Tensor | None = None) -> None:
     """Merge logits columns ``[0, width)`` (positions ``lo + c``) of every row of ``out`` into
     its candidates (``candidates``: one buffer a row; ``counts``, ``bars``: its count and bar
     between chunks); ``row_base`` is the first row's index in the op's output (for error
-    messages)."""
+    messages). With ``hist`` (a final merge after ``_topk_rows_across_programs``' passes) the
+    rows' counts and histograms are zeroed after use."""
     rows, w = out.shape[0], state_width(topk)
     rows_per_program = max(_MIN_KEYS_PER_PROGRAM // w, 1)
     digit = max(2, min(8, (_SELECT_BINS // rows_per_program).bit_length() - 1))
@@ -215,12 +217,15 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     piece = min(2 * w, max(16, _SELECT_PIECE_KEYS // rows_per_program))
     vals = out if values is None else values
     err = error_record(out.device)
-    consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, digit, piece)
+    consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, digit, piece,
+              hist is not None)
+    if hist is None:
+        hist = counts  # (not read without RESET)
     warps = max(1, min(8, rows_per_program * w // 256))
     key = (consts, warps, logits.dtype, vals.dtype, win_a.dtype, win_b.dtype,
-           _aligned(logits, bars, candidates, counts, win_a, win_b, out, vals, err))
+           _aligned(logits, bars, candidates, counts, hist, win_a, win_b, out, vals, err))
     _merge_launch(key, (cdiv(rows, rows_per_program),), (
-        logits, logits.stride(0), bars, candidates, candidates.stride(0), counts,
+        logits, logits.stride(0), bars, candidates, candidates.stride(0), counts, hist,
         rows, row_base, win_a, win_b, n_keys, key_limit, next_n, ctx_stride,
         lo, width,
         out, out.stride(0), vals, 0 if values is None else values.stride(0),
@@ -236,6 +241,51 @@ _ACROSS_BLOCK = 1024
 _PASS_OPTIONS = {"num_warps": 4}
 
 
+# Histograms and counts of the passes across programs: RADIX_LEVELS x 2^RADIX_BITS int32 and one
+# int32 a row, zero between calls (the final merge zeroes what the passes summed), so a buffer
+# per device and stream is kept for calls of up to _KEPT_ROWS rows (4096: 12 MiB) instead of an
+# allocation and a fill launch per call.
+_HIST_INTS = kern.RADIX_LEVELS << kern.RADIX_BITS
+_KEPT_ROWS = 4096
+
+
+class _KeptHistograms(NamedTuple):
+    key: tuple  # (device, stream)
+    hist: torch.Tensor
+    counts: torch.Tensor
+    rows: int
+
+
+_kept_histograms: dict[tuple, _KeptHistograms] = {}
+
+
+def _take_histograms(rows: int, device: torch.device) -> tuple:
+    """``(kept, hist, counts)``: zeroed histograms and counts for ``rows`` rows on the current
+    stream of ``device``. ``kept``: the stream's kept buffer, taken out of ``_kept_histograms``
+    for this call (:func:`_put_back_histograms` after its last launch): a call that fails
+    between its launches never puts a half-used buffer back, and a call on the same stream from
+    another thread meanwhile gets a buffer of its own. None where the call has a zeroed buffer
+    of its own: more rows than kept, or a call being captured into a CUDA graph (the fill is a
+    node of the graph, which may be replayed on any stream beside the calls on this one)."""
+    stream, capturing = prefill._stream_and_capture(device.index if device.type == "cuda" else -1)
+    if capturing or rows > _KEPT_ROWS:
+        zeroed = torch.zeros(rows * (_HIST_INTS + 1), dtype=torch.int32, device=device)
+        return None, zeroed[:rows * _HIST_INTS], zeroed[rows * _HIST_INTS:]
+    key = (device, stream)
+    kept = _kept_histograms.pop(key, None)
+    if kept is None or kept.rows < rows:
+        zeroed = torch.zeros(_KEPT_ROWS * (_HIST_INTS + 1), dtype=torch.int32, device=device)
+        kept = _KeptHistograms(key, zeroed[:_KEPT_ROWS * _HIST_INTS], zeroed[_KEPT_ROWS * _HIST_INTS:], _KEPT_ROWS)
+    return kept, kept.hist, kept.counts
+
+
+def _put_back_histograms(kept: _KeptHistograms | None) -> None:
+    """The buffer of :func:`_take_histograms` kept for the stream's next call (once the launches
+    that zero it are queued)."""
+    if kept is not None:
+        _kept_histograms[kept.key] = kept
+
+
 def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern.WIN_PREFILL, next_n: int = 1,
                                ctx_stride: int = 1, segments: int | None = None, values: bool = False,
                                out: torch.Tensor | None = None, out_values: torch.Tensor | None = None):
@@ -243,24 +293,22 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     kernel reads them) by a radix select across ``segments`` programs a row: the histograms of
     the keys' top three 8-bit digits (each among the keys sharing the digits above it with the
     row's topk-th key), then every key at or above those 24 bits appended to the row's
-    candidates, then the merge kernel's last step (select, sort, write). For the decode rows
-    taken whole (:func:`decode_whole_rows`), where one program a row leaves most of the GPU
-    idle. Writes ``out`` / ``out_values`` when given;
-    returns ``(indices, values or None)``."""
+    candidates, then the merge kernel's last step (select, sort, write), which zeroes the
+    histograms and counts (:func:`_take_histograms`). For the decode rows taken whole
+    (:func:`decode_whole_rows`), where one program a row leaves most of the GPU idle. Writes
+    ``out`` / ``out_values`` when given; returns ``(indices, values or None)``."""
     rows, n_keys = logits.shape
     dev = logits.device
     if segments is None:
         segments = max(1, min(cdiv(_ACROSS_PROGRAMS, max(rows, 1)), cdiv(n_keys, _ACROSS_MIN_SEGMENT)))
-    hist_ints = kern.RADIX_LEVELS << kern.RADIX_BITS
-    zeroed = torch.zeros(rows * (hist_ints + 1), dtype=torch.int32, device=dev)  # one memset
-    hist, counts = zeroed[:rows * hist_ints], zeroed[rows * hist_ints:]
-    candidates = torch.empty((rows, max(n_keys, 1)), dtype=torch.int64, device=dev)
     if out is None:
         out = torch.empty((rows, topk), dtype=torch.int32, device=dev)
     if out_values is None and values:
         out_values = torch.empty((rows, topk), dtype=logits.dtype, device=dev)
     if rows == 0:
         return out, out_values
+    candidates = torch.empty((rows, max(n_keys, 1)), dtype=torch.int64, device=dev)
+    kept, hist, counts = _take_histograms(rows, dev)
     aligned = _aligned(logits, win_a, win_b, hist, candidates, counts)
     for p in range(kern.RADIX_LEVELS + 1):
         consts = (p, mode, _ACROSS_BLOCK)
@@ -271,7 +319,8 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     # any int64 memory of a row each does (no allocation on the call's path).
     bars = candidates
     _merge(logits, bars, candidates, counts, 0, 0, win_a, win_b, n_keys, n_keys, next_n, ctx_stride, 0, out,
-           out_values, topk, mode, first=False, final=True)
+           out_values, topk, mode, first=False, final=True, hist=hist)
+    _put_back_histograms(kept)
     return out, out_values
 
 
