@@ -502,6 +502,64 @@ def test_decode_whole_rows_limit():
     assert not topk.decode_whole_rows(64, 163840, torch.float32)
 
 
+@pytest.mark.parametrize("fmt,ctx_2d", [("fp8", False), ("mxfp4", True)])
+def test_decode_whole_rows_plan_over_changing_sizes(fmt, ctx_2d, monkeypatch):
+    """Eager calls over whole rows of one argument layout (one cache, one block-table width)
+    with a new batch size, new lengths (an empty request, one below topk) and a new
+    max_context_len each, on fresh random inputs: the first call is checked and makes the
+    layout's plan, the others reuse it without the checks (the logits op's plan launched
+    directly, the passes and the merge as partial launches), each bit for bit the unfused op's
+    top-k. Checked mode takes the checked path to the same result; another output layout makes
+    a plan of its own."""
+    monkeypatch.setattr(topk, "_ACROSS_BLOCK", 32)
+    monkeypatch.setattr(topk, "_ACROSS_MIN_SEGMENT", 64)
+    monkeypatch.setattr(topk, "_decode_plans", {})
+    checked_calls = []
+    real_checks = topk._check_topk_args
+    monkeypatch.setattr(topk, "_check_topk_args", lambda *a: (checked_calls.append(a), real_checks(*a)))
+    next_n, h, d, block_kv, k_top, pages = 2, 8, 64, 32, 24, 10
+    g = torch.Generator().manual_seed(80 + ctx_2d)
+    for b in (3, 2, 5, 4):
+        max_len = int(torch.randint(60, pages * block_kv + 1, (1,), generator=g))
+        lens = torch.randint(0, max_len + 1, (b,), generator=g).int()
+        lens[0], lens[1] = 0, 5
+        keys = torch.randn(b, max_len, d, generator=g).to(torch.bfloat16)
+        cache, table = paged.make_paged_kv_cache(keys.to(DEVICE), lens.to(DEVICE), block_kv, fmt,
+                                                 num_blocks=6 * pages, generator=g)
+        table = torch.nn.functional.pad(table, (0, pages - table.shape[1])).contiguous()
+        if ctx_2d:
+            ctx = (lens[:, None] * torch.rand(b, next_n, generator=g)).int()
+            ctx[:, -1] = lens
+        else:
+            ctx = lens
+        ctx = ctx.to(DEVICE)
+        qq = tuple(None if t is None else t.to(DEVICE)
+                   for t in F.quantize_q(torch.randn(b, next_n, h, d, generator=g).to(torch.bfloat16), fmt))
+        w = torch.randn(b * next_n, h, generator=g).to(DEVICE)
+        meta = tilefuse.get_paged_mqa_logits_metadata(ctx, block_kv, NUM_SMS)
+        args = (qq, cache, w, ctx, table, meta, max_len)
+        ref_idx, ref_val = R.topk_of_logits(tilefuse.fp8_fp4_paged_mqa_logits(*args, True),
+                                            R.paged_valid_mask(ctx, next_n, max_len), k_top)
+        out = torch.full((b * next_n, k_top), 12345, dtype=torch.int32, device=DEVICE)
+        idx, val = tilefuse.fp8_fp4_paged_mqa_topk(*args, k_top, return_values=True, out=out)
+        tilefuse.check_errors()
+        assert idx is out and torch.equal(idx, ref_idx) and _equal(val, ref_val), (b, max_len)
+    assert len(topk._decode_plans) == 1 and len(checked_calls) == 1
+    (plan,) = topk._decode_plans.values()
+    passes = {key for key in plan.partials if len(key[0]) == 3}
+    assert len(passes) == kern.RADIX_LEVELS + 1 and len(plan.partials) > len(passes)  # and the merges
+    declined = []
+    for key in plan.partials:  # partial launches that decline (a launch hook, another device): each step launches
+        plan.partials[key] = lambda *values, key=key: declined.append(key) and False
+    idx, val = tilefuse.fp8_fp4_paged_mqa_topk(*args, k_top, return_values=True, out=torch.empty_like(out))
+    assert torch.equal(idx, ref_idx) and _equal(val, ref_val) and len(declined) == kern.RADIX_LEVELS + 2
+    with tilefuse.checked_mode():
+        assert torch.equal(tilefuse.fp8_fp4_paged_mqa_topk(*args, k_top), ref_idx)
+    assert len(topk._decode_plans) == 1 and len(checked_calls) == 2
+    assert torch.equal(tilefuse.fp8_fp4_paged_mqa_topk(*args, k_top), ref_idx)  # no out=, no values
+    assert len(topk._decode_plans) == 2 and len(checked_calls) == 3
+
+
 def _spied(real, before):
     """A stand-in for the Triton kernel ``real`` (through ``tilefuse._jit.redirected``) that
     calls ``before(kwargs)`` ahead of each launch, which then runs."""
@@ -618,6 +676,12 @@ def test_custom_ops_fake_and_torch_compile():
                                                chunk_k=32)
 
     compiled = torch.compile(decode, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(case.qq[0], case.cache, case.w, case.ctx, case.table, case.meta), real)
+
+    def whole_rows(qv, cache, w_, ctx, table, meta):
+        return tilefuse.fp8_fp4_paged_mqa_topk((qv, None), cache, w_, ctx, table, meta, case.max_context_len, 8)
+
+    compiled = torch.compile(whole_rows, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(case.qq[0], case.cache, case.w, case.ctx, case.table, case.meta), real)
 
 
