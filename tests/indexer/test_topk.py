@@ -502,6 +502,137 @@ def test_decode_whole_rows_limit():
     assert not topk.decode_whole_rows(64, 163840, torch.float32)
 
 
+@pytest.mark.parametrize("fmt,ctx_2d", [("fp8", False), ("mxfp4", True)])
+def test_decode_whole_rows_plan_over_changing_sizes(fmt, ctx_2d, monkeypatch):
+    """Eager calls over whole rows of one argument layout (one cache, one block-table width)
+    with a new batch size, new lengths (an empty request, one below topk) and a new
+    max_context_len each, on fresh random inputs: the first call is checked and makes the
+    layout's plan, the others reuse it without the checks (the logits op's plan launched
+    directly, the passes and the merge as partial launches), each bit for bit the unfused op's
+    top-k. Checked mode takes the checked path to the same result; another output layout makes
+    a plan of its own."""
+    monkeypatch.setattr(topk, "_ACROSS_BLOCK", 32)
+    monkeypatch.setattr(topk, "_ACROSS_MIN_SEGMENT", 64)
+    monkeypatch.setattr(topk, "_decode_plans", {})
+    checked_calls = []
+    real_checks = topk._check_topk_args
+    monkeypatch.setattr(topk, "_check_topk_args", lambda *a: (checked_calls.append(a), real_checks(*a)))
+    next_n, h, d, block_kv, k_top, pages = 2, 8, 64, 32, 24, 10
+    g = torch.Generator().manual_seed(80 + ctx_2d)
+    for b in (3, 2, 5, 4):
+        max_len = int(torch.randint(60, pages * block_kv + 1, (1,), generator=g))
+        lens = torch.randint(0, max_len + 1, (b,), generator=g).int()
+        lens[0], lens[1] = 0, 5
+        keys = torch.randn(b, max_len, d, generator=g).to(torch.bfloat16)
+        cache, table = paged.make_paged_kv_cache(keys.to(DEVICE), lens.to(DEVICE), block_kv, fmt,
+                                                 num_blocks=6 * pages, generator=g)
+        table = torch.nn.functional.pad(table, (0, pages - table.shape[1])).contiguous()
+        if ctx_2d:
+            ctx = (lens[:, None] * torch.rand(b, next_n, generator=g)).int()
+            ctx[:, -1] = lens
+        else:
+            ctx = lens
+        ctx = ctx.to(DEVICE)
+        qq = tuple(None if t is None else t.to(DEVICE)
+                   for t in F.quantize_q(torch.randn(b, next_n, h, d, generator=g).to(torch.bfloat16), fmt))
+        w = torch.randn(b * next_n, h, generator=g).to(DEVICE)
+        meta = tilefuse.get_paged_mqa_logits_metadata(ctx, block_kv, NUM_SMS)
+        args = (qq, cache, w, ctx, table, meta, max_len)
+        ref_idx, ref_val = R.topk_of_logits(tilefuse.fp8_fp4_paged_mqa_logits(*args, True),
+                                            R.paged_valid_mask(ctx, next_n, max_len), k_top)
+        out = torch.full((b * next_n, k_top), 12345, dtype=torch.int32, device=DEVICE)
+        idx, val = tilefuse.fp8_fp4_paged_mqa_topk(*args, k_top, return_values=True, out=out)
+        tilefuse.check_errors()
+        assert idx is out and torch.equal(idx, ref_idx) and _equal(val, ref_val), (b, max_len)
+    assert len(topk._decode_plans) == 1 and len(checked_calls) == 1
+    (plan,) = topk._decode_plans.values()
+    passes = {key for key in plan.partials if len(key[0]) == 3}
+    assert len(passes) == kern.RADIX_LEVELS + 1 and len(plan.partials) > len(passes)  # and the merges
+    declined = []
+    for key in plan.partials:  # partial launches that decline (a launch hook, another device): each step launches
+        plan.partials[key] = lambda *values, key=key: declined.append(key) and False
+    idx, val = tilefuse.fp8_fp4_paged_mqa_topk(*args, k_top, return_values=True, out=torch.empty_like(out))
+    assert torch.equal(idx, ref_idx) and _equal(val, ref_val) and len(declined) == kern.RADIX_LEVELS + 2
+    with tilefuse.checked_mode():
+        assert torch.equal(tilefuse.fp8_fp4_paged_mqa_topk(*args, k_top), ref_idx)
+    assert len(topk._decode_plans) == 1 and len(checked_calls) == 2
+    assert torch.equal(tilefuse.fp8_fp4_paged_mqa_topk(*args, k_top), ref_idx)  # no out=, no values
+    assert len(topk._decode_plans) == 2 and len(checked_calls) == 3
+
+
+def _spied(real, before):
+    """A stand-in for the Triton kernel ``real`` (through ``tilefuse._jit.redirected``) that
+    calls ``before(kwargs)`` ahead of each launch, which then runs."""
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(**kwargs):
+                before(kwargs)
+                return real[grid](**kwargs)
+            return launch
+
+    return Spy()
+
+
+@pytest.mark.parametrize("fmt,ctx_2d", [("fp8", False), ("mxfp4", True)])
+def test_decode_whole_rows_leave_the_kept_histograms_zero(fmt, ctx_2d, monkeypatch):
+    """The passes' histograms and counts come from a buffer kept per device and stream, which
+    the final merge zeroes for every row (an empty request, rows shorter than topk and longer):
+    filled when the merge starts, zeros after each call, and the next call on it right. A call
+    of more rows than the buffer holds takes a zeroed buffer of its own and leaves the kept one."""
+    from tilefuse import _jit
+
+    monkeypatch.setattr(topk, "_ACROSS_BLOCK", 32)
+    monkeypatch.setattr(topk, "_ACROSS_MIN_SEGMENT", 64)
+    monkeypatch.setattr(topk, "_KEPT_ROWS", 8)
+    monkeypatch.setattr(topk, "_kept_histograms", {})
+    at_merge = []  # (histograms, counts) as the merge found them
+    real = kern.topk_merge_chunk_kernel
+    spy = _spied(real, lambda kw: at_merge.append((kw["hist_ptr"].clone(), kw["count_ptr"].clone())))
+    with _jit.redirected(real, spy):
+        kept = None
+        for seed, lens in ((70, (150, 0, 9, 70)), (71, (3, 120, 0, 200))):  # 8 rows
+            case = PagedCase(fmt, lens=lens, next_n=2, ctx_2d=ctx_2d, seed=seed + ctx_2d, extra_cols=30)
+            case.check(16, chunk_k=None)
+            (now,) = topk._kept_histograms.values()
+            assert kept is None or now is kept  # the same buffer for both calls
+            kept = now
+            hist, counts = at_merge[-1]
+            assert hist.any() and counts.any()  # the passes summed into it
+            assert not kept.hist.any() and not kept.counts.any()
+        wide = PagedCase(fmt, lens=(150, 0, 9, 70, 33), next_n=2, ctx_2d=ctx_2d, seed=72)  # 10 rows
+        wide.check(16, chunk_k=None)
+    assert at_merge[-1][0].shape[0] == 10 * topk._HIST_INTS  # a buffer of its own
+    assert list(topk._kept_histograms.values()) == [kept] and not kept.hist.any() and not kept.counts.any()
+
+
+@pytest.mark.parametrize("failing", ["pass", "merge"])
+def test_decode_whole_rows_failure_between_launches(failing, monkeypatch):
+    """A launch that raises after the passes have summed into the kept buffer (the third pass,
+    or the merge) leaves the buffer out: the next call takes a zeroed one and is right."""
+    from tilefuse import _jit
+
+    monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
+    monkeypatch.setattr(topk, "_kept_histograms", {})
+    case = PagedCase("fp8", lens=(200, 0, 17), next_n=2, seed=73)
+    case.check(16, chunk_k=None)
+    (first,) = topk._kept_histograms.values()
+    real = kern.topk_rows_pass_kernel if failing == "pass" else kern.topk_merge_chunk_kernel
+
+    def fail(kw):
+        if failing == "merge" or kw["PASS"] == 2:
+            raise RuntimeError("launch failed")
+
+    with _jit.redirected(real, _spied(real, fail)), pytest.raises(RuntimeError, match="launch failed"):
+        tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 16)
+    assert topk._kept_histograms == {}  # not put back
+    assert first.hist.any()  # half used
+    other = PagedCase("fp8", lens=(90, 130, 5), next_n=2, seed=74)
+    other.check(16, chunk_k=None)
+    (kept,) = topk._kept_histograms.values()
+    assert kept.hist.data_ptr() != first.hist.data_ptr()
+    assert not kept.hist.any() and not kept.counts.any()
+
+
 def test_decode_empty_batch_and_zero_columns():
     case = PagedCase("fp8", lens=(0, 0), next_n=2, seed=13, extra_cols=0)
     out = tilefuse.fp8_fp4_paged_mqa_topk(*case.args()[:-1], 0, 8)
@@ -545,6 +676,12 @@ def test_custom_ops_fake_and_torch_compile():
                                                chunk_k=32)
 
     compiled = torch.compile(decode, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(case.qq[0], case.cache, case.w, case.ctx, case.table, case.meta), real)
+
+    def whole_rows(qv, cache, w_, ctx, table, meta):
+        return tilefuse.fp8_fp4_paged_mqa_topk((qv, None), cache, w_, ctx, table, meta, case.max_context_len, 8)
+
+    compiled = torch.compile(whole_rows, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(case.qq[0], case.cache, case.w, case.ctx, case.table, case.meta), real)
 
 

@@ -51,6 +51,17 @@ WIN_DECODE_2D = 2  # start = 0, end = ctx[b, t]
 _WIN_PREFILL = tl.constexpr(WIN_PREFILL)
 _WIN_DECODE_1D = tl.constexpr(WIN_DECODE_1D)
 
+# Rows split over programs (``topk_rows_pass_kernel``): the keys' top RADIX_LEVELS digits of
+# RADIX_BITS each (the first signed: the keys' order is signed). 8-bit digits: `tl.histogram`'s
+# work per key grows with the bins a lane owns (8 at 256 bins, 64 at 2048), so three narrow
+# passes cost less than two 11-bit ones (a 256-bin pass measured ~1.1 SM cycles a key on the
+# H200: benchmarks/NOTES.md).
+RADIX_BITS = 8
+RADIX_LEVELS = 3
+_RADIX_BITS = tl.constexpr(RADIX_BITS)
+_RADIX_LEVELS = tl.constexpr(RADIX_LEVELS)
+_RADIX_BINS = tl.constexpr(1 << RADIX_BITS)
+
 
 @triton.jit
 def _order_keys(values, pos):
@@ -222,19 +233,22 @@ def _select(cand_rows, count, bar, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: 
                                "next_n", "ctx_stride", "chunk_lo", "chunk_width", "stride_i", "stride_v"])
 def topk_merge_chunk_kernel(
     logits_ptr, stride_l,
-    bar_ptr, cand_ptr, stride_c, count_ptr,
+    bar_ptr, cand_ptr, stride_c, count_ptr, hist_ptr,
     n_rows, row_base, win_a_ptr, win_b_ptr, n_keys, key_limit, next_n, ctx_stride,
     chunk_lo, chunk_width,
     idx_ptr, stride_i, val_ptr, stride_v,
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, DIGIT: tl.constexpr,
-    PIECE: tl.constexpr,
+    PIECE: tl.constexpr, RESET: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
     a row; ``count_ptr`` / ``bar_ptr``: its count and bar between launches). FIRST starts empty
     (and checks the rows' windows), FINAL writes the first TOPK indices (and values).
+    RESET (with FINAL, after ``topk_rows_pass_kernel``'s passes): each row's count and its
+    histograms (``hist_ptr``: RADIX_LEVELS x 2^RADIX_BITS int32 a row) stored back as zeros,
+    ready for the next call's passes; no launch of the call reads them after this one.
 
     The rows walk the union of their windows in blocks of W / 2 columns (rows of one program
     have near windows in the usual layouts: causal, zig-zag, decode), each row masked to its
@@ -290,6 +304,13 @@ def topk_merge_chunk_kernel(
             bits = tl.where(hi_bits >= 0, hi_bits, hi_bits ^ _POS_MASK)
             val = tl.where(empty, float("-inf"), bits.to(tl.float32, bitcast=True))
             tl.store(val_ptr + row[:, None] * stride_v + w_slot[None, :], val.to(val_ptr.dtype.element_ty), mask=out)
+        if RESET:
+            tl.debug_barrier()  # every thread has loaded the counts
+            tl.store(count_ptr + row, tl.zeros([ROWS], tl.int32), mask=live)
+            bins = tl.arange(0, _RADIX_BINS)
+            hist_rows = hist_ptr + row[:, None] * (_RADIX_LEVELS * _RADIX_BINS) + bins[None, :]
+            for d in tl.static_range(_RADIX_LEVELS):
+                tl.store(hist_rows + d * _RADIX_BINS, tl.zeros([ROWS, _RADIX_BINS], tl.int32), mask=live[:, None])
     else:
         tl.store(count_ptr + row, count, mask=live)
         tl.store(bar_ptr + row, bar, mask=live)
@@ -298,15 +319,6 @@ def topk_merge_chunk_kernel(
 # ---------------------------------------------------------------------------------------
 # Rows split over programs: a radix select across the programs of a row
 # ---------------------------------------------------------------------------------------
-# The keys' top RADIX_LEVELS digits of RADIX_BITS each (the first signed: the keys' order is
-# signed). 8-bit digits: `tl.histogram`'s work per key grows with the bins a lane owns (8 at
-# 256 bins, 64 at 2048), so three narrow passes cost less than two 11-bit ones (a 256-bin pass
-# measured ~1.1 SM cycles a key on the H200: benchmarks/NOTES.md).
-RADIX_BITS = 8
-RADIX_LEVELS = 3
-_RADIX_BITS = tl.constexpr(RADIX_BITS)
-_RADIX_LEVELS = tl.constexpr(RADIX_LEVELS)
-_RADIX_BINS = tl.constexpr(1 << RADIX_BITS)
 
 
 @triton.jit
@@ -349,7 +361,8 @@ def topk_rows_pass_kernel(
     the levels above); PASS RADIX_LEVELS: every key at or above those digits appended to the
     row's candidates (a slot range reserved by an atomic add on its count: topk keys plus the
     others sharing all the digits with the topk-th). Histograms are summed into ``hist_ptr``
-    (RADIX_LEVELS x 2^RADIX_BITS int32 a row, zeroed before PASS 0)."""
+    (RADIX_LEVELS x 2^RADIX_BITS int32 a row) and the appended keys counted in ``count_ptr``,
+    both zero before PASS 0: the merge launch after the passes (``RESET``) leaves them so."""
     row = tl.program_id(0)
     seg = tl.program_id(1)
     start, end = _row_window(win_a_ptr, win_b_ptr, row, 0, n_keys, n_keys, next_n, ctx_stride, count_ptr, MODE,

@@ -40,18 +40,23 @@ merge kernel and raised at the next op call or by :func:`tilefuse.check_errors` 
 ``tilefuse._errors``); each chunk's logits op runs on windows and lengths valid by
 construction (their checks are on the device too, so no chunk syncs). Under ``torch.compile``
 the ops are ``torch.library`` custom ops with fake implementations; eager calls run the same
-implementation without the dispatcher. They write into ``out=`` if given.
+implementation without the dispatcher, and the decode op's eager calls over whole rows go by a
+plan per argument layout (checked on its first call: ``_DecodePlan``). They write into ``out=``
+if given.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 
 import tilefuse
+from tilefuse import _config, _validate
 from tilefuse._device import capability_major
-from tilefuse._errors import deferred, error_record, raise_pending
+from tilefuse._errors import checked, deferred, error_record, raise_pending, raise_pending_fast
 from tilefuse._jit import Launcher, cdiv, next_power_of_2
 from tilefuse._validate import check_kernel_device, expect, expect_int, expect_tensor
 from tilefuse.formats import format_of
@@ -199,11 +204,14 @@ def _aligned(*tensors) -> tuple:
 
 def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, n_keys: int, key_limit: int,
            next_n: int, ctx_stride: int, row_base: int, out, values, topk: int, mode: int, first: bool,
-           final: bool) -> None:
+           final: bool, hist: torch.Tensor | None = None, partials: dict | None = None) -> None:
     """Merge logits columns ``[0, width)`` (positions ``lo + c``) of every row of ``out`` into
     its candidates (``candidates``: one buffer a row; ``counts``, ``bars``: its count and bar
     between chunks); ``row_base`` is the first row's index in the op's output (for error
-    messages)."""
+    messages). With ``hist`` (a final merge after ``_topk_rows_across_programs``' passes) the
+    rows' counts and histograms are zeroed after use. ``partials``: partial launches by launch
+    key, for callers whose ``next_n``, ``ctx_stride`` and ``row_base`` never change (taken and
+    kept there)."""
     rows, w = out.shape[0], state_width(topk)
     rows_per_program = max(_MIN_KEYS_PER_PROGRAM // w, 1)
     digit = max(2, min(8, (_SELECT_BINS // rows_per_program).bit_length() - 1))
@@ -215,16 +223,33 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     piece = min(2 * w, max(16, _SELECT_PIECE_KEYS // rows_per_program))
     vals = out if values is None else values
     err = error_record(out.device)
-    consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, digit, piece)
+    consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, digit, piece,
+              hist is not None)
+    if hist is None:
+        hist = counts  # (not read without RESET)
     warps = max(1, min(8, rows_per_program * w // 256))
     key = (consts, warps, logits.dtype, vals.dtype, win_a.dtype, win_b.dtype,
-           _aligned(logits, bars, candidates, counts, win_a, win_b, out, vals, err))
-    _merge_launch(key, (cdiv(rows, rows_per_program),), (
-        logits, logits.stride(0), bars, candidates, candidates.stride(0), counts,
-        rows, row_base, win_a, win_b, n_keys, key_limit, next_n, ctx_stride,
-        lo, width,
-        out, out.stride(0), vals, 0 if values is None else values.stride(0),
-        err, *consts), {"num_warps": warps})
+           _aligned(logits, bars, candidates, counts, hist, win_a, win_b, out, vals, err))
+    grid = cdiv(rows, rows_per_program)
+    fast = partials.get(key) if partials is not None else None
+    stride_v = 0 if values is None else values.stride(0)
+    if fast is not None and fast(logits, logits.stride(0), bars, candidates, candidates.stride(0), counts, hist, rows,
+                                 win_a, win_b, n_keys, key_limit, lo, width, out, out.stride(0), vals, stride_v, grid):
+        return
+    args = (logits, logits.stride(0), bars, candidates, candidates.stride(0), counts, hist,
+            rows, row_base, win_a, win_b, n_keys, key_limit, next_n, ctx_stride,
+            lo, width,
+            out, out.stride(0), vals, stride_v,
+            err, *consts)
+    options = {"num_warps": warps}
+    _merge_launch(key, (grid,), args, options)
+    if partials is not None and fast is None:
+        # every argument but next_n, ctx_stride, row_base, the error record and the constexprs
+        fast = _merge_launch.partial(key, (grid,), args, options,
+                                     live=(0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 15, 16, 17, 18, 19, 20),
+                                     live_grid=(18,))
+        if fast is not None:
+            partials[key] = fast
 
 
 # Rows split over programs (``_topk_rows_across_programs``): programs a launch aims at (four an
@@ -236,42 +261,101 @@ _ACROSS_BLOCK = 1024
 _PASS_OPTIONS = {"num_warps": 4}
 
 
+# Histograms and counts of the passes across programs: RADIX_LEVELS x 2^RADIX_BITS int32 and one
+# int32 a row, zero between calls (the final merge zeroes what the passes summed), so a buffer
+# per device and stream is kept for calls of up to _KEPT_ROWS rows (4096: 12 MiB) instead of an
+# allocation and a fill launch per call.
+_HIST_INTS = kern.RADIX_LEVELS << kern.RADIX_BITS
+_KEPT_ROWS = 4096
+
+
+class _KeptHistograms(NamedTuple):
+    key: tuple  # (device, stream)
+    hist: torch.Tensor
+    counts: torch.Tensor
+    rows: int
+
+
+_kept_histograms: dict[tuple, _KeptHistograms] = {}
+
+
+def _take_histograms(rows: int, device: torch.device) -> tuple:
+    """``(kept, hist, counts)``: zeroed histograms and counts for ``rows`` rows on the current
+    stream of ``device``. ``kept``: the stream's kept buffer, taken out of ``_kept_histograms``
+    for this call (:func:`_put_back_histograms` after its last launch): a call that fails
+    between its launches never puts a half-used buffer back, and a call on the same stream from
+    another thread meanwhile gets a buffer of its own. None where the call has a zeroed buffer
+    of its own: more rows than kept, or a call being captured into a CUDA graph (the fill is a
+    node of the graph, which may be replayed on any stream beside the calls on this one)."""
+    stream, capturing = prefill._stream_and_capture(device.index if device.type == "cuda" else -1)
+    if capturing or rows > _KEPT_ROWS:
+        zeroed = torch.zeros(rows * (_HIST_INTS + 1), dtype=torch.int32, device=device)
+        return None, zeroed[:rows * _HIST_INTS], zeroed[rows * _HIST_INTS:]
+    key = (device, stream)
+    kept = _kept_histograms.pop(key, None)
+    if kept is None or kept.rows < rows:
+        zeroed = torch.zeros(_KEPT_ROWS * (_HIST_INTS + 1), dtype=torch.int32, device=device)
+        kept = _KeptHistograms(key, zeroed[:_KEPT_ROWS * _HIST_INTS], zeroed[_KEPT_ROWS * _HIST_INTS:], _KEPT_ROWS)
+    return kept, kept.hist, kept.counts
+
+
+def _put_back_histograms(kept: _KeptHistograms | None) -> None:
+    """The buffer of :func:`_take_histograms` kept for the stream's next call (once the launches
+    that zero it are queued)."""
+    if kept is not None:
+        _kept_histograms[kept.key] = kept
+
+
 def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern.WIN_PREFILL, next_n: int = 1,
                                ctx_stride: int = 1, segments: int | None = None, values: bool = False,
-                               out: torch.Tensor | None = None, out_values: torch.Tensor | None = None):
+                               out: torch.Tensor | None = None, out_values: torch.Tensor | None = None,
+                               partials: dict | None = None):
     """The top-k of each row of ``logits [R, N]`` (columns are positions; windows as the merge
     kernel reads them) by a radix select across ``segments`` programs a row: the histograms of
     the keys' top three 8-bit digits (each among the keys sharing the digits above it with the
     row's topk-th key), then every key at or above those 24 bits appended to the row's
-    candidates, then the merge kernel's last step (select, sort, write). For the decode rows
-    taken whole (:func:`decode_whole_rows`), where one program a row leaves most of the GPU
-    idle. Writes ``out`` / ``out_values`` when given;
-    returns ``(indices, values or None)``."""
+    candidates, then the merge kernel's last step (select, sort, write), which zeroes the
+    histograms and counts (:func:`_take_histograms`). For the decode rows taken whole
+    (:func:`decode_whole_rows`), where one program a row leaves most of the GPU idle. Writes
+    ``out`` / ``out_values`` when given; ``partials``: the launches as partial launches by
+    launch key, for a caller whose ``next_n``, ``ctx_stride`` and ``topk`` never change (taken
+    and kept there). Returns ``(indices, values or None)``."""
     rows, n_keys = logits.shape
     dev = logits.device
     if segments is None:
         segments = max(1, min(cdiv(_ACROSS_PROGRAMS, max(rows, 1)), cdiv(n_keys, _ACROSS_MIN_SEGMENT)))
-    hist_ints = kern.RADIX_LEVELS << kern.RADIX_BITS
-    zeroed = torch.zeros(rows * (hist_ints + 1), dtype=torch.int32, device=dev)  # one memset
-    hist, counts = zeroed[:rows * hist_ints], zeroed[rows * hist_ints:]
-    candidates = torch.empty((rows, max(n_keys, 1)), dtype=torch.int64, device=dev)
     if out is None:
         out = torch.empty((rows, topk), dtype=torch.int32, device=dev)
     if out_values is None and values:
         out_values = torch.empty((rows, topk), dtype=logits.dtype, device=dev)
     if rows == 0:
         return out, out_values
+    candidates = torch.empty((rows, max(n_keys, 1)), dtype=torch.int64, device=dev)
+    kept, hist, counts = _take_histograms(rows, dev)
     aligned = _aligned(logits, win_a, win_b, hist, candidates, counts)
+    stride_l, stride_c = logits.stride(0), candidates.stride(0)
     for p in range(kern.RADIX_LEVELS + 1):
         consts = (p, mode, _ACROSS_BLOCK)
-        _pass_launch((consts, logits.dtype, win_a.dtype, win_b.dtype, aligned), (rows, segments), (
-            logits, logits.stride(0), win_a, win_b, n_keys, next_n, ctx_stride, segments,
-            hist, candidates, candidates.stride(0), counts, topk, *consts), _PASS_OPTIONS)
+        key = (consts, logits.dtype, win_a.dtype, win_b.dtype, aligned)
+        fast = partials.get(key) if partials is not None else None
+        if fast is not None and fast(logits, stride_l, win_a, win_b, n_keys, segments, hist, candidates, stride_c,
+                                     counts, rows):
+            continue
+        args = (logits, stride_l, win_a, win_b, n_keys, next_n, ctx_stride, segments,
+                hist, candidates, stride_c, counts, topk, *consts)
+        _pass_launch(key, (rows, segments), args, _PASS_OPTIONS)
+        if partials is not None and fast is None:
+            # every argument but next_n, ctx_stride, topk and the constexprs; the grid (rows, segments)
+            fast = _pass_launch.partial(key, (rows, segments), args, _PASS_OPTIONS,
+                                        live=(0, 1, 2, 3, 4, 7, 8, 9, 10, 11), live_grid=(10, 5))
+            if fast is not None:
+                partials[key] = fast
     # The last step reads a bar a row and uses it only after a scan, which it has none of here:
     # any int64 memory of a row each does (no allocation on the call's path).
     bars = candidates
     _merge(logits, bars, candidates, counts, 0, 0, win_a, win_b, n_keys, n_keys, next_n, ctx_stride, 0, out,
-           out_values, topk, mode, first=False, final=True)
+           out_values, topk, mode, first=False, final=True, hist=hist, partials=partials)
+    _put_back_histograms(kept)
     return out, out_values
 
 
@@ -496,6 +580,107 @@ def _paged_mqa_topk_fake(q, q_sf, kv_cache, weights, context_lens, block_table, 
     return None
 
 
+# ---------------------------------------------------------------------------------------
+# Decode over whole rows: the plan per argument layout (eager calls)
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _DecodePlan:
+    """What the decode op's eager calls over whole rows of one argument layout launch, checked
+    once: the logits op's plan (``paged._launch``), then the passes and the final merge of
+    ``_topk_rows_across_programs`` as partial launches (``partials``, by launch key; a key
+    without one yet launches the ordinary way and makes it). Any batch size and
+    ``max_context_len`` whose rows are taken whole (:func:`decode_whole_rows`) use it."""
+
+    paged_plan: paged._Plan
+    next_n: int
+    mode: int
+    ctx_stride: int
+    device: torch.device
+    partials: dict = dataclasses.field(default_factory=dict, compare=False)
+
+
+# Plans by argument layout: what the op's checks and the logits op's read, except the batch size
+# and ``max_context_len`` (as their class: 0, 1, more, as the logits op's plans), plus ``topk``,
+# ``return_values`` and the output's layout.
+_decode_plans: dict[tuple, _DecodePlan] = {}
+_MAX_DECODE_PLANS = 4096
+
+
+def _decode_plan_key(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+                     topk, logits_dtype, indices, return_values, out) -> tuple:
+    """The layout key of a decode call (AttributeError, TypeError where an argument is not what
+    the op takes: the checks then say what is wrong)."""
+    overrides = _config._overrides.get("paged")
+    return (q_values.shape[1:], min(q_values.shape[0], 2), q_values.stride(), q_values.dtype, q_values.get_device(),
+            q_values.is_cuda or _validate.interpreter_enabled(),
+            None if q_sf is None else (q_sf.shape[1:], q_sf.stride(), q_sf.dtype, q_sf.get_device()),
+            # modulo 16: the logits op's key (its scale words need 4, its TMA path 16)
+            kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.get_device(), kv_cache.storage_offset() % 16,
+            weights.shape[1:], weights.stride(), weights.dtype, weights.get_device(),
+            context_lens.shape[1:], context_lens.stride(), context_lens.dtype, context_lens.get_device(),
+            block_table.shape[1:], block_table.stride(), block_table.dtype, block_table.get_device(),
+            schedule_meta.shape, schedule_meta.stride(), schedule_meta.dtype, schedule_meta.get_device(),
+            None if indices is None else (indices.shape[1:], indices.stride(), indices.dtype, indices.get_device()),
+            None if out is None else (out.shape[1:], out.stride(), out.dtype, out.get_device()),
+            max_context_len.__class__, min(max_context_len, 2), topk.__class__, topk,
+            return_values.__class__, return_values, logits_dtype,
+            tuple(sorted(overrides.items())) if overrides else None)
+
+
+def _make_decode_plan(key, q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
+                      max_context_len, logits_dtype, indices) -> _DecodePlan:
+    """A call's plan (its arguments checked by the op already; the logits op checks its own)."""
+    b, next_n, h, dq = q_values.shape
+    fmt = format_of(q_values, q_sf)
+    cfg = paged.resolve_paged_config(fmt, next_n, h, dq * 2 if fmt == "mxfp4" else dq, kv_cache.shape[1])
+    paged_plan = paged._plan_for(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
+                                 max_context_len, False, logits_dtype, indices, None, cfg)
+    ctx_2d = context_lens.dim() == 2
+    plan = _DecodePlan(paged_plan, next_n, kern.WIN_DECODE_2D if ctx_2d else kern.WIN_DECODE_1D,
+                       context_lens.stride(0) if ctx_2d else 1, q_values.device)
+    if len(_decode_plans) >= _MAX_DECODE_PLANS:
+        _decode_plans.clear()
+    _decode_plans[key] = plan
+    return plan
+
+
+def _run_decode_plan(plan: _DecodePlan, q_values, q_sf, kv_cache, weights, context_lens, block_table,
+                     max_context_len: int, logits_dtype, indices, topk: int, out, values) -> None:
+    """The whole rows' logits (one launch of the logits op's plan), then their top-k."""
+    logits = paged.new_logits(q_values.shape[0] * plan.next_n, max_context_len, logits_dtype, plan.device)
+    paged._launch(plan.paged_plan, q_values, q_sf, kv_cache, weights, context_lens, block_table, indices, logits,
+                  max_context_len)
+    _topk_rows_across_programs(logits, context_lens, context_lens, topk, plan.mode, plan.next_n, plan.ctx_stride,
+                               out=out, out_values=values, partials=plan.partials)
+
+
+def _decode_by_plan(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+                    topk, logits_dtype, indices, return_values, out):
+    """``(key, result)``: the call made by its layout's plan where there is one and the call's
+    sizes fit it (result not None), else ``(key or None, None)`` for the checked path."""
+    try:
+        key = _decode_plan_key(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
+                               max_context_len, topk, logits_dtype, indices, return_values, out)
+        plan = _decode_plans.get(key)
+    except (AttributeError, TypeError, IndexError):  # not tensors, or unhashable: the checks say which
+        return None, None
+    if plan is None:
+        return key, None
+    # The batch dims against q's, max_context_len's range, whole rows: else the checked path.
+    b = q_values.shape[0]
+    rows = b * plan.next_n
+    if not (weights.shape[0] == rows and context_lens.shape[0] == b and block_table.shape[0] == b
+            and (q_sf is None or q_sf.shape[0] == b) and (indices is None or indices.shape[0] == b)
+            and (out is None or out.shape[0] == rows) and max_context_len <= _MAX_POSITION + 1
+            and decode_whole_rows(rows, max_context_len, logits_dtype)):
+        return key, None
+    raise_pending_fast(plan.device)
+    out, values = _outputs(rows, topk, logits_dtype, plan.device, out, return_values)
+    _run_decode_plan(plan, q_values, q_sf, kv_cache, weights, context_lens, block_table, max_context_len,
+                     logits_dtype, indices, topk, out, values)
+    return key, ((out, values) if return_values else out)
+
+
 def fp8_fp4_paged_mqa_topk(
     q: tuple[torch.Tensor, torch.Tensor | None],
     kv_cache: torch.Tensor,
@@ -540,6 +725,15 @@ def fp8_fp4_paged_mqa_topk(
         :class:`tilefuse.DeviceValueError` at the next call or ``tilefuse.check_errors()``.
     """
     q_values, q_sf = prefill.split_query(q)
+    # Eager calls over whole rows by their layout's plan (checked mode: the logits op's host
+    # checks run, so the checked path).
+    plan_key = None
+    if chunk_k is None and not checked() and not torch.compiler.is_compiling():
+        plan_key, result = _decode_by_plan(q_values, q_sf, kv_cache, weights, context_lens, block_table,
+                                           schedule_meta, max_context_len, topk, logits_dtype, indices,
+                                           return_values, out)
+        if result is not None:
+            return result
     for name, t in (("q", q_values), ("kv_cache", kv_cache), ("context_lens", context_lens),
                     ("block_table", block_table), ("schedule_meta", schedule_meta)):
         expect_tensor(t, name)
@@ -569,6 +763,12 @@ def fp8_fp4_paged_mqa_topk(
     else:
         chunk = default_chunk_k(topk, max(1, block_kv))
     out, values = _outputs(b * next_n, topk, logits_dtype, q_values.device, out, return_values)
+    if chunk == 0 and plan_key is not None:  # eager, whole rows: the next calls of this layout skip the checks
+        plan = _make_decode_plan(plan_key, q_values, q_sf, kv_cache, weights, context_lens, block_table,
+                                 schedule_meta, max_context_len, logits_dtype, indices)
+        _run_decode_plan(plan, q_values, q_sf, kv_cache, weights, context_lens, block_table, max_context_len,
+                         logits_dtype, indices, topk, out, values)
+        return (out, values) if return_values else out
     run = _paged_mqa_topk if torch.compiler.is_compiling() else _run_paged_mqa_topk  # as the prefill op
     run(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
         max_context_len, logits_dtype, indices, topk, chunk, out, values)
