@@ -182,12 +182,14 @@ case "$part" in
       --output "$OUT/paged-sweep-schedule.json" --rows ${DECODE_ROWS:-1x1x8192 1x1x131072 8x1x32768 \
       32x1x4096 32x1x8192 64x1x8192 64x2x8192 256x2x8192}
     ;;
-  persistent)  # the persistent decode kernel: its GPU tests and the paged tests while DeepGEMM
-    # builds, then it beside the default and DeepGEMM at the decode rows, captured calls cycling
+  persistent)  # the persistent decode kernel: its GPU tests (and the bad-value tests of both
+    # Hopper decode kernels) while DeepGEMM builds, then, if they passed, it beside the default and DeepGEMM at the decode rows, captured calls cycling
     # through $LAYERS caches (default 5: out of L2, as an engine's layers)
     step tests-persistent "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -x \
-      tests/indexer/test_paged_persistent.py
+      tests/indexer/test_paged_persistent.py tests/indexer/test_paged_gluon.py -k "persistent or hopper"
     wait_deepgemm
+    # (a kernel that failed its tests, or hung in them, is not timed)
+    grep -q " passed" "$LOGS/tests-persistent.log" && ! grep -qE "[0-9]+ (failed|error)" "$LOGS/tests-persistent.log" &&
     step paged-sweep "${SWEEP_S:-300}" python3 benchmarks/paged_sweep.py --grid persistent --samples 10 \
       --layers "${LAYERS:-5}" --output "$OUT/paged-sweep-persistent.json" --rows ${DECODE_ROWS:-1x1x8192 \
       1x1x131072 8x1x32768 32x1x4096 64x1x8192 128x1x32768 256x1x8192 64x2x8192 256x2x8192 64x2x32768 \
