@@ -8,7 +8,8 @@
 #   PART=suite: the README's test command on the whole suite (xdist where the image has it, else
 #     split over processes), the two contract sweeps beside it, then top-k speed
 #   PART=decode: the decode schedule grid beside DeepGEMM; PART=topk: top-k speed
-#   PART=persistent: the persistent decode kernel's GPU tests, then it beside the default and DeepGEMM
+#   PART=persistent: the persistent decode kernel's GPU tests, then it beside the default and DeepGEMM;
+#     PART=persistent-contract: the decode contract sample and DeepGEMM's paged tests with it asked for
 #   PART=decode-ab: after a decode kernel change: its GPU tests, a contract sample, the A/B against
 #     $AB_PREV, the schedule grid beside DeepGEMM; PART=decode-profile: the decode GPU tests over
 #     processes, then Nsight Compute on the decode kernels (tilefuse's, DeepGEMM's) at $PROFILE_ROWS
@@ -95,7 +96,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|decode-ab|decode-profile|persistent|table|host|topk|topk-check|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|decode-ab|decode-profile|persistent|persistent-contract|table|host|topk|topk-check|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -194,6 +195,14 @@ case "$part" in
       --layers "${LAYERS:-5}" --output "$OUT/paged-sweep-persistent.json" --rows ${DECODE_ROWS:-1x1x8192 \
       1x1x131072 8x1x32768 32x1x4096 64x1x8192 128x1x32768 256x1x8192 64x2x8192 256x2x8192 64x2x32768 \
       256x4x8192 64x1x8192/32}
+    ;;
+  persistent-contract)  # the decode contract (a sample, the large cases) with the persistent kernel
+    # asked for everywhere it applies, and DeepGEMM's paged tests under it
+    step gpu-sweep-persistent "${SWEEP_S:-300}" env TILEFUSE_PAGED_CONFIG=persistent=1,num_stages=4 \
+      python3 -m tests.indexer.gpu_sweep --budget-s "$((${SWEEP_S:-300} - 30))" --seed "${SEED:-1}" --large
+    wait_deepgemm
+    step deepgemm-paged-persistent "${DG_S:-250}" env TILEFUSE_PAGED_CONFIG=persistent=1,num_stages=4 \
+      python3 benchmarks/deepgemm_tests.py --tests paged --cases "${DG_CASES:-200}" --seed "${SEED:-1}"
     ;;
   decode-profile)  # the decode GPU tests over processes while DeepGEMM builds, then Nsight Compute
     # on tilefuse's and DeepGEMM's decode kernels at $PROFILE_ROWS
