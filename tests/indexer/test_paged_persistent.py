@@ -16,9 +16,13 @@ import dataclasses
 
 import pytest
 import torch
+import triton
 
 import tilefuse
+from tilefuse import _jit, _validate
+from tilefuse import formats as F
 from tilefuse.indexer import _paged_kernel_ws as ws
+from tilefuse.indexer import paged
 
 from ..conftest import DEVICE, ON_GPU
 from .test_paged import Case, _bits
@@ -79,6 +83,65 @@ def test_dispatch_falls_back_where_it_does_not_apply(monkeypatch):
     for why, kw in cases.items():
         plan = _plan(monkeypatch, **kw)
         assert plan.persistent is None, why
+
+
+@pytest.mark.parametrize("next_n,h,d,block_kv,page_pad", [(2, 64, 128, 64, 128), (3, 16, 64, 32, 0),
+                                                          (1, 32, 128, 128, 256)])
+def test_persistent_launch_views_address_the_cache(next_n, h, d, block_kv, page_pad, monkeypatch):
+    """What the kernel is given, on CPU (the launch recorded, nothing runs): the descriptors'
+    views address the bytes the kernel's coordinates mean (key row ``page * page_rows + slot``,
+    scale ``[page, block_kv * D / 4 + slot]``, a request's queries from row ``b * next_n * H``),
+    the sizes and strides are the call's, and the grid is the programs an SM's share."""
+    monkeypatch.setattr(paged, "_is_sm90", lambda device: True)
+    monkeypatch.setattr(paged, "_plans", {})
+    monkeypatch.setattr(paged, "sm_count", lambda device: 4)
+    monkeypatch.setattr(_validate, "interpreter_enabled", lambda: True)
+    g = torch.Generator().manual_seed(next_n + h + block_kv)
+    lens = torch.tensor([5 * block_kv + 3, 0, block_kv + 1], dtype=torch.int32)
+    width = paged.paged_kv_cache_width(d, "fp8")
+    cache, table = paged.make_paged_kv_cache(torch.randn(3, int(lens.max()), d, generator=g), lens, block_kv, "fp8",
+                                             num_blocks=16, page_stride=block_kv * width + page_pad, generator=g)
+    q = F.quantize_q(torch.randn(3, next_n, h, d, generator=g), "fp8")[0]
+    w = torch.randn(3 * next_n, h, generator=g)
+    meta = paged._schedule(lens, block_kv, 5)
+    launches = []
+
+    class Record:
+        def __getitem__(self, grid):
+            return lambda **kwargs: launches.append((grid, kwargs))
+
+    with _jit.redirected(ws.paged_logits_ws_kernel, Record()):
+        out = tilefuse.fp8_fp4_paged_mqa_logits((q, None), cache, w, lens, table, meta, 400, True,
+                                                config=_config(next_n, h, d, block_kv))
+    ((grid, a),) = launches
+    assert grid == (min(3 * 4, 3 * (400 + 63) // 64),) and a["maxnreg"] in (136, 200)
+    assert (a["batch"], a["max_context_len"], a["max_blocks"], a["num_blocks"]) == (3, 400, table.shape[1], 16)
+    assert (a["stride_w"], a["stride_ctx"], a["stride_bt"], a["stride_out"]) == (h, 1, table.shape[1], out.stride(0))
+    assert a["NEXT_N"] == next_n and a["NEXT_N_P"] == triton.next_power_of_2(next_n) and a["NUM_HEADS"] == h
+
+    def view(desc, dtype):
+        """The descriptor's [rows, cols] view of its base's bytes (what TMA reads)."""
+        base = desc.base.view(torch.uint8)
+        size = torch.tensor([], dtype=dtype).element_size()
+        raw = base.as_strided((desc.shape[0], desc.shape[1] * size), (desc.strides[0] * size, 1),
+                              base.storage_offset())
+        return raw.view(dtype) if dtype != torch.uint8 else raw
+
+    values, scales = paged._page_views(cache, d)
+    keys = view(a["kv_desc"], torch.uint8)
+    assert a["kv_desc"].block_shape == [min(64, block_kv), d]
+    sf = view(a["sf_desc"], torch.float32)
+    assert a["sf_desc"].block_shape == [1, min(64, block_kv)]
+    page_rows = a["page_rows"]
+    for page in (0, 7, 15):
+        for slot in (0, block_kv - 1):
+            assert torch.equal(keys[page * page_rows + slot], values[page, slot])
+            assert sf[page, block_kv * d // 4 + slot] == scales.view(torch.float32)[page, slot]
+    rows = view(a["q_desc"], torch.uint8)
+    assert a["q_desc"].block_shape == [triton.next_power_of_2(next_n) * h, d] and rows.shape[0] == 3 * next_n * h
+    for b in range(3):
+        first = b * next_n * h
+        assert torch.equal(rows[first:first + next_n * h], q[b].reshape(next_n * h, d).view(torch.uint8))
 
 
 def test_registered_compiles_keep_every_wgmma():
