@@ -776,8 +776,9 @@ def _persistent_plan(cfg: PagedConfig, fmt: str, next_n: int, h: int, d: int, bl
     s_b, s_t, s_h = q.stride()[:3]
     if s_h % 16 or (next_n > 1 and s_t != h * s_h) or (q.shape[0] > 1 and s_b != next_n * h * s_h):
         return None
+    # (a page stride that is a multiple of D >= 32 bytes: the scales' view is 16-byte strided too)
     view = _tma_view(kv_cache, d, ws.KEYS_PER_TILE, split_boxes=True)
-    if view is None or kv_cache.stride(0) % 16:
+    if view is None:
         return None
     ctas = cfg.ctas_per_sm or (3 if columns <= 128 else 2)
     maxnreg = min(255, _SM_REGISTERS // (ctas * _WS_THREADS) // 8 * 8)
@@ -852,25 +853,32 @@ _plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096
 
 
+def inputs_layout_key(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, indices) -> tuple:
+    """What the checks read of a decode call's inputs, spelled out (a call per tensor costs more
+    than the lookup): shapes but the batch size (its class: 0, 1, more), strides, dtypes,
+    devices. AttributeError, TypeError or IndexError where an argument is not what the op
+    takes (the checks then say what is wrong)."""
+    # (on the CPU, whether it runs at all depends on the interpreter)
+    return (q.shape[1:], min(q.shape[0], 2), q.stride(), q.dtype, q.get_device(),
+            q.is_cuda or _validate.interpreter_enabled(),
+            None if q_sf is None else (q_sf.shape[1:], q_sf.stride(), q_sf.dtype, q_sf.get_device()),
+            # modulo 16: the scale words need 4, the TMA path 16
+            kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.get_device(), kv_cache.storage_offset() % 16,
+            weights.shape[1:], weights.stride(), weights.dtype, weights.get_device(),
+            context_lens.shape[1:], context_lens.stride(), context_lens.dtype, context_lens.get_device(),
+            block_table.shape[1:], block_table.stride(), block_table.dtype, block_table.get_device(),
+            schedule_meta.shape, schedule_meta.stride(), schedule_meta.dtype, schedule_meta.get_device(),
+            None if indices is None else (indices.stride(), indices.dtype, indices.get_device()))
+
+
 def _plan_for(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits,
               logits_dtype, indices, out, config, compiling: bool = False) -> _Plan:
     key = None
     if not compiling:
         overrides = _config._overrides.get("paged")
-        try:  # what the checks read, spelled out (a call per tensor costs more than the lookup)
+        try:
             b = q.shape[0]
-            # (on the CPU, whether it runs at all depends on the interpreter)
-            key = (q.shape[1:], min(b, 2), q.stride(), q.dtype, q.get_device(),
-                   q.is_cuda or _validate.interpreter_enabled(),
-                   None if q_sf is None else (q_sf.shape[1:], q_sf.stride(), q_sf.dtype, q_sf.get_device()),
-                   # modulo 16: the scale words need 4, the TMA path 16
-                   kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.get_device(),
-                   kv_cache.storage_offset() % 16,
-                   weights.shape[1:], weights.stride(), weights.dtype, weights.get_device(),
-                   context_lens.shape[1:], context_lens.stride(), context_lens.dtype, context_lens.get_device(),
-                   block_table.shape[1:], block_table.stride(), block_table.dtype, block_table.get_device(),
-                   schedule_meta.shape, schedule_meta.stride(), schedule_meta.dtype, schedule_meta.get_device(),
-                   None if indices is None else (indices.stride(), indices.dtype, indices.get_device()),
+            key = (*inputs_layout_key(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, indices),
                    None if out is None else (out.dim(), out.stride(), out.dtype, out.get_device()),
                    max_context_len.__class__, min(max_context_len, 2), bool(clean_logits), logits_dtype, config,
                    tuple(sorted(overrides.items())) if overrides else None)

@@ -54,7 +54,7 @@ from typing import NamedTuple
 import torch
 
 import tilefuse
-from tilefuse import _config, _validate
+from tilefuse import _config
 from tilefuse._device import capability_major
 from tilefuse._errors import checked, deferred, error_record, raise_pending, raise_pending_fast
 from tilefuse._jit import Launcher, cdiv, next_power_of_2
@@ -611,16 +611,8 @@ def _decode_plan_key(q_values, q_sf, kv_cache, weights, context_lens, block_tabl
     """The layout key of a decode call (AttributeError, TypeError where an argument is not what
     the op takes: the checks then say what is wrong)."""
     overrides = _config._overrides.get("paged")
-    return (q_values.shape[1:], min(q_values.shape[0], 2), q_values.stride(), q_values.dtype, q_values.get_device(),
-            q_values.is_cuda or _validate.interpreter_enabled(),
-            None if q_sf is None else (q_sf.shape[1:], q_sf.stride(), q_sf.dtype, q_sf.get_device()),
-            # modulo 16: the logits op's key (its scale words need 4, its TMA path 16)
-            kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.get_device(), kv_cache.storage_offset() % 16,
-            weights.shape[1:], weights.stride(), weights.dtype, weights.get_device(),
-            context_lens.shape[1:], context_lens.stride(), context_lens.dtype, context_lens.get_device(),
-            block_table.shape[1:], block_table.stride(), block_table.dtype, block_table.get_device(),
-            schedule_meta.shape, schedule_meta.stride(), schedule_meta.dtype, schedule_meta.get_device(),
-            None if indices is None else (indices.shape[1:], indices.stride(), indices.dtype, indices.get_device()),
+    return (*paged.inputs_layout_key(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
+                                     indices),
             None if out is None else (out.shape[1:], out.stride(), out.dtype, out.get_device()),
             max_context_len.__class__, min(max_context_len, 2), topk.__class__, topk,
             return_values.__class__, return_values, logits_dtype,
