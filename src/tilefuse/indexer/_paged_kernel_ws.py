@@ -201,12 +201,12 @@ def _share(ctx_ptr, idx_ptr, err_ptr, batch, max_context_len, max_blocks, stride
 
 
 @gluon.jit
-def _publish(q_desc, w_ptr, ctx_ptr, q_smem, w_smem, info_smem, rows_smem, q_ready, q_empty, b, qc,
+def _publish(q_desc, w_ptr, ctx_ptr, q_smem, w_smem, info_smem, rows_smem, q_ready, q_empty, b, longest, qc,
              max_context_len, stride_w, stride_ctx,
              NEXT_N: gl.constexpr, NEXT_N_P: gl.constexpr, NUM_HEADS: gl.constexpr, CTX_2D: gl.constexpr):
-    """Request ``b`` into slot ``qc % 2`` of the request ring (producer): its queries by TMA,
-    its weights as fp32, its key count, tile count and row ends; returns the key and tile
-    counts."""
+    """Request ``b`` (its longest row ``longest``) into slot ``qc % 2`` of the request ring
+    (producer): its queries by TMA, its weights as fp32, its key count, tile count and row
+    ends; returns the key and tile counts."""
     NC: gl.constexpr = NEXT_N_P * NUM_HEADS
     slot = qc % 2
     mbarrier.wait(q_empty.index(slot), ((qc // 2) & 1) ^ 1)
@@ -215,7 +215,6 @@ def _publish(q_desc, w_ptr, ctx_ptr, q_smem, w_smem, info_smem, rows_smem, q_rea
     mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [(b * NEXT_N * NUM_HEADS).to(gl.int32), 0], q_ready.index(slot),
                                     q_smem.index(slot))
-    longest, _ = _request_lengths(ctx_ptr, stride_ctx, b, b >= 0, NEXT_N, CTX_2D)
     key_len = gl.minimum(gl.maximum(longest, 0), max_context_len)
     n_tiles = (key_len + BLOCK_N - 1) // BLOCK_N
     W_PER_LANE: gl.constexpr = NC // 32 if NC > 32 else 1
@@ -228,13 +227,11 @@ def _publish(q_desc, w_ptr, ctx_ptr, q_smem, w_smem, info_smem, rows_smem, q_rea
     t = gl.arange(0, NEXT_N_P, layout=r_l)
     if CTX_2D:
         row_end = gl.load(ctx_ptr + b * stride_ctx + t, mask=t < NEXT_N, other=0)
-        first_end = gl.load(ctx_ptr + b * stride_ctx)
     else:
         row_end = longest - NEXT_N + 1 + t
-        first_end = longest - NEXT_N + 1
     rows_smem.index(slot).store(row_end)
     k = gl.arange(0, 4, layout=r_l)
-    info = gl.where(k == 0, key_len, gl.where(k == 1, n_tiles, gl.where(k == 2, b.to(gl.int32), first_end)))
+    info = gl.where(k == 0, key_len, gl.where(k == 1, n_tiles, b.to(gl.int32)))
     info_smem.index(slot).store(info)
     # Arrival two: the stores above, made by every lane before it.
     _partition_barrier()
@@ -261,8 +258,9 @@ def _producer(q_desc, kv_desc, sf_desc, w_ptr, ctx_ptr, bt_ptr, err_ptr,
     if count > 0:
         b = b_first.to(gl.int64)
         i = i_first
+        longest, _ = _request_lengths(ctx_ptr, stride_ctx, b, b < batch, NEXT_N, CTX_2D)
         key_len, n_tiles = _publish(q_desc, w_ptr, ctx_ptr, q_smem, w_smem, info_smem, rows_smem, q_ready, q_empty,
-                                    b, 0, max_context_len, stride_w, stride_ctx, NEXT_N, NEXT_N_P, NUM_HEADS,
+                                    b, longest, 0, max_context_len, stride_w, stride_ctx, NEXT_N, NEXT_N_P, NUM_HEADS,
                                     CTX_2D)
         qc = 1
         # 32 block-table entries of request b from page ``base`` on (a multiple of 32), read by
@@ -313,15 +311,15 @@ def _producer(q_desc, kv_desc, sf_desc, w_ptr, ctx_ptr, bt_ptr, err_ptr,
                     b += 1
                     longest, _ = _request_lengths(ctx_ptr, stride_ctx, b, b < batch, NEXT_N, CTX_2D)
                 key_len, n_tiles = _publish(q_desc, w_ptr, ctx_ptr, q_smem, w_smem, info_smem, rows_smem, q_ready,
-                                            q_empty, b, qc, max_context_len, stride_w, stride_ctx, NEXT_N, NEXT_N_P,
-                                            NUM_HEADS, CTX_2D)
+                                            q_empty, b, longest, qc, max_context_len, stride_w, stride_ctx, NEXT_N,
+                                            NEXT_N_P, NUM_HEADS, CTX_2D)
                 qc += 1
                 base = i * 0 - 64
 
 
 @gluon.jit
 def _take_request(q_ready, w_smem, info_smem, rows_smem, qc, info_l: gl.constexpr, col_l: gl.constexpr,
-                  row_l: gl.constexpr, NEXT_N: gl.constexpr):
+                  row_l: gl.constexpr, NEXT_N: gl.constexpr, num_warps: gl.constexpr):
     """Wait for slot ``qc % 2`` of the request ring (consumer): key count, tile count, request,
     weights and row ends."""
     slot = qc % 2
@@ -332,8 +330,8 @@ def _take_request(q_ready, w_smem, info_smem, rows_smem, qc, info_l: gl.constexp
     n_tiles = gl.sum(gl.where(k == 1, info, 0), axis=0)
     b = gl.sum(gl.where(k == 2, info, 0), axis=0).to(gl.int64)
     w = w_smem.index(slot).load(col_l)
-    if NEXT_N == 1:
-        row_end = gl.sum(gl.where(k == 3, info, 0), axis=0)
+    if NEXT_N == 1:  # the one row's end, a scalar
+        row_end = gl.sum(rows_smem.index(slot).load(gl.BlockedLayout([1], [32], [num_warps], [0])), axis=0)
     else:
         row_end = rows_smem.index(slot).load(row_l)
     return key_len, n_tiles, b, w, row_end
@@ -361,7 +359,7 @@ def _consumer(k_smem, sf_smem, ok_smem, q_smem, w_smem, info_smem, rows_smem,
     if count > 0:
         i = i_first
         key_len, n_tiles, b, w, row_end = _take_request(q_ready, w_smem, info_smem, rows_smem, 0, info_l, col_l,
-                                                        row_l, NEXT_N)
+                                                        row_l, NEXT_N, num_warps)
         qc = 1
         s = gl.zeros([BLOCK_N, NC], gl.float32, mma)
         for step in range(count):
@@ -399,7 +397,7 @@ def _consumer(k_smem, sf_smem, ok_smem, q_smem, w_smem, info_smem, rows_smem,
                 _partition_barrier()
                 mbarrier.arrive(q_empty.index(slot), count=1)
                 key_len, n_tiles, b, w, row_end = _take_request(q_ready, w_smem, info_smem, rows_smem, qc, info_l,
-                                                                col_l, row_l, NEXT_N)
+                                                                col_l, row_l, NEXT_N, num_warps)
                 qc += 1
                 i = 0
     if CLEAN:
