@@ -178,17 +178,24 @@ def test_the_custom_op_unpacks_the_kernel_flags():
         assert paged._config_from_ints(packed) == cfg
 
 
-def test_registered_compiles_keep_every_wgmma():
-    """Two registered variants compiled with their SASS: every wgmma of the PTX is there."""
+def compiled_registered(kernel: str, names: tuple[str, ...]) -> list:
+    """The named registered variants of ``kernel`` (Hopper only) compiled for sm_90a with their
+    SASS, each passing the registry's checks (every wgmma of the PTX kept among them)."""
     from tilefuse.kernelcheck import checks, variants
     from tilefuse.kernelcheck.compile import compile_many
 
-    names = ("fp8 D128 H64 next_n1 kv64 rows1x64 n64 w4 buf4", "fp8 D128 H64 next_n2 kv64 rows2x64 n64 w8 buf4")
-    picked = [v for v in variants.variants("indexer.paged_gluon") if v.name in names]
-    assert len(picked) == 2 and all(v.targets == ("sm_90a",) for v in picked)
+    picked = [v for v in variants.variants(kernel) if v.name in names]
+    assert len(picked) == len(names) and all(v.targets == ("sm_90a",) for v in picked)
     reports = compile_many([(v, "sm_90a") for v in picked], jobs=2, sass=True)
     assert all(r.ok and r.sass_opcodes for r in reports), [r.error for r in reports]
     assert not [f for r in reports for f in checks.failures(r)]
+    return reports
+
+
+def test_registered_compiles_keep_every_wgmma():
+    """Two registered variants compiled with their SASS: every wgmma of the PTX is there."""
+    compiled_registered("indexer.paged_gluon", ("fp8 D128 H64 next_n1 kv64 rows1x64 n64 w4 buf4",
+                                                "fp8 D128 H64 next_n2 kv64 rows2x64 n64 w8 buf4"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -235,14 +242,22 @@ def test_gluon_kernel_meets_the_contract_and_agrees_with_triton(block_kv, next_n
     case = Case("fp8", lens=lens, next_n=next_n, h=h, d=d, block_kv=block_kv, ctx_2d=ctx_2d, weights_dtype=dtype,
                 extra_cols=extra, seed=block_kv + 3 * next_n + h + d)
     cfg = _config(next_n, h, d, block_kv, **({"rows": rows} if rows else {}))
-    idx = torch.arange(len(lens), dtype=torch.int32, device=DEVICE) if indices else None
+    meets_the_contract_and_agrees_with_triton(case, cfg, dataclasses.replace(cfg, gluon=False), clean, dtype,
+                                              indices, gluon_launches)
+
+
+def meets_the_contract_and_agrees_with_triton(case: Case, cfg, triton_cfg, clean: bool, dtype, indices: bool,
+                                              launches: list) -> None:
+    """``case`` under ``cfg`` (a Hopper kernel whose launches ``launches`` spies on): the
+    contract, a bitwise rerun, and the logits of the Triton kernel under ``triton_cfg``."""
+    idx = torch.arange(case.ctx.shape[0], dtype=torch.int32, device=DEVICE) if indices else None
     out = case.run(clean=clean, logits_dtype=dtype, config=cfg, indices=idx)
-    assert len(gluon_launches) == 1, "the Gluon kernel did not run"
+    assert len(launches) == 1, "the kernel did not run"
     case.check(out, clean, dtype)
     again = case.run(clean=clean, logits_dtype=dtype, config=cfg, indices=idx)
     assert torch.equal(_bits(out), _bits(again)), "a rerun differs"
-    triton = case.run(clean=clean, logits_dtype=dtype, config=dataclasses.replace(cfg, gluon=False), indices=idx)
-    assert len(gluon_launches) == 2
+    triton = case.run(clean=clean, logits_dtype=dtype, config=triton_cfg, indices=idx)
+    assert len(launches) == 2
     _agrees(out, triton, _tolerance(dtype, dtype))
 
 

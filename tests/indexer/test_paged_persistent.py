@@ -26,7 +26,13 @@ from tilefuse.indexer import paged
 
 from ..conftest import DEVICE, ON_GPU
 from .test_paged import Case, _bits
-from .test_paged_gluon import _agrees, _persistent_config, _plan, _tolerance, spying
+from .test_paged_gluon import (
+    _persistent_config,
+    _plan,
+    compiled_registered,
+    meets_the_contract_and_agrees_with_triton,
+    spying,
+)
 
 pytestmark = pytest.mark.usefixtures("no_pending_errors")
 
@@ -147,15 +153,8 @@ def test_persistent_launch_views_address_the_cache(next_n, h, d, block_kv, page_
 def test_registered_compiles_keep_every_wgmma():
     """Two registered variants compiled with their SASS: every wgmma of the PTX is there, no
     spill under the register cap of three (two) programs an SM."""
-    from tilefuse.kernelcheck import checks, variants
-    from tilefuse.kernelcheck.compile import compile_many
-
-    names = ("fp8 D128 H64 next_n2 kv64 buf4 regs136", "fp8 D128 H64 next_n4 kv64 buf3 regs200")
-    picked = [v for v in variants.variants("indexer.paged_persistent") if v.name in names]
-    assert len(picked) == 2 and all(v.targets == ("sm_90a",) for v in picked)
-    reports = compile_many([(v, "sm_90a") for v in picked], jobs=2, sass=True)
-    assert all(r.ok and r.sass_opcodes for r in reports), [r.error for r in reports]
-    assert not [f for r in reports for f in checks.failures(r)]
+    reports = compiled_registered("indexer.paged_persistent", ("fp8 D128 H64 next_n2 kv64 buf4 regs136",
+                                                               "fp8 D128 H64 next_n4 kv64 buf3 regs200"))
     assert all(r.spill_stores == 0 for r in reports)
 
 
@@ -196,16 +195,8 @@ def test_persistent_kernel_meets_the_contract_and_agrees_with_triton(block_kv, n
     case = Case("fp8", lens=lens, next_n=next_n, h=h, d=d, block_kv=block_kv, ctx_2d=ctx_2d, weights_dtype=dtype,
                 extra_cols=extra, seed=block_kv + 3 * next_n + h + d)
     cfg = _config(next_n, h, d, block_kv)
-    idx = torch.arange(len(lens), dtype=torch.int32, device=DEVICE) if indices else None
-    out = case.run(clean=clean, logits_dtype=dtype, config=cfg, indices=idx)
-    assert len(ws_launches) == 1, "the persistent kernel did not run"
-    case.check(out, clean, dtype)
-    again = case.run(clean=clean, logits_dtype=dtype, config=cfg, indices=idx)
-    assert torch.equal(_bits(out), _bits(again)), "a rerun differs"
-    triton = case.run(clean=clean, logits_dtype=dtype, config=dataclasses.replace(cfg, persistent=False),
-                      indices=idx)
-    assert len(ws_launches) == 2
-    _agrees(out, triton, _tolerance(dtype, dtype))
+    meets_the_contract_and_agrees_with_triton(case, cfg, dataclasses.replace(cfg, persistent=False), clean, dtype,
+                                              indices, ws_launches)
 
 
 @pytest.mark.gpu
