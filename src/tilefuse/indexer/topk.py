@@ -622,11 +622,10 @@ def _decode_plan_key(q_values, q_sf, kv_cache, weights, context_lens, block_tabl
 def _make_decode_plan(key, q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
                       max_context_len, logits_dtype, indices) -> _DecodePlan:
     """A call's plan (its arguments checked by the op already; the logits op checks its own)."""
-    b, next_n, h, dq = q_values.shape
-    fmt = format_of(q_values, q_sf)
-    cfg = paged.resolve_paged_config(fmt, next_n, h, dq * 2 if fmt == "mxfp4" else dq, kv_cache.shape[1])
+    next_n = q_values.shape[1]
+    # (the logits op's own config: its default and the overrides, as it resolves them itself)
     paged_plan = paged._plan_for(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta,
-                                 max_context_len, False, logits_dtype, indices, None, cfg)
+                                 max_context_len, False, logits_dtype, indices, None, None)
     ctx_2d = context_lens.dim() == 2
     plan = _DecodePlan(paged_plan, next_n, kern.WIN_DECODE_2D if ctx_2d else kern.WIN_DECODE_1D,
                        context_lens.stride(0) if ctx_2d else 1, q_values.device)
