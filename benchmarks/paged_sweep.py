@@ -51,8 +51,7 @@ def configs(next_n: int, heads: int = H, grid: str = "tuning") -> list[PagedConf
     if grid == "default":
         return [base]
     if grid == "persistent":
-        other = PagedConfig(**{**base.__dict__, "persistent": False})
-        return list(dict.fromkeys([other, rep(persistent=True, ctas_per_sm=2, num_stages=4),
+        return list(dict.fromkeys([base, rep(persistent=True, ctas_per_sm=2, num_stages=4),
                                    rep(persistent=True, ctas_per_sm=3, num_stages=4),
                                    rep(persistent=True, ctas_per_sm=2, num_stages=6),
                                    rep(persistent=True, ctas_per_sm=1, num_stages=8),
