@@ -31,8 +31,9 @@ its logit is computed by the same operations in the same order.
 The first program reports bad lengths and request ids; the producer reports the bad page
 ids it meets, into the error record (``tilefuse._errors``).
 
-Applies to: FP8, H a power of two, ``next_pow2(next_n) * H`` in [16, 256], D 32/64/128, pages of a
-power of two of at least 8 tokens (one box per page a tile covers), queries whose rows are
+Applies to: FP8, H a power of two, ``next_pow2(next_n) * H`` in [16, 256], D 32/64/128, pages of 32
+tokens or a multiple of 64 (one box per page a tile covers: each lands 128-byte aligned in
+shared memory, as TMA requires), queries whose rows are
 evenly strided (a 2-D view ``[B * next_n * H, D]``), caches whose value rows and scales the
 TMA views read; elsewhere ``paged.py`` runs another kernel. Like the other Gluon kernels it
 has no interpreter: CPU tests compile it for sm_90a.
@@ -439,6 +440,8 @@ def paged_logits_ws_kernel(
     gl.static_assert(NC >= MIN_COLUMNS and NC <= MAX_COLUMNS, "16 to 256 (row, head) columns")
     BOX: gl.constexpr = BLOCK_N if BLOCK_N < BLOCK_KV else BLOCK_KV
     PARTS: gl.constexpr = BLOCK_N // BOX
+    # (a TMA copy's shared destination is 128-byte aligned: each part's scale box starts there)
+    gl.static_assert(PARTS == 1 or BOX * 4 % 128 == 0, "pages of at least 32 tokens")
     b_first, i_first, count, bf_first, cf_first, f_count = _share(
         ctx_ptr, idx_ptr, err_ptr, batch, max_context_len, max_blocks, stride_ctx, NEXT_N, BLOCK_KV, CTX_2D, CLEAN,
         HAS_INDICES, num_warps)

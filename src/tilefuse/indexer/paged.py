@@ -92,7 +92,8 @@ class PagedConfig:
     ``ctas_per_sm`` programs an SM, 0 for the default, walk the batch's 64-key tiles, a
     producer warp loading and a consumer warpgroup scoring; ``num_stages`` key buffers, at least
     2) where it applies: H a power of two, ``next_pow2(next_n) * H`` in [16, 256], queries whose rows are
-    evenly strided and 16-byte aligned, a cache the TMA views read; ``block_n``, ``rows``,
+    evenly strided and 16-byte aligned, a cache the TMA views read with pages of at least 32
+    tokens; ``block_n``, ``rows``,
     ``chunk`` and ``num_warps`` do not apply to it. Elsewhere the kernel the other fields pick.
     """
 
@@ -106,7 +107,7 @@ class PagedConfig:
     tma: bool = False  # the key values by TMA
     gluon: bool = False  # the Gluon kernel (sm_90, FP8) where it applies
     persistent: bool = False  # the persistent warp-specialised kernel (sm_90, FP8) where it applies
-    ctas_per_sm: int = 0  # its programs an SM (0: 3 up to 128 dot columns, else 2)
+    ctas_per_sm: int = 0  # its programs an SM, at most (and for 0) 3 up to 64 dot columns, 2 up to 128, else 1
 
 
 register_config("paged", PagedConfig)
@@ -758,8 +759,10 @@ class _Persistent:
 
 
 # Registers of an SM shared by the programs resident on it (the persistent kernel's register
-# cap follows from its programs an SM: five warps each).
-_SM_REGISTERS, _WS_THREADS = 65536, 160
+# cap follows from its programs an SM). Triton launches a warp-specialised kernel in whole
+# warpgroups: the producer warp is padded to one (.reqntid 256), and its warpgroup hands the
+# consumer's all but 24-40 registers a thread (setmaxnreg).
+_SM_REGISTERS, _WS_THREADS = 65536, 256
 
 
 def _persistent_plan(cfg: PagedConfig, fmt: str, next_n: int, h: int, d: int, block_kv: int, q: torch.Tensor,
@@ -778,9 +781,14 @@ def _persistent_plan(cfg: PagedConfig, fmt: str, next_n: int, h: int, d: int, bl
         return None
     # (a page stride that is a multiple of D >= 32 bytes: the scales' view is 16-byte strided too)
     view = _tma_view(kv_cache, d, ws.KEYS_PER_TILE, split_boxes=True)
-    if view is None:
+    # A tile's scale boxes land at part * box * 4 bytes of its buffer, and a TMA copy's shared
+    # destination must be 128-byte aligned: pages of 8 or 16 tokens take the other kernels.
+    if view is None or (view[1] < ws.KEYS_PER_TILE and view[1] * 4 % 128):
         return None
-    ctas = cfg.ctas_per_sm or (3 if columns <= 128 else 2)
+    # At most as many programs an SM as their registers allow: at 80 registers a program (3 an
+    # SM) 128 columns ask ptxas for more than it has, and 256 take 255 (sm_90a, triton 3.6).
+    most = 3 if columns <= 64 else 2 if columns <= 128 else 1
+    ctas = min(cfg.ctas_per_sm or most, most)
     maxnreg = min(255, _SM_REGISTERS // (ctas * _WS_THREADS) // 8 * 8)
     consts = (next_n, next_power_of_2(next_n), h, d, block_kv, context_lens.dim() == 2, bool(clean_logits),
               indices is not None, max(2, cfg.num_stages), cfg.block_fill, 4)

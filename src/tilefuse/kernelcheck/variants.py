@@ -704,7 +704,7 @@ def paged_gluon_variants() -> list[Variant]:
 def paged_persistent_variants() -> list[Variant]:
     """``paged_logits_ws_kernel`` (Hopper only) as ``fp8_fp4_paged_mqa_logits`` launches it with
     ``PagedConfig(persistent=True)`` on an sm_90 GPU (the dispatch's device test made to say
-    so): FP8, H 64 at next_n 1, 2 and 4 (64 to 256 columns: three programs an SM, two at 256),
+    so): FP8, H 64 at next_n 1, 2 and 4 (64 to 256 columns: three, two and one programs an SM),
     H 32 and 16, H 128; 32-, 64- and 128-token pages (two boxes per tile, one, half a page);
     1-D and 2-D lengths, cleaning, bf16 weights + logits, varlen ``indices``, D 64 and 32,
     next_n 3 (four rows' columns); as options 2 and 6 buffers and one or two programs an SM."""
