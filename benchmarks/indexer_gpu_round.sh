@@ -24,7 +24,8 @@
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
 #   PART=topk-parts: the top-k merge kernel's time taken apart; PART=topk-sweep: the top-k contract sweep;
 #   PART=topk-check: the top-k GPU tests, warm-up count and contract sweep side by side (DeepGEMM builds meanwhile);
-#     PART=topk-across: the top-k of few rows across programs against torch.topk
+#     PART=topk-across: the top-k of few rows across programs against torch.topk; PART=topk-rank: its
+#     rank step's tests, then it against the merge's last step and the fused decode rows
 #   PART=prefill-sweep: the whole prefill contract product, $SWEEP_PROCS processes
 #   PART=sweep-all: round $SWEEP_ROUND (0..$SWEEP_ROUNDS-1) of the whole decode contract product, $SWEEP_PROCS processes
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
@@ -96,7 +97,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|decode-ab|decode-profile|persistent|persistent-contract|table|host|topk|topk-check|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|decode-ab|decode-profile|persistent|persistent-contract|table|host|topk|topk-rank|topk-check|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -264,6 +265,18 @@ case "$part" in
   topk-across)  # the radix select across a row's programs beside torch.topk and one program a row
     step topk-across "${ACROSS_S:-120}" python3 benchmarks/topk_across_programs.py ${ACROSS_ARGS:-} \
       --output "$OUT/topk-across-programs.json"
+    ;;
+  topk-rank)  # the top-k's rank step: its GPU tests, then the few-row top-k with either last step
+    # (one run) and the fused decode rows beside the unfused pairs
+    step tests-topk-rank "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_topk.py \
+      -k "across or rank or whole_rows"
+    wait_deepgemm  # (bench topk's DeepGEMM pair)
+    grep -q " passed" "$LOGS/tests-topk-rank.log" && ! grep -qE "[0-9]+ (failed|error)" "$LOGS/tests-topk-rank.log" &&
+    step topk-across "${ACROSS_S:-120}" python3 benchmarks/topk_across_programs.py \
+      --shapes ${ACROSS_SHAPES:-1x32768 1x131072 8x65536 8x131072 32x65536 64x32768} \
+      --output "$OUT/topk-across-programs-rank.json" &&
+    step bench-topk "${TOPK_S:-150}" python3 -m tilefuse.cli bench topk -o "$OUT/topk-rank.json" --samples 10 \
+      --shapes ${TOPK_SHAPES:-1x1x32768 8x1x65536 8x1x131072 32x1x65536 64x1x32768 16x2x32768}
     ;;
   topk-check)  # after a top-k change, side by side: its GPU tests ($TOPK_TESTS), the warm-up's
     # no-compile test, its contract sweep (a new sample: $SEED) and the prefill sweep cases in

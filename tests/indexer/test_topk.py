@@ -148,6 +148,27 @@ def test_rows_across_programs(pattern, k_top, segments, monkeypatch):
     assert _equal(val, ref_val)
 
 
+@pytest.mark.parametrize("rank_rows", [0, 64])
+def test_rank_step_over_ties_past_its_slots(rank_rows, monkeypatch):
+    """The rank step (and the final merge it replaces): a row whose candidates outnumber the
+    step's 2 W slots (every key tied: the select's fallback), a row of random keys, one shorter
+    than topk, an empty one; the kept counts and histograms zero afterwards."""
+    monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
+    monkeypatch.setattr(topk, "_RANK_ROWS", rank_rows)
+    monkeypatch.setattr(topk, "_kept_histograms", {})
+    n, k_top = 700, 130  # W 256: 512 slots a row
+    g = torch.Generator().manual_seed(81)
+    logits = torch.cat([_pattern("equal", 1, n, g), _pattern("random", 3, n, g)]).to(DEVICE)
+    ks = torch.tensor([0, 0, 5, 9], dtype=torch.int32, device=DEVICE)
+    ke = torch.tensor([n, n, 5 + k_top - 7, 9], dtype=torch.int32, device=DEVICE)
+    idx, val = topk._topk_rows_across_programs(logits, ks, ke, k_top, segments=3, values=True)
+    ref_idx, ref_val = R.topk_of_logits(logits, R.window_mask(ks, ke, n), k_top)
+    assert torch.equal(idx, ref_idx)
+    assert _equal(val, ref_val)
+    (kept,) = topk._kept_histograms.values()
+    assert not kept.hist.any() and not kept.counts.any()
+
+
 @pytest.mark.parametrize("ctx_2d", [False, True])
 def test_rows_across_programs_decode_windows(ctx_2d, monkeypatch):
     """The same over decode lengths (1-D causal rows of next_n 3, or 2-D), bf16 logits with ties."""
@@ -471,23 +492,29 @@ def test_decode_bf16_logits_and_rerun():
     assert torch.equal(tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 32, torch.bfloat16, varlen, chunk_k=64), first)
 
 
+@pytest.mark.parametrize("final", ["rank", "merge"])
 @pytest.mark.parametrize("fmt,ctx_2d,logits_dtype", [("fp8", False, torch.float32), ("mxfp4", True, torch.bfloat16)])
-def test_decode_whole_rows(fmt, ctx_2d, logits_dtype, record_launches, monkeypatch):
+def test_decode_whole_rows(fmt, ctx_2d, logits_dtype, final, record_launches, monkeypatch):
     """The default for few rows: one logits launch over whole rows, then the top-k across each
     row's programs (four passes over every row, blocks of 64 keys dealt over 6 programs a row)
-    and one final merge; ties (repeated keys), a zero-length request, lengths past topk and
-    below it."""
+    and the rank step (up to ``_RANK_ROWS`` rows) or one final merge; ties (repeated keys), a
+    zero-length request, lengths past topk and below it."""
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
     monkeypatch.setattr(topk, "_ACROSS_MIN_SEGMENT", 128)
+    if final == "merge":
+        monkeypatch.setattr(topk, "_RANK_ROWS", 0)
     case = PagedCase(fmt, lens=(700, 0, 129, 33), next_n=2, ctx_2d=ctx_2d, seed=50 + len(fmt) + ctx_2d,
                      extra_cols=64, distinct_keys=40)
     rows = case.w.shape[0]
     assert topk.decode_whole_rows(rows, case.max_context_len, logits_dtype)
     passes = record_launches(kern, "topk_rows_pass_kernel")
     merges = record_launches(kern, "topk_merge_chunk_kernel")
+    ranks = record_launches(kern, "topk_rank_kernel")
     case.check(48, chunk_k=None, logits_dtype=logits_dtype)
     segments = topk.cdiv(case.max_context_len, 128)
-    assert segments == 6 and passes == [(rows, segments)] * (kern.RADIX_LEVELS + 1) and len(merges) == 1
+    assert segments == 6 and passes == [(rows, segments)] * (kern.RADIX_LEVELS + 1)
+    # (48 -> W 64: a row's 128 slots over programs of 32 at one warp)
+    assert (ranks, len(merges)) == (([(rows, 4)], 0) if final == "rank" else ([], 1))
     idx = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 48, logits_dtype, chunk_k=case.block_kv)
     assert torch.equal(idx, case.check(48, chunk_k=None, logits_dtype=logits_dtype))  # chunks agree
 
@@ -573,26 +600,30 @@ def _spied(real, before):
     return Spy()
 
 
+@pytest.mark.parametrize("final", ["rank", "merge"])
 @pytest.mark.parametrize("fmt,ctx_2d", [("fp8", False), ("mxfp4", True)])
-def test_decode_whole_rows_leave_the_kept_histograms_zero(fmt, ctx_2d, monkeypatch):
+def test_decode_whole_rows_leave_the_kept_histograms_zero(fmt, ctx_2d, final, monkeypatch):
     """The passes' histograms and counts come from a buffer kept per device and stream, which
-    the final merge zeroes for every row (an empty request, rows shorter than topk and longer):
-    filled when the merge starts, zeros after each call, and the next call on it right. A call
-    of more rows than the buffer holds takes a zeroed buffer of its own and leaves the kept one."""
+    the last step (the rank step or the final merge) zeroes for every row (an empty request,
+    rows shorter than topk and longer): filled when it starts, zeros after each call, and the
+    next call on it right. A call of more rows than the buffer holds takes a zeroed buffer of
+    its own and leaves the kept one."""
     from tilefuse import _jit
 
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 32)
     monkeypatch.setattr(topk, "_ACROSS_MIN_SEGMENT", 64)
     monkeypatch.setattr(topk, "_KEPT_ROWS", 8)
     monkeypatch.setattr(topk, "_kept_histograms", {})
-    at_merge = []  # (histograms, counts) as the merge found them
-    real = kern.topk_merge_chunk_kernel
+    if final == "merge":
+        monkeypatch.setattr(topk, "_RANK_ROWS", 0)
+    at_merge = []  # (histograms, counts) as the last step found them
+    real = kern.topk_rank_kernel if final == "rank" else kern.topk_merge_chunk_kernel
     spy = _spied(real, lambda kw: at_merge.append((kw["hist_ptr"].clone(), kw["count_ptr"].clone())))
     with _jit.redirected(real, spy):
         kept = None
         for seed, lens in ((70, (150, 0, 9, 70)), (71, (3, 120, 0, 200))):  # 8 rows
             case = PagedCase(fmt, lens=lens, next_n=2, ctx_2d=ctx_2d, seed=seed + ctx_2d, extra_cols=30)
-            case.check(16, chunk_k=None)
+            case.check(48, chunk_k=None)
             (now,) = topk._kept_histograms.values()
             assert kept is None or now is kept  # the same buffer for both calls
             kept = now
@@ -600,34 +631,38 @@ def test_decode_whole_rows_leave_the_kept_histograms_zero(fmt, ctx_2d, monkeypat
             assert hist.any() and counts.any()  # the passes summed into it
             assert not kept.hist.any() and not kept.counts.any()
         wide = PagedCase(fmt, lens=(150, 0, 9, 70, 33), next_n=2, ctx_2d=ctx_2d, seed=72)  # 10 rows
-        wide.check(16, chunk_k=None)
+        wide.check(48, chunk_k=None)
     assert at_merge[-1][0].shape[0] == 10 * topk._HIST_INTS  # a buffer of its own
     assert list(topk._kept_histograms.values()) == [kept] and not kept.hist.any() and not kept.counts.any()
 
 
-@pytest.mark.parametrize("failing", ["pass", "merge"])
+@pytest.mark.parametrize("failing", ["pass", "rank", "merge"])
 def test_decode_whole_rows_failure_between_launches(failing, monkeypatch):
     """A launch that raises after the passes have summed into the kept buffer (the third pass,
-    or the merge) leaves the buffer out: the next call takes a zeroed one and is right."""
+    the rank step or the merge) leaves the buffer out: the next call takes a zeroed one and is
+    right."""
     from tilefuse import _jit
 
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
     monkeypatch.setattr(topk, "_kept_histograms", {})
+    if failing == "merge":
+        monkeypatch.setattr(topk, "_RANK_ROWS", 0)
     case = PagedCase("fp8", lens=(200, 0, 17), next_n=2, seed=73)
-    case.check(16, chunk_k=None)
+    case.check(48, chunk_k=None)
     (first,) = topk._kept_histograms.values()
-    real = kern.topk_rows_pass_kernel if failing == "pass" else kern.topk_merge_chunk_kernel
+    real = {"pass": kern.topk_rows_pass_kernel, "rank": kern.topk_rank_kernel,
+            "merge": kern.topk_merge_chunk_kernel}[failing]
 
     def fail(kw):
-        if failing == "merge" or kw["PASS"] == 2:
+        if failing != "pass" or kw["PASS"] == 2:
             raise RuntimeError("launch failed")
 
     with _jit.redirected(real, _spied(real, fail)), pytest.raises(RuntimeError, match="launch failed"):
-        tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 16)
+        tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 48)
     assert topk._kept_histograms == {}  # not put back
     assert first.hist.any()  # half used
     other = PagedCase("fp8", lens=(90, 130, 5), next_n=2, seed=74)
-    other.check(16, chunk_k=None)
+    other.check(48, chunk_k=None)
     (kept,) = topk._kept_histograms.values()
     assert kept.hist.data_ptr() != first.hist.data_ptr()
     assert not kept.hist.any() and not kept.counts.any()

@@ -106,13 +106,43 @@ def test_topk_warmup_runs_every_merge_variant(monkeypatch):
         report = tilefuse.warmup(model, device=DEVICE)
     assert report.calls["prefill_topk"] == len(prefill.warmup_sizes("fp8", 8, 64, torch.float32,
                                                                       torch.device(DEVICE))) + 4
-    assert report.calls["decode_topk"] == 14  # 8 chunked, 4 whole rows, 2 with indices
+    assert report.calls["decode_topk"] == 18  # 8 chunked, 8 whole rows (few and many), 2 with indices
     stages = {(True, True), (True, False), (False, False), (False, True)}
     want = {(mode, first, final, values) for mode in (kern.WIN_PREFILL, kern.WIN_DECODE_1D, kern.WIN_DECODE_2D)
             for first, final in stages for values in (False, True)}
     assert seen == want
     assert "prefill_topk" not in tilefuse.warmup(tilefuse.IndexerModel(num_heads=8, head_dim=64), device=DEVICE,
                                                  decode=False).calls
+
+
+@pytest.mark.parametrize("next_n", [1, 3])
+def test_topk_warmup_runs_both_last_steps_of_whole_rows(next_n, monkeypatch):
+    """Decode rows taken whole end in the rank step (at most ``_RANK_ROWS`` rows) or in the final
+    merge: the warm-up runs each, with and without values, over both length layouts."""
+    from tilefuse import _jit
+    from tilefuse.indexer import _topk_kernel as kern
+    from tilefuse.indexer import topk as topk_op
+
+    seen = set()
+
+    def spy_of(real, what):
+        class Spy:
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    seen.add(what(kw))
+                    return real[grid](*args, **kw)
+                return launch
+        return Spy()
+
+    rank, merge = kern.topk_rank_kernel, kern.topk_merge_chunk_kernel
+    with _jit.redirected(rank, spy_of(rank, lambda kw: ("rank", kw["WRITE_VALUES"]))), \
+            _jit.redirected(merge, spy_of(merge, lambda kw: ("merge", kw["MODE"], kw["WRITE_VALUES"], kw["RESET"]))):
+        for call in topk_op.warmup_calls("fp8", 8, 64, 48, torch.float32, torch.float32, DEVICE, 32, next_n,
+                                         prefill_calls=False)["decode_topk"]:
+            call()
+    modes = (kern.WIN_DECODE_1D, kern.WIN_DECODE_2D)
+    assert {("rank", v) for v in (False, True)} <= seen
+    assert {("merge", m, v, True) for m in modes for v in (False, True)} <= seen
 
 
 @pytest.mark.gpu

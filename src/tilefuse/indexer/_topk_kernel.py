@@ -228,6 +228,32 @@ def _select(cand_rows, count, bar, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: 
     return count, bar
 
 
+@triton.jit
+def _write_keys(idx_rows, val_rows, keys, slot, mask, WRITE_VALUES: tl.constexpr):
+    """Store ``keys`` at ``slot`` of their rows: the position as the index (-1 for the empty
+    key), with WRITE_VALUES the fp32 value (-inf for the empty key) in the output's dtype."""
+    empty = keys == EMPTY_KEY
+    idx = tl.where(empty, -1, -keys.to(tl.int32) + _POS_MASK)  # the low 32 bits
+    tl.store(idx_rows + slot, idx, mask=mask)
+    if WRITE_VALUES:
+        hi_bits = (keys >> 32).to(tl.int32)
+        bits = tl.where(hi_bits >= 0, hi_bits, hi_bits ^ _POS_MASK)
+        val = tl.where(empty, float("-inf"), bits.to(tl.float32, bitcast=True))
+        tl.store(val_rows + slot, val.to(val_rows.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _write_sorted(cand_rows, count, live, idx_rows, val_rows, TOPK: tl.constexpr, W: tl.constexpr,
+                  LOG_W: tl.constexpr, ROWS: tl.constexpr, WRITE_VALUES: tl.constexpr):
+    """The first ``count`` keys of each row's buffer (at most W: after a select) sorted and
+    written as the row's first TOPK results (-1 past ``count``)."""
+    tl.debug_barrier()  # the buffer was compacted by other threads of the program
+    w_slot = tl.arange(0, W)
+    x = tl.load(cand_rows + w_slot[None, :], mask=w_slot[None, :] < count[:, None], other=EMPTY_KEY)
+    state = _sort_rows(x, ROWS, W, LOG_W, 1)
+    _write_keys(idx_rows, val_rows, state, w_slot[None, :], live[:, None] & (w_slot[None, :] < TOPK), WRITE_VALUES)
+
+
 # Runtime ints that change with the shape or the chunk: not specialised, so no recompiles.
 @triton.jit(do_not_specialize=["n_rows", "row_base", "stride_l", "stride_c", "n_keys", "key_limit",
                                "next_n", "ctx_stride", "chunk_lo", "chunk_width", "stride_i", "stride_v"])
@@ -291,19 +317,8 @@ def topk_merge_chunk_kernel(
             count, bar = _select(cand_rows, count, bar, TOPK, ROWS, CAP, DIGIT, PIECE)
     if FINAL:
         count, bar = _select(cand_rows, count, bar, TOPK, ROWS, CAP, DIGIT, PIECE)
-        tl.debug_barrier()
-        w_slot = tl.arange(0, W)
-        x = tl.load(cand_rows + w_slot[None, :], mask=w_slot[None, :] < count[:, None], other=EMPTY_KEY)
-        state = _sort_rows(x, ROWS, W, LOG_W, 1)
-        out = live[:, None] & (w_slot[None, :] < TOPK)
-        empty = state == EMPTY_KEY
-        idx = tl.where(empty, -1, -state.to(tl.int32) + _POS_MASK)  # the low 32 bits
-        tl.store(idx_ptr + row[:, None] * stride_i + w_slot[None, :], idx, mask=out)
-        if WRITE_VALUES:
-            hi_bits = (state >> 32).to(tl.int32)
-            bits = tl.where(hi_bits >= 0, hi_bits, hi_bits ^ _POS_MASK)
-            val = tl.where(empty, float("-inf"), bits.to(tl.float32, bitcast=True))
-            tl.store(val_ptr + row[:, None] * stride_v + w_slot[None, :], val.to(val_ptr.dtype.element_ty), mask=out)
+        _write_sorted(cand_rows, count, live, idx_ptr + row[:, None] * stride_i, val_ptr + row[:, None] * stride_v,
+                      TOPK, W, LOG_W, ROWS, WRITE_VALUES)
         if RESET:
             tl.debug_barrier()  # every thread has loaded the counts
             tl.store(count_ptr + row, tl.zeros([ROWS], tl.int32), mask=live)
@@ -395,3 +410,63 @@ def topk_rows_pass_kernel(
     if PASS < _RADIX_LEVELS:
         bins = tl.arange(0, _RADIX_BINS)
         tl.atomic_add(hist_row + PASS * _RADIX_BINS + bins, local, mask=local > 0, sem="relaxed")
+
+
+# The rank step after the passes: a row's candidates cut and sorted by their ranks, counted by
+# many programs at once. Each program's atomic add on the row's count word returns the count
+# (its low bits: the passes' appends) and how many programs of the row came before it (the
+# high bits), so the last one can zero the row's state with no other program left to read it.
+RANK_ARRIVAL_SHIFT = 24
+_RANK_ARRIVAL = tl.constexpr(1 << RANK_ARRIVAL_SHIFT)
+
+
+@triton.jit(do_not_specialize=["stride_c", "stride_i", "stride_v"])
+def topk_rank_kernel(
+    cand_ptr, stride_c, count_ptr, hist_ptr,
+    idx_ptr, stride_i, val_ptr, stride_v,
+    TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
+    WRITE_VALUES: tl.constexpr, DIGIT: tl.constexpr, PIECE: tl.constexpr,
+):
+    """Program (row, p) of a grid of ``2 W / BLOCK_I`` programs a row, after
+    ``topk_rows_pass_kernel``'s passes: the rank of each of the row's candidates ``p * BLOCK_I
+    .. + BLOCK_I`` (keys are unique: the number of the row's candidates above it) is its slot in
+    the sorted result, written where it is below TOPK; slots from the count up to TOPK get -1.
+    A row holding more than ``2 W`` candidates (many keys tied with its topk-th key) is cut by
+    the merge kernel's select and sorted by its program 0 instead. The last program of a row
+    zeroes its count and histograms for the next call's passes."""
+    tl.static_assert(2 * W % BLOCK_I == 0)
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    word = tl.atomic_add(count_ptr + row, _RANK_ARRIVAL)  # (acq_rel)
+    count = word & (_RANK_ARRIVAL - 1)
+    cand_row = cand_ptr + row * stride_c
+    idx_row = idx_ptr + row * stride_i
+    val_row = val_ptr + row * stride_v
+    if count <= 2 * W:
+        slot = p * BLOCK_I + tl.arange(0, BLOCK_I)
+        mine = slot < count
+        if p * BLOCK_I < count:
+            keys = tl.load(cand_row + slot, mask=mine, other=EMPTY_KEY)
+            rank = tl.zeros([BLOCK_I], tl.int32)
+            col = tl.arange(0, BLOCK_J)
+            for j in range(0, count, BLOCK_J):
+                # (empty slots load as the empty key, below every candidate: never counted)
+                other = tl.load(cand_row + j + col, mask=j + col < count, other=EMPTY_KEY)
+                rank += tl.sum((other[None, :] > keys[:, None]).to(tl.int32), axis=1)
+            _write_keys(idx_row, val_row, keys, rank, mine & (rank < TOPK), WRITE_VALUES)
+        pad = tl.full([BLOCK_I], EMPTY_KEY, tl.int64)
+        _write_keys(idx_row, val_row, pad, slot, (slot >= count) & (slot < TOPK), WRITE_VALUES)
+    elif p == 0:
+        rows_count = tl.full([1], 0, tl.int32) + count
+        cand_rows = cand_row + tl.zeros([1], tl.int64)[:, None]
+        rows_count, _ = _select(cand_rows, rows_count, tl.full([1], EMPTY_KEY, tl.int64), TOPK, 1, 2 * W, DIGIT,
+                                PIECE)
+        _write_sorted(cand_rows, rows_count, tl.full([1], 1, tl.int1), idx_row + tl.zeros([1, 1], tl.int64),
+                      val_row + tl.zeros([1, 1], tl.int64), TOPK, W, LOG_W, 1, WRITE_VALUES)
+    if word // _RANK_ARRIVAL == tl.num_programs(1) - 1:
+        # every program of the row has read the count: its state back to zeros
+        tl.store(count_ptr + row, 0)
+        bins = tl.arange(0, _RADIX_BINS)
+        for d in tl.static_range(_RADIX_LEVELS):
+            tl.store(hist_ptr + row * (_RADIX_LEVELS * _RADIX_BINS) + d * _RADIX_BINS + bins,
+                     tl.zeros([_RADIX_BINS], tl.int32))

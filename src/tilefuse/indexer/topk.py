@@ -29,8 +29,10 @@ Decode rows few and short enough (:func:`decode_whole_rows`: their logits and ca
 within 96 MiB) are taken whole instead: one logits launch over the rows' lengths, then each
 row's top-k split over several programs (``_topk_rows_across_programs``: digit histograms summed
 by atomics, the keys at or above the topk-th key's top 24 bits appended to the row's
-candidates, the merge kernel's select and sort), so that a batch of a few requests fills the
-GPU; the workspace is bounded by that limit rather than by the chunk.
+candidates; then, up to ``_RANK_ROWS`` rows, each candidate's rank among the row's counted by
+many programs a row and the candidate written at that slot, else the merge kernel's select and
+sort), so that a batch of a few requests fills the GPU; the workspace is bounded by that limit
+rather than by the chunk.
 
 The result is always sorted: the one sort a row is a small part of the work (an unsorted
 variant is not offered).
@@ -350,13 +352,55 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
                                         live=(0, 1, 2, 3, 4, 7, 8, 9, 10, 11), live_grid=(10, 5))
             if fast is not None:
                 partials[key] = fast
-    # The last step reads a bar a row and uses it only after a scan, which it has none of here:
-    # any int64 memory of a row each does (no allocation on the call's path).
-    bars = candidates
-    _merge(logits, bars, candidates, counts, 0, 0, win_a, win_b, n_keys, n_keys, next_n, ctx_stride, 0, out,
-           out_values, topk, mode, first=False, final=True, hist=hist, partials=partials)
+    if rows <= _RANK_ROWS and state_width(topk) >= _MIN_KEYS_PER_PROGRAM and n_keys < _RANK_MAX_KEYS:
+        _rank(candidates, counts, hist, out, out_values, topk, partials)
+    else:
+        # The last step reads a bar a row and uses it only after a scan, which it has none of
+        # here: any int64 memory of a row each does (no allocation on the call's path).
+        bars = candidates
+        _merge(logits, bars, candidates, counts, 0, 0, win_a, win_b, n_keys, n_keys, next_n, ctx_stride, 0, out,
+               out_values, topk, mode, first=False, final=True, hist=hist, partials=partials)
     _put_back_histograms(kept)
     return out, out_values
+
+
+# The rank step (``topk_rank_kernel``) instead of the merge's select and sort at up to this many
+# rows: it spreads a row's last step over 2 W / BLOCK_I programs where the merge runs one
+# program a row, but counts every pair of a row's candidates (~topk^2 compares: ~65 us of one
+# SM a row at topk 2048), so with more rows than SMs / 4 the merge's one program a row is the
+# cheaper (a prediction: benchmarks/NOTES.md). The count word holds the arrivals above bit
+# RANK_ARRIVAL_SHIFT, so rows of more keys than that take the merge. The other candidates are
+# read 8 at a time by every thread: wider reads took 78-235 registers (sm_90a, triton 3.6)
+# against 63, 3 and fewer programs an SM against 4.
+_RANK_ROWS = 32
+_RANK_BLOCK_J = 8
+_RANK_MAX_KEYS = 1 << kern.RANK_ARRIVAL_SHIFT
+_rank_launch = Launcher(kern.topk_rank_kernel)
+
+
+def _rank(candidates, counts, hist, out, values, topk: int, partials: dict | None) -> None:
+    """The rows' candidates after the passes ranked into ``out`` (and ``values``); their counts
+    and histograms zeroed."""
+    rows, w = out.shape[0], state_width(topk)
+    warps = max(1, min(8, w // 256))
+    block_i = min(2 * w, 32 * warps)  # a candidate a thread
+    vals = out if values is None else values
+    consts = (topk, w, w.bit_length() - 1, block_i, _RANK_BLOCK_J, values is not None, 8,
+              min(2 * w, _SELECT_PIECE_KEYS))
+    key = (consts, warps, vals.dtype, _aligned(candidates, counts, hist, out, vals))
+    grid = (rows, 2 * w // block_i)
+    stride_v = 0 if values is None else values.stride(0)
+    fast = partials.get(key) if partials is not None else None
+    if fast is not None and fast(candidates, candidates.stride(0), counts, hist, out, out.stride(0), vals, stride_v,
+                                 *grid):
+        return
+    args = (candidates, candidates.stride(0), counts, hist, out, out.stride(0), vals, stride_v, *consts)
+    options = {"num_warps": warps}
+    _rank_launch(key, grid, args, options)
+    if partials is not None and fast is None:
+        fast = _rank_launch.partial(key, grid, args, options, live=(0, 1, 2, 3, 4, 5, 6, 7), live_grid=(8, 9))
+        if fast is not None:
+            partials[key] = fast
 
 
 def _chunks(n_keys: int, chunk_k: int) -> list[tuple[int, int]]:
@@ -777,7 +821,8 @@ def warmup_calls(fmt: str, num_heads: int, head_dim: int, topk: int, weights_dty
     kernels (prefill: one call of each size class whose config no smaller call has; decode:
     1-D and 2-D lengths, and ``indices`` at next_n 1), every merge variant (one chunk, and
     first / middle / last chunks, each with and without values) and, for decode, whole rows
-    (their logits launch and the passes of the top-k across programs). After them, any sizes, windows,
+    (their logits launch, the passes of the top-k across programs and both last steps: the rank
+    step and the final merge). After them, any sizes, windows,
     lengths and chunk counts compile nothing.
 
     Raises:
@@ -815,10 +860,8 @@ def _prefill_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype,
 
 
 def _decode_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype, device, block_kv, next_n) -> list:
-    batch = 2
-
     def call(ctx_2d: bool, chunks: int, return_values: bool = False, with_indices: bool = False,
-             whole: bool = False):
+             whole: bool = False, batch: int = 2):
         def run() -> None:
             length = (chunks - 1) * block_kv + 1
             pages = cdiv(length, block_kv)
@@ -836,7 +879,10 @@ def _decode_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype, 
         return run
 
     calls = [call(ctx_2d, chunks, values) for ctx_2d in (False, True) for chunks in (1, 3) for values in (False, True)]
-    calls += [call(ctx_2d, 3, values, whole=True) for ctx_2d in (False, True) for values in (False, True)]
+    # Whole rows end in the rank step up to _RANK_ROWS rows, in the final merge above.
+    many = _RANK_ROWS // next_n + 1
+    calls += [call(ctx_2d, 3, values, whole=True, batch=batch) for ctx_2d in (False, True) for values in (False, True)
+              for batch in (2, many)]
     if next_n == 1:
         calls += [call(False, 1, with_indices=True), call(False, 3, with_indices=True, whole=True)]
     return calls
