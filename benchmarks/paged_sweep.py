@@ -146,6 +146,9 @@ def main(argv=None):
     ap.add_argument("--grid", choices=("tuning", "schedule", "default", "persistent"), default="tuning")
     ap.add_argument("--layers", type=int, default=1, help="caches the timed calls cycle through (default 1)")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("paged_sweep: needs a CUDA GPU (graph-mode timing beside the copy ceiling)", file=sys.stderr)
+        return 2
     record = {"environment": env.environment("graph"), "ceilings": ceilings.measure_ceilings(), "rows": [],
               "grid": args.grid, "layers": args.layers}
     copy = ceilings.ceiling_value(record["ceilings"], "copy")
