@@ -169,6 +169,25 @@ def test_rank_step_over_ties_past_its_slots(rank_rows, monkeypatch):
     assert not kept.hist.any() and not kept.counts.any()
 
 
+def test_rank_step_only_up_to_its_widest_state(record_launches, monkeypatch):
+    """Past ``_RANK_MAX_W`` (a row's programs would not fit the count word's arrival bits) the
+    final merge runs, and the kept counts and histograms are zero after each of two calls."""
+    monkeypatch.setattr(topk, "_kept_histograms", {})
+    ranks = record_launches(kern, "topk_rank_kernel")
+    k_top = topk._RANK_MAX_W + 1
+    n = k_top + 900
+    g = torch.Generator().manual_seed(82)
+    for _ in range(2):
+        logits = _pattern("random", 2, n, g).to(DEVICE)
+        ks = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+        ke = torch.tensor([n, k_top - 3], dtype=torch.int32, device=DEVICE)
+        idx, _ = topk._topk_rows_across_programs(logits, ks, ke, k_top, segments=2)
+        assert torch.equal(idx, R.topk_of_logits(logits, R.window_mask(ks, ke, n), k_top)[0])
+        (kept,) = topk._kept_histograms.values()
+        assert not kept.hist.any() and not kept.counts.any()
+    assert ranks == []
+
+
 @pytest.mark.parametrize("ctx_2d", [False, True])
 def test_rows_across_programs_decode_windows(ctx_2d, monkeypatch):
     """The same over decode lengths (1-D causal rows of next_n 3, or 2-D), bf16 logits with ties."""

@@ -418,6 +418,7 @@ def topk_rows_pass_kernel(
 # high bits), so the last one can zero the row's state with no other program left to read it.
 RANK_ARRIVAL_SHIFT = 24
 _RANK_ARRIVAL = tl.constexpr(1 << RANK_ARRIVAL_SHIFT)
+_RANK_ARRIVAL_BITS = tl.constexpr(RANK_ARRIVAL_SHIFT)
 
 
 @triton.jit(do_not_specialize=["stride_c", "stride_i", "stride_v"])
@@ -435,6 +436,8 @@ def topk_rank_kernel(
     the merge kernel's select and sorted by its program 0 instead. The last program of a row
     zeroes its count and histograms for the next call's passes."""
     tl.static_assert(2 * W % BLOCK_I == 0)
+    # (the arrivals, up to the programs a row, stay below the count word's sign bit)
+    tl.static_assert(2 * W // BLOCK_I <= (1 << (31 - _RANK_ARRIVAL_BITS)))
     row = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     word = tl.atomic_add(count_ptr + row, _RANK_ARRIVAL)  # (acq_rel)
@@ -447,12 +450,15 @@ def topk_rank_kernel(
         mine = slot < count
         if p * BLOCK_I < count:
             keys = tl.load(cand_row + slot, mask=mine, other=EMPTY_KEY)
-            rank = tl.zeros([BLOCK_I], tl.int32)
+            # Counts summed in the loop's own layout and reduced once after it: a sum per step
+            # took shuffles and a shared-memory layout change (two barriers) a step.
+            larger = tl.zeros([BLOCK_I, BLOCK_J], tl.int32)
             col = tl.arange(0, BLOCK_J)
             for j in range(0, count, BLOCK_J):
                 # (empty slots load as the empty key, below every candidate: never counted)
                 other = tl.load(cand_row + j + col, mask=j + col < count, other=EMPTY_KEY)
-                rank += tl.sum((other[None, :] > keys[:, None]).to(tl.int32), axis=1)
+                larger += (other[None, :] > keys[:, None]).to(tl.int32)
+            rank = tl.sum(larger, axis=1)
             _write_keys(idx_row, val_row, keys, rank, mine & (rank < TOPK), WRITE_VALUES)
         pad = tl.full([BLOCK_I], EMPTY_KEY, tl.int64)
         _write_keys(idx_row, val_row, pad, slot, (slot >= count) & (slot < TOPK), WRITE_VALUES)

@@ -352,7 +352,7 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
                                         live=(0, 1, 2, 3, 4, 7, 8, 9, 10, 11), live_grid=(10, 5))
             if fast is not None:
                 partials[key] = fast
-    if rows <= _RANK_ROWS and state_width(topk) >= _MIN_KEYS_PER_PROGRAM and n_keys < _RANK_MAX_KEYS:
+    if rows <= _RANK_ROWS and _MIN_KEYS_PER_PROGRAM <= state_width(topk) <= _RANK_MAX_W and n_keys < _RANK_MAX_KEYS:
         _rank(candidates, counts, hist, out, out_values, topk, partials)
     else:
         # The last step reads a bar a row and uses it only after a scan, which it has none of
@@ -372,7 +372,11 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
 # RANK_ARRIVAL_SHIFT, so rows of more keys than that take the merge. The other candidates are
 # read 8 at a time by every thread: wider reads took 78-235 registers (sm_90a, triton 3.6)
 # against 63, 3 and fewer programs an SM against 4.
+# Its programs a row (2 W / 256 at 8 warps) arrive in the count word's bits 24-30: at most 128,
+# so W <= 16384; at W 4096 and above, the fallback's select and sort in the same kernel take
+# 78-220 registers (triton 3.6), so the rank step stops at W = 4096 (topk 4096).
 _RANK_ROWS = 32
+_RANK_MAX_W = 4096
 _RANK_BLOCK_J = 8
 _RANK_MAX_KEYS = 1 << kern.RANK_ARRIVAL_SHIFT
 _rank_launch = Launcher(kern.topk_rank_kernel)
