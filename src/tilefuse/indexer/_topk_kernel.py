@@ -418,7 +418,7 @@ def topk_rows_pass_kernel(
 # high bits), so the last one can zero the row's state with no other program left to read it.
 RANK_ARRIVAL_SHIFT = 24
 _RANK_ARRIVAL = tl.constexpr(1 << RANK_ARRIVAL_SHIFT)
-_RANK_ARRIVAL_BITS = tl.constexpr(RANK_ARRIVAL_SHIFT)
+_RANK_MAX_ARRIVALS = tl.constexpr(1 << (31 - RANK_ARRIVAL_SHIFT))  # below the sign bit
 
 
 @triton.jit(do_not_specialize=["stride_c", "stride_i", "stride_v"])
@@ -437,7 +437,7 @@ def topk_rank_kernel(
     zeroes its count and histograms for the next call's passes."""
     tl.static_assert(2 * W % BLOCK_I == 0)
     # (the arrivals, up to the programs a row, stay below the count word's sign bit)
-    tl.static_assert(2 * W // BLOCK_I <= (1 << (31 - _RANK_ARRIVAL_BITS)))
+    tl.static_assert(2 * W // BLOCK_I <= _RANK_MAX_ARRIVALS)
     row = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     word = tl.atomic_add(count_ptr + row, _RANK_ARRIVAL)  # (acq_rel)
