@@ -75,6 +75,16 @@ shards() {  # shards NAME SECONDS N PYTEST_ARGS...: the selected tests split ove
   printf '%-22s %4ss  %s tests: %s\n' "$name" "$((SECONDS - t0))" "$(wc -l <"$ids")" \
     "$(tail -q -n 1 "$LOGS/$name".*.log | tr '\n' ';' | cut -c1-200)" | tee -a "$OUT/summary.txt"
 }
+first_failed() {  # first_failed STEP: the first test STEP's log names as failed, again under
+  # compute-sanitizer's memcheck when the machine has it (where a kernel faulted, which access)
+  local id sanitizer
+  id=$(grep -m 1 -oE "^FAILED [^ ]+|^[^ ]+::[^ ]+ FAILED" "$LOGS/$1.log" | sed -E 's/^FAILED //; s/ FAILED$//')
+  [ -n "$id" ] || return 0
+  sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
+  [ -n "$sanitizer" ] || { echo "$1: first failure $id (no compute-sanitizer)" | tee -a "$OUT/summary.txt"; return 0; }
+  step "$1-memcheck" "${MEMCHECK_S:-120}" "$sanitizer" --tool memcheck --print-limit 20 \
+    python3 -m pytest -x -q -p no:cacheprovider "$id"
+}
 host_steps() {  # the eager cost per call: prefill (wrapper alone, then whole calls), paged, a profile, TP core
     step host-prefill-stub 20 python3 benchmarks/prefill_host_cost.py --stub --calls 1000
     step host-prefill 30 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
@@ -187,8 +197,10 @@ case "$part" in
   persistent)  # the persistent decode kernel: its GPU tests (and the bad-value tests of both
     # Hopper decode kernels) while DeepGEMM builds, then, if they passed, it beside the default and DeepGEMM at the decode rows, captured calls cycling
     # through $LAYERS caches (default 5: out of L2, as an engine's layers)
-    step tests-persistent "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -x \
+    # (-v and the fault handler's timeout: a test that hangs is named, with its stack, in the log)
+    step tests-persistent "${TESTS_S:-150}" python3 -m pytest -v -p no:cacheprovider -x -o faulthandler_timeout=60 \
       tests/indexer/test_paged_persistent.py tests/indexer/test_paged_gluon.py -k "persistent or hopper"
+    first_failed tests-persistent
     wait_deepgemm
     # (a kernel that failed its tests, or hung in them, is not timed)
     grep -q " passed" "$LOGS/tests-persistent.log" && ! grep -qE "[0-9]+ (failed|error)" "$LOGS/tests-persistent.log" &&
@@ -270,6 +282,7 @@ case "$part" in
     # (one run) and the fused decode rows beside the unfused pairs
     step tests-topk-rank "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_topk.py \
       -k "across or rank or whole_rows"
+    first_failed tests-topk-rank
     wait_deepgemm  # (bench topk's DeepGEMM pair)
     grep -q " passed" "$LOGS/tests-topk-rank.log" && ! grep -qE "[0-9]+ (failed|error)" "$LOGS/tests-topk-rank.log" &&
     step topk-across "${ACROSS_S:-120}" python3 benchmarks/topk_across_programs.py \
