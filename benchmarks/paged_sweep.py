@@ -45,17 +45,18 @@ def configs(next_n: int, heads: int = H, grid: str = "tuning") -> list[PagedConf
     """``default``: the default alone; ``tuning``: the default and its neighbours; ``schedule``:
     also the chunk per program (64-4096 keys), the head sum on the tensor cores and two
     warpgroups per 128-key tile; ``persistent``: the default beside the persistent kernel at
-    one to three programs an SM and rings of 3 to 6 buffers."""
+    one to three programs an SM, rings of 4 to 8 buffers and (next_n > 1) its MMA split by rows."""
     base = default_paged_config("fp8", next_n, heads, D, BLOCK_KV)
     rep = lambda **kw: PagedConfig(**{**base.__dict__, **kw})  # noqa: E731
     if grid == "default":
         return [base]
     if grid == "persistent":
-        return list(dict.fromkeys([base, rep(persistent=True, ctas_per_sm=2, num_stages=4),
-                                   rep(persistent=True, ctas_per_sm=3, num_stages=4),
-                                   rep(persistent=True, ctas_per_sm=2, num_stages=6),
-                                   rep(persistent=True, ctas_per_sm=1, num_stages=8),
-                                   rep(persistent=True, ctas_per_sm=3, num_stages=3)]))
+        # (programs an SM are capped by the columns: 3 up to 64, 2 up to 128, 1 above)
+        split = [rep(persistent=True, ctas_per_sm=0, num_stages=4, split_columns=True)] if next_n > 1 else []
+        return list(dict.fromkeys([base, rep(persistent=True, ctas_per_sm=0, num_stages=4),
+                                   rep(persistent=True, ctas_per_sm=0, num_stages=6),
+                                   rep(persistent=True, ctas_per_sm=2, num_stages=4),
+                                   rep(persistent=True, ctas_per_sm=1, num_stages=8), *split]))
     out = [base] + [rep(chunk=c) for c in (512, 1024, 2048)]
     out += [rep(block_n=64, num_stages=4), rep(num_stages=2), rep(num_stages=4), rep(num_warps=8)]
     if grid == "schedule":
@@ -72,7 +73,8 @@ def configs(next_n: int, heads: int = H, grid: str = "tuning") -> list[PagedConf
 
 def name_of(cfg: PagedConfig) -> str:
     if cfg.persistent:
-        return f"persistent {cfg.ctas_per_sm or 'default'}/SM st{cfg.num_stages}"
+        return (f"persistent {cfg.ctas_per_sm or 'default'}/SM st{cfg.num_stages}"
+                + (" split" if cfg.split_columns else ""))
     mma = " mma" if cfg.head_sum_mma else ""
     return f"n{cfg.block_n} r{cfg.rows} chunk{cfg.chunk} w{cfg.num_warps} st{cfg.num_stages}{mma}"
 

@@ -72,6 +72,11 @@ def test_dispatch_takes_the_persistent_kernel_where_it_runs(monkeypatch):
     assert p.consts[ws.arg_names.index("NUM_BUF") - ws.arg_names.index("NEXT_N")] == 2  # at least two buffers
     p = _plan(monkeypatch, next_n=2, config=_config(2, 64, 128, 64, ctas_per_sm=3)).persistent
     assert p.programs_per_sm == 2 and p.options["maxnreg"] == 128  # no more than 128 columns' registers allow
+    split = ws.arg_names.index("SPLIT") - ws.arg_names.index("NEXT_N")
+    assert not p.consts[split]
+    for next_n, want in ((4, True), (3, True), (1, False)):  # halves of whole query rows: next_n > 1
+        p = _plan(monkeypatch, next_n=next_n, config=_config(next_n, 64, 128, 64, split_columns=True)).persistent
+        assert p.consts[split] is want and p.launch_key[1][split] is want, next_n
     with tilefuse.config_override("paged", persistent=True):
         assert _plan(monkeypatch).persistent is not None
 
@@ -203,6 +208,28 @@ def test_persistent_kernel_meets_the_contract_and_agrees_with_triton(block_kv, n
     case = Case("fp8", lens=lens, next_n=next_n, h=h, d=d, block_kv=block_kv, ctx_2d=ctx_2d, weights_dtype=dtype,
                 extra_cols=extra, seed=block_kv + 3 * next_n + h + d)
     cfg = _config(next_n, h, d, block_kv)
+    meets_the_contract_and_agrees_with_triton(case, cfg, dataclasses.replace(cfg, persistent=False), clean, dtype,
+                                              indices, ws_launches)
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize("block_kv,next_n,h,d,ctx_2d,clean,dtype,indices,extra", [
+    (64, 2, 64, 128, False, True, F32, False, 5),
+    (64, 4, 64, 128, True, True, F32, False, 5),
+    (32, 3, 16, 128, True, True, BF16, False, 5),
+    (128, 2, 128, 128, True, False, BF16, False, 1500),
+    (32, 8, 16, 32, False, True, F32, False, 5),
+])
+def test_persistent_kernel_with_the_mma_split_by_rows(block_kv, next_n, h, d, ctx_2d, clean, dtype, indices, extra,
+                                                      poisoned, ws_launches):
+    """``split_columns``: each tile's MMA in two halves of the query rows, one in flight under the
+    other's epilogue; the contract, a bitwise rerun and the Triton kernel's logits, over requests
+    that change within a program's share (the previous request's slot handed back late)."""
+    lens = (3000, 0, 65, 1, 130, 2049, 0, 64)
+    case = Case("fp8", lens=lens, next_n=next_n, h=h, d=d, block_kv=block_kv, ctx_2d=ctx_2d, weights_dtype=dtype,
+                extra_cols=extra, seed=block_kv + 5 * next_n + h + d)
+    cfg = _config(next_n, h, d, block_kv, split_columns=True)
     meets_the_contract_and_agrees_with_triton(case, cfg, dataclasses.replace(cfg, persistent=False), clean, dtype,
                                               indices, ws_launches)
 

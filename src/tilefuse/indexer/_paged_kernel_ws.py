@@ -319,10 +319,8 @@ def _producer(q_desc, kv_desc, sf_desc, w_ptr, ctx_ptr, bt_ptr, err_ptr,
 
 
 @gluon.jit
-def _take_request(q_ready, w_smem, info_smem, rows_smem, qc, info_l: gl.constexpr, col_l: gl.constexpr,
-                  row_l: gl.constexpr, NEXT_N: gl.constexpr, num_warps: gl.constexpr):
-    """Wait for slot ``qc % 2`` of the request ring (consumer): key count, tile count, request,
-    weights and row ends."""
+def _take_request(q_ready, info_smem, qc, info_l: gl.constexpr):
+    """Wait for slot ``qc % 2`` of the request ring (consumer): key count, tile count, request."""
     slot = qc % 2
     mbarrier.wait(q_ready.index(slot), (qc // 2) & 1)
     info = info_smem.index(slot).load(info_l)
@@ -330,12 +328,48 @@ def _take_request(q_ready, w_smem, info_smem, rows_smem, qc, info_l: gl.constexp
     key_len = gl.sum(gl.where(k == 0, info, 0), axis=0)
     n_tiles = gl.sum(gl.where(k == 1, info, 0), axis=0)
     b = gl.sum(gl.where(k == 2, info, 0), axis=0).to(gl.int64)
-    w = w_smem.index(slot).load(col_l)
-    if NEXT_N == 1:  # the one row's end, a scalar
-        row_end = gl.sum(rows_smem.index(slot).load(gl.BlockedLayout([1], [32], [num_warps], [0])), axis=0)
+    return key_len, n_tiles, b
+
+
+@gluon.jit
+def _part_of_request(w_smem, rows_smem, slot, T0: gl.constexpr, ROWS: gl.constexpr, NUM_HEADS: gl.constexpr,
+                     col_l: gl.constexpr, row_l: gl.constexpr, num_warps: gl.constexpr):
+    """The weights of query rows ``T0 .. T0 + ROWS`` (their columns) and their row ends (a scalar
+    for one row) from slot ``slot`` of the request ring."""
+    w = w_smem.index(slot).slice(T0 * NUM_HEADS, ROWS * NUM_HEADS).load(col_l)
+    if ROWS == 1:
+        row_end = gl.sum(rows_smem.index(slot).slice(T0, 1).load(gl.BlockedLayout([1], [32], [num_warps], [0])),
+                         axis=0)
     else:
-        row_end = rows_smem.index(slot).load(row_l)
-    return key_len, n_tiles, b, w, row_end
+        row_end = rows_smem.index(slot).slice(T0, ROWS).load(row_l)
+    return w, row_end
+
+
+@gluon.jit
+def _store_rows(s, w, sf, ok, j, b, key_len, row_end, out_ptr, stride_out, T0: gl.constexpr, ROWS: gl.constexpr,
+                NEXT_N: gl.constexpr, NUM_HEADS: gl.constexpr, CLEAN: gl.constexpr, row_l: gl.constexpr):
+    """Logits of query rows ``T0 .. T0 + ROWS`` of request ``b`` for the tile's keys ``j`` from their
+    scores ``s`` ([keys, ROWS * NUM_HEADS]): ReLU, weights, head sums, key scales, the -inf
+    outside each row's window (CLEAN), NaN for keys without a page; rows past next_n not stored."""
+    logits = _head_sums(gl.maximum(s, 0.0) * w[None, :], ROWS, NUM_HEADS)
+    if ROWS == 1:
+        logits = logits * sf
+        if CLEAN:
+            logits = gl.where(j < row_end, logits, float("-inf"))
+        # A key without a page (past the table's width, or a page id outside the cache): NaN.
+        logits = gl.where(ok != 0, logits, float("nan"))
+        if T0 < NEXT_N:
+            gl.store(out_ptr + (b * NEXT_N + T0) * stride_out + j, logits.to(out_ptr.dtype.element_ty),
+                     mask=j < key_len)
+    else:
+        t = T0 + gl.arange(0, ROWS, layout=row_l)
+        logits = logits * sf[:, None]
+        if CLEAN:
+            logits = gl.where(j[:, None] < row_end[None, :], logits, float("-inf"))
+        logits = gl.where((ok != 0)[:, None], logits, float("nan"))
+        out_rows = out_ptr + (b * NEXT_N + t) * stride_out
+        gl.store(out_rows[None, :] + j[:, None], logits.to(out_ptr.dtype.element_ty),
+                 mask=(j < key_len)[:, None] & (t < NEXT_N)[None, :])
 
 
 @gluon.jit
@@ -343,64 +377,129 @@ def _consumer(k_smem, sf_smem, ok_smem, q_smem, w_smem, info_smem, rows_smem,
               k_ready, k_empty, q_ready, q_empty, ctx_ptr, out_ptr,
               i_first, count, bf_first, cf_first, f_count, batch, max_context_len, stride_ctx, stride_out,
               NEXT_N: gl.constexpr, NEXT_N_P: gl.constexpr, NUM_HEADS: gl.constexpr, CTX_2D: gl.constexpr,
-              CLEAN: gl.constexpr, NUM_BUF: gl.constexpr, BLOCK_FILL: gl.constexpr, num_warps: gl.constexpr):
+              CLEAN: gl.constexpr, NUM_BUF: gl.constexpr, BLOCK_FILL: gl.constexpr, SPLIT: gl.constexpr,
+              num_warps: gl.constexpr):
     NC: gl.constexpr = NEXT_N_P * NUM_HEADS
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, NC, 32])
-    col_l: gl.constexpr = gl.SliceLayout(0, mma)
-    out_l: gl.constexpr = _head_sums(gl.zeros([BLOCK_N, NC], gl.float32, mma), NEXT_N_P, NUM_HEADS).type.layout
-    if NEXT_N == 1:
-        key_l: gl.constexpr = out_l
-        row_l: gl.constexpr = out_l  # (unused)
-    else:
-        key_l: gl.constexpr = gl.SliceLayout(1, out_l)
-        row_l: gl.constexpr = gl.SliceLayout(0, out_l)
     info_l: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
     sf_view = sf_smem._reinterpret(gl.float32, [NUM_BUF, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    if count > 0:
-        i = i_first
-        key_len, n_tiles, b, w, row_end = _take_request(q_ready, w_smem, info_smem, rows_smem, 0, info_l, col_l,
-                                                        row_l, NEXT_N, num_warps)
-        qc = 1
-        s = gl.zeros([BLOCK_N, NC], gl.float32, mma)
-        for step in range(count):
-            buf = step % NUM_BUF
-            slot = (qc - 1) % 2
-            mbarrier.wait(k_ready.index(buf), (step // NUM_BUF) & 1)
-            s = warpgroup_mma(k_smem.index(buf), q_smem.index(slot).permute((1, 0)), s, use_acc=False,
-                              is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            sf = sf_view.index(buf).load(key_l)
-            ok = ok_smem.index(buf).load(key_l)
-            # Every warp has read the buffer before it is handed back.
-            _partition_barrier()
-            mbarrier.arrive(k_empty.index(buf), count=1)
-            logits = _head_sums(gl.maximum(s, 0.0) * w[None, :], NEXT_N_P, NUM_HEADS)
-            j = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
-            if NEXT_N == 1:
-                logits = logits * sf
-                if CLEAN:
-                    logits = gl.where(j < row_end, logits, float("-inf"))
-                # A key without a page (past the table's width, or a page id outside the cache): NaN.
-                logits = gl.where(ok != 0, logits, float("nan"))
-                gl.store(out_ptr + b * NEXT_N * stride_out + j, logits.to(out_ptr.dtype.element_ty), mask=j < key_len)
-            else:
-                t = gl.arange(0, NEXT_N_P, layout=row_l)
-                logits = logits * sf[:, None]
-                if CLEAN:
-                    logits = gl.where(j[:, None] < row_end[None, :], logits, float("-inf"))
-                logits = gl.where((ok != 0)[:, None], logits, float("nan"))
-                out_rows = out_ptr + (b * NEXT_N + t) * stride_out
-                gl.store(out_rows[None, :] + j[:, None], logits.to(out_ptr.dtype.element_ty),
-                         mask=(j < key_len)[:, None] & (t < NEXT_N)[None, :])
-            i += 1
-            if (i == n_tiles) & (step + 1 < count):
+    if SPLIT:
+        # The columns in two halves, each the heads of half the rows: one half's MMA in flight
+        # under the other half's epilogue (tile t's second half under its first half's, tile
+        # t + 1's first half under tile t's second half's), never one across the loop's end.
+        HALF: gl.constexpr = NC // 2
+        ROWS_H: gl.constexpr = NEXT_N_P // 2
+        mma_h: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, HALF, 32])
+        col_h: gl.constexpr = gl.SliceLayout(0, mma_h)
+        out_h: gl.constexpr = _head_sums(gl.zeros([BLOCK_N, HALF], gl.float32, mma_h), ROWS_H,
+                                         NUM_HEADS).type.layout
+        if ROWS_H == 1:
+            key_h: gl.constexpr = out_h
+            row_h: gl.constexpr = out_h  # (unused)
+        else:
+            key_h: gl.constexpr = gl.SliceLayout(1, out_h)
+            row_h: gl.constexpr = gl.SliceLayout(0, out_h)
+        if count > 0:
+            # (a half's weights and row ends are read from the request's slot at its epilogue,
+            # not held: the slot of a request is handed back after its last tile's second half)
+            i = i_first
+            key_len, n_tiles, b = _take_request(q_ready, info_smem, 0, info_l)
+            slot = 0
+            qc = 1
+            s0 = gl.zeros([BLOCK_N, HALF], gl.float32, mma_h)
+            s1 = gl.zeros([BLOCK_N, HALF], gl.float32, mma_h)
+            mbarrier.wait(k_ready.index(0), 0)
+            s0 = warpgroup_mma(k_smem.index(0), q_smem.index(0).slice(0, HALF).permute((1, 0)), s0, use_acc=False,
+                               is_async=True)
+            s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
+            for step in range(count - 1):
+                buf = step % NUM_BUF
+                s1 = warpgroup_mma(k_smem.index(buf), q_smem.index(slot).slice(HALF, HALF).permute((1, 0)), s1,
+                                   use_acc=False, is_async=True)
+                sf = sf_view.index(buf).load(key_h)
+                ok = ok_smem.index(buf).load(key_h)
+                j = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_h)
+                w, row_end = _part_of_request(w_smem, rows_smem, slot, 0, ROWS_H, NUM_HEADS, col_h, row_h, num_warps)
+                _store_rows(s0, w, sf, ok, j, b, key_len, row_end, out_ptr, stride_out, 0, ROWS_H, NEXT_N, NUM_HEADS,
+                            CLEAN, row_h)
+                s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
+                # Every warp has read the buffer (both MMAs done) before it is handed back.
                 _partition_barrier()
-                mbarrier.arrive(q_empty.index(slot), count=1)
-                key_len, n_tiles, b, w, row_end = _take_request(q_ready, w_smem, info_smem, rows_smem, qc, info_l,
-                                                                col_l, row_l, NEXT_N, num_warps)
-                qc += 1
-                i = 0
+                mbarrier.arrive(k_empty.index(buf), count=1)
+                b_prev, len_prev, slot_prev = b, key_len, slot
+                i += 1
+                if i == n_tiles:
+                    key_len, n_tiles, b = _take_request(q_ready, info_smem, qc, info_l)
+                    slot = qc % 2
+                    qc += 1
+                    i = 0
+                nbuf = (step + 1) % NUM_BUF
+                mbarrier.wait(k_ready.index(nbuf), ((step + 1) // NUM_BUF) & 1)
+                s0 = warpgroup_mma(k_smem.index(nbuf), q_smem.index(slot).slice(0, HALF).permute((1, 0)), s0,
+                                   use_acc=False, is_async=True)
+                w, row_end = _part_of_request(w_smem, rows_smem, slot_prev, ROWS_H, ROWS_H, NUM_HEADS, col_h, row_h,
+                                              num_warps)
+                _store_rows(s1, w, sf, ok, j, b_prev, len_prev, row_end, out_ptr, stride_out, ROWS_H, ROWS_H, NEXT_N,
+                            NUM_HEADS, CLEAN, row_h)
+                if slot != slot_prev:  # the previous request's slot, read for the last time above
+                    _partition_barrier()
+                    mbarrier.arrive(q_empty.index(slot_prev), count=1)
+                s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
+            # The share's last tile.
+            buf = (count - 1) % NUM_BUF
+            s1 = warpgroup_mma(k_smem.index(buf), q_smem.index(slot).slice(HALF, HALF).permute((1, 0)), s1,
+                               use_acc=False, is_async=True)
+            sf = sf_view.index(buf).load(key_h)
+            ok = ok_smem.index(buf).load(key_h)
+            j = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_h)
+            w, row_end = _part_of_request(w_smem, rows_smem, slot, 0, ROWS_H, NUM_HEADS, col_h, row_h, num_warps)
+            _store_rows(s0, w, sf, ok, j, b, key_len, row_end, out_ptr, stride_out, 0, ROWS_H, NEXT_N, NUM_HEADS, CLEAN,
+                        row_h)
+            s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
+            w, row_end = _part_of_request(w_smem, rows_smem, slot, ROWS_H, ROWS_H, NUM_HEADS, col_h, row_h, num_warps)
+            _store_rows(s1, w, sf, ok, j, b, key_len, row_end, out_ptr, stride_out, ROWS_H, ROWS_H, NEXT_N, NUM_HEADS,
+                        CLEAN, row_h)
+    else:
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, NC, 32])
+        col_l: gl.constexpr = gl.SliceLayout(0, mma)
+        out_l: gl.constexpr = _head_sums(gl.zeros([BLOCK_N, NC], gl.float32, mma), NEXT_N_P, NUM_HEADS).type.layout
+        if NEXT_N == 1:
+            key_l: gl.constexpr = out_l
+            row_l: gl.constexpr = out_l  # (unused)
+        else:
+            key_l: gl.constexpr = gl.SliceLayout(1, out_l)
+            row_l: gl.constexpr = gl.SliceLayout(0, out_l)
+        if count > 0:
+            i = i_first
+            key_len, n_tiles, b = _take_request(q_ready, info_smem, 0, info_l)
+            w, row_end = _part_of_request(w_smem, rows_smem, 0, 0, NEXT_N_P, NUM_HEADS, col_l, row_l, num_warps)
+            qc = 1
+            s = gl.zeros([BLOCK_N, NC], gl.float32, mma)
+            for step in range(count):
+                buf = step % NUM_BUF
+                slot = (qc - 1) % 2
+                mbarrier.wait(k_ready.index(buf), (step // NUM_BUF) & 1)
+                s = warpgroup_mma(k_smem.index(buf), q_smem.index(slot).permute((1, 0)), s, use_acc=False,
+                                  is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+                sf = sf_view.index(buf).load(key_l)
+                ok = ok_smem.index(buf).load(key_l)
+                # Every warp has read the buffer before it is handed back.
+                _partition_barrier()
+                mbarrier.arrive(k_empty.index(buf), count=1)
+                j = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
+                _store_rows(s, w, sf, ok, j, b, key_len, row_end, out_ptr, stride_out, 0, NEXT_N_P, NEXT_N, NUM_HEADS,
+                            CLEAN, row_l)
+                i += 1
+                if (i == n_tiles) & (step + 1 < count):
+                    _partition_barrier()
+                    mbarrier.arrive(q_empty.index(slot), count=1)
+                    key_len, n_tiles, b = _take_request(q_ready, info_smem, qc, info_l)
+                    w, row_end = _part_of_request(w_smem, rows_smem, qc % 2, 0, NEXT_N_P, NUM_HEADS, col_l, row_l,
+                                                  num_warps)
+                    qc += 1
+                    i = 0
     if CLEAN:
         # This program's share of the -inf columns past each request's keys.
         FILL_PER_LANE: gl.constexpr = BLOCK_FILL // (32 * num_warps) if BLOCK_FILL > 32 * num_warps else 1
@@ -433,9 +532,10 @@ def paged_logits_ws_kernel(
     stride_w, stride_ctx, stride_bt, stride_out,
     NEXT_N: gl.constexpr, NEXT_N_P: gl.constexpr, NUM_HEADS: gl.constexpr, D: gl.constexpr,
     BLOCK_KV: gl.constexpr, CTX_2D: gl.constexpr, CLEAN: gl.constexpr, HAS_INDICES: gl.constexpr,
-    NUM_BUF: gl.constexpr, BLOCK_FILL: gl.constexpr, num_warps: gl.constexpr,
+    NUM_BUF: gl.constexpr, BLOCK_FILL: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr,
 ):
     gl.static_assert(num_warps == 4, "one consumer warpgroup")
+    gl.static_assert(not SPLIT or NEXT_N_P >= 2, "columns split by query rows")
     NC: gl.constexpr = NEXT_N_P * NUM_HEADS
     gl.static_assert(NC >= MIN_COLUMNS and NC <= MAX_COLUMNS, "16 to 256 (row, head) columns")
     BOX: gl.constexpr = BLOCK_N if BLOCK_N < BLOCK_KV else BLOCK_KV
@@ -472,7 +572,7 @@ def paged_logits_ws_kernel(
     gl.warp_specialize([
         (_consumer, (k_smem, sf_smem, ok_smem, q_smem, w_smem, info_smem, rows_smem, k_ready, k_empty, q_ready,
                      q_empty, ctx_ptr, out_ptr, i_first, count, bf_first, cf_first, f_count, batch, max_context_len,
-                     stride_ctx, stride_out, NEXT_N, NEXT_N_P, NUM_HEADS, CTX_2D, CLEAN, NUM_BUF, BLOCK_FILL,
+                     stride_ctx, stride_out, NEXT_N, NEXT_N_P, NUM_HEADS, CTX_2D, CLEAN, NUM_BUF, BLOCK_FILL, SPLIT,
                      num_warps)),
         (_producer, (q_desc, kv_desc, sf_desc, w_ptr, ctx_ptr, bt_ptr, err_ptr, k_smem, sf_smem, ok_smem, q_smem,
                      w_smem, info_smem, rows_smem, k_ready, k_empty, q_ready, q_empty, b_first, i_first, count,

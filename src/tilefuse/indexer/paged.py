@@ -93,7 +93,8 @@ class PagedConfig:
     producer warp loading and a consumer warpgroup scoring; ``num_stages`` key buffers, at least
     2) where it applies: H a power of two, ``next_pow2(next_n) * H`` in [16, 256], queries whose rows are
     evenly strided and 16-byte aligned, a cache the TMA views read with pages of at least 32
-    tokens; ``block_n``, ``rows``,
+    tokens (``split_columns``, next_n > 1: each tile's MMA in two halves of the query rows, each
+    half's MMA in flight under the other's epilogue, for one or two programs an SM); ``block_n``, ``rows``,
     ``chunk`` and ``num_warps`` do not apply to it. Elsewhere the kernel the other fields pick.
     """
 
@@ -108,6 +109,7 @@ class PagedConfig:
     gluon: bool = False  # the Gluon kernel (sm_90, FP8) where it applies
     persistent: bool = False  # the persistent warp-specialised kernel (sm_90, FP8) where it applies
     ctas_per_sm: int = 0  # its programs an SM, at most (and for 0) 3 up to 64 dot columns, 2 up to 128, else 1
+    split_columns: bool = False  # its MMA in two halves of the query rows, one under the other's epilogue
 
 
 register_config("paged", PagedConfig)
@@ -790,8 +792,9 @@ def _persistent_plan(cfg: PagedConfig, fmt: str, next_n: int, h: int, d: int, bl
     most = 3 if columns <= 64 else 2 if columns <= 128 else 1
     ctas = min(cfg.ctas_per_sm or most, most)
     maxnreg = min(255, _SM_REGISTERS // (ctas * _WS_THREADS) // 8 * 8)
+    split = cfg.split_columns and next_n > 1  # (halves of whole query rows)
     consts = (next_n, next_power_of_2(next_n), h, d, block_kv, context_lens.dim() == 2, bool(clean_logits),
-              indices is not None, max(2, cfg.num_stages), cfg.block_fill, 4)
+              indices is not None, max(2, cfg.num_stages), cfg.block_fill, split, 4)
     options = {"maxnreg": maxnreg}
     return _Persistent(columns, s_h, view[0], view[1], kv_cache.stride(0) // 4, block_kv * (d + 4) // 4, ctas,
                        consts, options, ("ws", consts, maxnreg))

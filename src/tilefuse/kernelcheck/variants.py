@@ -707,7 +707,8 @@ def paged_persistent_variants() -> list[Variant]:
     so): FP8, H 64 at next_n 1, 2 and 4 (64 to 256 columns: three, two and one programs an SM),
     H 32 and 16, H 128; 32-, 64- and 128-token pages (two boxes per tile, one, half a page);
     1-D and 2-D lengths, cleaning, bf16 weights + logits, varlen ``indices``, D 64 and 32,
-    next_n 3 (four rows' columns); as options 2 and 6 buffers and one or two programs an SM."""
+    next_n 3 (four rows' columns); as options 2 and 6 buffers, one or two programs an SM and the
+    MMA split in halves of the query rows (next_n 2, 3, 4 and 8)."""
     import torch
 
     from tilefuse.indexer import _paged_kernel_ws as ws
@@ -717,13 +718,13 @@ def paged_persistent_variants() -> list[Variant]:
     out = []
 
     def one(h, next_n, block_kv, d=128, ctx_2d=True, clean=False, w_dtype=f32, out_dtype=f32, indices=False,
-            num_stages=None, ctas=0, origin="default"):
+            num_stages=None, ctas=0, split=False, origin="default"):
         default = paged_default(next_n, h, d, block_kv)
         launch = _traced_hopper_paged(path, h, next_n, block_kv, d, ctx_2d, clean, w_dtype, out_dtype, indices,
                                       dict(persistent=True, num_stages=num_stages or default.num_stages,
-                                           ctas_per_sm=ctas))
+                                           ctas_per_sm=ctas, split_columns=split))
         name = (f"fp8 D{d} H{h} next_n{next_n} kv{block_kv} buf{launch.arguments['NUM_BUF']} "
-                f"regs{launch.options['maxnreg']}"
+                f"regs{launch.options['maxnreg']}" + (" split" if split else "")
                 + _extras("ctx1d", not ctx_2d, clean, w_dtype, out_dtype, indices))
         out.append(variant_of(launch, "indexer.paged_persistent", name, origin, ("sm_90a",)))
 
@@ -742,6 +743,9 @@ def paged_persistent_variants() -> list[Variant]:
     one(64, 2, 64, num_stages=2, origin="option")
     one(64, 1, 64, ctas=2, origin="option")
     one(64, 2, 64, ctas=1, origin="option")
+    for next_n, kw in ((4, {}), (2, {}), (3, dict(clean=True, ctx_2d=False)), (2, dict(w_dtype=bf16, out_dtype=bf16))):
+        one(64, next_n, 64, split=True, origin="option", **kw)  # the MMA in halves of the query rows
+    one(16, 8, 32, d=32, clean=True, split=True, origin="option")
     return _unique(out)
 
 
