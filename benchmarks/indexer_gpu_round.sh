@@ -198,7 +198,7 @@ case "$part" in
     # Hopper decode kernels) while DeepGEMM builds, then, if they passed, it beside the default and DeepGEMM at the decode rows, captured calls cycling
     # through $LAYERS caches (default 5: out of L2, as an engine's layers)
     # (-v and the fault handler's timeout: a test that hangs is named, with its stack, in the log)
-    step tests-persistent "${TESTS_S:-150}" python3 -m pytest -v -p no:cacheprovider -x -o faulthandler_timeout=60 \
+    step tests-persistent "${TESTS_S:-240}" python3 -m pytest -v -p no:cacheprovider -x -o faulthandler_timeout=60 \
       tests/indexer/test_paged_persistent.py tests/indexer/test_paged_gluon.py -k "persistent or hopper"
     first_failed tests-persistent
     wait_deepgemm

@@ -72,6 +72,9 @@ def test_dispatch_takes_the_persistent_kernel_where_it_runs(monkeypatch):
     assert p.consts[ws.arg_names.index("NUM_BUF") - ws.arg_names.index("NEXT_N")] == 2  # at least two buffers
     p = _plan(monkeypatch, next_n=2, config=_config(2, 64, 128, 64, ctas_per_sm=3)).persistent
     assert p.programs_per_sm == 2 and p.options["maxnreg"] == 128  # no more than 128 columns' registers allow
+    # (eight buffers at 64 columns: three programs would need more shared memory than an SM has)
+    p = _plan(monkeypatch, config=_config(1, 64, 128, 64, num_stages=8)).persistent
+    assert p.programs_per_sm == 2 and p.options["maxnreg"] == 128
     split = ws.arg_names.index("SPLIT") - ws.arg_names.index("NEXT_N")
     assert not p.consts[split]
     for next_n, want in ((4, True), (3, True), (1, False)):  # halves of whole query rows: next_n > 1
@@ -198,11 +201,21 @@ GRID = [
 ]
 
 
+@pytest.fixture(params=["all SMs", "one SM"])
+def programs(request, monkeypatch):
+    """The programs of a launch: a grid over every SM (at the tests' sizes, at most a tile or two
+    a program), or one SM's worth, whose programs each walk tens of tiles over several requests
+    (the loop, a request changing within a share, the ring's buffers reused)."""
+    if request.param == "one SM":
+        monkeypatch.setattr(paged, "sm_count", lambda device: 1)
+    return request.param
+
+
 @pytest.mark.gpu
 @on_hopper
 @pytest.mark.parametrize("block_kv,next_n,h,d,ctx_2d,clean,dtype,indices,extra", GRID)
 def test_persistent_kernel_meets_the_contract_and_agrees_with_triton(block_kv, next_n, h, d, ctx_2d, clean, dtype,
-                                                                     indices, extra, poisoned, ws_launches):
+                                                                     indices, extra, programs, poisoned, ws_launches):
     # Lengths: zero, one key, one past a tile, whole and partial tiles, requests spanning programs.
     lens = (3000, 0, 65, 1, 130, 2049, 0, 64)
     case = Case("fp8", lens=lens, next_n=next_n, h=h, d=d, block_kv=block_kv, ctx_2d=ctx_2d, weights_dtype=dtype,
@@ -221,15 +234,17 @@ def test_persistent_kernel_meets_the_contract_and_agrees_with_triton(block_kv, n
     (128, 2, 128, 128, True, False, BF16, False, 1500),
     (32, 8, 16, 32, False, True, F32, False, 5),
 ])
+@pytest.mark.parametrize("stages", [4, 2])
 def test_persistent_kernel_with_the_mma_split_by_rows(block_kv, next_n, h, d, ctx_2d, clean, dtype, indices, extra,
-                                                      poisoned, ws_launches):
+                                                      stages, programs, poisoned, ws_launches):
     """``split_columns``: each tile's MMA in two halves of the query rows, one in flight under the
-    other's epilogue; the contract, a bitwise rerun and the Triton kernel's logits, over requests
-    that change within a program's share (the previous request's slot handed back late)."""
+    other's epilogue; the contract, a bitwise rerun and the Triton kernel's logits; on one SM's
+    programs, over requests that change within a program's share (the previous request's slot
+    handed back late) and a ring of two buffers reused every other tile."""
     lens = (3000, 0, 65, 1, 130, 2049, 0, 64)
     case = Case("fp8", lens=lens, next_n=next_n, h=h, d=d, block_kv=block_kv, ctx_2d=ctx_2d, weights_dtype=dtype,
                 extra_cols=extra, seed=block_kv + 5 * next_n + h + d)
-    cfg = _config(next_n, h, d, block_kv, split_columns=True)
+    cfg = _config(next_n, h, d, block_kv, split_columns=True, num_stages=stages)
     meets_the_contract_and_agrees_with_triton(case, cfg, dataclasses.replace(cfg, persistent=False), clean, dtype,
                                               indices, ws_launches)
 
@@ -249,15 +264,16 @@ def test_persistent_kernel_is_bitwise_the_same_for_any_share_and_ring(ws_launche
 
 @pytest.mark.gpu
 @on_hopper
-@pytest.mark.parametrize("ctx_2d", [False, True])
-def test_persistent_kernel_over_many_requests(ctx_2d, poisoned, ws_launches):
-    """More requests than one pass of the share search reads (1024), many of them empty."""
+@pytest.mark.parametrize("ctx_2d,split", [(False, False), (True, False), (True, True)])
+def test_persistent_kernel_over_many_requests(ctx_2d, split, poisoned, ws_launches):
+    """More requests than one pass of the share search reads (1024), many of them empty; shares
+    of several requests each (also with the MMA split by rows)."""
     g = torch.Generator().manual_seed(5)
     lens = torch.randint(0, 300, (1500,), generator=g)
     lens[torch.rand(1500, generator=g) < 0.3] = 0
     case = Case("fp8", lens=tuple(lens.tolist()), next_n=2, h=32, d=128, block_kv=64, ctx_2d=ctx_2d, seed=9)
     for clean in (False, True):
-        out = case.run(clean=clean, config=_config(2, 32, 128, 64))
+        out = case.run(clean=clean, config=_config(2, 32, 128, 64, split_columns=split))
         case.check(out, clean)
     assert len(ws_launches) == 2
 

@@ -94,7 +94,7 @@ class PagedConfig:
     2) where it applies: H a power of two, ``next_pow2(next_n) * H`` in [16, 256], queries whose rows are
     evenly strided and 16-byte aligned, a cache the TMA views read with pages of at least 32
     tokens (``split_columns``, next_n > 1: each tile's MMA in two halves of the query rows, each
-    half's MMA in flight under the other's epilogue, for one or two programs an SM); ``block_n``, ``rows``,
+    half's MMA in flight under the other's epilogue); ``block_n``, ``rows``,
     ``chunk`` and ``num_warps`` do not apply to it. Elsewhere the kernel the other fields pick.
     """
 
@@ -765,6 +765,14 @@ class _Persistent:
 # warpgroups: the producer warp is padded to one (.reqntid 256), and its warpgroup hands the
 # consumer's all but 24-40 registers a thread (setmaxnreg).
 _SM_REGISTERS, _WS_THREADS = 65536, 256
+_SM_SHARED = 228 * 1024
+
+
+def _ws_shared_bytes(num_buf: int, columns: int, d: int) -> int:
+    """The persistent kernel's shared memory, a little over (the compiled sizes are within 1
+    KiB below it): a ring of key tiles (values, scales, page flags) and two request slots
+    (queries, weights, counts, row ends), its barriers."""
+    return num_buf * 64 * (d + 8) + 2 * (columns * (d + 4) + 64) + 2048
 
 
 def _persistent_plan(cfg: PagedConfig, fmt: str, next_n: int, h: int, d: int, block_kv: int, q: torch.Tensor,
@@ -787,14 +795,17 @@ def _persistent_plan(cfg: PagedConfig, fmt: str, next_n: int, h: int, d: int, bl
     # destination must be 128-byte aligned: pages of 8 or 16 tokens take the other kernels.
     if view is None or (view[1] < ws.KEYS_PER_TILE and view[1] * 4 % 128):
         return None
-    # At most as many programs an SM as their registers allow: at 80 registers a program (3 an
-    # SM) 128 columns ask ptxas for more than it has, and 256 take 255 (sm_90a, triton 3.6).
-    most = 3 if columns <= 64 else 2 if columns <= 128 else 1
+    # At most as many programs an SM as their registers allow (at 80 registers a program, 3 an
+    # SM, 128 columns ask ptxas for more than it has, and 256 take 255: sm_90a, triton 3.6) and
+    # as their shared memory does (each program also has 1 KiB reserved).
+    num_buf = max(2, cfg.num_stages)
+    most = min(3 if columns <= 64 else 2 if columns <= 128 else 1,
+               max(1, _SM_SHARED // (_ws_shared_bytes(num_buf, columns, d) + 1024)))
     ctas = min(cfg.ctas_per_sm or most, most)
     maxnreg = min(255, _SM_REGISTERS // (ctas * _WS_THREADS) // 8 * 8)
     split = cfg.split_columns and next_n > 1  # (halves of whole query rows)
     consts = (next_n, next_power_of_2(next_n), h, d, block_kv, context_lens.dim() == 2, bool(clean_logits),
-              indices is not None, max(2, cfg.num_stages), cfg.block_fill, split, 4)
+              indices is not None, num_buf, cfg.block_fill, split, 4)
     options = {"maxnreg": maxnreg}
     return _Persistent(columns, s_h, view[0], view[1], kv_cache.stride(0) // 4, block_kv * (d + 4) // 4, ctas,
                        consts, options, ("ws", consts, maxnreg))
