@@ -365,16 +365,14 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
 
 
 # The rank step (``topk_rank_kernel``) instead of the merge's select and sort at up to this many
-# rows: it spreads a row's last step over 2 W / BLOCK_I programs where the merge runs one
-# program a row, but counts every pair of a row's candidates (~topk^2 compares: ~65 us of one
-# SM a row at topk 2048), so with more rows than SMs / 4 the merge's one program a row is the
-# cheaper (a prediction: benchmarks/NOTES.md). The count word holds the arrivals above bit
-# RANK_ARRIVAL_SHIFT, so rows of more keys than that take the merge. The other candidates are
-# read 8 at a time by every thread: wider reads took 78-235 registers (sm_90a, triton 3.6)
-# against 63, 3 and fewer programs an SM against 4.
-# Its programs a row (2 W / 256 at 8 warps) arrive in the count word's bits 24-30: at most 128,
-# so W <= 16384; at W 4096 and above, the fallback's select and sort in the same kernel take
-# 78-220 registers (triton 3.6), so the rank step stops at W = 4096 (topk 4096).
+# rows: it spreads a row's last step over 2 W / 256 programs where the merge runs one program a
+# row, but counts every pair of a row's candidates (~topk^2 compares: ~65 us of one SM a row at
+# topk 2048), so with more rows than SMs / 4 the merge's one program a row is the cheaper (a
+# prediction: benchmarks/NOTES.md). Its programs a row arrive in bits 24-30 of the row's count
+# word (at most 128: W <= 16384; rows of 2^24 keys or more take the merge), and from W = 4096
+# the fallback's select and sort in the same kernel set 78-220 registers for every program, so
+# it stops at W = 4096. A thread reads the other candidates 8 at a time: 63 registers, four
+# programs an SM (16 at a time: 77, three).
 _RANK_ROWS = 32
 _RANK_MAX_W = 4096
 _RANK_BLOCK_J = 8
