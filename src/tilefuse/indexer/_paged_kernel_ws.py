@@ -382,23 +382,25 @@ def _consumer(k_smem, sf_smem, ok_smem, q_smem, w_smem, info_smem, rows_smem,
     NC: gl.constexpr = NEXT_N_P * NUM_HEADS
     info_l: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
     sf_view = sf_smem._reinterpret(gl.float32, [NUM_BUF, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # An MMA's columns (all, or with SPLIT half of them) and the query rows they hold.
+    COLS: gl.constexpr = NC // (1 + SPLIT)
+    ROWS_P: gl.constexpr = NEXT_N_P // (1 + SPLIT)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, COLS, 32])
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    out_l: gl.constexpr = _head_sums(gl.zeros([BLOCK_N, COLS], gl.float32, mma), ROWS_P, NUM_HEADS).type.layout
+    if ROWS_P == 1:
+        key_l: gl.constexpr = out_l
+        row_l: gl.constexpr = out_l  # (unused)
+    else:
+        key_l: gl.constexpr = gl.SliceLayout(1, out_l)
+        row_l: gl.constexpr = gl.SliceLayout(0, out_l)
     if SPLIT:
         # The columns in two halves, each the heads of half the rows: one half's MMA in flight
         # under the other half's epilogue (tile t's second half under its first half's, tile
         # t + 1's first half under tile t's second half's), never one across the loop's end.
-        HALF: gl.constexpr = NC // 2
-        ROWS_H: gl.constexpr = NEXT_N_P // 2
-        mma_h: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, HALF, 32])
-        col_h: gl.constexpr = gl.SliceLayout(0, mma_h)
-        out_h: gl.constexpr = _head_sums(gl.zeros([BLOCK_N, HALF], gl.float32, mma_h), ROWS_H,
-                                         NUM_HEADS).type.layout
-        if ROWS_H == 1:
-            key_h: gl.constexpr = out_h
-            row_h: gl.constexpr = out_h  # (unused)
-        else:
-            key_h: gl.constexpr = gl.SliceLayout(1, out_h)
-            row_h: gl.constexpr = gl.SliceLayout(0, out_h)
+        HALF: gl.constexpr = COLS
+        ROWS_H: gl.constexpr = ROWS_P
         if count > 0:
             # (a half's weights and row ends are read from the request's slot at its epilogue,
             # not held: the slot of a request is handed back after its last tile's second half)
@@ -406,8 +408,8 @@ def _consumer(k_smem, sf_smem, ok_smem, q_smem, w_smem, info_smem, rows_smem,
             key_len, n_tiles, b = _take_request(q_ready, info_smem, 0, info_l)
             slot = 0
             qc = 1
-            s0 = gl.zeros([BLOCK_N, HALF], gl.float32, mma_h)
-            s1 = gl.zeros([BLOCK_N, HALF], gl.float32, mma_h)
+            s0 = gl.zeros([BLOCK_N, HALF], gl.float32, mma)
+            s1 = gl.zeros([BLOCK_N, HALF], gl.float32, mma)
             mbarrier.wait(k_ready.index(0), 0)
             s0 = warpgroup_mma(k_smem.index(0), q_smem.index(0).slice(0, HALF).permute((1, 0)), s0, use_acc=False,
                                is_async=True)
@@ -416,12 +418,12 @@ def _consumer(k_smem, sf_smem, ok_smem, q_smem, w_smem, info_smem, rows_smem,
                 buf = step % NUM_BUF
                 s1 = warpgroup_mma(k_smem.index(buf), q_smem.index(slot).slice(HALF, HALF).permute((1, 0)), s1,
                                    use_acc=False, is_async=True)
-                sf = sf_view.index(buf).load(key_h)
-                ok = ok_smem.index(buf).load(key_h)
-                j = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_h)
-                w, row_end = _part_of_request(w_smem, rows_smem, slot, 0, ROWS_H, NUM_HEADS, col_h, row_h, num_warps)
+                sf = sf_view.index(buf).load(key_l)
+                ok = ok_smem.index(buf).load(key_l)
+                j = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
+                w, row_end = _part_of_request(w_smem, rows_smem, slot, 0, ROWS_H, NUM_HEADS, col_l, row_l, num_warps)
                 _store_rows(s0, w, sf, ok, j, b, key_len, row_end, out_ptr, stride_out, 0, ROWS_H, NEXT_N, NUM_HEADS,
-                            CLEAN, row_h)
+                            CLEAN, row_l)
                 s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
                 # Every warp has read the buffer (both MMAs done) before it is handed back.
                 _partition_barrier()
@@ -437,10 +439,10 @@ def _consumer(k_smem, sf_smem, ok_smem, q_smem, w_smem, info_smem, rows_smem,
                 mbarrier.wait(k_ready.index(nbuf), ((step + 1) // NUM_BUF) & 1)
                 s0 = warpgroup_mma(k_smem.index(nbuf), q_smem.index(slot).slice(0, HALF).permute((1, 0)), s0,
                                    use_acc=False, is_async=True)
-                w, row_end = _part_of_request(w_smem, rows_smem, slot_prev, ROWS_H, ROWS_H, NUM_HEADS, col_h, row_h,
+                w, row_end = _part_of_request(w_smem, rows_smem, slot_prev, ROWS_H, ROWS_H, NUM_HEADS, col_l, row_l,
                                               num_warps)
                 _store_rows(s1, w, sf, ok, j, b_prev, len_prev, row_end, out_ptr, stride_out, ROWS_H, ROWS_H, NEXT_N,
-                            NUM_HEADS, CLEAN, row_h)
+                            NUM_HEADS, CLEAN, row_l)
                 if slot != slot_prev:  # the previous request's slot, read for the last time above
                     _partition_barrier()
                     mbarrier.arrive(q_empty.index(slot_prev), count=1)
@@ -449,27 +451,17 @@ def _consumer(k_smem, sf_smem, ok_smem, q_smem, w_smem, info_smem, rows_smem,
             buf = (count - 1) % NUM_BUF
             s1 = warpgroup_mma(k_smem.index(buf), q_smem.index(slot).slice(HALF, HALF).permute((1, 0)), s1,
                                use_acc=False, is_async=True)
-            sf = sf_view.index(buf).load(key_h)
-            ok = ok_smem.index(buf).load(key_h)
-            j = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_h)
-            w, row_end = _part_of_request(w_smem, rows_smem, slot, 0, ROWS_H, NUM_HEADS, col_h, row_h, num_warps)
+            sf = sf_view.index(buf).load(key_l)
+            ok = ok_smem.index(buf).load(key_l)
+            j = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
+            w, row_end = _part_of_request(w_smem, rows_smem, slot, 0, ROWS_H, NUM_HEADS, col_l, row_l, num_warps)
             _store_rows(s0, w, sf, ok, j, b, key_len, row_end, out_ptr, stride_out, 0, ROWS_H, NEXT_N, NUM_HEADS, CLEAN,
-                        row_h)
+                        row_l)
             s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
-            w, row_end = _part_of_request(w_smem, rows_smem, slot, ROWS_H, ROWS_H, NUM_HEADS, col_h, row_h, num_warps)
+            w, row_end = _part_of_request(w_smem, rows_smem, slot, ROWS_H, ROWS_H, NUM_HEADS, col_l, row_l, num_warps)
             _store_rows(s1, w, sf, ok, j, b, key_len, row_end, out_ptr, stride_out, ROWS_H, ROWS_H, NEXT_N, NUM_HEADS,
-                        CLEAN, row_h)
+                        CLEAN, row_l)
     else:
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, NC, 32])
-        col_l: gl.constexpr = gl.SliceLayout(0, mma)
-        out_l: gl.constexpr = _head_sums(gl.zeros([BLOCK_N, NC], gl.float32, mma), NEXT_N_P, NUM_HEADS).type.layout
-        if NEXT_N == 1:
-            key_l: gl.constexpr = out_l
-            row_l: gl.constexpr = out_l  # (unused)
-        else:
-            key_l: gl.constexpr = gl.SliceLayout(1, out_l)
-            row_l: gl.constexpr = gl.SliceLayout(0, out_l)
         if count > 0:
             i = i_first
             key_len, n_tiles, b = _take_request(q_ready, info_smem, 0, info_l)
