@@ -373,6 +373,24 @@ def _store_rows(s, w, sf, ok, j, b, key_len, row_end, out_ptr, stride_out, T0: g
 
 
 @gluon.jit
+def _first_half_out(k_smem, q_smem, sf_view, ok_smem, w_smem, rows_smem, s0, s1, buf, slot, i, b, key_len, out_ptr,
+                    stride_out, HALF: gl.constexpr, ROWS_H: gl.constexpr, NEXT_N: gl.constexpr,
+                    NUM_HEADS: gl.constexpr, CLEAN: gl.constexpr, col_l: gl.constexpr, key_l: gl.constexpr,
+                    row_l: gl.constexpr, num_warps: gl.constexpr):
+    """With SPLIT: tile ``i`` (ring buffer ``buf``, request slot ``slot``) has its second half's
+    MMA issued into ``s1``, then its first half's logits (``s0``, done) stored under it; returns
+    the MMA in flight and the tile's key scales, page flags and keys."""
+    s1 = warpgroup_mma(k_smem.index(buf), q_smem.index(slot).slice(HALF, HALF).permute((1, 0)), s1, use_acc=False,
+                       is_async=True)
+    sf = sf_view.index(buf).load(key_l)
+    ok = ok_smem.index(buf).load(key_l)
+    j = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
+    w, row_end = _part_of_request(w_smem, rows_smem, slot, 0, ROWS_H, NUM_HEADS, col_l, row_l, num_warps)
+    _store_rows(s0, w, sf, ok, j, b, key_len, row_end, out_ptr, stride_out, 0, ROWS_H, NEXT_N, NUM_HEADS, CLEAN, row_l)
+    return s1, sf, ok, j
+
+
+@gluon.jit
 def _consumer(k_smem, sf_smem, ok_smem, q_smem, w_smem, info_smem, rows_smem,
               k_ready, k_empty, q_ready, q_empty, ctx_ptr, out_ptr,
               i_first, count, bf_first, cf_first, f_count, batch, max_context_len, stride_ctx, stride_out,
@@ -416,14 +434,9 @@ def _consumer(k_smem, sf_smem, ok_smem, q_smem, w_smem, info_smem, rows_smem,
             s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
             for step in range(count - 1):
                 buf = step % NUM_BUF
-                s1 = warpgroup_mma(k_smem.index(buf), q_smem.index(slot).slice(HALF, HALF).permute((1, 0)), s1,
-                                   use_acc=False, is_async=True)
-                sf = sf_view.index(buf).load(key_l)
-                ok = ok_smem.index(buf).load(key_l)
-                j = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
-                w, row_end = _part_of_request(w_smem, rows_smem, slot, 0, ROWS_H, NUM_HEADS, col_l, row_l, num_warps)
-                _store_rows(s0, w, sf, ok, j, b, key_len, row_end, out_ptr, stride_out, 0, ROWS_H, NEXT_N, NUM_HEADS,
-                            CLEAN, row_l)
+                s1, sf, ok, j = _first_half_out(k_smem, q_smem, sf_view, ok_smem, w_smem, rows_smem, s0, s1, buf, slot,
+                                                i, b, key_len, out_ptr, stride_out, HALF, ROWS_H, NEXT_N, NUM_HEADS,
+                                                CLEAN, col_l, key_l, row_l, num_warps)
                 s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
                 # Every warp has read the buffer (both MMAs done) before it is handed back.
                 _partition_barrier()
@@ -448,15 +461,9 @@ def _consumer(k_smem, sf_smem, ok_smem, q_smem, w_smem, info_smem, rows_smem,
                     mbarrier.arrive(q_empty.index(slot_prev), count=1)
                 s0 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, ))
             # The share's last tile.
-            buf = (count - 1) % NUM_BUF
-            s1 = warpgroup_mma(k_smem.index(buf), q_smem.index(slot).slice(HALF, HALF).permute((1, 0)), s1,
-                               use_acc=False, is_async=True)
-            sf = sf_view.index(buf).load(key_l)
-            ok = ok_smem.index(buf).load(key_l)
-            j = i * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
-            w, row_end = _part_of_request(w_smem, rows_smem, slot, 0, ROWS_H, NUM_HEADS, col_l, row_l, num_warps)
-            _store_rows(s0, w, sf, ok, j, b, key_len, row_end, out_ptr, stride_out, 0, ROWS_H, NEXT_N, NUM_HEADS, CLEAN,
-                        row_l)
+            s1, sf, ok, j = _first_half_out(k_smem, q_smem, sf_view, ok_smem, w_smem, rows_smem, s0, s1,
+                                            (count - 1) % NUM_BUF, slot, i, b, key_len, out_ptr, stride_out, HALF,
+                                            ROWS_H, NEXT_N, NUM_HEADS, CLEAN, col_l, key_l, row_l, num_warps)
             s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s1, ))
             w, row_end = _part_of_request(w_smem, rows_smem, slot, ROWS_H, ROWS_H, NUM_HEADS, col_l, row_l, num_warps)
             _store_rows(s1, w, sf, ok, j, b, key_len, row_end, out_ptr, stride_out, ROWS_H, ROWS_H, NEXT_N, NUM_HEADS,
