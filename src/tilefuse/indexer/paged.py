@@ -893,6 +893,13 @@ def inputs_layout_key(q, q_sf, kv_cache, weights, context_lens, block_table, sch
             None if indices is None else (indices.stride(), indices.dtype, indices.get_device()))
 
 
+def batch_dims_agree(b: int, rows: int, q_sf, weights, context_lens, block_table, indices) -> bool:
+    """Whether the inputs' batch dims are a call's of ``b`` requests and ``rows`` query rows (the
+    one part of a decode call's shapes that ``inputs_layout_key`` leaves out)."""
+    return (weights.shape[0] == rows and context_lens.shape[0] == b and block_table.shape[0] == b
+            and (q_sf is None or q_sf.shape[0] == b) and (indices is None or indices.shape[0] == b))
+
+
 def _plan_for(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits,
               logits_dtype, indices, out, config, compiling: bool = False) -> _Plan:
     key = None
@@ -909,8 +916,7 @@ def _plan_for(q, q_sf, kv_cache, weights, context_lens, block_table, schedule_me
                 # The batch dims and the output's size against q's batch and max_context_len:
                 # anything else makes the full checks below say what is wrong.
                 rows = b * plan.next_n
-                if (weights.shape[0] == rows and context_lens.shape[0] == b and block_table.shape[0] == b
-                        and (q_sf is None or q_sf.shape[0] == b) and (indices is None or indices.shape[0] == b)
+                if (batch_dims_agree(b, rows, q_sf, weights, context_lens, block_table, indices)
                         and max_context_len < _MAX_RUNTIME_INT
                         and (out is None or (out.shape[0] == rows and out.shape[1] == max_context_len
                                              and (out.stride(0) >= max_context_len or rows <= 1)))):

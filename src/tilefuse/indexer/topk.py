@@ -264,7 +264,7 @@ _PASS_OPTIONS = {"num_warps": 4}
 
 
 # Histograms and counts of the passes across programs: RADIX_LEVELS x 2^RADIX_BITS int32 and one
-# int32 a row, zero between calls (the final merge zeroes what the passes summed), so a buffer
+# int32 a row, zero between calls (the last step zeroes what the passes summed), so a buffer
 # per device and stream is kept for calls of up to _KEPT_ROWS rows (4096: 12 MiB) instead of an
 # allocation and a fill launch per call.
 _HIST_INTS = kern.RADIX_LEVELS << kern.RADIX_BITS
@@ -316,8 +316,9 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     kernel reads them) by a radix select across ``segments`` programs a row: the histograms of
     the keys' top three 8-bit digits (each among the keys sharing the digits above it with the
     row's topk-th key), then every key at or above those 24 bits appended to the row's
-    candidates, then the merge kernel's last step (select, sort, write), which zeroes the
-    histograms and counts (:func:`_take_histograms`). For the decode rows taken whole
+    candidates, then the last step: up to ``_RANK_ROWS`` rows the rank step (:func:`_rank`), else
+    the merge kernel's (select, sort, write); either zeroes the histograms and counts
+    (:func:`_take_histograms`). For the decode rows taken whole
     (:func:`decode_whole_rows`), where one program a row leaves most of the GPU idle. Writes
     ``out`` / ``out_values`` when given; ``partials``: the launches as partial launches by
     launch key, for a caller whose ``next_n``, ``ctx_stride`` and ``topk`` never change (taken
@@ -632,10 +633,11 @@ def _paged_mqa_topk_fake(q, q_sf, kv_cache, weights, context_lens, block_table, 
 @dataclasses.dataclass(frozen=True)
 class _DecodePlan:
     """What the decode op's eager calls over whole rows of one argument layout launch, checked
-    once: the logits op's plan (``paged._launch``), then the passes and the final merge of
-    ``_topk_rows_across_programs`` as partial launches (``partials``, by launch key; a key
-    without one yet launches the ordinary way and makes it). Any batch size and
-    ``max_context_len`` whose rows are taken whole (:func:`decode_whole_rows`) use it."""
+    once: the logits op's plan (``paged._launch``), then the passes and the last step (the rank
+    step or the final merge) of ``_topk_rows_across_programs`` as partial launches
+    (``partials``, by launch key; a key without one yet launches the ordinary way and makes
+    it). Any batch size and ``max_context_len`` whose rows are taken whole
+    (:func:`decode_whole_rows`) use it."""
 
     paged_plan: paged._Plan
     next_n: int
@@ -706,8 +708,7 @@ def _decode_by_plan(q_values, q_sf, kv_cache, weights, context_lens, block_table
     # The batch dims against q's, max_context_len's range, whole rows: else the checked path.
     b = q_values.shape[0]
     rows = b * plan.next_n
-    if not (weights.shape[0] == rows and context_lens.shape[0] == b and block_table.shape[0] == b
-            and (q_sf is None or q_sf.shape[0] == b) and (indices is None or indices.shape[0] == b)
+    if not (paged.batch_dims_agree(b, rows, q_sf, weights, context_lens, block_table, indices)
             and (out is None or out.shape[0] == rows) and max_context_len <= _MAX_POSITION + 1
             and decode_whole_rows(rows, max_context_len, logits_dtype)):
         return key, None
