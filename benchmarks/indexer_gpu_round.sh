@@ -9,7 +9,7 @@
 #     split over processes), the two contract sweeps beside it, then top-k speed
 #   PART=decode: the decode schedule grid beside DeepGEMM; PART=topk: top-k speed
 #   PART=persistent: the persistent decode kernel's GPU tests, then it beside the default and DeepGEMM;
-#     PART=persistent-contract: the decode contract sample and DeepGEMM's paged tests with it asked for
+#     PART=persistent-rank: that and PART=topk-rank together; PART=persistent-contract: the decode contract sample and DeepGEMM's paged tests with it asked for
 #   PART=decode-ab: after a decode kernel change: its GPU tests, a contract sample, the A/B against
 #     $AB_PREV, the schedule grid beside DeepGEMM; PART=decode-profile: the decode GPU tests over
 #     processes, then Nsight Compute on the decode kernels (tilefuse's, DeepGEMM's) at $PROFILE_ROWS
@@ -107,7 +107,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|decode-ab|decode-profile|persistent|persistent-contract|table|host|topk|topk-rank|topk-check|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|decode-ab|decode-profile|persistent|persistent-rank|persistent-contract|table|host|topk|topk-rank|topk-check|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -208,6 +208,30 @@ case "$part" in
       --layers "${LAYERS:-5}" --output "$OUT/paged-sweep-persistent.json" --rows ${DECODE_ROWS:-1x1x8192 \
       1x1x131072 8x1x32768 32x1x4096 64x1x8192 128x1x32768 256x1x8192 64x2x8192 256x2x8192 64x2x32768 \
       256x4x8192 64x1x8192/32}
+    ;;
+  persistent-rank)  # PART=persistent's and PART=topk-rank's tests side by side while DeepGEMM
+    # builds, then (each where its tests passed) the persistent sweep, the few-row top-k and bench topk
+    step tests-topk-rank "${TOPK_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -x \
+      tests/indexer/test_topk.py -k "across or rank or whole_rows" &
+    step tests-persistent "${TESTS_S:-240}" python3 -m pytest -v -p no:cacheprovider -x -o faulthandler_timeout=60 \
+      tests/indexer/test_paged_persistent.py tests/indexer/test_paged_gluon.py -k "persistent or hopper"
+    wait
+    first_failed tests-persistent
+    first_failed tests-topk-rank
+    wait_deepgemm
+    passed() { grep -q " passed" "$LOGS/$1.log" && ! grep -qE "[0-9]+ (failed|error)" "$LOGS/$1.log"; }
+    passed tests-persistent &&
+    step paged-sweep "${SWEEP_S:-220}" python3 benchmarks/paged_sweep.py --grid persistent --samples 8 \
+      --layers "${LAYERS:-5}" --output "$OUT/paged-sweep-persistent.json" --rows ${DECODE_ROWS:-1x1x8192 \
+      1x1x131072 8x1x32768 32x1x4096 64x1x8192 128x1x32768 256x1x8192 64x2x8192 256x2x8192 64x2x32768 \
+      256x4x8192 64x1x8192/32}
+    passed tests-topk-rank &&
+    step topk-across "${ACROSS_S:-90}" python3 benchmarks/topk_across_programs.py \
+      --shapes ${ACROSS_SHAPES:-1x32768 1x131072 8x65536 32x65536} \
+      --output "$OUT/topk-across-programs-rank.json"
+    passed tests-topk-rank &&
+    step bench-topk "${TOPK_S:-120}" python3 -m tilefuse.cli bench topk -o "$OUT/topk-rank.json" --samples 8 \
+      --shapes ${TOPK_SHAPES:-1x1x32768 8x1x131072 32x1x65536 64x1x32768 16x2x32768}
     ;;
   persistent-contract)  # the decode contract (a sample, the large cases) with the persistent kernel
     # asked for everywhere it applies, and DeepGEMM's paged tests under it
