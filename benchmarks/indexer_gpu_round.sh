@@ -97,6 +97,36 @@ host_calls() {  # the decode and prefill eager cost per call, DeepGEMM beside wh
     step host-paged 45 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
     step host-prefill 60 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
 }
+passed() {  # passed STEP: STEP's pytest log has passes and no failure or error (a kernel that
+  # failed its tests, or hung in them, is not timed)
+  grep -q " passed" "$LOGS/$1.log" && ! grep -qE "[0-9]+ (failed|error)" "$LOGS/$1.log"
+}
+persistent_tests() {  # the persistent decode kernel's GPU tests and the Hopper bad-value tests
+  # (-v and the fault handler's timeout: a test that hangs is named, with its stack, in the log)
+  step tests-persistent "${TESTS_S:-240}" python3 -m pytest -v -p no:cacheprovider -x -o faulthandler_timeout=60 \
+    tests/indexer/test_paged_persistent.py tests/indexer/test_paged_gluon.py -k "persistent or hopper"
+}
+persistent_sweep() {  # persistent_sweep SECONDS SAMPLES: where its tests passed, the persistent kernel
+  # beside the default and DeepGEMM at the decode rows, captured calls cycling through $LAYERS
+  # caches (default 5: out of L2, as an engine's layers)
+  passed tests-persistent || return 0
+  step paged-sweep "${SWEEP_S:-$1}" python3 benchmarks/paged_sweep.py --grid persistent --samples "$2" \
+    --layers "${LAYERS:-5}" --output "$OUT/paged-sweep-persistent.json" --rows ${DECODE_ROWS:-1x1x8192 \
+    1x1x131072 8x1x32768 32x1x4096 64x1x8192 128x1x32768 256x1x8192 64x2x8192 256x2x8192 64x2x32768 \
+    256x4x8192 64x1x8192/32}
+}
+rank_tests() {  # rank_tests SECONDS: the top-k GPU tests of the rank step and the rows across programs
+  step tests-topk-rank "$1" python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_topk.py \
+    -k "across or rank or whole_rows"
+}
+rank_timing() {  # rank_timing ACROSS_S TOPK_S SAMPLES ACROSS_SHAPES TOPK_SHAPES: where its tests passed,
+  # the few-row top-k with either last step, then bench topk ($ACROSS_SHAPES / $TOPK_SHAPES override)
+  passed tests-topk-rank || return 0
+  step topk-across "${ACROSS_S:-$1}" python3 benchmarks/topk_across_programs.py --shapes ${ACROSS_SHAPES:-$4} \
+    --output "$OUT/topk-across-programs-rank.json"
+  step bench-topk "${TOPK_S:-$2}" python3 -m tilefuse.cli bench topk -o "$OUT/topk-rank.json" --samples "$3" \
+    --shapes ${TOPK_SHAPES:-$5}
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/summary.txt"
 TMA_SHAPES="${TMA_SHAPES:-64x1x8192 256x1x8192 256x2x8192 32x1x4096}"
 # the rows of the decode table in the paged issue (H64 block 64 fp32 logits)
@@ -195,43 +225,24 @@ case "$part" in
       32x1x4096 32x1x8192 64x1x8192 64x2x8192 256x2x8192}
     ;;
   persistent)  # the persistent decode kernel: its GPU tests (and the bad-value tests of both
-    # Hopper decode kernels) while DeepGEMM builds, then, if they passed, it beside the default and DeepGEMM at the decode rows, captured calls cycling
-    # through $LAYERS caches (default 5: out of L2, as an engine's layers)
-    # (-v and the fault handler's timeout: a test that hangs is named, with its stack, in the log)
-    step tests-persistent "${TESTS_S:-240}" python3 -m pytest -v -p no:cacheprovider -x -o faulthandler_timeout=60 \
-      tests/indexer/test_paged_persistent.py tests/indexer/test_paged_gluon.py -k "persistent or hopper"
+    # Hopper decode kernels) while DeepGEMM builds, then, if they passed, it beside the default and
+    # DeepGEMM at the decode rows
+    persistent_tests
     first_failed tests-persistent
     wait_deepgemm
-    # (a kernel that failed its tests, or hung in them, is not timed)
-    grep -q " passed" "$LOGS/tests-persistent.log" && ! grep -qE "[0-9]+ (failed|error)" "$LOGS/tests-persistent.log" &&
-    step paged-sweep "${SWEEP_S:-300}" python3 benchmarks/paged_sweep.py --grid persistent --samples 10 \
-      --layers "${LAYERS:-5}" --output "$OUT/paged-sweep-persistent.json" --rows ${DECODE_ROWS:-1x1x8192 \
-      1x1x131072 8x1x32768 32x1x4096 64x1x8192 128x1x32768 256x1x8192 64x2x8192 256x2x8192 64x2x32768 \
-      256x4x8192 64x1x8192/32}
+    persistent_sweep 300 10
     ;;
   persistent-rank)  # PART=persistent's and PART=topk-rank's tests side by side while DeepGEMM
-    # builds, then (each where its tests passed) the persistent sweep, the few-row top-k and bench topk
-    step tests-topk-rank "${TOPK_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -x \
-      tests/indexer/test_topk.py -k "across or rank or whole_rows" &
-    step tests-persistent "${TESTS_S:-240}" python3 -m pytest -v -p no:cacheprovider -x -o faulthandler_timeout=60 \
-      tests/indexer/test_paged_persistent.py tests/indexer/test_paged_gluon.py -k "persistent or hopper"
+    # builds, then (each where its tests passed) the persistent sweep, the few-row top-k and bench
+    # topk, with fewer samples and shapes, to fit one call
+    rank_tests "${TOPK_TESTS_S:-200}" &
+    persistent_tests
     wait
     first_failed tests-persistent
     first_failed tests-topk-rank
     wait_deepgemm
-    passed() { grep -q " passed" "$LOGS/$1.log" && ! grep -qE "[0-9]+ (failed|error)" "$LOGS/$1.log"; }
-    passed tests-persistent &&
-    step paged-sweep "${SWEEP_S:-220}" python3 benchmarks/paged_sweep.py --grid persistent --samples 8 \
-      --layers "${LAYERS:-5}" --output "$OUT/paged-sweep-persistent.json" --rows ${DECODE_ROWS:-1x1x8192 \
-      1x1x131072 8x1x32768 32x1x4096 64x1x8192 128x1x32768 256x1x8192 64x2x8192 256x2x8192 64x2x32768 \
-      256x4x8192 64x1x8192/32}
-    passed tests-topk-rank &&
-    step topk-across "${ACROSS_S:-90}" python3 benchmarks/topk_across_programs.py \
-      --shapes ${ACROSS_SHAPES:-1x32768 1x131072 8x65536 32x65536} \
-      --output "$OUT/topk-across-programs-rank.json"
-    passed tests-topk-rank &&
-    step bench-topk "${TOPK_S:-120}" python3 -m tilefuse.cli bench topk -o "$OUT/topk-rank.json" --samples 8 \
-      --shapes ${TOPK_SHAPES:-1x1x32768 8x1x131072 32x1x65536 64x1x32768 16x2x32768}
+    persistent_sweep 220 8
+    rank_timing 90 120 8 "1x32768 1x131072 8x65536 32x65536" "1x1x32768 8x1x131072 32x1x65536 64x1x32768 16x2x32768"
     ;;
   persistent-contract)  # the decode contract (a sample, the large cases) with the persistent kernel
     # asked for everywhere it applies, and DeepGEMM's paged tests under it
@@ -304,16 +315,11 @@ case "$part" in
     ;;
   topk-rank)  # the top-k's rank step: its GPU tests, then the few-row top-k with either last step
     # (one run) and the fused decode rows beside the unfused pairs
-    step tests-topk-rank "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_topk.py \
-      -k "across or rank or whole_rows"
+    rank_tests "${TESTS_S:-150}"
     first_failed tests-topk-rank
     wait_deepgemm  # (bench topk's DeepGEMM pair)
-    grep -q " passed" "$LOGS/tests-topk-rank.log" && ! grep -qE "[0-9]+ (failed|error)" "$LOGS/tests-topk-rank.log" &&
-    step topk-across "${ACROSS_S:-120}" python3 benchmarks/topk_across_programs.py \
-      --shapes ${ACROSS_SHAPES:-1x32768 1x131072 8x65536 8x131072 32x65536 64x32768} \
-      --output "$OUT/topk-across-programs-rank.json" &&
-    step bench-topk "${TOPK_S:-150}" python3 -m tilefuse.cli bench topk -o "$OUT/topk-rank.json" --samples 10 \
-      --shapes ${TOPK_SHAPES:-1x1x32768 8x1x65536 8x1x131072 32x1x65536 64x1x32768 16x2x32768}
+    rank_timing 120 150 10 "1x32768 1x131072 8x65536 8x131072 32x65536 64x32768" \
+      "1x1x32768 8x1x65536 8x1x131072 32x1x65536 64x1x32768 16x2x32768"
     ;;
   topk-check)  # after a top-k change, side by side: its GPU tests ($TOPK_TESTS), the warm-up's
     # no-compile test, its contract sweep (a new sample: $SEED) and the prefill sweep cases in
