@@ -131,11 +131,18 @@ def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("k_top,segments", [(5, 2), (130, 5)])
-def test_rows_across_programs(pattern, k_top, segments, monkeypatch):
+@pytest.mark.parametrize("last_step", ["rank", "merge", "merge-gpu-rows"])
+def test_rows_across_programs(pattern, k_top, segments, last_step, monkeypatch):
     """The radix select across a row's programs: random windows (empty, shorter than topk, past
     the row's end), every tie pattern, blocks of 64 keys dealt over the programs; index for
-    index and value for value with the reference."""
+    index and value for value with the reference. Each last step: the rank step, the final
+    merge (its select starting from the passes' three digits), and the final merge with the
+    GPU's rows a program and digit widths (narrower digits at topk 5: a select from the top)."""
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
+    if last_step != "rank":
+        monkeypatch.setattr(topk, "_RANK_ROWS", 0)
+    if last_step == "merge-gpu-rows":
+        monkeypatch.setattr(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0)
     rows, n = 6, 700
     g = torch.Generator().manual_seed(len(pattern) + 7 * k_top)
     logits = _pattern(pattern, rows, n, g).to(DEVICE)

@@ -150,15 +150,49 @@ def _buffer_piece(cand_rows, p, piece, count, PIECE: tl.constexpr):
 
 
 @triton.jit
-def _select(cand_rows, count, bar, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr, DIGIT: tl.constexpr,
-            PIECE: tl.constexpr):
+def _kth_bins(hist, need, b_idx):
+    """Per row of ``hist [ROWS, BINS]``: the highest bin whose keys, with those of the bins
+    above it, number at least ``need``; the keys in that bin; the keys in the bins above it."""
+    from_top = tl.flip(tl.cumsum(tl.flip(hist, 1), 1), 1)
+    b = tl.max(tl.where(from_top >= need[:, None], b_idx, -1), axis=1)
+    in_b = tl.sum(tl.where(b_idx == b[:, None], hist, 0), axis=1)
+    above = tl.sum(tl.where(b_idx > b[:, None], hist, 0), axis=1)
+    return b, in_b, above
+
+
+@triton.jit
+def _rows_prefix_and_need(hist_rows, topk, DIGITS: tl.constexpr):
+    """From the passes' histograms (``hist_rows [ROWS, 1]``: each row's RADIX_LEVELS x
+    2^RADIX_BITS counts, level d's bins counting the keys that share the digits chosen at the
+    levels above): each row's topk-th key's top DIGITS digits as a signed number, and how many
+    of the keys sharing them belong to the row's top ``topk`` (the keys above those digits all
+    do). A row of fewer than topk keys keeps all: its bins are its lowest. After the last pass,
+    the radix select's state after its first RADIX_LEVELS passes, read instead of counted again."""
+    b_idx = tl.arange(0, _RADIX_BINS)[None, :]
+    hist = tl.load(hist_rows + b_idx)
+    need = tl.minimum(tl.sum(hist, axis=1), topk)
+    b, in_b, above = _kth_bins(hist, need, b_idx)
+    prefix = (b - _RADIX_BINS // 2).to(tl.int64)
+    need -= above
+    for d in tl.static_range(1, DIGITS):
+        b, in_b, above = _kth_bins(tl.load(hist_rows + d * _RADIX_BINS + b_idx), need, b_idx)
+        prefix = (prefix << _RADIX_BITS) | b.to(tl.int64)
+        need -= above
+    return prefix, need
+
+
+@triton.jit
+def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr,
+            DIGIT: tl.constexpr, PIECE: tl.constexpr, START: tl.constexpr):
     """Each row's buffer (its first ``count`` keys) cut to its TOPK largest keys, compacted to
     the buffer's start: ``(count, bar)`` after it. Rows holding TOPK keys or fewer keep them.
 
     Radix select on the int64 keys, DIGIT bits a pass from the top: the histogram of the digit
     over the keys that share the digits chosen so far (``prefix``) names the bin of the
     ``need``-th largest; once that bin holds exactly the ``need`` keys still wanted, every key
-    at or above its lowest possible key is kept (TOPK keys: keys are unique).
+    at or above its lowest possible key is kept (TOPK keys: keys are unique). START > 0: the
+    top START digits are known already (``prefix0``, and ``need0`` of the keys sharing them
+    wanted), so the passes begin at digit START.
 
     The buffer is read PIECE keys a row at a time, in every pass and in the compaction: a
     register tile of the whole buffer (2 W int64 keys and their temporaries) held the program
@@ -171,11 +205,15 @@ def _select(cand_rows, count, bar, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: 
     piece = tl.arange(0, PIECE)
     bins_of_row = tl.arange(0, ROWS)[:, None] * BINS
     b_idx = tl.arange(0, BINS)[None, :]
-    need = tl.where(count > TOPK, TOPK, 0).to(tl.int32)  # 0: the row keeps all it holds
+    if START == 0:
+        need = tl.where(count > TOPK, TOPK, 0).to(tl.int32)  # 0: the row keeps all it holds
+        prefix = tl.zeros([ROWS], tl.int64)  # the chosen digits as a signed number
+    else:
+        need = tl.where(count > TOPK, need0, 0).to(tl.int32)
+        prefix = prefix0
     n_pieces = tl.cdiv(tl.max(tl.where(need > 0, count, 0), axis=0), PIECE)
-    prefix = tl.zeros([ROWS], tl.int64)  # the chosen digits as a signed number
     thr = tl.full([ROWS], EMPTY_KEY + 1, tl.int64)  # keep keys >= thr
-    d = 0
+    d = START
     while (d < PASSES) & (tl.max(need, axis=0) > 0):
         shift = TOP_SHIFT - d * DIGIT
         shift = tl.maximum(shift, 0)
@@ -193,11 +231,7 @@ def _select(cand_rows, count, bar, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: 
             live = in_prefix & (need[:, None] > 0)
             hist += tl.reshape(tl.histogram(tl.reshape(bins_of_row + digit, [ROWS * PIECE]), ROWS * BINS,
                                             mask=tl.reshape(live, [ROWS * PIECE])), [ROWS, BINS])
-        # Keys in bins >= b, counted from the top: the bin where that reaches need.
-        from_top = tl.flip(tl.cumsum(tl.flip(hist, 1), 1), 1)
-        b = tl.max(tl.where(from_top >= need[:, None], b_idx, -1), axis=1)
-        in_b = tl.sum(tl.where(b_idx == b[:, None], hist, 0), axis=1)
-        above = tl.sum(tl.where(b_idx > b[:, None], hist, 0), axis=1)
+        b, in_b, above = _kth_bins(hist, need, b_idx)
         active = need > 0
         if d == 0:
             chosen = (b - BINS // 2).to(tl.int64)
@@ -314,9 +348,15 @@ def topk_merge_chunk_kernel(
         tl.store(cand_rows + (count[:, None] + tl.cumsum(taken, axis=1) - 1), keys, mask=above)
         count += tl.sum(taken, axis=1)
         if tl.max(count, axis=0) > CAP - BLOCK:
-            count, bar = _select(cand_rows, count, bar, TOPK, ROWS, CAP, DIGIT, PIECE)
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, DIGIT, PIECE, 0)
     if FINAL:
-        count, bar = _select(cand_rows, count, bar, TOPK, ROWS, CAP, DIGIT, PIECE)
+        if RESET and DIGIT == _RADIX_BITS:
+            # After the passes: their histograms hold the select's first RADIX_LEVELS digits.
+            hist_rows = hist_ptr + row[:, None] * (_RADIX_LEVELS * _RADIX_BINS)
+            prefix0, need0 = _rows_prefix_and_need(hist_rows, TOPK, _RADIX_LEVELS)
+            count, bar = _select(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, DIGIT, PIECE, _RADIX_LEVELS)
+        else:
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, DIGIT, PIECE, 0)
         _write_sorted(cand_rows, count, live, idx_ptr + row[:, None] * stride_i, val_ptr + row[:, None] * stride_v,
                       TOPK, W, LOG_W, ROWS, WRITE_VALUES)
         if RESET:
@@ -334,33 +374,6 @@ def topk_merge_chunk_kernel(
 # ---------------------------------------------------------------------------------------
 # Rows split over programs: a radix select across the programs of a row
 # ---------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _bin_of_kth(counts, need):
-    """The highest bin whose keys, with those of the bins above it, number at least ``need``;
-    and how many keys the bins above it hold."""
-    idx = tl.arange(0, _RADIX_BINS)
-    from_top = tl.flip(tl.cumsum(tl.flip(counts, 0), 0), 0)
-    b = tl.max(tl.where(from_top >= need, idx, -1), axis=0)
-    return b, tl.sum(tl.where(idx > b, counts, 0), axis=0)
-
-
-@triton.jit
-def _row_prefix(hist_row, topk, DIGITS: tl.constexpr):
-    """The top ``DIGITS`` digits of the row's topk-th key, as a signed number, from the row's
-    histograms (``hist_row``: level d's bins count the keys that share the digits chosen at the
-    levels above). A row of fewer than topk keys keeps all: its bins are its lowest."""
-    idx = tl.arange(0, _RADIX_BINS)
-    first = tl.load(hist_row + idx)
-    need = tl.minimum(tl.sum(first, axis=0), topk)
-    b, above = _bin_of_kth(first, need)
-    prefix = (b - _RADIX_BINS // 2).to(tl.int64)
-    for d in tl.static_range(1, DIGITS):
-        need -= above
-        b, above = _bin_of_kth(tl.load(hist_row + d * _RADIX_BINS + idx), need)
-        prefix = (prefix << _RADIX_BITS) | b.to(tl.int64)
-    return prefix
 
 
 @triton.jit(do_not_specialize=["stride_l", "n_keys", "next_n", "ctx_stride", "segments", "stride_c", "topk"])
@@ -388,7 +401,8 @@ def topk_rows_pass_kernel(
     col = tl.arange(0, BLOCK)
     SHIFT: tl.constexpr = 64 - (PASS + 1) * _RADIX_BITS  # this pass's digit (PASS < RADIX_LEVELS)
     if PASS > 0:
-        prefix = _row_prefix(hist_row, topk, PASS)
+        prefix, _ = _rows_prefix_and_need(hist_row + tl.zeros([1, 1], tl.int64), topk, PASS)
+        prefix = tl.sum(prefix, axis=0)  # (one row)
     local = tl.zeros([_RADIX_BINS], tl.int32)
     # Counted in blocks from the window's start, positions in int64: no bound passes int32.
     for i in range(seg, tl.cdiv(end - start, BLOCK), segments):
@@ -465,8 +479,9 @@ def topk_rank_kernel(
     elif p == 0:
         rows_count = tl.full([1], 0, tl.int32) + count
         cand_rows = cand_row + tl.zeros([1], tl.int64)[:, None]
-        rows_count, _ = _select(cand_rows, rows_count, tl.full([1], EMPTY_KEY, tl.int64), TOPK, 1, 2 * W, DIGIT,
-                                PIECE)
+        # (from the top digit: the row's last program may zero the histograms meanwhile)
+        no_bar = tl.full([1], EMPTY_KEY, tl.int64)
+        rows_count, _ = _select(cand_rows, rows_count, no_bar, no_bar, rows_count, TOPK, 1, 2 * W, DIGIT, PIECE, 0)
         _write_sorted(cand_rows, rows_count, tl.full([1], 1, tl.int1), idx_row + tl.zeros([1, 1], tl.int64),
                       val_row + tl.zeros([1, 1], tl.int64), TOPK, W, LOG_W, 1, WRITE_VALUES)
     if word // _RANK_ARRIVAL == tl.num_programs(1) - 1:

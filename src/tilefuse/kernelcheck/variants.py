@@ -813,6 +813,26 @@ def topk_merge_variants() -> list[Variant]:
     for k in (16, 40, 100, 512):
         for first, final, chunk in chunks:
             one(k, 300, topk.kern.WIN_PREFILL, first, final, chunk, values=final)
+
+    # The last step after the passes across programs (more rows than the rank step takes): the
+    # select starts from the passes' histograms (RESET).
+    passes = f"{topk.kern.__name__}:topk_rows_pass_kernel"
+    for k, mode, dtype, values in ((2048, topk.kern.WIN_DECODE_1D, torch.float32, False),
+                                   (2048, topk.kern.WIN_DECODE_2D, torch.float32, True),
+                                   (2048, topk.kern.WIN_DECODE_1D, torch.bfloat16, True),
+                                   (16, topk.kern.WIN_DECODE_1D, torch.float32, False)):
+        rows, next_n = 2 * (topk._RANK_ROWS + 1), 2
+        win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
+        logits = torch.empty(rows, 5000, dtype=dtype)
+        with tracing(path, passes) as launches, mock.patch.object(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0):
+            topk._topk_rows_across_programs(logits, win, win, k, mode, next_n,
+                                            win.stride(0) if win.dim() == 2 else 1, values=values)
+        (launch,) = [x for x in launches if x.function == path]
+        c = launch.arguments
+        extras = [x for x, on in ((f"logits={_short(dtype)}", dtype != torch.float32), ("values", values)) if on]
+        name = (f"k{k} W{c['W']} rows{c['ROWS']} {modes[mode]} after-passes w{launch.options['num_warps']}"
+                + "".join(" " + x for x in extras))
+        out.append(variant_of(launch, "indexer.topk_merge", name))
     return _unique(out)
 
 
