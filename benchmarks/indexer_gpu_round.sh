@@ -22,6 +22,7 @@
 #     prefill eager cost beside DeepGEMM; PART=dgtests: DeepGEMM's own tests, 200 cases each ($DG_SHARD);
 #     PART=pick: the GPU tests named in $PICK; PART=probe: the warp-specialised decode key-loop probe; PART=bf16: the prefill bf16-logits and D 64 rows, Triton and Gluon loops, beside DeepGEMM
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
+#   PART=topk-decode-ab: the decode top-k of $AB_PREV against this tree (after a last-step change);
 #   PART=topk-parts: the top-k merge kernel's time taken apart; PART=topk-sweep: the top-k contract sweep;
 #   PART=topk-check: the top-k GPU tests, warm-up count and contract sweep side by side (DeepGEMM builds meanwhile);
 #     PART=topk-across: the top-k of few rows across programs against torch.topk; PART=topk-rank: its
@@ -320,6 +321,13 @@ case "$part" in
     wait_deepgemm  # (bench topk's DeepGEMM pair)
     rank_timing 120 150 10 "1x32768 1x131072 8x65536 8x131072 32x65536 64x32768" \
       "1x1x32768 8x1x65536 8x1x131072 32x1x65536 64x1x32768 16x2x32768"
+    ;;
+  topk-decode-ab)  # after a change to the decode top-k's last steps: the top-k GPU tests of the rows
+    # across programs, then the fused decode top-k of $AB_PREV (a src tree) and this tree, alternating
+    rank_tests "${TESTS_S:-150}"
+    first_failed tests-topk-rank
+    passed tests-topk-rank && step topk-decode-ab "${AB_S:-240}" python3 benchmarks/prefill_ab.py \
+      "${AB_PREV:-.ab/prev}" . --op paged-topk --rounds "${AB_ROUNDS:-2}" --output "$OUT/topk-decode-ab.json"
     ;;
   topk-check)  # after a top-k change, side by side: its GPU tests ($TOPK_TESTS), the warm-up's
     # no-compile test, its contract sweep (a new sample: $SEED) and the prefill sweep cases in

@@ -6,7 +6,8 @@ shape's time is the median over rounds of the per-round medians. FP8, H64 D128, 
 windows, clean logits; a CUDA graph of 5 calls per sample. ``--op topk``: the fused prefill
 top-k (``fp8_fp4_mqa_topk``, k 2048) at ``TOPK_SHAPES`` instead; ``--op paged``: the decode
 logits (``fp8_fp4_paged_mqa_logits``, default config, 64-token pages, 2-D lengths uniform in
-0.7-1.3 of the mean, no clean) at ``PAGED_SHAPES``.
+0.7-1.3 of the mean, no clean) at ``PAGED_SHAPES``; ``--op paged-topk``: the fused decode top-k
+(``fp8_fp4_paged_mqa_topk``, k 2048, fp32 logits) over the same caches at ``PAGED_TOPK_SHAPES``.
 
     python benchmarks/prefill_ab.py TREE [TREE ...] [--rounds 3] [--op topk|paged] [--output ab.json]
 """
@@ -32,12 +33,15 @@ PAGED_SHAPES = [  # (B, next_n, mean context)
     (64, 2, 8192), (256, 2, 8192), (64, 2, 32768), (256, 4, 8192),
 ]
 
+PAGED_TOPK_SHAPES = [(1, 1, 32768), (8, 1, 65536), (32, 1, 65536), (64, 1, 32768), (128, 1, 16384),
+                     (256, 1, 8192), (64, 2, 32768)]
+
 _CHILD = r"""
 import json, sys, torch, tilefuse
 shapes, op = json.loads(sys.argv[1]), sys.argv[2]
 g = torch.Generator(device="cuda").manual_seed(0)
 res = {}
-if op == "paged":
+if op in ("paged", "paged-topk"):
     from tilefuse import formats
     from tilefuse.indexer.paged import make_paged_kv_cache
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -52,7 +56,10 @@ if op == "paged":
         w = torch.randn(b * n, 64, device="cuda", generator=g)
         meta = tilefuse.get_paged_mqa_logits_metadata(ctx, 64, sms)
         width = int(ctx.max())
-        fn = lambda: tilefuse.fp8_fp4_paged_mqa_logits(qd, cache, w, ctx, table, meta, width)
+        if op == "paged-topk":
+            fn = lambda: tilefuse.fp8_fp4_paged_mqa_topk(qd, cache, w, ctx, table, meta, width, 2048)
+        else:
+            fn = lambda: tilefuse.fp8_fp4_paged_mqa_logits(qd, cache, w, ctx, table, meta, width)
         shapes_done = f"B{b} n{n} ctx{mean}"
         for _ in range(3):
             fn()
@@ -116,10 +123,10 @@ def main() -> int:
     ap.add_argument("trees", nargs="+")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shapes", type=int, default=None, help="time the first N shapes only")
-    ap.add_argument("--op", choices=("logits", "topk", "paged"), default="logits")
+    ap.add_argument("--op", choices=("logits", "topk", "paged", "paged-topk"), default="logits")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
-    shapes = {"topk": TOPK_SHAPES, "paged": PAGED_SHAPES}.get(a.op, SHAPES)[:a.shapes]
+    shapes = {"topk": TOPK_SHAPES, "paged": PAGED_SHAPES, "paged-topk": PAGED_TOPK_SHAPES}.get(a.op, SHAPES)[:a.shapes]
     per_round: dict[str, list[dict]] = {t: [] for t in a.trees}
     for r in range(a.rounds):
         order = a.trees[r % len(a.trees):] + a.trees[:r % len(a.trees)]
