@@ -281,8 +281,11 @@ def test_persistent_kernel_over_many_requests(ctx_2d, split, poisoned, ws_launch
 @pytest.mark.gpu
 @on_hopper
 def test_persistent_kernel_replays_in_a_graph_with_new_lengths(ws_launches):
-    """Captured once, replayed after the lengths (and so every program's share) changed in place."""
-    case = Case("fp8", lens=(4000, 100, 0, 2500), next_n=1, h=64, d=128, block_kv=64, seed=12)
+    """Captured once, replayed after the lengths (and so every program's share) changed in place.
+    The cache and table hold 4000 keys a request (a table entry past a request's length points
+    at a poisoned page: the lengths of every call stay within the pages the table holds)."""
+    case = Case("fp8", lens=(4000, 4000, 4000, 4000), next_n=1, h=64, d=128, block_kv=64, seed=12)
+    case.ctx.copy_(torch.tensor((4000, 100, 0, 2500), dtype=torch.int32))
     cfg = _config(1, 64, 128, 64)
     out = torch.empty(4, case.max_context_len, device=DEVICE)
     case.run(clean=True, config=cfg, out=out)
