@@ -8,9 +8,7 @@ their values against ``torch.topk``'s before timing.
 
 (512 x 32768 is one row block of the prefill op at 32K keys: there the rows fill the GPU, and
 the question is whether three histogram passes, a compaction and one short select beat the
-merge's scan and selects per key.) "across programs, merge last" is the same with the merge's
-select and sort as the last step where the rank step is the default (up to ``topk._RANK_ROWS``
-rows): the two last steps in one run.
+merge's scan and selects per key.)
 """
 
 from __future__ import annotations
@@ -39,16 +37,6 @@ def one_program_a_row(logits, ks, ke, k: int):
     return out
 
 
-def across_with_the_merge(logits, ks, ke, k: int):
-    """The top-k across programs with the merge's one program a row as its last step at any
-    row count (no rank step), for the same run."""
-    rank_rows, T._RANK_ROWS = T._RANK_ROWS, 0
-    try:
-        return T._topk_rows_across_programs(logits, ks, ke, k)
-    finally:
-        T._RANK_ROWS = rank_rows
-
-
 def run(rows: int, n: int, k: int, samples: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(rows * 7 + n)
     logits = torch.randn(rows, n, generator=g, device="cuda")
@@ -58,14 +46,11 @@ def run(rows: int, n: int, k: int, samples: int) -> dict:
     merged = one_program_a_row(logits, ks, ke, k)
     ref = torch.topk(logits, k, dim=1).values
     assert torch.equal(across, merged), "across programs != one program a row"
-    assert torch.equal(across_with_the_merge(logits, ks, ke, k)[0], merged), "last steps differ"
     assert torch.equal(logits.gather(1, across.long()), ref), "values differ from torch.topk's"
     fns = {
         "torch.topk": lambda: torch.topk(logits, k, dim=1),
         "torch.topk unsorted": lambda: torch.topk(logits, k, dim=1, sorted=False),
         "across programs": lambda: T._topk_rows_across_programs(logits, ks, ke, k),
-        # (the same at rows where the rank step is the default: the merge's last step instead)
-        "across programs, merge last": lambda: across_with_the_merge(logits, ks, ke, k),
         "one program a row": lambda: one_program_a_row(logits, ks, ke, k),
     }
     stats = measure(fns, samples=samples)

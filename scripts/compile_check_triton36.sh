@@ -11,7 +11,7 @@ if [ ! -f "$site/triton/__init__.py" ]; then
   "$PY" -m pip install -q --no-deps --target "$site" triton==3.6.0
 fi
 kernels=("$@")
-[ ${#kernels[@]} -gt 0 ] || kernels=(indexer.topk_merge indexer.topk_rows_pass indexer.topk_rank indexer.paged_persistent)
+[ ${#kernels[@]} -gt 0 ] || kernels=(indexer.topk_merge indexer.topk_rows_pass indexer.paged_persistent)
 for kernel in "${kernels[@]}"; do
   PYTHONPATH="$site:$PWD/src" "$PY" -m tilefuse.cli kernels --kernel "$kernel" --target sm_90a --no-sass \
     --compile-timeout 120 --compile-only --failures-only -q

@@ -131,17 +131,15 @@ def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("k_top,segments", [(5, 2), (130, 5)])
-@pytest.mark.parametrize("last_step", ["rank", "merge", "merge-gpu-rows"])
-def test_rows_across_programs(pattern, k_top, segments, last_step, monkeypatch):
+@pytest.mark.parametrize("rows_a_program", ["interpreter", "gpu"])
+def test_rows_across_programs(pattern, k_top, segments, rows_a_program, monkeypatch):
     """The radix select across a row's programs: random windows (empty, shorter than topk, past
     the row's end), every tie pattern, blocks of 64 keys dealt over the programs; index for
-    index and value for value with the reference. Each last step: the rank step, the final
-    merge (its select starting from the passes' three digits), and the final merge with the
-    GPU's rows a program and digit widths (narrower digits at topk 5: a select from the top)."""
+    index and value for value with the reference. The last step's select starts from the
+    passes' three digits; with the GPU's rows a program and digit widths too (narrower digits
+    at topk 5: a select from the top)."""
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
-    if last_step != "rank":
-        monkeypatch.setattr(topk, "_RANK_ROWS", 0)
-    if last_step == "merge-gpu-rows":
+    if rows_a_program == "gpu":
         monkeypatch.setattr(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0)
     rows, n = 6, 700
     g = torch.Generator().manual_seed(len(pattern) + 7 * k_top)
@@ -155,13 +153,11 @@ def test_rows_across_programs(pattern, k_top, segments, last_step, monkeypatch):
     assert _equal(val, ref_val)
 
 
-@pytest.mark.parametrize("rank_rows", [0, 64])
-def test_rank_step_over_ties_past_its_slots(rank_rows, monkeypatch):
-    """The rank step (and the final merge it replaces): a row whose candidates outnumber the
-    step's 2 W slots (every key tied: the select's fallback), a row of random keys, one shorter
-    than topk, an empty one; the kept counts and histograms zero afterwards."""
+def test_rows_across_programs_over_ties_past_their_buffer(monkeypatch):
+    """The last step after the passes: a row whose candidates outnumber its 2 W slots (every
+    key tied with its topk-th), a row of random keys, one shorter than topk, an empty one; the
+    kept counts and histograms zero afterwards."""
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
-    monkeypatch.setattr(topk, "_RANK_ROWS", rank_rows)
     monkeypatch.setattr(topk, "_kept_histograms", {})
     n, k_top = 700, 130  # W 256: 512 slots a row
     g = torch.Generator().manual_seed(81)
@@ -174,25 +170,6 @@ def test_rank_step_over_ties_past_its_slots(rank_rows, monkeypatch):
     assert _equal(val, ref_val)
     (kept,) = topk._kept_histograms.values()
     assert not kept.hist.any() and not kept.counts.any()
-
-
-def test_rank_step_only_up_to_its_widest_state(record_launches, monkeypatch):
-    """Past ``_RANK_MAX_W`` (a row's programs would not fit the count word's arrival bits) the
-    final merge runs, and the kept counts and histograms are zero after each of two calls."""
-    monkeypatch.setattr(topk, "_kept_histograms", {})
-    ranks = record_launches(kern, "topk_rank_kernel")
-    k_top = topk._RANK_MAX_W + 1
-    n = k_top + 900
-    g = torch.Generator().manual_seed(82)
-    for _ in range(2):
-        logits = _pattern("random", 2, n, g).to(DEVICE)
-        ks = torch.zeros(2, dtype=torch.int32, device=DEVICE)
-        ke = torch.tensor([n, k_top - 3], dtype=torch.int32, device=DEVICE)
-        idx, _ = topk._topk_rows_across_programs(logits, ks, ke, k_top, segments=2)
-        assert torch.equal(idx, R.topk_of_logits(logits, R.window_mask(ks, ke, n), k_top)[0])
-        (kept,) = topk._kept_histograms.values()
-        assert not kept.hist.any() and not kept.counts.any()
-    assert ranks == []
 
 
 @pytest.mark.parametrize("ctx_2d", [False, True])
@@ -518,29 +495,24 @@ def test_decode_bf16_logits_and_rerun():
     assert torch.equal(tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 32, torch.bfloat16, varlen, chunk_k=64), first)
 
 
-@pytest.mark.parametrize("final", ["rank", "merge"])
 @pytest.mark.parametrize("fmt,ctx_2d,logits_dtype", [("fp8", False, torch.float32), ("mxfp4", True, torch.bfloat16)])
-def test_decode_whole_rows(fmt, ctx_2d, logits_dtype, final, record_launches, monkeypatch):
+def test_decode_whole_rows(fmt, ctx_2d, logits_dtype, record_launches, monkeypatch):
     """The default for few rows: one logits launch over whole rows, then the top-k across each
     row's programs (four passes over every row, blocks of 64 keys dealt over 6 programs a row)
-    and the rank step (up to ``_RANK_ROWS`` rows) or one final merge; ties (repeated keys), a
-    zero-length request, lengths past topk and below it."""
+    and one final merge; ties (repeated keys), a zero-length request, lengths past topk and
+    below it."""
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
     monkeypatch.setattr(topk, "_ACROSS_MIN_SEGMENT", 128)
-    if final == "merge":
-        monkeypatch.setattr(topk, "_RANK_ROWS", 0)
     case = PagedCase(fmt, lens=(700, 0, 129, 33), next_n=2, ctx_2d=ctx_2d, seed=50 + len(fmt) + ctx_2d,
                      extra_cols=64, distinct_keys=40)
     rows = case.w.shape[0]
     assert topk.decode_whole_rows(rows, case.max_context_len, logits_dtype)
     passes = record_launches(kern, "topk_rows_pass_kernel")
     merges = record_launches(kern, "topk_merge_chunk_kernel")
-    ranks = record_launches(kern, "topk_rank_kernel")
     case.check(48, chunk_k=None, logits_dtype=logits_dtype)
     segments = topk.cdiv(case.max_context_len, 128)
     assert segments == 6 and passes == [(rows, segments)] * (kern.RADIX_LEVELS + 1)
-    # (48 -> W 64: a row's 128 slots over programs of 32 at one warp)
-    assert (ranks, len(merges)) == (([(rows, 4)], 0) if final == "rank" else ([], 1))
+    assert len(merges) == 1
     idx = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 48, logits_dtype, chunk_k=case.block_kv)
     assert torch.equal(idx, case.check(48, chunk_k=None, logits_dtype=logits_dtype))  # chunks agree
 
@@ -626,11 +598,10 @@ def _spied(real, before):
     return Spy()
 
 
-@pytest.mark.parametrize("final", ["rank", "merge"])
 @pytest.mark.parametrize("fmt,ctx_2d", [("fp8", False), ("mxfp4", True)])
-def test_decode_whole_rows_leave_the_kept_histograms_zero(fmt, ctx_2d, final, monkeypatch):
+def test_decode_whole_rows_leave_the_kept_histograms_zero(fmt, ctx_2d, monkeypatch):
     """The passes' histograms and counts come from a buffer kept per device and stream, which
-    the last step (the rank step or the final merge) zeroes for every row (an empty request,
+    the last step (the final merge) zeroes for every row (an empty request,
     rows shorter than topk and longer): filled when it starts, zeros after each call, and the
     next call on it right. A call of more rows than the buffer holds takes a zeroed buffer of
     its own and leaves the kept one."""
@@ -640,10 +611,8 @@ def test_decode_whole_rows_leave_the_kept_histograms_zero(fmt, ctx_2d, final, mo
     monkeypatch.setattr(topk, "_ACROSS_MIN_SEGMENT", 64)
     monkeypatch.setattr(topk, "_KEPT_ROWS", 8)
     monkeypatch.setattr(topk, "_kept_histograms", {})
-    if final == "merge":
-        monkeypatch.setattr(topk, "_RANK_ROWS", 0)
     at_merge = []  # (histograms, counts) as the last step found them
-    real = kern.topk_rank_kernel if final == "rank" else kern.topk_merge_chunk_kernel
+    real = kern.topk_merge_chunk_kernel
     spy = _spied(real, lambda kw: at_merge.append((kw["hist_ptr"].clone(), kw["count_ptr"].clone())))
     with _jit.redirected(real, spy):
         kept = None
@@ -662,22 +631,19 @@ def test_decode_whole_rows_leave_the_kept_histograms_zero(fmt, ctx_2d, final, mo
     assert list(topk._kept_histograms.values()) == [kept] and not kept.hist.any() and not kept.counts.any()
 
 
-@pytest.mark.parametrize("failing", ["pass", "rank", "merge"])
+@pytest.mark.parametrize("failing", ["pass", "merge"])
 def test_decode_whole_rows_failure_between_launches(failing, monkeypatch):
-    """A launch that raises after the passes have summed into the kept buffer (the third pass,
-    the rank step or the merge) leaves the buffer out: the next call takes a zeroed one and is
+    """A launch that raises after the passes have summed into the kept buffer (the third pass
+    or the merge) leaves the buffer out: the next call takes a zeroed one and is
     right."""
     from tilefuse import _jit
 
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
     monkeypatch.setattr(topk, "_kept_histograms", {})
-    if failing == "merge":
-        monkeypatch.setattr(topk, "_RANK_ROWS", 0)
     case = PagedCase("fp8", lens=(200, 0, 17), next_n=2, seed=73)
     case.check(48, chunk_k=None)
     (first,) = topk._kept_histograms.values()
-    real = {"pass": kern.topk_rows_pass_kernel, "rank": kern.topk_rank_kernel,
-            "merge": kern.topk_merge_chunk_kernel}[failing]
+    real = {"pass": kern.topk_rows_pass_kernel, "merge": kern.topk_merge_chunk_kernel}[failing]
 
     def fail(kw):
         if failing != "pass" or kw["PASS"] == 2:

@@ -116,9 +116,9 @@ def test_topk_warmup_runs_every_merge_variant(monkeypatch):
 
 
 @pytest.mark.parametrize("next_n", [1, 3])
-def test_topk_warmup_runs_both_last_steps_of_whole_rows(next_n, monkeypatch):
-    """Decode rows taken whole end in the rank step (at most ``_RANK_ROWS`` rows) or in the final
-    merge: the warm-up runs each, with and without values, over both length layouts."""
+def test_topk_warmup_runs_the_last_step_of_whole_rows(next_n, monkeypatch):
+    """Decode rows taken whole end in the final merge (its select from the passes' digits): the
+    warm-up runs it with and without values, over both length layouts."""
     from tilefuse import _jit
     from tilefuse.indexer import _topk_kernel as kern
     from tilefuse.indexer import topk as topk_op
@@ -134,14 +134,12 @@ def test_topk_warmup_runs_both_last_steps_of_whole_rows(next_n, monkeypatch):
                 return launch
         return Spy()
 
-    rank, merge = kern.topk_rank_kernel, kern.topk_merge_chunk_kernel
-    with _jit.redirected(rank, spy_of(rank, lambda kw: ("rank", kw["WRITE_VALUES"]))), \
-            _jit.redirected(merge, spy_of(merge, lambda kw: ("merge", kw["MODE"], kw["WRITE_VALUES"], kw["RESET"]))):
+    merge = kern.topk_merge_chunk_kernel
+    with _jit.redirected(merge, spy_of(merge, lambda kw: ("merge", kw["MODE"], kw["WRITE_VALUES"], kw["RESET"]))):
         for call in topk_op.warmup_calls("fp8", 8, 64, 48, torch.float32, torch.float32, DEVICE, 32, next_n,
                                          prefill_calls=False)["decode_topk"]:
             call()
     modes = (kern.WIN_DECODE_1D, kern.WIN_DECODE_2D)
-    assert {("rank", v) for v in (False, True)} <= seen
     assert {("merge", m, v, True) for m in modes for v in (False, True)} <= seen
 
 

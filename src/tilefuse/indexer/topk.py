@@ -29,10 +29,8 @@ Decode rows few and short enough (:func:`decode_whole_rows`: their logits and ca
 within 96 MiB) are taken whole instead: one logits launch over the rows' lengths, then each
 row's top-k split over several programs (``_topk_rows_across_programs``: digit histograms summed
 by atomics, the keys at or above the topk-th key's top 24 bits appended to the row's
-candidates; then, up to ``_RANK_ROWS`` rows, each candidate's rank among the row's counted by
-many programs a row and the candidate written at that slot, else the merge kernel's select and
-sort), so that a batch of a few requests fills the GPU; the workspace is bounded by that limit
-rather than by the chunk.
+candidates; then the merge kernel's select, from those 24 bits on, and sort), so that a batch of
+a few requests fills the GPU; the workspace is bounded by that limit rather than by the chunk.
 
 The result is always sorted: the one sort a row is a small part of the work (an unsorted
 variant is not offered).
@@ -316,9 +314,9 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     kernel reads them) by a radix select across ``segments`` programs a row: the histograms of
     the keys' top three 8-bit digits (each among the keys sharing the digits above it with the
     row's topk-th key), then every key at or above those 24 bits appended to the row's
-    candidates, then the last step: up to ``_RANK_ROWS`` rows the rank step (:func:`_rank`), else
-    the merge kernel's (select, sort, write); either zeroes the histograms and counts
-    (:func:`_take_histograms`). For the decode rows taken whole
+    candidates, then the merge kernel's last step (a select from those 24 bits on, a sort, the
+    writes), which zeroes the histograms and counts (:func:`_take_histograms`). For the decode
+    rows taken whole
     (:func:`decode_whole_rows`), where one program a row leaves most of the GPU idle. Writes
     ``out`` / ``out_values`` when given; ``partials``: the launches as partial launches by
     launch key, for a caller whose ``next_n``, ``ctx_stride`` and ``topk`` never change (taken
@@ -353,57 +351,13 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
                                         live=(0, 1, 2, 3, 4, 7, 8, 9, 10, 11), live_grid=(10, 5))
             if fast is not None:
                 partials[key] = fast
-    if rows <= _RANK_ROWS and _MIN_KEYS_PER_PROGRAM <= state_width(topk) <= _RANK_MAX_W and n_keys < _RANK_MAX_KEYS:
-        _rank(candidates, counts, hist, out, out_values, topk, partials)
-    else:
-        # The last step reads a bar a row and uses it only after a scan, which it has none of
-        # here: any int64 memory of a row each does (no allocation on the call's path).
-        bars = candidates
-        _merge(logits, bars, candidates, counts, 0, 0, win_a, win_b, n_keys, n_keys, next_n, ctx_stride, 0, out,
-               out_values, topk, mode, first=False, final=True, hist=hist, partials=partials)
+    # The last step reads a bar a row and uses it only after a scan, which it has none of here:
+    # any int64 memory of a row each does (no allocation on the call's path).
+    bars = candidates
+    _merge(logits, bars, candidates, counts, 0, 0, win_a, win_b, n_keys, n_keys, next_n, ctx_stride, 0, out,
+           out_values, topk, mode, first=False, final=True, hist=hist, partials=partials)
     _put_back_histograms(kept)
     return out, out_values
-
-
-# The rank step (``topk_rank_kernel``) instead of the merge's select and sort at up to this many
-# rows: it spreads a row's last step over 2 W / 256 programs where the merge runs one program a
-# row, but counts every pair of a row's candidates (~topk^2 compares: ~65 us of one SM a row at
-# topk 2048), so with more rows than SMs / 4 the merge's one program a row is the cheaper (a
-# prediction: benchmarks/NOTES.md). Its programs a row arrive in bits 24-30 of the row's count
-# word (at most 128: W <= 16384; rows of 2^24 keys or more take the merge), and from W = 4096
-# the fallback's select and sort in the same kernel set 78-220 registers for every program, so
-# it stops at W = 4096. A thread reads the other candidates 8 at a time: 63 registers, four
-# programs an SM (16 at a time: 77, three).
-_RANK_ROWS = 32
-_RANK_MAX_W = 4096
-_RANK_BLOCK_J = 8
-_RANK_MAX_KEYS = 1 << kern.RANK_ARRIVAL_SHIFT
-_rank_launch = Launcher(kern.topk_rank_kernel)
-
-
-def _rank(candidates, counts, hist, out, values, topk: int, partials: dict | None) -> None:
-    """The rows' candidates after the passes ranked into ``out`` (and ``values``); their counts
-    and histograms zeroed."""
-    rows, w = out.shape[0], state_width(topk)
-    warps = max(1, min(8, w // 256))
-    block_i = min(2 * w, 32 * warps)  # a candidate a thread
-    vals = out if values is None else values
-    consts = (topk, w, w.bit_length() - 1, block_i, _RANK_BLOCK_J, values is not None, 8,
-              min(2 * w, _SELECT_PIECE_KEYS))
-    key = (consts, warps, vals.dtype, _aligned(candidates, counts, hist, out, vals))
-    grid = (rows, 2 * w // block_i)
-    stride_v = 0 if values is None else values.stride(0)
-    fast = partials.get(key) if partials is not None else None
-    if fast is not None and fast(candidates, candidates.stride(0), counts, hist, out, out.stride(0), vals, stride_v,
-                                 *grid):
-        return
-    args = (candidates, candidates.stride(0), counts, hist, out, out.stride(0), vals, stride_v, *consts)
-    options = {"num_warps": warps}
-    _rank_launch(key, grid, args, options)
-    if partials is not None and fast is None:
-        fast = _rank_launch.partial(key, grid, args, options, live=(0, 1, 2, 3, 4, 5, 6, 7), live_grid=(8, 9))
-        if fast is not None:
-            partials[key] = fast
 
 
 def _chunks(n_keys: int, chunk_k: int) -> list[tuple[int, int]]:
@@ -882,10 +836,7 @@ def _decode_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype, 
         return run
 
     calls = [call(ctx_2d, chunks, values) for ctx_2d in (False, True) for chunks in (1, 3) for values in (False, True)]
-    # Whole rows end in the rank step up to _RANK_ROWS rows, in the final merge above.
-    many = _RANK_ROWS // next_n + 1
-    calls += [call(ctx_2d, 3, values, whole=True, batch=batch) for ctx_2d in (False, True) for values in (False, True)
-              for batch in (2, many)]
+    calls += [call(ctx_2d, 3, values, whole=True, batch=2) for ctx_2d in (False, True) for values in (False, True)]
     if next_n == 1:
         calls += [call(False, 1, with_indices=True), call(False, 3, with_indices=True, whole=True)]
     return calls

@@ -814,14 +814,14 @@ def topk_merge_variants() -> list[Variant]:
         for first, final, chunk in chunks:
             one(k, 300, topk.kern.WIN_PREFILL, first, final, chunk, values=final)
 
-    # The last step after the passes across programs (more rows than the rank step takes): the
-    # select starts from the passes' histograms (RESET).
+    # The last step after the passes across programs: the select starts from the passes'
+    # histograms (RESET).
     passes = f"{topk.kern.__name__}:topk_rows_pass_kernel"
     for k, mode, dtype, values in ((2048, topk.kern.WIN_DECODE_1D, torch.float32, False),
                                    (2048, topk.kern.WIN_DECODE_2D, torch.float32, True),
                                    (2048, topk.kern.WIN_DECODE_1D, torch.bfloat16, True),
                                    (16, topk.kern.WIN_DECODE_1D, torch.float32, False)):
-        rows, next_n = 2 * (topk._RANK_ROWS + 1), 2
+        rows, next_n = 4, 2
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
         logits = torch.empty(rows, 5000, dtype=dtype)
         with tracing(path, passes) as launches, mock.patch.object(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0):
@@ -862,30 +862,6 @@ def topk_rows_pass_variants() -> list[Variant]:
             name = "decode2d" if mode == topk.kern.WIN_DECODE_2D else "decode1d"
             out.append(variant_of(launch, "indexer.topk_rows_pass",
                                   f"pass{launch.arguments['PASS']} {name} logits={_short(dtype)}"))
-    return _unique(out)
-
-
-def topk_rank_variants() -> list[Variant]:
-    """``topk_rank_kernel`` as the decode top-k over whole rows launches it after the passes
-    (``topk._rank``, at most ``topk._RANK_ROWS`` rows): topk 2048 with indices only, with fp32
-    and bf16 values (the values' store differs), and topk 512 (another slot count a row)."""
-    import torch
-
-    from tilefuse.indexer import topk
-
-    path = f"{topk.kern.__name__}:topk_rank_kernel"
-    skip = (f"{topk.kern.__name__}:topk_rows_pass_kernel",)  # (traced too: not runnable here)
-    out = []
-    for k, dtype, values in ((2048, torch.float32, False), (2048, torch.float32, True), (2048, torch.bfloat16, True),
-                             (512, torch.float32, False)):
-        rows = 4
-        win = torch.zeros(rows, dtype=torch.int32)
-        logits = torch.empty(rows, 5000, dtype=dtype)
-        with tracing(path, *skip) as launches:  # traced launches are recorded, not run
-            topk._topk_rows_across_programs(logits, win, win, k, topk.kern.WIN_DECODE_1D, 1, 1, values=values)
-        for launch in (x for x in launches if x.function == path):
-            name = f"topk{k} logits={_short(dtype)}" + (" values" if values else "")
-            out.append(variant_of(launch, "indexer.topk_rank", name))
     return _unique(out)
 
 
@@ -1109,7 +1085,6 @@ KERNELS: dict[str, tuple[Callable[[], list[Variant]], str]] = {
     "indexer.paged_schedule": (paged_schedule_variants, "tilefuse.indexer._paged_kernel"),
     "indexer.topk_merge": (topk_merge_variants, "tilefuse.indexer._topk_kernel"),
     "indexer.topk_rows_pass": (topk_rows_pass_variants, "tilefuse.indexer._topk_kernel"),
-    "indexer.topk_rank": (topk_rank_variants, "tilefuse.indexer._topk_kernel"),
     "tp.gemm": (tp_gemm_variants, "tilefuse.tp._gemm_core"),
     "tp.comm": (tp_comm_variants, "tilefuse.tp._comm_kernels"),
     "tp.rs_gluon": (tp_rs_gluon_variants, "tilefuse.tp._gemm_rs_gluon"),
