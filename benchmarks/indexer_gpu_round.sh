@@ -116,7 +116,7 @@ persistent_sweep() {  # persistent_sweep SECONDS SAMPLES: where its tests passed
     1x1x131072 8x1x32768 32x1x4096 64x1x8192 128x1x32768 256x1x8192 64x2x8192 256x2x8192 64x2x32768 \
     256x4x8192 64x1x8192/32}
 }
-rank_tests() {  # rank_tests SECONDS: the top-k GPU tests of the rank step and the rows across programs
+rank_tests() {  # rank_tests SECONDS: the top-k GPU tests of the rows across programs and whole rows
   step tests-topk-rank "$1" python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_topk.py \
     -k "across or rank or whole_rows"
 }
