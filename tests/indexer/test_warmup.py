@@ -106,7 +106,7 @@ def test_topk_warmup_runs_every_merge_variant(monkeypatch):
         report = tilefuse.warmup(model, device=DEVICE)
     assert report.calls["prefill_topk"] == len(prefill.warmup_sizes("fp8", 8, 64, torch.float32,
                                                                       torch.device(DEVICE))) + 4
-    assert report.calls["decode_topk"] == 18  # 8 chunked, 8 whole rows (few and many), 2 with indices
+    assert report.calls["decode_topk"] == 14  # 8 chunked, 4 whole rows, 2 with indices
     stages = {(True, True), (True, False), (False, False), (False, True)}
     want = {(mode, first, final, values) for mode in (kern.WIN_PREFILL, kern.WIN_DECODE_1D, kern.WIN_DECODE_2D)
             for first, final in stages for values in (False, True)}
