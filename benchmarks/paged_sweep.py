@@ -159,6 +159,7 @@ def main(argv=None):
     if args.rows:
         rows = [(b, n, c, h, None) for b, n, c, h in args.rows]
     table = []
+    printed = 0
     for b, next_n, mean, heads, wide in rows:
         row = make_row(b, next_n, mean, wide, heads=heads)
         add_layers(row, args.layers)
@@ -201,13 +202,21 @@ def main(argv=None):
             record["rows"].append(entry)
         del row, ref, inside, fns
         torch.cuda.empty_cache()
-    with open(args.output, "w") as f:
-        json.dump(record, f, indent=1)
+        # Each row as it is timed, the file rewritten: a run cut short by a time limit keeps its rows.
+        for line in table[printed:]:
+            print(_line(*line), flush=True)
+        printed = len(table)
+        with open(args.output, "w") as f:
+            json.dump(record, f, indent=1)
     print(f"\n{'row':24s} {'config':30s} {'us':>8s} {'TB/s':>6s} {'copy':>5s} {'vs DG':>6s} ok")
-    for label, name, us, tbps, ratio, speed, ok in table:
-        vs = f"{speed:6.2f}" if speed else "     -"
-        print(f"{label:24s} {name:30s} {us:8.1f} {tbps:6.2f} {ratio:5.2f} {vs} {'y' if ok else 'N'}")
+    for line in table:
+        print(_line(*line))
     return 0
+
+
+def _line(label, name, us, tbps, ratio, speed, ok) -> str:
+    vs = f"{speed:6.2f}" if speed else "     -"
+    return f"{label:24s} {name:30s} {us:8.1f} {tbps:6.2f} {ratio:5.2f} {vs} {'y' if ok else 'N'}"
 
 
 if __name__ == "__main__":
