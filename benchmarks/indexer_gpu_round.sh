@@ -9,7 +9,7 @@
 #     split over processes), the two contract sweeps beside it, then top-k speed
 #   PART=decode: the decode schedule grid beside DeepGEMM; PART=topk: top-k speed
 #   PART=persistent: the persistent decode kernel's GPU tests, then it beside the default and DeepGEMM;
-#     PART=persistent-rank: that and PART=topk-rank together; PART=persistent-contract: the decode contract sample and DeepGEMM's paged tests with it asked for
+#     PART=persistent-contract: the decode contract sample and DeepGEMM's paged tests with it asked for
 #   PART=decode-ab: after a decode kernel change: its GPU tests, a contract sample, the A/B against
 #     $AB_PREV, the schedule grid beside DeepGEMM; PART=decode-profile: the decode GPU tests over
 #     processes, then Nsight Compute on the decode kernels (tilefuse's, DeepGEMM's) at $PROFILE_ROWS
@@ -25,8 +25,7 @@
 #   PART=topk-decode-ab: the decode top-k of $AB_PREV against this tree (after a last-step change);
 #   PART=topk-parts: the top-k merge kernel's time taken apart; PART=topk-sweep: the top-k contract sweep;
 #   PART=topk-check: the top-k GPU tests, warm-up count and contract sweep side by side (DeepGEMM builds meanwhile);
-#     PART=topk-across: the top-k of few rows across programs against torch.topk; PART=topk-rank: its
-#     rank step's tests, then it against the merge's last step and the fused decode rows
+#     PART=topk-across: the top-k of few rows across programs against torch.topk
 #   PART=prefill-sweep: the whole prefill contract product, $SWEEP_PROCS processes
 #   PART=sweep-all: round $SWEEP_ROUND (0..$SWEEP_ROUNDS-1) of the whole decode contract product, $SWEEP_PROCS processes
 #   PART=host: host cost of $AB_PREV and this tree alternately on one machine
@@ -116,17 +115,9 @@ persistent_sweep() {  # persistent_sweep SECONDS SAMPLES: where its tests passed
     1x1x131072 8x1x32768 32x1x4096 64x1x8192 128x1x32768 256x1x8192 64x2x8192 256x2x8192 64x2x32768 \
     256x4x8192 64x1x8192/32}
 }
-rank_tests() {  # rank_tests SECONDS: the top-k GPU tests of the rows across programs and whole rows
-  step tests-topk-rank "$1" python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_topk.py \
-    -k "across or rank or whole_rows"
-}
-rank_timing() {  # rank_timing ACROSS_S TOPK_S SAMPLES ACROSS_SHAPES TOPK_SHAPES: where its tests passed,
-  # the few-row top-k with either last step, then bench topk ($ACROSS_SHAPES / $TOPK_SHAPES override)
-  passed tests-topk-rank || return 0
-  step topk-across "${ACROSS_S:-$1}" python3 benchmarks/topk_across_programs.py --shapes ${ACROSS_SHAPES:-$4} \
-    --output "$OUT/topk-across-programs-rank.json"
-  step bench-topk "${TOPK_S:-$2}" python3 -m tilefuse.cli bench topk -o "$OUT/topk-rank.json" --samples "$3" \
-    --shapes ${TOPK_SHAPES:-$5}
+across_tests() {  # across_tests SECONDS: the top-k GPU tests of the rows across programs and whole rows
+  step tests-topk-across "$1" python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_topk.py \
+    -k "across or whole_rows"
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/summary.txt"
 TMA_SHAPES="${TMA_SHAPES:-64x1x8192 256x1x8192 256x2x8192 32x1x4096}"
@@ -138,7 +129,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|decode-ab|decode-profile|persistent|persistent-rank|persistent-contract|table|host|topk|topk-rank|topk-check|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|decode-ab|decode-profile|persistent|persistent-contract|table|host|topk|topk-check|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
 elif [ -f "$PEERS/build.sh" ]; then
@@ -233,18 +224,6 @@ case "$part" in
     wait_deepgemm
     persistent_sweep 300 10
     ;;
-  persistent-rank)  # PART=persistent's and PART=topk-rank's tests side by side while DeepGEMM
-    # builds, then (each where its tests passed) the persistent sweep, the few-row top-k and bench
-    # topk, with fewer samples and shapes, to fit one call
-    rank_tests "${TOPK_TESTS_S:-200}" &
-    persistent_tests
-    wait
-    first_failed tests-persistent
-    first_failed tests-topk-rank
-    wait_deepgemm
-    persistent_sweep 220 8
-    rank_timing 90 120 8 "1x32768 1x131072 8x65536 32x65536" "1x1x32768 8x1x131072 32x1x65536 64x1x32768 16x2x32768"
-    ;;
   persistent-contract)  # the decode contract (a sample, the large cases) with the persistent kernel
     # asked for everywhere it applies, and DeepGEMM's paged tests under it
     step gpu-sweep-persistent "${SWEEP_S:-300}" env TILEFUSE_PAGED_CONFIG=persistent=1,num_stages=4 \
@@ -314,19 +293,11 @@ case "$part" in
     step topk-across "${ACROSS_S:-120}" python3 benchmarks/topk_across_programs.py ${ACROSS_ARGS:-} \
       --output "$OUT/topk-across-programs.json"
     ;;
-  topk-rank)  # the top-k's rank step: its GPU tests, then the few-row top-k with either last step
-    # (one run) and the fused decode rows beside the unfused pairs
-    rank_tests "${TESTS_S:-150}"
-    first_failed tests-topk-rank
-    wait_deepgemm  # (bench topk's DeepGEMM pair)
-    rank_timing 120 150 10 "1x32768 1x131072 8x65536 8x131072 32x65536 64x32768" \
-      "1x1x32768 8x1x65536 8x1x131072 32x1x65536 64x1x32768 16x2x32768"
-    ;;
   topk-decode-ab)  # after a change to the decode top-k's last steps: the top-k GPU tests of the rows
     # across programs, then the fused decode top-k of $AB_PREV (a src tree) and this tree, alternating
-    rank_tests "${TESTS_S:-150}"
-    first_failed tests-topk-rank
-    passed tests-topk-rank && step topk-decode-ab "${AB_S:-240}" python3 benchmarks/prefill_ab.py \
+    across_tests "${TESTS_S:-150}"
+    first_failed tests-topk-across
+    passed tests-topk-across && step topk-decode-ab "${AB_S:-240}" python3 benchmarks/prefill_ab.py \
       "${AB_PREV:-.ab/prev}" . --op paged-topk --rounds "${AB_ROUNDS:-2}" --output "$OUT/topk-decode-ab.json"
     ;;
   topk-check)  # after a top-k change, side by side: its GPU tests ($TOPK_TESTS), the warm-up's
