@@ -63,6 +63,8 @@ _ENTRIES = [
     ("indexer.topk_merge", "sm_100a", "k16 W16 rows2 *", 16, "two rows a warp", "3.8*"),
     ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * after-passes w8*", 16,
      "select from the passes' digits at 128 registers", "3.8*"),
+    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * after-passes w8*", 8,
+     "select from the passes' digits at 128 registers", "3.6*"),
     ("indexer.topk_merge", "*", "k512 W512 rows1 prefill *", 8, "two warps at 96 registers", "3.6*"),
     # Persistent GEMM: the masked (unaligned) epilogue builds a pointer per element (on sm_90a
     # it no longer spills since the per-tile clock read went under TRACE); the reduce-scatter
