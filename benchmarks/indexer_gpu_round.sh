@@ -37,8 +37,11 @@
 #   PART="tests decode": several parts, in order
 # DeepGEMM comes from an ignored copy of shared/peers/deepgemm at $PEERS (default .peers/deepgemm),
 # built once per machine. Result files go to $OUT (default out/), the step logs to $OUT/logs.tgz.
+# A tree shipped without its .git (or with a stale one) names its commit in the result files only
+# when the caller passes it: TILEFUSE_COMMIT=<git rev-parse HEAD of the checkout> PART=... bash ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
+[ -n "${TILEFUSE_COMMIT:-}" ] || echo "TILEFUSE_COMMIT not set: result files name the commit git finds here, if any"
 OUT="${OUT:-out}"; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 PEERS="${PEERS:-.peers/deepgemm}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
