@@ -171,11 +171,11 @@ def _rows_prefix_and_need(hist_rows, topk, DIGITS: tl.constexpr):
     b_idx = tl.arange(0, _RADIX_BINS)[None, :]
     hist = tl.load(hist_rows + b_idx)
     need = tl.minimum(tl.sum(hist, axis=1), topk)
-    b, in_b, above = _kth_bins(hist, need, b_idx)
+    b, _, above = _kth_bins(hist, need, b_idx)
     prefix = (b - _RADIX_BINS // 2).to(tl.int64)
     need -= above
     for d in tl.static_range(1, DIGITS):
-        b, in_b, above = _kth_bins(tl.load(hist_rows + d * _RADIX_BINS + b_idx), need, b_idx)
+        b, _, above = _kth_bins(tl.load(hist_rows + d * _RADIX_BINS + b_idx), need, b_idx)
         prefix = (prefix << _RADIX_BITS) | b.to(tl.int64)
         need -= above
     return prefix, need
