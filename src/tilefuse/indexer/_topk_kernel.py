@@ -243,8 +243,15 @@ def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.
         prefix = tl.where(active, chosen, prefix)
         need = tl.where(done, 0, tl.where(active, need_b, need))
         d += 1
-    # Compaction, piece by piece: a piece's kept keys go below its own end, so no piece is
-    # overwritten before every thread has read it.
+    return _compact(cand_rows, count, bar, thr, n_pieces, TOPK, ROWS, PIECE)
+
+
+@triton.jit
+def _compact(cand_rows, count, bar, thr, n_pieces, TOPK: tl.constexpr, ROWS: tl.constexpr, PIECE: tl.constexpr):
+    """The rows holding more than TOPK keys keep their keys ``>= thr`` (TOPK of them), moved to
+    the buffer's start piece by piece: a piece's kept keys go below its own end, so no piece is
+    overwritten before every thread has read it. ``(count, bar)`` after it."""
+    piece = tl.arange(0, PIECE)
     shrunk = count > TOPK
     kept = tl.zeros([ROWS], tl.int32)
     new_bar = tl.full([ROWS], 0x7FFFFFFFFFFFFFFF, tl.int64)
@@ -260,6 +267,75 @@ def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.
     count = tl.where(shrunk, kept, count)
     bar = tl.where(shrunk, new_bar, bar)
     return count, bar
+
+
+@triton.jit
+def _count_at_least(words, valid, t):
+    """Per row: how many of its valid ``words`` are >= ``t`` (one int32 a row)."""
+    return tl.sum((valid & (words >= t[:, None])).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _bisect_rank(words, valid, need, lo, hi, at_lo, above_hi):
+    """Per row, the largest ``t`` in ``[lo, hi]`` with at least ``need`` valid ``words`` >= t,
+    by halving the interval (one count a pass). Invariants on entry: ``at_lo`` words are >= lo
+    (at least ``need``) and ``above_hi`` (fewer than ``need``) are > hi. Returns ``(t, at_t,
+    above_t)``: the words >= t and > t. A pass that finds exactly ``need`` words >= its midpoint
+    stops the row there (those words are the answer whatever lies below)."""
+    while tl.max((lo < hi).to(tl.int32), axis=0) > 0:
+        open_ = lo < hi
+        mid = (lo + (hi - lo + 1) // 2).to(tl.int32)  # in [lo, hi]: fits the words' type
+        c = _count_at_least(words, valid, mid)
+        up = open_ & (c >= need)
+        down = open_ & (c < need)
+        lo = tl.where(up, mid, lo)
+        at_lo = tl.where(up, c, at_lo)
+        hi = tl.where(down, mid - 1, tl.where(up & (c == need), mid, hi))
+        above_hi = tl.where(down, c, above_hi)
+    return lo, at_lo, above_hi
+
+
+@triton.jit
+def _select_by_counts(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.constexpr,
+                      CAP: tl.constexpr, PIECE: tl.constexpr, START: tl.constexpr):
+    """``_select`` by counting instead of histograms: the TOPK-th key found by halving an
+    interval of the keys' high words (the value; one compare and one sum a key a pass, the
+    words held in registers), then, where values tie across it, an interval of the tied keys'
+    low words (the position: unique); the keys at or above it compacted to the buffer's start.
+    START > 0: the top START * RADIX_BITS bits of the TOPK-th key are ``prefix0`` and ``need0``
+    of the keys sharing them are wanted (the keys above them number TOPK - need0), so the
+    interval of high words starts 2^(32 - START * RADIX_BITS) wide."""
+    tl.debug_barrier()  # the buffer was stored by other threads of the program
+    slot = tl.arange(0, CAP)[None, :]
+    valid = slot < count[:, None]
+    words = cand_rows.to(tl.pointer_type(tl.int32)) + 2 * slot  # little-endian: low word, high word
+    hi_word = tl.load(words + 1, mask=valid, other=_INT32_MIN)
+    shrunk = count > TOPK
+    if START == 0:
+        lo = tl.min(tl.where(valid, hi_word, 0x7FFFFFFF), axis=1).to(tl.int64)
+        hi = tl.max(tl.where(valid, hi_word, _INT32_MIN), axis=1).to(tl.int64)
+        above = tl.zeros([ROWS], tl.int32)
+    else:
+        KNOWN: tl.constexpr = 32 - START * _RADIX_BITS  # the high word's bits below the prefix
+        lo = prefix0 << KNOWN
+        hi = ((prefix0 + 1) << KNOWN) - 1
+        above = (TOPK - need0).to(tl.int32)
+    lo = tl.where(shrunk, lo, hi)  # rows that keep what they hold search nothing
+    value, at_value, above = _bisect_rank(hi_word, valid, TOPK, lo, hi, count, above)
+    thr = value << 32
+    # Keys tied at that value across the TOPK-th: their positions decide (low words, unique).
+    ties = shrunk & (at_value > TOPK)
+    if tl.max(ties.to(tl.int32), axis=0) > 0:
+        tied = valid & (hi_word == value[:, None].to(tl.int32)) & ties[:, None]
+        lo_word = tl.load(words, mask=tied, other=0)  # 0x7FFFFFFF - position: >= 1 for a valid key
+        lo2 = tl.min(tl.where(tied, lo_word, 0x7FFFFFFF), axis=1).to(tl.int64)
+        hi2 = tl.max(tl.where(tied, lo_word, 0), axis=1).to(tl.int64)
+        lo2 = tl.where(ties, lo2, hi2)
+        low, _, _ = _bisect_rank(lo_word, tied, TOPK - above, lo2, hi2, at_value - above,
+                                 tl.zeros([ROWS], tl.int32))
+        thr = tl.where(ties, thr | low, thr)
+    n_pieces = tl.cdiv(tl.max(tl.where(shrunk, count, 0), axis=0), PIECE)
+    return _compact(cand_rows, count, bar, thr, n_pieces, TOPK, ROWS, PIECE)
 
 
 @triton.jit
@@ -300,12 +376,14 @@ def topk_merge_chunk_kernel(
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, DIGIT: tl.constexpr,
-    PIECE: tl.constexpr, RESET: tl.constexpr,
+    PIECE: tl.constexpr, RESET: tl.constexpr, BY_COUNTS: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
     a row; ``count_ptr`` / ``bar_ptr``: its count and bar between launches). FIRST starts empty
     (and checks the rows' windows), FINAL writes the first TOPK indices (and values).
+    BY_COUNTS: the selects count keys at or above a bisected bound (``_select_by_counts``)
+    instead of radix histograms.
     RESET (with FINAL, after ``topk_rows_pass_kernel``'s passes): each row's count and its
     histograms (``hist_ptr``: RADIX_LEVELS x 2^RADIX_BITS int32 a row) stored back as zeros,
     ready for the next call's passes; no launch of the call reads them after this one.
@@ -348,13 +426,23 @@ def topk_merge_chunk_kernel(
         tl.store(cand_rows + (count[:, None] + tl.cumsum(taken, axis=1) - 1), keys, mask=above)
         count += tl.sum(taken, axis=1)
         if tl.max(count, axis=0) > CAP - BLOCK:
-            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, DIGIT, PIECE, 0)
+            if BY_COUNTS:
+                count, bar = _select_by_counts(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
+            else:
+                count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, DIGIT, PIECE, 0)
     if FINAL:
-        if RESET and DIGIT == _RADIX_BITS:
+        if RESET and (DIGIT == _RADIX_BITS or BY_COUNTS):
             # After the passes: their histograms hold the select's first RADIX_LEVELS digits.
             hist_rows = hist_ptr + row[:, None] * (_RADIX_LEVELS * _RADIX_BINS)
             prefix0, need0 = _rows_prefix_and_need(hist_rows, TOPK, _RADIX_LEVELS)
-            count, bar = _select(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, DIGIT, PIECE, _RADIX_LEVELS)
+            if BY_COUNTS:
+                count, bar = _select_by_counts(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, PIECE,
+                                               _RADIX_LEVELS)
+            else:
+                count, bar = _select(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, DIGIT, PIECE,
+                                     _RADIX_LEVELS)
+        elif BY_COUNTS:
+            count, bar = _select_by_counts(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
         else:
             count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, DIGIT, PIECE, 0)
         _write_sorted(cand_rows, count, live, idx_ptr + row[:, None] * stride_i, val_ptr + row[:, None] * stride_v,

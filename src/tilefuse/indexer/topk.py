@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -94,6 +95,9 @@ _SELECT_BINS = 256
 # Keys of a program's rows that a select reads at a time (at least 16 a row): the whole 2 W
 # buffer as one register tile held the topk-2048 programs to 128-198 registers a thread.
 _SELECT_PIECE_KEYS = 1024
+# The merge's selects: radix histograms (False) or counts at a bisected bound (True,
+# ``_select_by_counts``); ``TILEFUSE_TOPK_SELECT=counts`` at import, for experiments.
+SELECT_BY_COUNTS = os.environ.get("TILEFUSE_TOPK_SELECT", "radix").strip() == "counts"
 _MAX_TOPK = 1 << 16
 _MAX_POSITION = 2**31 - 2  # keys hold 0x7FFFFFFF - position in 31 bits, above the empty slot
 
@@ -224,7 +228,7 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     vals = out if values is None else values
     err = error_record(out.device)
     consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, digit, piece,
-              hist is not None)
+              hist is not None, SELECT_BY_COUNTS)
     if hist is None:
         hist = counts  # (not read without RESET)
     warps = max(1, min(8, rows_per_program * w // 256))
