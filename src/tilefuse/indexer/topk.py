@@ -98,6 +98,7 @@ _SELECT_PIECE_KEYS = 1024
 # The merge's selects: radix histograms (False) or counts at a bisected bound (True,
 # ``_select_by_counts``); ``TILEFUSE_TOPK_SELECT=counts`` at import, for experiments.
 SELECT_BY_COUNTS = os.environ.get("TILEFUSE_TOPK_SELECT", "radix").strip() == "counts"
+_MERGE_MAXNREG = int(os.environ.get("TILEFUSE_TOPK_MAXNREG", "0"))
 _MAX_TOPK = 1 << 16
 _MAX_POSITION = 2**31 - 2  # keys hold 0x7FFFFFFF - position in 31 bits, above the empty slot
 
@@ -246,6 +247,8 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
             out, out.stride(0), vals, stride_v,
             err, *consts)
     options = {"num_warps": warps}
+    if _MERGE_MAXNREG:
+        options["maxnreg"] = _MERGE_MAXNREG
     _merge_launch(key, (grid,), args, options)
     if partials is not None and fast is None:
         # every argument but next_n, ctx_stride, row_base, the error record and the constexprs
