@@ -22,7 +22,6 @@
 #     prefill eager cost beside DeepGEMM; PART=dgtests: DeepGEMM's own tests, 200 cases each ($DG_SHARD);
 #     PART=pick: the GPU tests named in $PICK; PART=probe: the warp-specialised decode key-loop probe; PART=bf16: the prefill bf16-logits and D 64 rows, Triton and Gluon loops, beside DeepGEMM
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
-#   PART=topk-select: the top-k merge's select by counts, tested and timed against the radix one
 #   PART=topk-decode-ab: the decode top-k of $AB_PREV against this tree (after a last-step change);
 #   PART=topk-parts: the top-k merge kernel's time taken apart; PART=topk-sweep: the top-k contract sweep;
 #   PART=topk-check: the top-k GPU tests, warm-up count and contract sweep side by side (DeepGEMM builds meanwhile);
@@ -303,14 +302,6 @@ case "$part" in
     first_failed tests-topk-across
     passed tests-topk-across && step topk-decode-ab "${AB_S:-240}" python3 benchmarks/prefill_ab.py \
       "${AB_PREV:-.ab/prev}" . --op paged-topk --rounds "${AB_ROUNDS:-2}" --output "$OUT/topk-decode-ab.json"
-    ;;
-  topk-select)  # the merge's select by counts: the top-k GPU tests with it, then both selects
-    # timed side by side (fused ops, merge parts) beside the unfused pair
-    step tests-topk-counts "${TESTS_S:-200}" env TILEFUSE_TOPK_SELECT=counts python3 -m pytest -q \
-      -p no:cacheprovider -x tests/indexer/test_topk.py -k "not bench and not sweep_sample"
-    first_failed tests-topk-counts
-    step topk-select-ab "${AB_S:-200}" python3 benchmarks/topk_select_ab.py --samples "${AB_SAMPLES:-10}" \
-      --output "$OUT/topk-select-ab.json"
     ;;
   topk-check)  # after a top-k change, side by side: its GPU tests ($TOPK_TESTS), the warm-up's
     # no-compile test, its contract sweep (a new sample: $SEED) and the prefill sweep cases in

@@ -62,13 +62,6 @@ def test_reference_order_by_hand():
 # ---------------------------------------------------------------------------------------
 # The merge kernel on given logits: orders that make every key a candidate, ties, flushes
 # ---------------------------------------------------------------------------------------
-@pytest.fixture(params=["radix", "counts"])
-def select(request, monkeypatch):
-    """The merge's select: radix histograms, or counts at a bisected bound."""
-    monkeypatch.setattr(topk, "SELECT_BY_COUNTS", request.param == "counts")
-    return request.param
-
-
 def merge_chunks(logits, ks, ke, k_top, chunk_k, mode=kern.WIN_PREFILL, next_n=1):
     """The ops' chunk loop on a given logits matrix: ``(indices, values)`` of the merge kernel.
     Prefill: windows ``[ks, ke)``; decode: ``ks`` are the lengths (1-D or 2-D), ``ke`` unused."""
@@ -119,7 +112,7 @@ PATTERNS = ["ascending", "descending", "equal", "few-values", "sawtooth", "speci
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("k_top,chunk_k", [(5, 48), (16, 1000), (40, 96)])
-def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k, select):
+def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k):
     """Buffers of 16 or 64 keys (flushed after 12 or 48), many flushes a chunk, chunks not a
     multiple of the scan block, random windows (empty, short, past the row's end), several rows
     a program; the candidate scratch starts as garbage."""
@@ -139,7 +132,7 @@ def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k, select):
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("k_top,segments", [(5, 2), (130, 5)])
 @pytest.mark.parametrize("rows_a_program", ["interpreter", "gpu"])
-def test_rows_across_programs(pattern, k_top, segments, rows_a_program, monkeypatch, select):
+def test_rows_across_programs(pattern, k_top, segments, rows_a_program, monkeypatch):
     """The radix select across a row's programs: random windows (empty, shorter than topk, past
     the row's end), every tie pattern, blocks of 64 keys dealt over the programs; index for
     index and value for value with the reference. The last step's select starts from the
@@ -160,7 +153,7 @@ def test_rows_across_programs(pattern, k_top, segments, rows_a_program, monkeypa
     assert _equal(val, ref_val)
 
 
-def test_rows_across_programs_over_ties_past_their_buffer(monkeypatch, select):
+def test_rows_across_programs_over_ties_past_their_buffer(monkeypatch):
     """The last step after the passes: a row whose candidates outnumber its 2 W slots (every
     key tied with its topk-th), a row of random keys, one shorter than topk, an empty one; the
     kept counts and histograms zero afterwards."""
@@ -180,7 +173,7 @@ def test_rows_across_programs_over_ties_past_their_buffer(monkeypatch, select):
 
 
 @pytest.mark.parametrize("ctx_2d", [False, True])
-def test_rows_across_programs_decode_windows(ctx_2d, monkeypatch, select):
+def test_rows_across_programs_decode_windows(ctx_2d, monkeypatch):
     """The same over decode lengths (1-D causal rows of next_n 3, or 2-D), bf16 logits with ties."""
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 32)
     b, next_n, n, k_top = 5, 3, 300, 24
@@ -199,7 +192,7 @@ def test_rows_across_programs_decode_windows(ctx_2d, monkeypatch, select):
 
 @pytest.mark.parametrize("ctx_2d", [False, True])
 @pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
-def test_merge_decode_windows(ctx_2d, logits_dtype, select):
+def test_merge_decode_windows(ctx_2d, logits_dtype):
     """Decode windows (1-D causal rows of next_n 3, or 2-D lengths), ascending and tied logits."""
     b, next_n, n, k_top = 5, 3, 200, 24
     g = torch.Generator().manual_seed(30 + ctx_2d)
@@ -215,7 +208,7 @@ def test_merge_decode_windows(ctx_2d, logits_dtype, select):
 
 
 @pytest.mark.parametrize("piece_keys", [None, 16])
-def test_merge_long_rows_wide_state(piece_keys, monkeypatch, select):
+def test_merge_long_rows_wide_state(piece_keys, monkeypatch):
     """topk 128 (a buffer of 256, scan blocks of 64) over 2000 keys in one and in four chunks:
     random, ascending and descending rows, the three in one program; the selects reading the
     buffer whole, or 16 keys a row at a time (16 pieces: each pass's histogram summed over
@@ -234,7 +227,7 @@ def test_merge_long_rows_wide_state(piece_keys, monkeypatch, select):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_merge_one_row_a_program(pattern, select):
+def test_merge_one_row_a_program(pattern):
     """One row a launch, so one program a row and the widest select digits: 1000 keys, topk 40,
     a whole row and random windows, in one chunk and in chunks of 300."""
     n, k_top = 1000, 40

@@ -17,10 +17,8 @@ global memory, with a count and a bar carried between chunks: every key in the b
 the bar, and the row's final ``topk`` keys are among them. A chunk is scanned in blocks of
 ``W / 2`` columns: the keys above the bar are compacted into the buffer (a prefix sum of the
 mask gives each its slot). When the buffer could overflow with the next block, a **select**
-shrinks it to exactly its ``topk`` largest keys: a radix select finds its ``topk``-th key (a
-histogram of one digit of the keys per pass, from the top digit down, among the keys that share
-the digits chosen so far, until the bin holding the ``topk``-th key holds no other key it must
-separate; each pass reads the buffer a piece at a time), the keys at or above it are compacted
+shrinks it to exactly its ``topk`` largest keys: its ``topk``-th key is found by counting the
+keys at or above a bound halved pass by pass (``_select``), the keys at or above it are compacted
 back and it becomes the bar. Keys below a bar are below the final ``topk``-th key (bars only
 rise), so dropping them is exact. The last chunk ends with a select and one bitonic sort of the
 ``W`` survivors: a row is sorted once, whatever its length.
@@ -182,71 +180,6 @@ def _rows_prefix_and_need(hist_rows, topk, DIGITS: tl.constexpr):
 
 
 @triton.jit
-def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr,
-            DIGIT: tl.constexpr, PIECE: tl.constexpr, START: tl.constexpr):
-    """Each row's buffer (its first ``count`` keys) cut to its TOPK largest keys, compacted to
-    the buffer's start: ``(count, bar)`` after it. Rows holding TOPK keys or fewer keep them.
-
-    Radix select on the int64 keys, DIGIT bits a pass from the top: the histogram of the digit
-    over the keys that share the digits chosen so far (``prefix``) names the bin of the
-    ``need``-th largest; once that bin holds exactly the ``need`` keys still wanted, every key
-    at or above its lowest possible key is kept (TOPK keys: keys are unique). START > 0: the
-    top START digits are known already (``prefix0``, and ``need0`` of the keys sharing them
-    wanted), so the passes begin at digit START.
-
-    The buffer is read PIECE keys a row at a time, in every pass and in the compaction: a
-    register tile of the whole buffer (2 W int64 keys and their temporaries) held the program
-    to one or two resident an SM."""
-    BINS: tl.constexpr = 1 << DIGIT
-    PASSES: tl.constexpr = (64 + DIGIT - 1) // DIGIT
-    TOP_SHIFT: tl.constexpr = 64 - DIGIT
-    tl.static_assert(CAP % PIECE == 0)
-    tl.debug_barrier()  # the buffer was stored by other threads of the program
-    piece = tl.arange(0, PIECE)
-    bins_of_row = tl.arange(0, ROWS)[:, None] * BINS
-    b_idx = tl.arange(0, BINS)[None, :]
-    if START == 0:
-        need = tl.where(count > TOPK, TOPK, 0).to(tl.int32)  # 0: the row keeps all it holds
-        prefix = tl.zeros([ROWS], tl.int64)  # the chosen digits as a signed number
-    else:
-        need = tl.where(count > TOPK, need0, 0).to(tl.int32)
-        prefix = prefix0
-    n_pieces = tl.cdiv(tl.max(tl.where(need > 0, count, 0), axis=0), PIECE)
-    thr = tl.full([ROWS], EMPTY_KEY + 1, tl.int64)  # keep keys >= thr
-    d = START
-    while (d < PASSES) & (tl.max(need, axis=0) > 0):
-        shift = TOP_SHIFT - d * DIGIT
-        shift = tl.maximum(shift, 0)
-        width = tl.minimum(DIGIT, TOP_SHIFT + DIGIT - d * DIGIT)  # the last digit may be narrower
-        hist = tl.zeros([ROWS, BINS], tl.int32)
-        for p in range(0, n_pieces):
-            valid, x = _buffer_piece(cand_rows, p, piece, count, PIECE)
-            top = x >> shift  # the key's digits down to this one, signed
-            if d == 0:
-                in_prefix = valid
-                digit = (top + BINS // 2).to(tl.int32)
-            else:
-                in_prefix = valid & ((top >> width) == prefix[:, None])
-                digit = (top & ((1 << width) - 1)).to(tl.int32)
-            live = in_prefix & (need[:, None] > 0)
-            hist += tl.reshape(tl.histogram(tl.reshape(bins_of_row + digit, [ROWS * PIECE]), ROWS * BINS,
-                                            mask=tl.reshape(live, [ROWS * PIECE])), [ROWS, BINS])
-        b, in_b, above = _kth_bins(hist, need, b_idx)
-        active = need > 0
-        if d == 0:
-            chosen = (b - BINS // 2).to(tl.int64)
-        else:
-            chosen = (prefix << width) | b.to(tl.int64)
-        need_b = need - above
-        done = active & (in_b == need_b)
-        thr = tl.where(done, chosen << shift, thr)
-        prefix = tl.where(active, chosen, prefix)
-        need = tl.where(done, 0, tl.where(active, need_b, need))
-        d += 1
-    return _compact(cand_rows, count, bar, thr, n_pieces, TOPK, ROWS, PIECE)
-
-
-@triton.jit
 def _compact(cand_rows, count, bar, thr, n_pieces, TOPK: tl.constexpr, ROWS: tl.constexpr, PIECE: tl.constexpr):
     """The rows holding more than TOPK keys keep their keys ``>= thr`` (TOPK of them), moved to
     the buffer's start piece by piece: a piece's kept keys go below its own end, so no piece is
@@ -296,15 +229,18 @@ def _bisect_rank(words, valid, need, lo, hi, at_lo, above_hi):
 
 
 @triton.jit
-def _select_by_counts(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.constexpr,
-                      CAP: tl.constexpr, PIECE: tl.constexpr, START: tl.constexpr):
-    """``_select`` by counting instead of histograms: the TOPK-th key found by halving an
-    interval of the keys' high words (the value; one compare and one sum a key a pass, the
-    words held in registers), then, where values tie across it, an interval of the tied keys'
-    low words (the position: unique); the keys at or above it compacted to the buffer's start.
-    START > 0: the top START * RADIX_BITS bits of the TOPK-th key are ``prefix0`` and ``need0``
-    of the keys sharing them are wanted (the keys above them number TOPK - need0), so the
-    interval of high words starts 2^(32 - START * RADIX_BITS) wide."""
+def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr,
+            PIECE: tl.constexpr, START: tl.constexpr):
+    """Each row's buffer (its first ``count`` keys) cut to its TOPK largest keys, compacted to
+    the buffer's start: ``(count, bar)`` after it. Rows holding TOPK keys or fewer keep them.
+
+    The TOPK-th key is found by counts, not histograms: the buffer's high words (the values)
+    held in registers, an interval of them halved until exactly TOPK keys lie at or above its
+    midpoint or it is one value (one compare and one sum a key a pass); where values tie across
+    the TOPK-th key, the same over the tied keys' low words (the positions: unique). START > 0:
+    the top START * RADIX_BITS bits of the TOPK-th key are ``prefix0`` and ``need0`` of the keys
+    sharing them are wanted (the keys above them number TOPK - need0), so the interval of high
+    words starts 2^(32 - START * RADIX_BITS) wide."""
     tl.debug_barrier()  # the buffer was stored by other threads of the program
     slot = tl.arange(0, CAP)[None, :]
     valid = slot < count[:, None]
@@ -375,15 +311,13 @@ def topk_merge_chunk_kernel(
     idx_ptr, stride_i, val_ptr, stride_v,
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
-    FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, DIGIT: tl.constexpr,
-    PIECE: tl.constexpr, RESET: tl.constexpr, BY_COUNTS: tl.constexpr,
+    FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, PIECE: tl.constexpr,
+    RESET: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
     a row; ``count_ptr`` / ``bar_ptr``: its count and bar between launches). FIRST starts empty
     (and checks the rows' windows), FINAL writes the first TOPK indices (and values).
-    BY_COUNTS: the selects count keys at or above a bisected bound (``_select_by_counts``)
-    instead of radix histograms.
     RESET (with FINAL, after ``topk_rows_pass_kernel``'s passes): each row's count and its
     histograms (``hist_ptr``: RADIX_LEVELS x 2^RADIX_BITS int32 a row) stored back as zeros,
     ready for the next call's passes; no launch of the call reads them after this one.
@@ -426,25 +360,15 @@ def topk_merge_chunk_kernel(
         tl.store(cand_rows + (count[:, None] + tl.cumsum(taken, axis=1) - 1), keys, mask=above)
         count += tl.sum(taken, axis=1)
         if tl.max(count, axis=0) > CAP - BLOCK:
-            if BY_COUNTS:
-                count, bar = _select_by_counts(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
-            else:
-                count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, DIGIT, PIECE, 0)
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
     if FINAL:
-        if RESET and (DIGIT == _RADIX_BITS or BY_COUNTS):
-            # After the passes: their histograms hold the select's first RADIX_LEVELS digits.
+        if RESET:
+            # After the passes: their histograms hold the TOPK-th key's top RADIX_LEVELS digits.
             hist_rows = hist_ptr + row[:, None] * (_RADIX_LEVELS * _RADIX_BINS)
             prefix0, need0 = _rows_prefix_and_need(hist_rows, TOPK, _RADIX_LEVELS)
-            if BY_COUNTS:
-                count, bar = _select_by_counts(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, PIECE,
-                                               _RADIX_LEVELS)
-            else:
-                count, bar = _select(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, DIGIT, PIECE,
-                                     _RADIX_LEVELS)
-        elif BY_COUNTS:
-            count, bar = _select_by_counts(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
+            count, bar = _select(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, PIECE, _RADIX_LEVELS)
         else:
-            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, DIGIT, PIECE, 0)
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
         _write_sorted(cand_rows, count, live, idx_ptr + row[:, None] * stride_i, val_ptr + row[:, None] * stride_v,
                       TOPK, W, LOG_W, ROWS, WRITE_VALUES)
         if RESET:

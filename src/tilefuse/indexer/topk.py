@@ -20,8 +20,8 @@ the op picks for all S_q rows passed explicitly; decode: block-table columns
 the unfused op's value by construction: a logit depends on its own (row, key) only, and slices
 start on whole tiles (prefill: 128 rows, 256 keys) or pages (decode). A Triton kernel
 (``_topk_kernel``) then collects the chunk's keys above each row's running bar into a per-row
-candidate buffer of int64 keys, cut back to its ``topk`` largest by a radix select whenever it
-could overflow; the last chunk sorts each row's ``topk`` once. The workspace is one chunk of
+candidate buffer of int64 keys, cut back to its ``topk`` largest (a select by counts at a
+halved bound) whenever it could overflow; the last chunk sorts each row's ``topk`` once. The workspace is one chunk of
 logits plus ``2 W`` keys (the buffer, ``W = next_pow2(topk)``), a count and a bar per row of the
 block, independent of S_k; :func:`topk_bytes_moved` gives the traffic beside the unfused pair's.
 
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -89,16 +88,12 @@ _MIN_STATE = 16
 # and operation, and the kernel's code is the same for any row count.
 _MIN_KEYS_PER_PROGRAM = 32
 _INTERPRETER_KEYS_PER_PROGRAM = 2048
-# Histogram bins of one radix-select pass over a program's rows (ROWS x 2^digit): 8-bit digits
-# at one row, narrower ones where rows share a program, so the histogram stays this small.
-_SELECT_BINS = 256
-# Keys of a program's rows that a select reads at a time (at least 16 a row): the whole 2 W
+# Keys of a program's rows that a select compacts at a time (at least 16 a row): the whole 2 W
 # buffer as one register tile held the topk-2048 programs to 128-198 registers a thread.
 _SELECT_PIECE_KEYS = 1024
-# The merge's selects: radix histograms (False) or counts at a bisected bound (True,
-# ``_select_by_counts``); ``TILEFUSE_TOPK_SELECT=counts`` at import, for experiments.
-SELECT_BY_COUNTS = os.environ.get("TILEFUSE_TOPK_SELECT", "radix").strip() == "counts"
-_MERGE_MAXNREG = int(os.environ.get("TILEFUSE_TOPK_MAXNREG", "0"))
+# The 8-warp merge programs (topk 2048) capped at 64 registers, four an SM: at the 99-112 that
+# ptxas takes otherwise (two an SM) the scan hides less of its loads' latency (benchmarks/NOTES.md).
+_MERGE_MAXNREG = 64
 _MAX_TOPK = 1 << 16
 _MAX_POSITION = 2**31 - 2  # keys hold 0x7FFFFFFF - position in 31 bits, above the empty slot
 
@@ -219,17 +214,15 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     kept there)."""
     rows, w = out.shape[0], state_width(topk)
     rows_per_program = max(_MIN_KEYS_PER_PROGRAM // w, 1)
-    digit = max(2, min(8, (_SELECT_BINS // rows_per_program).bit_length() - 1))
-    # The interpreter: row blocks and the fewest select passes (the kernel registry sets the
-    # row cap to 0 to compile the GPU's launches).
+    # The interpreter: row blocks (the kernel registry sets the row cap to 0 to compile the
+    # GPU's launches).
     if logits.device.type == "cpu" and _INTERPRETER_KEYS_PER_PROGRAM:
         rows_per_program = max(rows_per_program, min(next_power_of_2(rows), _INTERPRETER_KEYS_PER_PROGRAM // w))
-        digit = 8
     piece = min(2 * w, max(16, _SELECT_PIECE_KEYS // rows_per_program))
     vals = out if values is None else values
     err = error_record(out.device)
-    consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, digit, piece,
-              hist is not None, SELECT_BY_COUNTS)
+    consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, piece,
+              hist is not None)
     if hist is None:
         hist = counts  # (not read without RESET)
     warps = max(1, min(8, rows_per_program * w // 256))
@@ -246,9 +239,7 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
             lo, width,
             out, out.stride(0), vals, stride_v,
             err, *consts)
-    options = {"num_warps": warps}
-    if _MERGE_MAXNREG:
-        options["maxnreg"] = _MERGE_MAXNREG
+    options = {"num_warps": warps, "maxnreg": _MERGE_MAXNREG} if warps == 8 else {"num_warps": warps}
     _merge_launch(key, (grid,), args, options)
     if partials is not None and fast is None:
         # every argument but next_n, ctx_stride, row_base, the error record and the constexprs

@@ -29,6 +29,9 @@ class KnownSpill(NamedTuple):
     triton: str = "*"  # glob on triton.__version__
 
 
+_MERGE_SCAN = "scan and select held to 64 registers"
+_MERGE_FINAL = "select and final sort held to 64 registers"
+
 _ENTRIES = [
     # Prefill, compressed layout: the store address ``row + (col - ks[row])`` and its mask are
     # computed per element, on top of the 64x128 fp32 accumulator.
@@ -48,24 +51,27 @@ _ENTRIES = [
     ("indexer.prefill", "sm_100a", "fp8 * relu_via_abs=*", 24,
      "Triton loop on sm_100a with the linear term's operands beside the key tile (option, timed on Hopper only)",
      "3.8*"),
-    # Top-k merge: ptxas holds the 8-warp variants (topk 2048) to 64 registers on sm_90a (80 on
-    # sm_100a with 3.8), four programs an SM; the scan's and the select's per-piece temporaries
-    # and the final sort's index arithmetic spill a few words there, and the small variants at
-    # what their warps allow (which variants moves with the Triton and the target).
-    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 prefill last*", 24, "select and final sort at 64 registers",
-     "3.8*"),
-    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * only w8", 24, "select and final sort at 64 registers",
-     "3.8*"),
-    ("indexer.topk_merge", "*", "k2048 W2048 rows1 * first w8", 8, "scan and select at 64-80 registers"),
-    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 prefill middle w8", 4, "scan and select at 80 registers",
-     "3.8*"),
-    ("indexer.topk_merge", "*", "k2048 W2048 rows1 prefill middle w8", 24, "scan and select at 64 registers", "3.6*"),
-    ("indexer.topk_merge", "sm_100a", "k16 W16 rows2 *", 16, "two rows a warp", "3.8*"),
-    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * after-passes w8*", 16,
-     "select from the passes' digits at 128 registers", "3.8*"),
-    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * after-passes w8*", 8,
-     "select from the passes' digits at 128 registers", "3.6*"),
+    # Top-k merge: the 8-warp launches (topk 2048) are held to 64 registers (``topk._MERGE_MAXNREG``,
+    # four programs an SM: measured faster than two an SM unspilled, NOTES round (15)); the scan's
+    # temporaries spill a few words there, the select's and the final sort's a few hundred bytes.
+    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * first w8", 32, _MERGE_SCAN, "3.8*"),
+    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 prefill middle w8", 24, _MERGE_SCAN, "3.8*"),
+    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * last w8*", 240, _MERGE_FINAL, "3.8*"),
+    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * only w8", 176, _MERGE_FINAL, "3.8*"),
+    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * after-passes w8*", 264, _MERGE_FINAL, "3.8*"),
+    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * first w8", 64, _MERGE_SCAN, "3.8*"),
+    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 prefill middle w8", 64, _MERGE_SCAN, "3.8*"),
+    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * last w8*", 288, _MERGE_FINAL, "3.8*"),
+    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * only w8", 256, _MERGE_FINAL, "3.8*"),
+    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * after-passes w8*", 344, _MERGE_FINAL, "3.8*"),
+    ("indexer.topk_merge", "*", "k2048 W2048 rows1 * first w8", 8, _MERGE_SCAN, "3.6*"),
+    ("indexer.topk_merge", "*", "k2048 W2048 rows1 prefill middle w8", 8, _MERGE_SCAN, "3.6*"),
+    ("indexer.topk_merge", "*", "k2048 W2048 rows1 * last w8*", 248, _MERGE_FINAL, "3.6*"),
+    ("indexer.topk_merge", "*", "k2048 W2048 rows1 * only w8", 216, _MERGE_FINAL, "3.6*"),
+    ("indexer.topk_merge", "*", "k2048 W2048 rows1 * after-passes w8*", 296, _MERGE_FINAL, "3.6*"),
     ("indexer.topk_merge", "*", "k512 W512 rows1 prefill *", 8, "two warps at 96 registers", "3.6*"),
+    ("indexer.topk_merge", "sm_100a", "k512 W512 rows1 prefill * w2 values", 80,
+     "two warps at 128 registers: the select's 16 high words a thread", "3.8*"),
     # Persistent GEMM: the masked (unaligned) epilogue builds a pointer per element (on sm_90a
     # it no longer spills since the per-tile clock read went under TRACE); the reduce-scatter
     # epilogues hold the accumulator while loading every peer's partial.

@@ -785,21 +785,20 @@ def topk_merge_variants() -> list[Variant]:
     chunks = ((True, False, "first"), (False, False, "middle"), (False, True, "last"), (True, True, "only"))
     out = []
 
-    def one(k, rows, mode, first, final, chunk, logits_dtype=torch.float32, values=False, by_counts=False):
+    def one(k, rows, mode, first, final, chunk, logits_dtype=torch.float32, values=False):
         width, next_n = 301, 2 if mode != topk.kern.WIN_PREFILL else 1
         logits = torch.empty(rows, width, dtype=logits_dtype)
         bars, candidates, counts = topk._workspace(rows, k, 2, "cpu")
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
         idx = torch.empty(rows, k, dtype=torch.int32)
         vals = torch.empty(rows, k, dtype=logits_dtype) if values else None
-        with (tracing(path) as launches, mock.patch.object(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0),
-              mock.patch.object(topk, "SELECT_BY_COUNTS", by_counts)):
+        with tracing(path) as launches, mock.patch.object(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0):
             topk._merge(logits, bars, candidates, counts, 37, width, win, win, 5000, 5000, next_n,
                         win.stride(0) if win.dim() == 2 else 1, 0, idx, vals, k, mode, first, final)
         (launch,) = launches
         c = launch.arguments
         extras = [x for x, on in ((f"logits={_short(logits_dtype)}", logits_dtype != torch.float32),
-                                  ("values", values), ("by-counts", by_counts)) if on]
+                                  ("values", values)) if on]
         name = (f"k{k} W{c['W']} rows{c['ROWS']} {modes[mode]} {chunk} w{launch.options['num_warps']}"
                 + "".join(" " + x for x in extras))
         out.append(variant_of(launch, "indexer.topk_merge", name))
@@ -814,30 +813,23 @@ def topk_merge_variants() -> list[Variant]:
     for k in (16, 40, 100, 512):
         for first, final, chunk in chunks:
             one(k, 300, topk.kern.WIN_PREFILL, first, final, chunk, values=final)
-    # The selects by counts (``topk.SELECT_BY_COUNTS``): topk 2048 and a small top-k, prefill.
-    for k, rows in ((2048, 64), (16, 300)):
-        for first, final, chunk in chunks[:3]:
-            one(k, rows, topk.kern.WIN_PREFILL, first, final, chunk, values=final, by_counts=True)
 
     # The last step after the passes across programs: the select starts from the passes'
     # histograms (RESET).
     passes = f"{topk.kern.__name__}:topk_rows_pass_kernel"
-    for k, mode, dtype, values, by_counts in ((2048, topk.kern.WIN_DECODE_1D, torch.float32, False, False),
-                                              (2048, topk.kern.WIN_DECODE_2D, torch.float32, True, False),
-                                              (2048, topk.kern.WIN_DECODE_1D, torch.bfloat16, True, False),
-                                              (16, topk.kern.WIN_DECODE_1D, torch.float32, False, False),
-                                              (2048, topk.kern.WIN_DECODE_2D, torch.float32, True, True)):
+    for k, mode, dtype, values in ((2048, topk.kern.WIN_DECODE_1D, torch.float32, False),
+                                   (2048, topk.kern.WIN_DECODE_2D, torch.float32, True),
+                                   (2048, topk.kern.WIN_DECODE_1D, torch.bfloat16, True),
+                                   (16, topk.kern.WIN_DECODE_1D, torch.float32, False)):
         rows, next_n = 4, 2
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
         logits = torch.empty(rows, 5000, dtype=dtype)
-        with (tracing(path, passes) as launches, mock.patch.object(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0),
-              mock.patch.object(topk, "SELECT_BY_COUNTS", by_counts)):
+        with tracing(path, passes) as launches, mock.patch.object(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0):
             topk._topk_rows_across_programs(logits, win, win, k, mode, next_n,
                                             win.stride(0) if win.dim() == 2 else 1, values=values)
         (launch,) = [x for x in launches if x.function == path]
         c = launch.arguments
-        extras = [x for x, on in ((f"logits={_short(dtype)}", dtype != torch.float32), ("values", values),
-                                  ("by-counts", by_counts)) if on]
+        extras = [x for x, on in ((f"logits={_short(dtype)}", dtype != torch.float32), ("values", values)) if on]
         name = (f"k{k} W{c['W']} rows{c['ROWS']} {modes[mode]} after-passes w{launch.options['num_warps']}"
                 + "".join(" " + x for x in extras))
         out.append(variant_of(launch, "indexer.topk_merge", name))
