@@ -127,14 +127,19 @@ TMA_SHAPES="${TMA_SHAPES:-64x1x8192 256x1x8192 256x2x8192 32x1x4096}"
 # the rows of the decode table in the paged issue (H64 block 64 fp32 logits)
 DECODE_SHAPES="${DECODE_SHAPES:-1x1x65536 32x1x4096 64x1x8192 128x1x16384 256x1x8192 256x1x65536 64x2x32768 256x2x8192}"
 wait_deepgemm() {  # the background build's result, then its environment in this shell
-  while [ ! -f /tmp/deepgemm/.built ] && pgrep -f "setup.py build" >/dev/null; do sleep 2; done
+  # (waits for the background job itself: a check for its compiler process alone raced with
+  # the archive's extraction, and two builds in one folder failed both)
+  while [ -f "$LOGS/.deepgemm-building" ]; do sleep 2; done
   # shellcheck disable=SC1091
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
 if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|decode-ab|decode-profile|persistent|persistent-contract|table|host|topk|topk-check|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
-  [ -f "$PEERS/build.sh" ] && (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 &)
+  if [ -f "$PEERS/build.sh" ]; then
+    touch "$LOGS/.deepgemm-building"
+    (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1; rm -f "$LOGS/.deepgemm-building") &
+  fi
 elif [ -f "$PEERS/build.sh" ]; then
   # shellcheck disable=SC1091
   source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
