@@ -172,6 +172,28 @@ def test_rows_across_programs_over_ties_past_their_buffer(monkeypatch):
     assert not kept.hist.any() and not kept.counts.any()
 
 
+def test_rows_across_programs_past_their_buffer_whatever_the_order(monkeypatch):
+    """More candidates than the buffer's 2 W slots after the passes (every key shares the
+    topk-th key's top 24 bits), the largest 128 keys in the blocks appended past slot 2 W (the
+    third program's, which the interpreter runs last): the last step counts from memory, not
+    from the first 2 W slots alone (whose compaction then kept more than W keys). A second row
+    of one value throughout: the positions decide."""
+    monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
+    monkeypatch.setattr(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0)
+    n, k_top = 700, 130  # W 256: 512 slots a row; blocks 5 and 8 land in slots 572-699
+    pos = torch.arange(n, dtype=torch.int32)
+    late = ((pos >= 320) & (pos < 384)) | ((pos >= 512) & (pos < 576))
+    base = torch.tensor([1.5], dtype=torch.float32).view(torch.int32)
+    bits = torch.stack([base + torch.where(late, 200 + pos % 50, pos % 100), base.expand(n)])
+    logits = bits.view(torch.float32).contiguous().to(DEVICE)
+    ks = torch.tensor([0, 0], dtype=torch.int32, device=DEVICE)
+    ke = torch.tensor([n, n - 3], dtype=torch.int32, device=DEVICE)
+    idx, val = topk._topk_rows_across_programs(logits, ks, ke, k_top, segments=3, values=True)
+    ref_idx, ref_val = R.topk_of_logits(logits, R.window_mask(ks, ke, n), k_top)
+    assert torch.equal(idx, ref_idx)
+    assert _equal(val, ref_val)
+
+
 @pytest.mark.parametrize("ctx_2d", [False, True])
 def test_rows_across_programs_decode_windows(ctx_2d, monkeypatch):
     """The same over decode lengths (1-D causal rows of next_n 3, or 2-D), bf16 logits with ties."""

@@ -209,16 +209,41 @@ def _count_at_least(words, valid, t):
 
 
 @triton.jit
-def _bisect_rank(words, valid, need, lo, hi, at_lo, above_hi):
+def _count_in_memory(pairs, count, t, value, n_tiles, TIES: tl.constexpr, CAP: tl.constexpr):
+    """``_count_at_least`` over a row's first ``count`` keys read from memory CAP at a time
+    (``pairs``: the buffer as int32 words, low then high): the keys whose high word is >= t, or
+    (TIES) whose high word is ``value`` and low word >= t."""
+    c = tl.zeros(count.shape, tl.int32)
+    slot0 = tl.arange(0, CAP)[None, :]
+    for i in range(0, n_tiles):
+        slot = i * CAP + slot0
+        valid = slot < count[:, None]
+        hi_word = tl.load(pairs + 2 * slot + 1, mask=valid, other=_INT32_MIN)
+        if TIES:
+            lo_word = tl.load(pairs + 2 * slot, mask=valid, other=0)
+            c += tl.sum((valid & (hi_word == value[:, None].to(tl.int32)) & (lo_word >= t[:, None])).to(tl.int32),
+                        axis=1)
+        else:
+            c += tl.sum((valid & (hi_word >= t[:, None])).to(tl.int32), axis=1)
+    return c
+
+
+@triton.jit
+def _bisect_rank(words, valid, need, lo, hi, at_lo, above_hi, pairs, count, value, n_tiles,
+                 IN_MEMORY: tl.constexpr, TIES: tl.constexpr, CAP: tl.constexpr):
     """Per row, the largest ``t`` in ``[lo, hi]`` with at least ``need`` valid ``words`` >= t,
     by halving the interval (one count a pass). Invariants on entry: ``at_lo`` words are >= lo
     (at least ``need``) and ``above_hi`` (fewer than ``need``) are > hi. Returns ``(t, at_t,
     above_t)``: the words >= t and > t. A pass that finds exactly ``need`` words >= its midpoint
-    stops the row there (those words are the answer whatever lies below)."""
+    stops the row there (those words are the answer whatever lies below). IN_MEMORY: the words
+    are counted from memory instead (``_count_in_memory``; ``words``, ``valid`` unused)."""
     while tl.max((lo < hi).to(tl.int32), axis=0) > 0:
         open_ = lo < hi
         mid = (lo + (hi - lo + 1) // 2).to(tl.int32)  # in [lo, hi]: fits the words' type
-        c = _count_at_least(words, valid, mid)
+        if IN_MEMORY:
+            c = _count_in_memory(pairs, count, mid, value, n_tiles, TIES, CAP)
+        else:
+            c = _count_at_least(words, valid, mid)
         up = open_ & (c >= need)
         down = open_ & (c < need)
         lo = tl.where(up, mid, lo)
@@ -226,6 +251,70 @@ def _bisect_rank(words, valid, need, lo, hi, at_lo, above_hi):
         hi = tl.where(down, mid - 1, tl.where(up & (c == need), mid, hi))
         above_hi = tl.where(down, c, above_hi)
     return lo, at_lo, above_hi
+
+
+@triton.jit
+def _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr,
+                       START: tl.constexpr):
+    """The TOPK-th key of rows whose candidates after the passes outnumber CAP (many keys tied
+    with it in its top START * RADIX_BITS bits): ``_select``'s search, every pass reading the
+    buffer from memory CAP keys at a time (rare, so not held in registers)."""
+    pairs = cand_rows.to(tl.pointer_type(tl.int32))
+    n_tiles = tl.cdiv(tl.max(count, axis=0), CAP)
+    shrunk = count > TOPK
+    KNOWN: tl.constexpr = 32 - START * _RADIX_BITS
+    lo = prefix0 << KNOWN
+    hi = ((prefix0 + 1) << KNOWN) - 1
+    lo = tl.where(shrunk, lo, hi)
+    value, at_value, above = _bisect_rank(count, count, TOPK, lo, hi, count, (TOPK - need0).to(tl.int32), pairs,
+                                          count, lo, n_tiles, True, False, CAP)
+    thr = value << 32
+    ties = shrunk & (at_value > TOPK)
+    if tl.max(ties.to(tl.int32), axis=0) > 0:
+        # Low words of valid keys lie in [1, 0x7FFFFFFF]: the interval needs no pass of its own.
+        hi2 = tl.full([ROWS], 0x7FFFFFFF, tl.int64)
+        lo2 = tl.where(ties, 0, hi2)
+        low, _, _ = _bisect_rank(count, count, TOPK - above, lo2, hi2, at_value - above, tl.zeros([ROWS], tl.int32),
+                                 pairs, count, value, n_tiles, True, True, CAP)
+        thr = tl.where(ties, thr | low, thr)
+    return thr
+
+
+@triton.jit
+def _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.constexpr,
+                          CAP: tl.constexpr, START: tl.constexpr):
+    """The TOPK-th key of each row holding more than TOPK (and at most CAP) keys: ``_select``'s
+    search over the buffer's high words held in registers."""
+    slot = tl.arange(0, CAP)[None, :]
+    valid = slot < count[:, None]
+    pairs = cand_rows.to(tl.pointer_type(tl.int32)) + 2 * slot  # little-endian: low word, high word
+    hi_word = tl.load(pairs + 1, mask=valid, other=_INT32_MIN)
+    shrunk = count > TOPK
+    if START == 0:
+        lo = tl.min(tl.where(valid, hi_word, 0x7FFFFFFF), axis=1).to(tl.int64)
+        hi = tl.max(tl.where(valid, hi_word, _INT32_MIN), axis=1).to(tl.int64)
+        above = tl.zeros([ROWS], tl.int32)
+    else:
+        KNOWN: tl.constexpr = 32 - START * _RADIX_BITS  # the high word's bits below the prefix
+        lo = prefix0 << KNOWN
+        hi = ((prefix0 + 1) << KNOWN) - 1
+        above = (TOPK - need0).to(tl.int32)
+    lo = tl.where(shrunk, lo, hi)  # rows that keep what they hold search nothing
+    value, at_value, above = _bisect_rank(hi_word, valid, TOPK, lo, hi, count, above, pairs, count, lo, 0, False,
+                                          False, CAP)
+    thr = value << 32
+    # Keys tied at that value across the TOPK-th: their positions decide (low words, unique).
+    ties = shrunk & (at_value > TOPK)
+    if tl.max(ties.to(tl.int32), axis=0) > 0:
+        tied = valid & (hi_word == value[:, None].to(tl.int32)) & ties[:, None]
+        lo_word = tl.load(pairs, mask=tied, other=0)  # 0x7FFFFFFF - position: >= 1 for a valid key
+        lo2 = tl.min(tl.where(tied, lo_word, 0x7FFFFFFF), axis=1).to(tl.int64)
+        hi2 = tl.max(tl.where(tied, lo_word, 0), axis=1).to(tl.int64)
+        lo2 = tl.where(ties, lo2, hi2)
+        low, _, _ = _bisect_rank(lo_word, tied, TOPK - above, lo2, hi2, at_value - above,
+                                 tl.zeros([ROWS], tl.int32), pairs, count, lo, 0, False, False, CAP)
+        thr = tl.where(ties, thr | low, thr)
+    return thr
 
 
 @triton.jit
@@ -240,36 +329,16 @@ def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.
     the TOPK-th key, the same over the tied keys' low words (the positions: unique). START > 0:
     the top START * RADIX_BITS bits of the TOPK-th key are ``prefix0`` and ``need0`` of the keys
     sharing them are wanted (the keys above them number TOPK - need0), so the interval of high
-    words starts 2^(32 - START * RADIX_BITS) wide."""
+    words starts 2^(32 - START * RADIX_BITS) wide. Candidates after the passes may outnumber
+    CAP (keys tied with the TOPK-th in those bits): such a call counts from memory instead."""
     tl.debug_barrier()  # the buffer was stored by other threads of the program
-    slot = tl.arange(0, CAP)[None, :]
-    valid = slot < count[:, None]
-    words = cand_rows.to(tl.pointer_type(tl.int32)) + 2 * slot  # little-endian: low word, high word
-    hi_word = tl.load(words + 1, mask=valid, other=_INT32_MIN)
     shrunk = count > TOPK
-    if START == 0:
-        lo = tl.min(tl.where(valid, hi_word, 0x7FFFFFFF), axis=1).to(tl.int64)
-        hi = tl.max(tl.where(valid, hi_word, _INT32_MIN), axis=1).to(tl.int64)
-        above = tl.zeros([ROWS], tl.int32)
-    else:
-        KNOWN: tl.constexpr = 32 - START * _RADIX_BITS  # the high word's bits below the prefix
-        lo = prefix0 << KNOWN
-        hi = ((prefix0 + 1) << KNOWN) - 1
-        above = (TOPK - need0).to(tl.int32)
-    lo = tl.where(shrunk, lo, hi)  # rows that keep what they hold search nothing
-    value, at_value, above = _bisect_rank(hi_word, valid, TOPK, lo, hi, count, above)
-    thr = value << 32
-    # Keys tied at that value across the TOPK-th: their positions decide (low words, unique).
-    ties = shrunk & (at_value > TOPK)
-    if tl.max(ties.to(tl.int32), axis=0) > 0:
-        tied = valid & (hi_word == value[:, None].to(tl.int32)) & ties[:, None]
-        lo_word = tl.load(words, mask=tied, other=0)  # 0x7FFFFFFF - position: >= 1 for a valid key
-        lo2 = tl.min(tl.where(tied, lo_word, 0x7FFFFFFF), axis=1).to(tl.int64)
-        hi2 = tl.max(tl.where(tied, lo_word, 0), axis=1).to(tl.int64)
-        lo2 = tl.where(ties, lo2, hi2)
-        low, _, _ = _bisect_rank(lo_word, tied, TOPK - above, lo2, hi2, at_value - above,
-                                 tl.zeros([ROWS], tl.int32))
-        thr = tl.where(ties, thr | low, thr)
+    if START == 0:  # (the scan keeps at most CAP keys a row)
+        thr = _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK, ROWS, CAP, START)
+    elif tl.max(count, axis=0) <= CAP:
+        thr = _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK, ROWS, CAP, START)
+    else:  # after the passes: ties can leave more candidates than CAP
+        thr = _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK, ROWS, CAP, START)
     n_pieces = tl.cdiv(tl.max(tl.where(shrunk, count, 0), axis=0), PIECE)
     return _compact(cand_rows, count, bar, thr, n_pieces, TOPK, ROWS, PIECE)
 
