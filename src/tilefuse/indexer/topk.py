@@ -21,9 +21,10 @@ the unfused op's value by construction: a logit depends on its own (row, key) on
 start on whole tiles (prefill: 128 rows, 256 keys) or pages (decode). A Triton kernel
 (``_topk_kernel``) then collects the chunk's keys above each row's running bar into a per-row
 candidate buffer of int64 keys, cut back to its ``topk`` largest (a select by counts at a
-halved bound) whenever it could overflow; the last chunk sorts each row's ``topk`` once. The workspace is one chunk of
-logits plus ``2 W`` keys (the buffer, ``W = next_pow2(topk)``), a count and a bar per row of the
-block, independent of S_k; :func:`topk_bytes_moved` gives the traffic beside the unfused pair's.
+halved bound) whenever it could overflow; the last chunk sorts each row's ``topk`` once. The
+workspace is one chunk of logits plus ``2 W`` keys (the buffer, ``W = next_pow2(topk)``), a
+count and a bar per row of the block, independent of S_k; :func:`topk_bytes_moved` gives the
+traffic beside the unfused pair's.
 
 Decode rows few and short enough (:func:`decode_whole_rows`: their logits and candidates
 within 96 MiB) are taken whole instead: one logits launch over the rows' lengths, then each
