@@ -23,7 +23,7 @@
 #     PART=pick: the GPU tests named in $PICK; PART=probe: the warp-specialised decode key-loop probe; PART=bf16: the prefill bf16-logits and D 64 rows, Triton and Gluon loops, beside DeepGEMM
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
 #   PART=topk-decode-ab: the decode top-k of $AB_PREV against this tree (after a last-step change);
-#   PART=topk-parts: the top-k merge kernel's time taken apart; PART=topk-sweep: the top-k contract sweep;
+#   PART=topk-parts: the top-k merge kernel's time taken apart (and the select's pieces); PART=topk-sweep: the top-k contract sweep;
 #   PART=topk-check: the top-k GPU tests, warm-up count and contract sweep side by side (DeepGEMM builds meanwhile);
 #     PART=topk-across: the top-k of few rows across programs against torch.topk
 #   PART=prefill-sweep: the whole prefill contract product, $SWEEP_PROCS processes
@@ -363,8 +363,10 @@ case "$part" in
     host_calls
     step bench-serving "${SERVING_S:-100}" python3 -m tilefuse.cli bench serving --steps 4 -o "$OUT/serving.json"
     ;;
-  topk-parts)  # the merge kernel's launches taken apart (scan, selects, sort), 512 and 64 rows
+  topk-parts)  # the merge kernel's launches taken apart (scan, selects, sort), 512 and 64 rows,
+    # then the select's own pieces (a counting pass's cost, the compaction)
     step topk-parts "${TOPK_S:-90}" python3 benchmarks/topk_merge_parts.py --output "$OUT/topk-merge-parts.json"
+    step topk-select-probe 60 python3 benchmarks/topk_select_probe.py --output "$OUT/topk-select-probe.json"
     ;;
   topk)  # the fused top-k's speed beside the unfused pairs (its tests are in PART=tests)
     wait_deepgemm
