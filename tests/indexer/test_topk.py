@@ -14,6 +14,8 @@ import random
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import tilefuse
 from tilefuse import formats as F
@@ -245,6 +247,74 @@ def test_merge_long_rows_wide_state(piece_keys, monkeypatch):
     for chunk_k in (n, 512):
         idx, val = merge_chunks(logits, ks, ke, k_top, chunk_k)
         assert torch.equal(idx, ref_idx) and _equal(val, ref_val)
+
+
+@triton.jit
+def _select_rows_kernel(cand_ptr, count_ptr, bar_ptr, stride, TOPK: tl.constexpr, ROWS: tl.constexpr,
+                        CAP: tl.constexpr, PIECE: tl.constexpr):
+    """``_select`` alone on ROWS rows a program: the rows' counts and bars written back."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    count = tl.load(count_ptr + row)
+    bar = tl.load(bar_ptr + row)
+    count, bar = kern._select(cand_ptr + row[:, None] * stride, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
+    tl.store(count_ptr + row, count)
+    tl.store(bar_ptr + row, bar)
+
+
+def _keys_of(values: torch.Tensor) -> torch.Tensor:
+    """The merge's int64 keys of fp32 ``values [R, N]`` at positions 0..N-1."""
+    bits = values.float().view(torch.int32).to(torch.int64)
+    hi = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    hi = torch.where(values.isnan(), -(2**31), hi)
+    return (hi << 32) | (0x7FFFFFFF - torch.arange(values.shape[1], dtype=torch.int64))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
+@pytest.mark.parametrize("pattern", ["random", "equal", "few-values", "specials", "all-neg-inf", "sawtooth"])
+@pytest.mark.parametrize("cap,rows", [(64, 2), (8192, 1)])
+def test_select_keeps_exactly_the_topk_largest(pattern, cap, rows):
+    """The select itself, on buffers held in registers (64 keys, two rows a program) and counted
+    from memory (8192 keys: topk above 2048): exactly the TOPK largest keys at the buffer's start
+    (in some order), the count TOPK and the bar the smallest of them; rows holding TOPK or fewer
+    untouched. Keys shuffled, so the largest sit anywhere in the buffer."""
+    top = 20 if cap == 64 else 2100
+    g = torch.Generator().manual_seed(cap + len(pattern))
+    counts = torch.tensor([cap, cap - 5, top, top - 3][: 2 * rows], dtype=torch.int32)
+    n_rows = counts.shape[0]
+    keys = _keys_of(_pattern(pattern, n_rows, cap, g))
+    keys = keys[:, torch.randperm(cap, generator=g)]
+    cand = keys.clone().to(DEVICE)
+    bars = torch.full((n_rows,), -(2**63), dtype=torch.int64, device=DEVICE)
+    cnt = counts.clone().to(DEVICE)
+    piece = min(cap, max(16, 1024 // rows))
+    _select_rows_kernel[(n_rows // rows,)](cand, cnt, bars, cand.stride(0), top, rows, cap, piece)
+    cand, cnt, bars = cand.cpu(), cnt.cpu(), bars.cpu()
+    for r in range(n_rows):
+        held = int(counts[r])
+        if held <= top:
+            assert int(cnt[r]) == held and torch.equal(cand[r], keys[r])
+            continue
+        want = keys[r, :held].sort(descending=True).values[:top]
+        assert int(cnt[r]) == top
+        assert torch.equal(cand[r, :top].sort(descending=True).values, want)
+        assert int(bars[r]) == int(want[-1])
+
+
+@pytest.mark.parametrize("pattern", ["random", "ascending", "few-values"])
+def test_merge_topk_past_the_held_buffer(pattern, monkeypatch):
+    """topk 2100 (W 4096: a buffer of 8192 keys, more than a select holds in registers, so its
+    passes count from memory a piece at a time) over 13000 keys in one chunk and in chunks of
+    5000, the GPU's one row a program; ties (few values) search the positions from memory too."""
+    monkeypatch.setattr(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0)
+    rows, n, k_top = 2, 13000, 2100
+    g = torch.Generator().manual_seed(61)
+    logits = _pattern(pattern, rows, n, g).to(DEVICE)
+    ks = torch.tensor([0, 40], dtype=torch.int32, device=DEVICE)
+    ke = torch.tensor([n, n - 100], dtype=torch.int32, device=DEVICE)
+    ref_idx, ref_val = R.topk_of_logits(logits, R.window_mask(ks, ke, n), k_top)
+    for chunk_k in (n, 5000):
+        idx, val = merge_chunks(logits, ks, ke, k_top, chunk_k)
+        assert torch.equal(idx, ref_idx) and _equal(val, ref_val), chunk_k
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter

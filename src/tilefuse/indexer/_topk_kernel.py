@@ -59,6 +59,9 @@ RADIX_LEVELS = 3
 _RADIX_BITS = tl.constexpr(RADIX_BITS)
 _RADIX_LEVELS = tl.constexpr(RADIX_LEVELS)
 _RADIX_BINS = tl.constexpr(1 << RADIX_BITS)
+# A select holds its buffer's high words in registers up to this many a program (16 a thread
+# at topk 2048's 8 warps; larger buffers would spill them, so they are counted from memory).
+_SELECT_HELD_KEYS = tl.constexpr(4096)
 
 
 @triton.jit
@@ -209,14 +212,14 @@ def _count_at_least(words, valid, t):
 
 
 @triton.jit
-def _count_in_memory(pairs, count, t, value, n_tiles, TIES: tl.constexpr, CAP: tl.constexpr):
-    """``_count_at_least`` over a row's first ``count`` keys read from memory CAP at a time
+def _count_in_memory(pairs, count, t, value, n_tiles, TIES: tl.constexpr, TILE: tl.constexpr):
+    """``_count_at_least`` over a row's first ``count`` keys read from memory TILE at a time
     (``pairs``: the buffer as int32 words, low then high): the keys whose high word is >= t, or
     (TIES) whose high word is ``value`` and low word >= t."""
     c = tl.zeros(count.shape, tl.int32)
-    slot0 = tl.arange(0, CAP)[None, :]
+    slot0 = tl.arange(0, TILE)[None, :]
     for i in range(0, n_tiles):
-        slot = i * CAP + slot0
+        slot = i * TILE + slot0
         valid = slot < count[:, None]
         hi_word = tl.load(pairs + 2 * slot + 1, mask=valid, other=_INT32_MIN)
         if TIES:
@@ -230,7 +233,7 @@ def _count_in_memory(pairs, count, t, value, n_tiles, TIES: tl.constexpr, CAP: t
 
 @triton.jit
 def _bisect_rank(words, valid, need, lo, hi, at_lo, above_hi, pairs, count, value, n_tiles,
-                 IN_MEMORY: tl.constexpr, TIES: tl.constexpr, CAP: tl.constexpr):
+                 IN_MEMORY: tl.constexpr, TIES: tl.constexpr, TILE: tl.constexpr):
     """Per row, the largest ``t`` in ``[lo, hi]`` with at least ``need`` valid ``words`` >= t,
     by halving the interval (one count a pass). Invariants on entry: ``at_lo`` words are >= lo
     (at least ``need``) and ``above_hi`` (fewer than ``need``) are > hi. Returns ``(t, at_t,
@@ -241,7 +244,7 @@ def _bisect_rank(words, valid, need, lo, hi, at_lo, above_hi, pairs, count, valu
         open_ = lo < hi
         mid = (lo + (hi - lo + 1) // 2).to(tl.int32)  # in [lo, hi]: fits the words' type
         if IN_MEMORY:
-            c = _count_in_memory(pairs, count, mid, value, n_tiles, TIES, CAP)
+            c = _count_in_memory(pairs, count, mid, value, n_tiles, TIES, TILE)
         else:
             c = _count_at_least(words, valid, mid)
         up = open_ & (c >= need)
@@ -254,20 +257,36 @@ def _bisect_rank(words, valid, need, lo, hi, at_lo, above_hi, pairs, count, valu
 
 
 @triton.jit
-def _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr,
+def _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
                        START: tl.constexpr):
-    """The TOPK-th key of rows whose candidates after the passes outnumber CAP (many keys tied
-    with it in its top START * RADIX_BITS bits): ``_select``'s search, every pass reading the
-    buffer from memory CAP keys at a time (rare, so not held in registers)."""
+    """``_kth_key_in_registers``' search with every pass reading the buffer from memory TILE keys
+    at a time: for buffers too large to hold (topk above 2048), and for candidates after the
+    passes that outnumber the buffer (many keys tied with the TOPK-th in its top START *
+    RADIX_BITS bits)."""
     pairs = cand_rows.to(tl.pointer_type(tl.int32))
-    n_tiles = tl.cdiv(tl.max(count, axis=0), CAP)
+    n_tiles = tl.cdiv(tl.max(count, axis=0), TILE)
     shrunk = count > TOPK
-    KNOWN: tl.constexpr = 32 - START * _RADIX_BITS
-    lo = prefix0 << KNOWN
-    hi = ((prefix0 + 1) << KNOWN) - 1
+    if START == 0:
+        lo = tl.full([ROWS], 0x7FFFFFFF, tl.int32)
+        hi = tl.full([ROWS], _INT32_MIN, tl.int32)
+        slot0 = tl.arange(0, TILE)[None, :]
+        for i in range(0, n_tiles):
+            slot = i * TILE + slot0
+            valid = slot < count[:, None]
+            hi_word = tl.load(pairs + 2 * slot + 1, mask=valid, other=_INT32_MIN)
+            lo = tl.minimum(lo, tl.min(tl.where(valid, hi_word, 0x7FFFFFFF), axis=1))
+            hi = tl.maximum(hi, tl.max(tl.where(valid, hi_word, _INT32_MIN), axis=1))
+        lo = lo.to(tl.int64)
+        hi = hi.to(tl.int64)
+        above = tl.zeros([ROWS], tl.int32)
+    else:
+        KNOWN: tl.constexpr = 32 - START * _RADIX_BITS
+        lo = prefix0 << KNOWN
+        hi = ((prefix0 + 1) << KNOWN) - 1
+        above = (TOPK - need0).to(tl.int32)
     lo = tl.where(shrunk, lo, hi)
-    value, at_value, above = _bisect_rank(count, count, TOPK, lo, hi, count, (TOPK - need0).to(tl.int32), pairs,
-                                          count, lo, n_tiles, True, False, CAP)
+    value, at_value, above = _bisect_rank(count, count, TOPK, lo, hi, count, above, pairs, count, lo, n_tiles, True,
+                                          False, TILE)
     thr = value << 32
     ties = shrunk & (at_value > TOPK)
     if tl.max(ties.to(tl.int32), axis=0) > 0:
@@ -275,7 +294,7 @@ def _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, ROW
         hi2 = tl.full([ROWS], 0x7FFFFFFF, tl.int64)
         lo2 = tl.where(ties, 0, hi2)
         low, _, _ = _bisect_rank(count, count, TOPK - above, lo2, hi2, at_value - above, tl.zeros([ROWS], tl.int32),
-                                 pairs, count, value, n_tiles, True, True, CAP)
+                                 pairs, count, value, n_tiles, True, True, TILE)
         thr = tl.where(ties, thr | low, thr)
     return thr
 
@@ -301,7 +320,7 @@ def _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, 
         above = (TOPK - need0).to(tl.int32)
     lo = tl.where(shrunk, lo, hi)  # rows that keep what they hold search nothing
     value, at_value, above = _bisect_rank(hi_word, valid, TOPK, lo, hi, count, above, pairs, count, lo, 0, False,
-                                          False, CAP)
+                                          False, 16)
     thr = value << 32
     # Keys tied at that value across the TOPK-th: their positions decide (low words, unique).
     ties = shrunk & (at_value > TOPK)
@@ -312,7 +331,7 @@ def _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, 
         hi2 = tl.max(tl.where(tied, lo_word, 0), axis=1).to(tl.int64)
         lo2 = tl.where(ties, lo2, hi2)
         low, _, _ = _bisect_rank(lo_word, tied, TOPK - above, lo2, hi2, at_value - above,
-                                 tl.zeros([ROWS], tl.int32), pairs, count, lo, 0, False, False, CAP)
+                                 tl.zeros([ROWS], tl.int32), pairs, count, lo, 0, False, False, 16)
         thr = tl.where(ties, thr | low, thr)
     return thr
 
@@ -329,16 +348,19 @@ def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.
     the TOPK-th key, the same over the tied keys' low words (the positions: unique). START > 0:
     the top START * RADIX_BITS bits of the TOPK-th key are ``prefix0`` and ``need0`` of the keys
     sharing them are wanted (the keys above them number TOPK - need0), so the interval of high
-    words starts 2^(32 - START * RADIX_BITS) wide. Candidates after the passes may outnumber
-    CAP (keys tied with the TOPK-th in those bits): such a call counts from memory instead."""
+    words starts 2^(32 - START * RADIX_BITS) wide. Buffers of more than _SELECT_HELD_KEYS keys a
+    program (topk above 2048) and candidates after the passes that outnumber CAP (keys tied with
+    the TOPK-th in those bits) are counted from memory instead, PIECE keys a row at a time."""
     tl.debug_barrier()  # the buffer was stored by other threads of the program
     shrunk = count > TOPK
-    if START == 0:  # (the scan keeps at most CAP keys a row)
+    if CAP > _SELECT_HELD_KEYS // ROWS:  # too many words to hold a thread: counted from memory
+        thr = _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK, ROWS, PIECE, START)
+    elif START == 0:  # (the scan keeps at most CAP keys a row)
         thr = _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK, ROWS, CAP, START)
     elif tl.max(count, axis=0) <= CAP:
         thr = _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK, ROWS, CAP, START)
     else:  # after the passes: ties can leave more candidates than CAP
-        thr = _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK, ROWS, CAP, START)
+        thr = _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK, ROWS, PIECE, START)
     n_pieces = tl.cdiv(tl.max(tl.where(shrunk, count, 0), axis=0), PIECE)
     return _compact(cand_rows, count, bar, thr, n_pieces, TOPK, ROWS, PIECE)
 
