@@ -92,9 +92,11 @@ _INTERPRETER_KEYS_PER_PROGRAM = 2048
 # Keys of a program's rows that a select compacts at a time (at least 16 a row): the whole 2 W
 # buffer as one register tile held the topk-2048 programs to 128-198 registers a thread.
 _SELECT_PIECE_KEYS = 1024
-# The 8-warp merge programs (topk 2048) capped at 64 registers, four an SM: at the 99-112 that
-# ptxas takes otherwise (two an SM) the scan hides less of its loads' latency (benchmarks/NOTES.md).
+# The merge programs of topk 1025-2048 (W 2048, 8 warps) capped at 64 registers, four an SM: at
+# the 99-112 that ptxas takes otherwise (two an SM) the scan hides less of its loads' latency
+# (benchmarks/NOTES.md). Wider states hold larger tiles a thread: not capped, not measured.
 _MERGE_MAXNREG = 64
+_MERGE_MAXNREG_WIDTH = 2048
 _MAX_TOPK = 1 << 16
 _MAX_POSITION = 2**31 - 2  # keys hold 0x7FFFFFFF - position in 31 bits, above the empty slot
 
@@ -240,7 +242,9 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
             lo, width,
             out, out.stride(0), vals, stride_v,
             err, *consts)
-    options = {"num_warps": warps, "maxnreg": _MERGE_MAXNREG} if warps == 8 else {"num_warps": warps}
+    options = {"num_warps": warps}
+    if w == _MERGE_MAXNREG_WIDTH:
+        options["maxnreg"] = _MERGE_MAXNREG
     _merge_launch(key, (grid,), args, options)
     if partials is not None and fast is None:
         # every argument but next_n, ctx_stride, row_base, the error record and the constexprs
