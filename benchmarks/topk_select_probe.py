@@ -28,6 +28,7 @@ import triton.language as tl
 from tilefuse.bench import env
 from tilefuse.bench.timing import measure
 from tilefuse.indexer import _topk_kernel as kern
+from tilefuse.reference import order_keys
 
 W, CAP, TOPK, PIECE = 2048, 4096, 2048, 1024
 OPTIONS = {"num_warps": 8, "maxnreg": 64}
@@ -71,14 +72,6 @@ def select_kernel(cand_ptr, count_ptr, bar_ptr, CAP: tl.constexpr, TOPK: tl.cons
     count, bar = kern._select(cand_rows, count, tl.zeros([1], tl.int64), tl.zeros([1], tl.int64), count, TOPK, 1,
                               CAP, PIECE, 0)
     tl.store(bar_ptr + row, bar)
-
-
-def order_keys(values: torch.Tensor) -> torch.Tensor:
-    """The merge's int64 keys of fp32 values at positions 0.. (the kernel's ``_order_keys``)."""
-    bits = values.view(torch.int32).to(torch.int64)
-    hi = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    pos = torch.arange(values.shape[1], device=values.device, dtype=torch.int64)
-    return (hi << 32) | (0x7FFFFFFF - pos)
 
 
 def probe(rows: int, passes: list[int], samples: int) -> dict:

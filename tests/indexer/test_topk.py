@@ -261,12 +261,14 @@ def _select_rows_kernel(cand_ptr, count_ptr, bar_ptr, stride, TOPK: tl.constexpr
     tl.store(bar_ptr + row, bar)
 
 
-def _keys_of(values: torch.Tensor) -> torch.Tensor:
-    """The merge's int64 keys of fp32 ``values [R, N]`` at positions 0..N-1."""
-    bits = values.float().view(torch.int32).to(torch.int64)
-    hi = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    hi = torch.where(values.isnan(), -(2**31), hi)
-    return (hi << 32) | (0x7FFFFFFF - torch.arange(values.shape[1], dtype=torch.int64))
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_order_keys_sort_as_the_contract(pattern):
+    """``reference.order_keys`` sorted descending gives the contract's order (the reference
+    top-k over all positions): NaN, both zeros and infinities included."""
+    g = torch.Generator().manual_seed(len(pattern))
+    logits = _pattern(pattern, 3, 200, g)
+    ref_idx, _ = R.topk_of_logits(logits, torch.ones_like(logits, dtype=torch.bool), 200)
+    assert torch.equal(R.order_keys(logits).sort(dim=1, descending=True).indices.to(torch.int32), ref_idx)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
@@ -281,7 +283,7 @@ def test_select_keeps_exactly_the_topk_largest(pattern, cap, rows):
     g = torch.Generator().manual_seed(cap + len(pattern))
     counts = torch.tensor([cap, cap - 5, top, top - 3][: 2 * rows], dtype=torch.int32)
     n_rows = counts.shape[0]
-    keys = _keys_of(_pattern(pattern, n_rows, cap, g))
+    keys = R.order_keys(_pattern(pattern, n_rows, cap, g))
     keys = keys[:, torch.randperm(cap, generator=g)]
     cand = keys.clone().to(DEVICE)
     bars = torch.full((n_rows,), -(2**63), dtype=torch.int64, device=DEVICE)

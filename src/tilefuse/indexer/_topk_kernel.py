@@ -257,6 +257,17 @@ def _bisect_rank(words, valid, need, lo, hi, at_lo, above_hi, pairs, count, valu
 
 
 @triton.jit
+def _interval_below_prefix(prefix0, need0, TOPK: tl.constexpr, START: tl.constexpr):
+    """The search's start when the TOPK-th key's top START * RADIX_BITS bits are ``prefix0``
+    and ``need0`` of the keys sharing them are wanted: ``(lo, hi, above)``, the high words
+    sharing that prefix and the keys above them (TOPK - need0)."""
+    KNOWN: tl.constexpr = 32 - START * _RADIX_BITS  # the high word's bits below the prefix
+    lo = prefix0 << KNOWN
+    hi = ((prefix0 + 1) << KNOWN) - 1
+    return lo, hi, (TOPK - need0).to(tl.int32)
+
+
+@triton.jit
 def _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
                        START: tl.constexpr):
     """``_kth_key_in_registers``' search with every pass reading the buffer from memory TILE keys
@@ -280,10 +291,7 @@ def _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, ROW
         hi = hi.to(tl.int64)
         above = tl.zeros([ROWS], tl.int32)
     else:
-        KNOWN: tl.constexpr = 32 - START * _RADIX_BITS
-        lo = prefix0 << KNOWN
-        hi = ((prefix0 + 1) << KNOWN) - 1
-        above = (TOPK - need0).to(tl.int32)
+        lo, hi, above = _interval_below_prefix(prefix0, need0, TOPK, START)
     lo = tl.where(shrunk, lo, hi)
     value, at_value, above = _bisect_rank(count, count, TOPK, lo, hi, count, above, pairs, count, lo, n_tiles, True,
                                           False, TILE)
@@ -314,10 +322,7 @@ def _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, 
         hi = tl.max(tl.where(valid, hi_word, _INT32_MIN), axis=1).to(tl.int64)
         above = tl.zeros([ROWS], tl.int32)
     else:
-        KNOWN: tl.constexpr = 32 - START * _RADIX_BITS  # the high word's bits below the prefix
-        lo = prefix0 << KNOWN
-        hi = ((prefix0 + 1) << KNOWN) - 1
-        above = (TOPK - need0).to(tl.int32)
+        lo, hi, above = _interval_below_prefix(prefix0, need0, TOPK, START)
     lo = tl.where(shrunk, lo, hi)  # rows that keep what they hold search nothing
     value, at_value, above = _bisect_rank(hi_word, valid, TOPK, lo, hi, count, above, pairs, count, lo, 0, False,
                                           False, 16)

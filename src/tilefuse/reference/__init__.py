@@ -21,7 +21,7 @@ from tilefuse.reference.paged import (
     paged_row_ends,
     paged_valid_mask,
 )
-from tilefuse.reference.topk import fp8_fp4_mqa_topk_ref, fp8_fp4_paged_mqa_topk_ref, topk_of_logits
+from tilefuse.reference.topk import fp8_fp4_mqa_topk_ref, fp8_fp4_paged_mqa_topk_ref, order_keys, topk_of_logits
 
 __all__ = [
     "ag_gemm_emulated",
@@ -36,6 +36,7 @@ __all__ = [
     "fp8_fp4_paged_mqa_topk_ref",
     "gather_paged_keys",
     "mqa_logits_ref",
+    "order_keys",
     "paged_key_extent",
     "paged_mqa_logits_ref",
     "paged_row_ends",

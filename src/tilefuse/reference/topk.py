@@ -37,6 +37,18 @@ def topk_of_logits(logits: torch.Tensor, valid: torch.Tensor, topk: int) -> tupl
     return indices, out_values
 
 
+def order_keys(values: torch.Tensor) -> torch.Tensor:
+    """The top-k kernels' int64 key of each ``values [R, N]`` entry at positions 0..N-1 (their
+    ``_order_keys``): the value's fp32 bits mapped to an order-preserving int32 in the high word
+    (``-0.0`` as ``+0.0``, NaN below ``-inf``), ``0x7FFFFFFF - position`` in the low word, so
+    that keys compare as the contract orders (value descending, position ascending)."""
+    bits = (values.float() + 0.0).view(torch.int32).to(torch.int64)  # -0.0 + 0.0 = +0.0
+    hi = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    hi = torch.where(values.isnan(), -(2**31), hi)
+    pos = torch.arange(values.shape[1], dtype=torch.int64, device=values.device)
+    return (hi << 32) | (0x7FFFFFFF - pos)
+
+
 def fp8_fp4_mqa_topk_ref(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, topk: int = 2048,
                          logits_dtype: torch.dtype = torch.float32):
     """Prefill top-k of the dequantised logits reference: ``(indices, values)``."""
