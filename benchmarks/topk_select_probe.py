@@ -10,8 +10,7 @@ registers, 512 rows, graph mode), each kernel built from the merge kernel's own 
   (``_count_at_least``, as ``_bisect_rank`` calls it), for P in ``--passes``: the slope over P
   is one pass's cost at this occupancy;
 * ``compact``: the compaction of 3072 keys to 2048 (``_compact``, 3 pieces of 1024);
-* ``select N-way``: ``_select`` whole on buffers of 3072 random keys (normal values: ~13 halving
-  passes), its interval cut in N parts a pass (``--ways``).
+* ``select``: ``_select`` whole on buffers of 3072 random keys (normal values: ~13 passes).
 
     python benchmarks/topk_select_probe.py [--rows 512] [--passes 0 8 16 32] [--output probe.json]
 """
@@ -66,17 +65,16 @@ def compact_kernel(cand_ptr, count_ptr, bar_ptr, thr_ptr, CAP: tl.constexpr, TOP
 
 
 @triton.jit
-def select_kernel(cand_ptr, count_ptr, bar_ptr, CAP: tl.constexpr, TOPK: tl.constexpr, PIECE: tl.constexpr,
-                  WAYS: tl.constexpr):
+def select_kernel(cand_ptr, count_ptr, bar_ptr, CAP: tl.constexpr, TOPK: tl.constexpr, PIECE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     count = tl.load(count_ptr + row)
     cand_rows = cand_ptr + row[:, None] * CAP
     count, bar = kern._select(cand_rows, count, tl.zeros([1], tl.int64), tl.zeros([1], tl.int64), count, TOPK, 1,
-                              CAP, PIECE, 0, WAYS)
+                              CAP, PIECE, 0)
     tl.store(bar_ptr + row, bar)
 
 
-def probe(rows: int, passes: list[int], ways: list[int], samples: int) -> dict:
+def probe(rows: int, passes: list[int], samples: int) -> dict:
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     held = TOPK + TOPK // 2
@@ -95,24 +93,19 @@ def probe(rows: int, passes: list[int], ways: list[int], samples: int) -> dict:
         cand.copy_(keys)
         compact_kernel[(rows,)](cand, counts, bars, thr, CAP, TOPK, PIECE, **OPTIONS)
 
-    def select(ways):
-        def run():
-            cand.copy_(keys)
-            select_kernel[(rows,)](cand, counts, bars, CAP, TOPK, PIECE, ways, **OPTIONS)
-        return run
+    def select():
+        cand.copy_(keys)
+        select_kernel[(rows,)](cand, counts, bars, CAP, TOPK, PIECE, **OPTIONS)
 
     def copy_only():
         cand.copy_(keys)
 
     fns = {f"passes {p}": count_passes(p) for p in passes}
-    fns |= {"copy only": copy_only, "compact": compact}
-    fns |= {f"select {w}-way": select(w) for w in ways}
-    ok = {}
-    for n, f in fns.items():
+    fns |= {"copy only": copy_only, "compact": compact, "select": select}
+    for f in fns.values():
         f()
-        if n.startswith("select"):
-            torch.cuda.synchronize()
-            ok[n] = bool(torch.equal(bars, thr))  # the select's new bar is the TOPK-th key
+    torch.cuda.synchronize()
+    ok = bool(torch.equal(bars, thr))  # the select's new bar is the TOPK-th key
     stats = measure(fns, samples=samples)
     us = {n: s.median_us for n, s in stats.items()}
     slope = None
@@ -126,14 +119,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[512, 64])
     ap.add_argument("--passes", type=int, nargs="+", default=[0, 8, 16, 32])
-    ap.add_argument("--ways", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("topk_select_probe: needs a CUDA GPU", file=sys.stderr)
         return 2
-    results = [probe(r, args.passes, args.ways, args.samples) for r in args.rows]
+    results = [probe(r, args.passes, args.samples) for r in args.rows]
     for r in results:
         row = "  ".join(f"{n} {v:7.1f}" for n, v in r["us"].items())
         print(f"rows {r['rows']:4d}: {row} us; per pass {r['us_per_pass']:.2f} us; "

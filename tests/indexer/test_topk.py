@@ -114,13 +114,10 @@ PATTERNS = ["ascending", "descending", "equal", "few-values", "sawtooth", "speci
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("k_top,chunk_k", [(5, 48), (16, 1000), (40, 96)])
-@pytest.mark.parametrize("ways", [2, 4])
-def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k, ways, monkeypatch):
+def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k):
     """Buffers of 16 or 64 keys (flushed after 12 or 48), many flushes a chunk, chunks not a
     multiple of the scan block, random windows (empty, short, past the row's end), several rows
-    a program; the candidate scratch starts as garbage. The select halving its interval or
-    cutting it in four."""
-    monkeypatch.setattr(topk, "_SELECT_WAYS", ways)
+    a program; the candidate scratch starts as garbage."""
     rows, n = 24, 300
     g = torch.Generator().manual_seed(len(pattern) + k_top)
     logits = _pattern(pattern, rows, n, g).to(DEVICE)
@@ -158,12 +155,10 @@ def test_rows_across_programs(pattern, k_top, segments, rows_a_program, monkeypa
     assert _equal(val, ref_val)
 
 
-@pytest.mark.parametrize("ways", [2, 3])
-def test_rows_across_programs_over_ties_past_their_buffer(ways, monkeypatch):
+def test_rows_across_programs_over_ties_past_their_buffer(monkeypatch):
     """The last step after the passes: a row whose candidates outnumber its 2 W slots (every
     key tied with its topk-th), a row of random keys, one shorter than topk, an empty one; the
     kept counts and histograms zero afterwards."""
-    monkeypatch.setattr(topk, "_SELECT_WAYS", ways)
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
     monkeypatch.setattr(topk, "_kept_histograms", {})
     n, k_top = 700, 130  # W 256: 512 slots a row
@@ -256,13 +251,12 @@ def test_merge_long_rows_wide_state(piece_keys, monkeypatch):
 
 @triton.jit
 def _select_rows_kernel(cand_ptr, count_ptr, bar_ptr, stride, TOPK: tl.constexpr, ROWS: tl.constexpr,
-                        CAP: tl.constexpr, PIECE: tl.constexpr, WAYS: tl.constexpr):
+                        CAP: tl.constexpr, PIECE: tl.constexpr):
     """``_select`` alone on ROWS rows a program: the rows' counts and bars written back."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     count = tl.load(count_ptr + row)
     bar = tl.load(bar_ptr + row)
-    count, bar = kern._select(cand_ptr + row[:, None] * stride, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0,
-                              WAYS)
+    count, bar = kern._select(cand_ptr + row[:, None] * stride, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
     tl.store(count_ptr + row, count)
     tl.store(bar_ptr + row, bar)
 
@@ -279,8 +273,8 @@ def test_order_keys_sort_as_the_contract(pattern):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", ["random", "equal", "few-values", "specials", "all-neg-inf", "sawtooth"])
-@pytest.mark.parametrize("cap,rows,ways", [(64, 2, 2), (64, 2, 3), (64, 2, 4), (4096, 1, 4), (8192, 1, 2)])
-def test_select_keeps_exactly_the_topk_largest(pattern, cap, rows, ways):
+@pytest.mark.parametrize("cap,rows", [(64, 2), (8192, 1)])
+def test_select_keeps_exactly_the_topk_largest(pattern, cap, rows):
     """The select itself, on buffers held in registers (64 keys, two rows a program) and counted
     from memory (8192 keys: topk above 2048): exactly the TOPK largest keys at the buffer's start
     (in some order), the count TOPK and the bar the smallest of them; rows holding TOPK or fewer
@@ -295,7 +289,7 @@ def test_select_keeps_exactly_the_topk_largest(pattern, cap, rows, ways):
     bars = torch.full((n_rows,), -(2**63), dtype=torch.int64, device=DEVICE)
     cnt = counts.clone().to(DEVICE)
     piece = min(cap, max(16, 1024 // rows))
-    _select_rows_kernel[(n_rows // rows,)](cand, cnt, bars, cand.stride(0), top, rows, cap, piece, ways)
+    _select_rows_kernel[(n_rows // rows,)](cand, cnt, bars, cand.stride(0), top, rows, cap, piece)
     cand, cnt, bars = cand.cpu(), cnt.cpu(), bars.cpu()
     for r in range(n_rows):
         held = int(counts[r])

@@ -232,66 +232,27 @@ def _count_in_memory(pairs, count, t, value, n_tiles, TIES: tl.constexpr, TILE: 
 
 
 @triton.jit
-def _counts_at_ways(words, valid, lo, hi, WAYS: tl.constexpr):
-    """Per row, the WAYS - 1 pivots ``t_k = lo + ((hi - lo) * k + WAYS - 1) // WAYS`` (k = 1 ..
-    WAYS - 1: in ``[lo + 1, hi]`` for ``hi > lo``, non-decreasing) and the counts of valid
-    ``words`` >= each, packed 16 bits a count (``t_k``'s at bit 16 (k - 1)) and summed in one
-    reduction: one barrier a pass whatever WAYS. Counts must stay below 2^16."""
-    PACK: tl.constexpr = tl.int32 if WAYS <= 3 else tl.int64
-    packed = tl.zeros(valid.shape, PACK)
-    for k in tl.static_range(1, WAYS):
-        t = (lo + ((hi - lo) * k + WAYS - 1) // WAYS).to(tl.int32)
-        packed += (valid & (words >= t[:, None])).to(PACK) << (16 * (k - 1))
-    return tl.sum(packed, axis=1)
-
-
-@triton.jit
 def _bisect_rank(words, valid, need, lo, hi, at_lo, above_hi, pairs, count, value, n_tiles,
-                 IN_MEMORY: tl.constexpr, TIES: tl.constexpr, TILE: tl.constexpr, WAYS: tl.constexpr):
+                 IN_MEMORY: tl.constexpr, TIES: tl.constexpr, TILE: tl.constexpr):
     """Per row, the largest ``t`` in ``[lo, hi]`` with at least ``need`` valid ``words`` >= t,
-    by cutting the interval in WAYS parts a pass (one count a pivot). Invariants on entry:
-    ``at_lo`` words are >= lo (at least ``need``) and ``above_hi`` (fewer than ``need``) are >
-    hi. Returns ``(t, at_t, above_t)``: the words >= t and > t. A pass that finds exactly
-    ``need`` words >= a pivot stops the row there (those words are the answer whatever lies
-    below). IN_MEMORY: the words are counted from memory instead (``_count_in_memory``;
-    ``words``, ``valid`` unused; WAYS 2 only). WAYS > 2: the pivots' counts packed in one
-    reduction (``_counts_at_ways``; at most 2^16 - 1 words a row)."""
-    tl.static_assert(WAYS == 2 or not IN_MEMORY)
+    by halving the interval (one count a pass). Invariants on entry: ``at_lo`` words are >= lo
+    (at least ``need``) and ``above_hi`` (fewer than ``need``) are > hi. Returns ``(t, at_t,
+    above_t)``: the words >= t and > t. A pass that finds exactly ``need`` words >= its midpoint
+    stops the row there (those words are the answer whatever lies below). IN_MEMORY: the words
+    are counted from memory instead (``_count_in_memory``; ``words``, ``valid`` unused)."""
     while tl.max((lo < hi).to(tl.int32), axis=0) > 0:
         open_ = lo < hi
-        if WAYS == 2:
-            mid = (lo + (hi - lo + 1) // 2).to(tl.int32)  # in [lo, hi]: fits the words' type
-            if IN_MEMORY:
-                c = _count_in_memory(pairs, count, mid, value, n_tiles, TIES, TILE)
-            else:
-                c = _count_at_least(words, valid, mid)
-            up = open_ & (c >= need)
-            down = open_ & (c < need)
-            lo = tl.where(up, mid, lo)
-            at_lo = tl.where(up, c, at_lo)
-            hi = tl.where(down, mid - 1, tl.where(up & (c == need), mid, hi))
-            above_hi = tl.where(down, c, above_hi)
+        mid = (lo + (hi - lo + 1) // 2).to(tl.int32)  # in [lo, hi]: fits the words' type
+        if IN_MEMORY:
+            c = _count_in_memory(pairs, count, mid, value, n_tiles, TIES, TILE)
         else:
-            packed = _counts_at_ways(words, valid, lo, hi, WAYS)
-            new_lo = lo
-            new_at_lo = at_lo
-            for k in tl.static_range(1, WAYS):  # the last pivot with enough words above it
-                t = lo + ((hi - lo) * k + WAYS - 1) // WAYS
-                c = ((packed >> (16 * (k - 1))) & 0xFFFF).to(tl.int32)
-                new_lo = tl.where(c >= need, t, new_lo)
-                new_at_lo = tl.where(c >= need, c, new_at_lo)
-            new_hi = hi
-            new_above = above_hi
-            for j in tl.static_range(1, WAYS):  # the first pivot without: k = WAYS - j
-                t = lo + ((hi - lo) * (WAYS - j) + WAYS - 1) // WAYS
-                c = ((packed >> (16 * (WAYS - j - 1))) & 0xFFFF).to(tl.int32)
-                new_hi = tl.where(c < need, t - 1, new_hi)
-                new_above = tl.where(c < need, c, new_above)
-            new_hi = tl.where(new_at_lo == need, new_lo, new_hi)
-            lo = tl.where(open_, new_lo, lo)
-            at_lo = tl.where(open_, new_at_lo, at_lo)
-            hi = tl.where(open_, new_hi, hi)
-            above_hi = tl.where(open_, new_above, above_hi)
+            c = _count_at_least(words, valid, mid)
+        up = open_ & (c >= need)
+        down = open_ & (c < need)
+        lo = tl.where(up, mid, lo)
+        at_lo = tl.where(up, c, at_lo)
+        hi = tl.where(down, mid - 1, tl.where(up & (c == need), mid, hi))
+        above_hi = tl.where(down, c, above_hi)
     return lo, at_lo, above_hi
 
 
@@ -333,7 +294,7 @@ def _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, ROW
         lo, hi, above = _interval_below_prefix(prefix0, need0, TOPK, START)
     lo = tl.where(shrunk, lo, hi)
     value, at_value, above = _bisect_rank(count, count, TOPK, lo, hi, count, above, pairs, count, lo, n_tiles, True,
-                                          False, TILE, 2)
+                                          False, TILE)
     thr = value << 32
     ties = shrunk & (at_value > TOPK)
     if tl.max(ties.to(tl.int32), axis=0) > 0:
@@ -341,14 +302,14 @@ def _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, ROW
         hi2 = tl.full([ROWS], 0x7FFFFFFF, tl.int64)
         lo2 = tl.where(ties, 0, hi2)
         low, _, _ = _bisect_rank(count, count, TOPK - above, lo2, hi2, at_value - above, tl.zeros([ROWS], tl.int32),
-                                 pairs, count, value, n_tiles, True, True, TILE, 2)
+                                 pairs, count, value, n_tiles, True, True, TILE)
         thr = tl.where(ties, thr | low, thr)
     return thr
 
 
 @triton.jit
 def _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.constexpr,
-                          CAP: tl.constexpr, START: tl.constexpr, WAYS: tl.constexpr):
+                          CAP: tl.constexpr, START: tl.constexpr):
     """The TOPK-th key of each row holding more than TOPK (and at most CAP) keys: ``_select``'s
     search over the buffer's high words held in registers."""
     slot = tl.arange(0, CAP)[None, :]
@@ -364,7 +325,7 @@ def _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, 
         lo, hi, above = _interval_below_prefix(prefix0, need0, TOPK, START)
     lo = tl.where(shrunk, lo, hi)  # rows that keep what they hold search nothing
     value, at_value, above = _bisect_rank(hi_word, valid, TOPK, lo, hi, count, above, pairs, count, lo, 0, False,
-                                          False, 16, WAYS)
+                                          False, 16)
     thr = value << 32
     # Keys tied at that value across the TOPK-th: their positions decide (low words, unique).
     ties = shrunk & (at_value > TOPK)
@@ -375,14 +336,14 @@ def _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, 
         hi2 = tl.max(tl.where(tied, lo_word, 0), axis=1).to(tl.int64)
         lo2 = tl.where(ties, lo2, hi2)
         low, _, _ = _bisect_rank(lo_word, tied, TOPK - above, lo2, hi2, at_value - above,
-                                 tl.zeros([ROWS], tl.int32), pairs, count, lo, 0, False, False, 16, WAYS)
+                                 tl.zeros([ROWS], tl.int32), pairs, count, lo, 0, False, False, 16)
         thr = tl.where(ties, thr | low, thr)
     return thr
 
 
 @triton.jit
 def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr,
-            PIECE: tl.constexpr, START: tl.constexpr, WAYS: tl.constexpr):
+            PIECE: tl.constexpr, START: tl.constexpr):
     """Each row's buffer (its first ``count`` keys) cut to its TOPK largest keys, compacted to
     the buffer's start: ``(count, bar)`` after it. Rows holding TOPK keys or fewer keep them.
 
@@ -400,9 +361,9 @@ def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.
     if CAP > _SELECT_HELD_KEYS // ROWS:  # too many words to hold a thread: counted from memory
         thr = _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK, ROWS, PIECE, START)
     elif START == 0:  # (the scan keeps at most CAP keys a row)
-        thr = _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK, ROWS, CAP, START, WAYS)
+        thr = _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK, ROWS, CAP, START)
     elif tl.max(count, axis=0) <= CAP:
-        thr = _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK, ROWS, CAP, START, WAYS)
+        thr = _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK, ROWS, CAP, START)
     else:  # after the passes: ties can leave more candidates than CAP
         thr = _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK, ROWS, PIECE, START)
     n_pieces = tl.cdiv(tl.max(tl.where(shrunk, count, 0), axis=0), PIECE)
@@ -447,7 +408,7 @@ def topk_merge_chunk_kernel(
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, PIECE: tl.constexpr,
-    RESET: tl.constexpr, SELECT_WAYS: tl.constexpr,
+    RESET: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
@@ -495,16 +456,15 @@ def topk_merge_chunk_kernel(
         tl.store(cand_rows + (count[:, None] + tl.cumsum(taken, axis=1) - 1), keys, mask=above)
         count += tl.sum(taken, axis=1)
         if tl.max(count, axis=0) > CAP - BLOCK:
-            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, SELECT_WAYS)
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
     if FINAL:
         if RESET:
             # After the passes: their histograms hold the TOPK-th key's top RADIX_LEVELS digits.
             hist_rows = hist_ptr + row[:, None] * (_RADIX_LEVELS * _RADIX_BINS)
             prefix0, need0 = _rows_prefix_and_need(hist_rows, TOPK, _RADIX_LEVELS)
-            count, bar = _select(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, PIECE, _RADIX_LEVELS,
-                                 SELECT_WAYS)
+            count, bar = _select(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, PIECE, _RADIX_LEVELS)
         else:
-            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, SELECT_WAYS)
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
         _write_sorted(cand_rows, count, live, idx_ptr + row[:, None] * stride_i, val_ptr + row[:, None] * stride_v,
                       TOPK, W, LOG_W, ROWS, WRITE_VALUES)
         if RESET:

@@ -1,10 +1,11 @@
-"""The fused top-k with its merge's select cutting the interval in 2, 3 or 4 parts a pass
-(``topk._SELECT_WAYS``), side by side in one rotation with tilefuse logits + ``torch.topk``.
+"""The fused top-k at several values of one of its module settings (``tilefuse.indexer.topk``'s
+``--setting``), side by side in one rotation with tilefuse logits + ``torch.topk``.
 
-Each variant is captured in its own CUDA graph with the setting it names, every output checked
-bitwise against the 2-way select's (and that one against the suite's reference rows).
+Each variant is captured in its own CUDA graph with the value it names, every output checked
+bitwise against the first value's (and that one against the suite's reference rows).
 
-    python benchmarks/topk_ways_ab.py [--ways 2 3 4] [--shapes 2048x32768 64x1x32768] [--output ab.json]
+    python benchmarks/topk_setting_ab.py --setting _MERGE_MAXNREG --values 64 80 [--shapes 2048x32768 64x1x32768]
+        [--output ab.json]
 """
 
 from __future__ import annotations
@@ -21,25 +22,25 @@ from tilefuse.bench.timing import measure
 from tilefuse.indexer import topk as T
 
 
-def _with_ways(fn, ways: int):
+def _with(fn, setting: str, value: int):
     def run():
-        T._SELECT_WAYS = ways
+        setattr(T, setting, value)
         return fn()
     return run
 
 
-def ab(case, ways: list[int], samples: int) -> dict:
+def ab(case, setting: str, values: list[int], samples: int) -> dict:
     impls = {i.name: i for i in case.build()}
     fused, pair = impls["tilefuse"], impls["tilefuse+torch.topk"]
-    fns = {f"fused {w}-way": _with_ways(fused.fn, w) for w in ways}
+    fns = {f"fused {setting}={v}": _with(fused.fn, setting, v) for v in values}
     fns["tilefuse+torch.topk"] = pair.fn
     outs = {n: f() for n, f in fns.items() if n.startswith("fused")}
     torch.cuda.synchronize()
-    base = outs[f"fused {ways[0]}-way"]
+    base = outs[f"fused {setting}={values[0]}"]
     checked = fused.check(base)
     same = {n: bool(torch.equal(o, base)) for n, o in outs.items()}
     stats = measure(fns, samples=samples)
-    T._SELECT_WAYS = ways[0]
+    setattr(T, setting, values[0])
     us = {n: s.median_us for n, s in stats.items()}
     return {"case": case.name, "params": case.params, "us": us, "check": checked, "bitwise_equal_to_first": same,
             "stats": {n: s.to_dict() for n, s in stats.items()}}
@@ -47,18 +48,22 @@ def ab(case, ways: list[int], samples: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ways", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--setting", required=True, help="a module-level int of tilefuse.indexer.topk")
+    ap.add_argument("--values", type=int, nargs="+", required=True, help="the first is the reference")
     ap.add_argument("--shapes", nargs="+", default=["2048x32768", "2048x131072", "64x1x32768", "256x1x8192"])
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("topk_ways_ab: needs a CUDA GPU", file=sys.stderr)
+        print("topk_setting_ab: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if not isinstance(getattr(T, args.setting, None), int):
+        print(f"topk_setting_ab: tilefuse.indexer.topk has no int setting {args.setting!r}", file=sys.stderr)
         return 2
     cases = suite.cases(on_gpu=True, device="cuda", shapes=suite.parse_shapes(args.shapes))
     results = []
     for case in cases:
-        r = ab(case, args.ways, args.samples)
+        r = ab(case, args.setting, args.values, args.samples)
         results.append(r)
         pair = r["us"]["tilefuse+torch.topk"]
         row = "  ".join(f"{n} {v:8.1f} ({pair / v:4.2f}x)" for n, v in r["us"].items() if n.startswith("fused"))
