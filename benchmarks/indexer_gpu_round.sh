@@ -24,6 +24,7 @@
 #   PART=sweeps: the decode and top-k contract sweeps, then DeepGEMM's own tests (new sample: $SEED)
 #   PART=topk-decode-ab: the decode top-k of $AB_PREV against this tree (after a last-step change);
 #   PART=topk-parts: the top-k merge kernel's time taken apart (and the select's pieces); PART=topk-sweep: the top-k contract sweep;
+#   PART=topk-profile: Nsight Compute on the merge kernel's launches (stall reasons, hottest lines);
 #   PART=topk-check: the top-k GPU tests, warm-up count and contract sweep side by side (DeepGEMM builds meanwhile);
 #     PART=topk-across: the top-k of few rows across programs against torch.topk
 #   PART=prefill-sweep: the whole prefill contract product, $SWEEP_PROCS processes
@@ -367,6 +368,14 @@ case "$part" in
     # then the select's own pieces (a counting pass's cost, the compaction)
     step topk-parts "${TOPK_S:-90}" python3 benchmarks/topk_merge_parts.py --output "$OUT/topk-merge-parts.json"
     step topk-select-probe 60 python3 benchmarks/topk_select_probe.py --output "$OUT/topk-select-probe.json"
+    ;;
+  topk-profile)  # Nsight Compute on the merge's launches (first, first + last, a middle chunk's
+    # scan; 512 rows): where its warps stall, the issue rate, the hottest lines
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+    step ncu-topk "${NCU_S:-180}" "$NCU" --clock-control none -k "regex:topk_merge" --launch-count 4 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SchedulerStats --section InstructionStats --section SourceCounters \
+      python3 benchmarks/topk_merge_parts.py --rows 512 --samples 0
     ;;
   topk)  # the fused top-k's speed beside the unfused pairs (its tests are in PART=tests)
     wait_deepgemm

@@ -15,6 +15,7 @@ So the selects of a chunk are about ``first chunk - scan only``, a select's cost
 sort - sort only``. Also the candidate count a row holds after the first chunk.
 
     python benchmarks/topk_merge_parts.py [--rows 512] [--chunk 16384] [--topk 2048] [--output parts.json]
+    ncu -k regex:topk_merge python benchmarks/topk_merge_parts.py --rows 512 --samples 0
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ def parts(rows: int, chunk: int, topk: int, samples: int, device: str = "cuda") 
         return run
 
     random_keys = torch.randint(-(2**62), 2**62, (rows, 2 * w), generator=g, device=device)
+    if samples == 0:  # once each, eagerly, for a profiler: first chunk, both chunks, scan only
+        first(), both(), scan_only()
+        torch.cuda.synchronize()
+        return {"rows": rows, "chunk": chunk, "topk": topk, "us": {}}
     first()
     if logits[0].is_cuda:
         torch.cuda.synchronize()
@@ -87,13 +92,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[512, 64])
     ap.add_argument("--chunk", type=int, default=16384)
     ap.add_argument("--topk", type=int, default=2048)
-    ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--samples", type=int, default=20, help="0: each part run once, untimed (for a profiler)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("topk_merge_parts: needs a CUDA GPU", file=sys.stderr)
         return 2
     results = [parts(r, args.chunk, args.topk, args.samples) for r in args.rows]
+    if args.samples == 0:
+        return 0
     for r in results:
         row = "  ".join(f"{n} {s['median_us']:8.1f}" for n, s in r["us"].items())
         print(f"rows {r['rows']:5d} chunk {r['chunk']} topk {r['topk']}: {row} us; held after the first chunk "
