@@ -10,8 +10,7 @@ registers, 512 rows, graph mode), each kernel built from the merge kernel's own 
   (``_count_at_least``, as ``_bisect_rank`` calls it), for P in ``--passes``: the slope over P
   is one pass's cost at this occupancy;
 * ``compact``: the compaction of 3072 keys to 2048 (``_compact``, 3 pieces of 1024);
-* ``select``: ``_select`` whole on buffers of 3072 random keys (normal values: ~13 passes),
-  compacting piece by piece or (``held compact``) in one prefix sum over the held words.
+* ``select``: ``_select`` whole on buffers of 3072 random keys (normal values: ~13 passes).
 
     python benchmarks/topk_select_probe.py [--rows 512] [--passes 0 8 16 32] [--output probe.json]
 """
@@ -66,13 +65,12 @@ def compact_kernel(cand_ptr, count_ptr, bar_ptr, thr_ptr, CAP: tl.constexpr, TOP
 
 
 @triton.jit
-def select_kernel(cand_ptr, count_ptr, bar_ptr, CAP: tl.constexpr, TOPK: tl.constexpr, PIECE: tl.constexpr,
-                  HELD_COMPACT: tl.constexpr):
+def select_kernel(cand_ptr, count_ptr, bar_ptr, CAP: tl.constexpr, TOPK: tl.constexpr, PIECE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     count = tl.load(count_ptr + row)
     cand_rows = cand_ptr + row[:, None] * CAP
     count, bar = kern._select(cand_rows, count, tl.zeros([1], tl.int64), tl.zeros([1], tl.int64), count, TOPK, 1,
-                              CAP, PIECE, 0, HELD_COMPACT)
+                              CAP, PIECE, 0)
     tl.store(bar_ptr + row, bar)
 
 
@@ -95,30 +93,25 @@ def probe(rows: int, passes: list[int], samples: int) -> dict:
         cand.copy_(keys)
         compact_kernel[(rows,)](cand, counts, bars, thr, CAP, TOPK, PIECE, **OPTIONS)
 
-    def select(held_compact):
-        def run():
-            cand.copy_(keys)
-            select_kernel[(rows,)](cand, counts, bars, CAP, TOPK, PIECE, held_compact, **OPTIONS)
-        return run
+    def select():
+        cand.copy_(keys)
+        select_kernel[(rows,)](cand, counts, bars, CAP, TOPK, PIECE, **OPTIONS)
 
     def copy_only():
         cand.copy_(keys)
 
     fns = {f"passes {p}": count_passes(p) for p in passes}
-    fns |= {"copy only": copy_only, "compact": compact, "select": select(0), "select, held compact": select(1)}
-    ok = {}
-    for n, f in fns.items():
+    fns |= {"copy only": copy_only, "compact": compact, "select": select}
+    for f in fns.values():
         f()
-        if n.startswith("select"):
-            torch.cuda.synchronize()
-            # the kept keys are the TOPK largest: their smallest is the TOPK-th key
-            ok[n] = bool(torch.equal(cand[:, :TOPK].min(dim=1).values, thr))
+    torch.cuda.synchronize()
+    ok = bool(torch.equal(bars, thr))  # the select's new bar is the TOPK-th key
     stats = measure(fns, samples=samples)
     us = {n: s.median_us for n, s in stats.items()}
     slope = None
     if len(passes) >= 2:
         slope = (us[f"passes {max(passes)}"] - us[f"passes {min(passes)}"]) / (max(passes) - min(passes))
-    return {"rows": rows, "held": held, "select_kept_the_topk_largest": ok, "us": us,
+    return {"rows": rows, "held": held, "select_bar_is_the_topk_th_key": ok, "us": us,
             "us_per_pass": slope, "stats": {n: s.to_dict() for n, s in stats.items()}}
 
 
@@ -136,7 +129,7 @@ def main(argv=None) -> int:
     for r in results:
         row = "  ".join(f"{n} {v:7.1f}" for n, v in r["us"].items())
         print(f"rows {r['rows']:4d}: {row} us; per pass {r['us_per_pass']:.2f} us; "
-              f"select right: {r['select_kept_the_topk_largest']}")
+              f"select right: {r['select_bar_is_the_topk_th_key']}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"environment": env.environment("graph"), "probe": results}, f, indent=1)

@@ -251,13 +251,12 @@ def test_merge_long_rows_wide_state(piece_keys, monkeypatch):
 
 @triton.jit
 def _select_rows_kernel(cand_ptr, count_ptr, bar_ptr, stride, TOPK: tl.constexpr, ROWS: tl.constexpr,
-                        CAP: tl.constexpr, PIECE: tl.constexpr, HELD_COMPACT: tl.constexpr):
+                        CAP: tl.constexpr, PIECE: tl.constexpr):
     """``_select`` alone on ROWS rows a program: the rows' counts and bars written back."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     count = tl.load(count_ptr + row)
     bar = tl.load(bar_ptr + row)
-    count, bar = kern._select(cand_ptr + row[:, None] * stride, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0,
-                              HELD_COMPACT)
+    count, bar = kern._select(cand_ptr + row[:, None] * stride, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
     tl.store(count_ptr + row, count)
     tl.store(bar_ptr + row, bar)
 
@@ -274,14 +273,12 @@ def test_order_keys_sort_as_the_contract(pattern):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", ["random", "equal", "few-values", "specials", "all-neg-inf", "sawtooth"])
-@pytest.mark.parametrize("cap,rows,held_compact", [(64, 2, 0), (64, 2, 1), (4096, 1, 1), (8192, 1, 1)])
-def test_select_keeps_exactly_the_topk_largest(pattern, cap, rows, held_compact):
-    """The select itself, on buffers held in registers (64 keys, two rows a program; 4096, one)
-    and counted from memory (8192 keys: topk above 2048), compacted piece by piece or (held
-    words) in one prefix sum: exactly the TOPK largest keys at the buffer's start (in some
-    order), the count TOPK, and the bar at most the smallest of them and above every key
-    dropped (the smallest kept, where pieces compact); rows holding TOPK or fewer untouched.
-    Keys shuffled, so the largest sit anywhere in the buffer."""
+@pytest.mark.parametrize("cap,rows", [(64, 2), (8192, 1)])
+def test_select_keeps_exactly_the_topk_largest(pattern, cap, rows):
+    """The select itself, on buffers held in registers (64 keys, two rows a program) and counted
+    from memory (8192 keys: topk above 2048): exactly the TOPK largest keys at the buffer's start
+    (in some order), the count TOPK and the bar the smallest of them; rows holding TOPK or fewer
+    untouched. Keys shuffled, so the largest sit anywhere in the buffer."""
     top = 20 if cap == 64 else 2100
     g = torch.Generator().manual_seed(cap + len(pattern))
     counts = torch.tensor([cap, cap - 5, top, top - 3][: 2 * rows], dtype=torch.int32)
@@ -292,21 +289,17 @@ def test_select_keeps_exactly_the_topk_largest(pattern, cap, rows, held_compact)
     bars = torch.full((n_rows,), -(2**63), dtype=torch.int64, device=DEVICE)
     cnt = counts.clone().to(DEVICE)
     piece = min(cap, max(16, 1024 // rows))
-    _select_rows_kernel[(n_rows // rows,)](cand, cnt, bars, cand.stride(0), top, rows, cap, piece, held_compact)
+    _select_rows_kernel[(n_rows // rows,)](cand, cnt, bars, cand.stride(0), top, rows, cap, piece)
     cand, cnt, bars = cand.cpu(), cnt.cpu(), bars.cpu()
     for r in range(n_rows):
         held = int(counts[r])
         if held <= top:
             assert int(cnt[r]) == held and torch.equal(cand[r], keys[r])
             continue
-        ranked = keys[r, :held].sort(descending=True).values
-        want = ranked[:top]
+        want = keys[r, :held].sort(descending=True).values[:top]
         assert int(cnt[r]) == top
         assert torch.equal(cand[r, :top].sort(descending=True).values, want)
-        if held_compact and cap <= 4096:
-            assert int(ranked[top]) < int(bars[r]) <= int(want[-1])
-        else:
-            assert int(bars[r]) == int(want[-1])
+        assert int(bars[r]) == int(want[-1])
 
 
 @pytest.mark.parametrize("pattern", ["random", "ascending", "few-values"])

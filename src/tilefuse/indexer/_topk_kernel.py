@@ -338,35 +338,12 @@ def _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, 
         low, _, _ = _bisect_rank(lo_word, tied, TOPK - above, lo2, hi2, at_value - above,
                                  tl.zeros([ROWS], tl.int32), pairs, count, lo, 0, False, False, 16)
         thr = tl.where(ties, thr | low, thr)
-    return thr, hi_word, valid
-
-
-@triton.jit
-def _compact_held(cand_rows, count, bar, thr, hi_word, valid, TOPK: tl.constexpr, CAP: tl.constexpr):
-    """``_compact`` for a buffer whose high words a select holds (``hi_word``, ``valid``) and
-    whose ``thr`` is exact (``_kth_key_in_registers``: exactly TOPK keys >= thr): one prefix
-    sum over the whole buffer instead of a sum, a minimum and a prefix sum a piece. The low
-    words are read only where the high word decides nothing alone. The new count is TOPK and
-    the new bar thr (a key of the row, or below its TOPK largest with nothing seen between)."""
-    shrunk = count > TOPK
-    slot = tl.arange(0, CAP)[None, :]
-    thr_hi = (thr >> 32).to(tl.int32)
-    thr_lo = (thr & 0xFFFFFFFF).to(tl.int32)  # below 2^31: the low word of a key or 0
-    pairs = cand_rows.to(tl.pointer_type(tl.int32))  # little-endian: low word, high word
-    lo_word = tl.load(pairs + 2 * slot, mask=valid & (hi_word >= thr_hi[:, None]), other=0)
-    keep = valid & ((hi_word > thr_hi[:, None]) | ((hi_word == thr_hi[:, None]) & (lo_word >= thr_lo[:, None])))
-    dest = 2 * (tl.cumsum(keep.to(tl.int32), axis=1) - 1)  # (its barriers: every thread has read the buffer)
-    tl.debug_barrier()
-    moved = keep & shrunk[:, None]
-    tl.store(pairs + dest, lo_word, mask=moved)  # a key as its two words: no int64 held a key
-    tl.store(pairs + dest + 1, hi_word, mask=moved)
-    tl.debug_barrier()  # the compacted buffer is read by other threads next
-    return tl.where(shrunk, TOPK, count), tl.where(shrunk, thr, bar)
+    return thr
 
 
 @triton.jit
 def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr,
-            PIECE: tl.constexpr, START: tl.constexpr, HELD_COMPACT: tl.constexpr):
+            PIECE: tl.constexpr, START: tl.constexpr):
     """Each row's buffer (its first ``count`` keys) cut to its TOPK largest keys, compacted to
     the buffer's start: ``(count, bar)`` after it. Rows holding TOPK keys or fewer keep them.
 
@@ -383,20 +360,14 @@ def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.
     shrunk = count > TOPK
     if CAP > _SELECT_HELD_KEYS // ROWS:  # too many words to hold a thread: counted from memory
         thr = _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK, ROWS, PIECE, START)
-        n_pieces = tl.cdiv(tl.max(tl.where(shrunk, count, 0), axis=0), PIECE)
-        count, bar = _compact(cand_rows, count, bar, thr, n_pieces, TOPK, ROWS, PIECE)
-    elif START == 0 or tl.max(count, axis=0) <= CAP:  # (the scan keeps at most CAP keys a row)
-        thr, hi_word, valid = _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK, ROWS, CAP, START)
-        if HELD_COMPACT:
-            count, bar = _compact_held(cand_rows, count, bar, thr, hi_word, valid, TOPK, CAP)
-        else:
-            n_pieces = tl.cdiv(tl.max(tl.where(shrunk, count, 0), axis=0), PIECE)
-            count, bar = _compact(cand_rows, count, bar, thr, n_pieces, TOPK, ROWS, PIECE)
+    elif START == 0:  # (the scan keeps at most CAP keys a row)
+        thr = _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK, ROWS, CAP, START)
+    elif tl.max(count, axis=0) <= CAP:
+        thr = _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK, ROWS, CAP, START)
     else:  # after the passes: ties can leave more candidates than CAP
         thr = _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK, ROWS, PIECE, START)
-        n_pieces = tl.cdiv(tl.max(tl.where(shrunk, count, 0), axis=0), PIECE)
-        count, bar = _compact(cand_rows, count, bar, thr, n_pieces, TOPK, ROWS, PIECE)
-    return count, bar
+    n_pieces = tl.cdiv(tl.max(tl.where(shrunk, count, 0), axis=0), PIECE)
+    return _compact(cand_rows, count, bar, thr, n_pieces, TOPK, ROWS, PIECE)
 
 
 @triton.jit
@@ -437,7 +408,7 @@ def topk_merge_chunk_kernel(
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, PIECE: tl.constexpr,
-    RESET: tl.constexpr, HELD_COMPACT: tl.constexpr,
+    RESET: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
@@ -485,16 +456,15 @@ def topk_merge_chunk_kernel(
         tl.store(cand_rows + (count[:, None] + tl.cumsum(taken, axis=1) - 1), keys, mask=above)
         count += tl.sum(taken, axis=1)
         if tl.max(count, axis=0) > CAP - BLOCK:
-            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, HELD_COMPACT)
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
     if FINAL:
         if RESET:
             # After the passes: their histograms hold the TOPK-th key's top RADIX_LEVELS digits.
             hist_rows = hist_ptr + row[:, None] * (_RADIX_LEVELS * _RADIX_BINS)
             prefix0, need0 = _rows_prefix_and_need(hist_rows, TOPK, _RADIX_LEVELS)
-            count, bar = _select(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, PIECE, _RADIX_LEVELS,
-                                 HELD_COMPACT)
+            count, bar = _select(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, PIECE, _RADIX_LEVELS)
         else:
-            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, HELD_COMPACT)
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
         _write_sorted(cand_rows, count, live, idx_ptr + row[:, None] * stride_i, val_ptr + row[:, None] * stride_v,
                       TOPK, W, LOG_W, ROWS, WRITE_VALUES)
         if RESET:

@@ -97,9 +97,6 @@ _SELECT_PIECE_KEYS = 1024
 # (benchmarks/NOTES.md). Wider states hold larger tiles a thread: not capped, not measured.
 _MERGE_MAXNREG = 64
 _MERGE_MAXNREG_WIDTH = 2048
-# A select whose buffer's high words are held compacts it in one prefix sum (1), or piece by
-# piece with a sum and a minimum a piece (0).
-_HELD_COMPACT = 1
 _MAX_TOPK = 1 << 16
 _MAX_POSITION = 2**31 - 2  # keys hold 0x7FFFFFFF - position in 31 bits, above the empty slot
 
@@ -228,7 +225,7 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     vals = out if values is None else values
     err = error_record(out.device)
     consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, piece,
-              hist is not None, _HELD_COMPACT)
+              hist is not None)
     if hist is None:
         hist = counts  # (not read without RESET)
     warps = max(1, min(8, rows_per_program * w // 256))
