@@ -5,7 +5,8 @@ launch path bounds a call): wall time per call over ``calls`` calls, the best of
 beside the GPU time of the same call in a CUDA graph (where the wall time is well above it, the
 host's path is what a call costs). The pairs: tilefuse logits + ``torch.topk`` and, when ``import deep_gemm``
 works, DeepGEMM's logits + ``torch.topk``. Then ``--profile``: the host functions that take
-the fused decode call's time (cProfile, by own time).
+the fused decode and prefill calls' time (cProfile, by own time) and, on a GPU, the CUDA
+runtime calls and kernels of 20 calls (torch.profiler).
 
     python benchmarks/topk_host_cost.py [--output f.json] [--profile]
 
@@ -71,6 +72,27 @@ def main(argv=None) -> int:
         print(f"{case:28s} {impl:28s} eager {row['eager_us']:8.1f} us   GPU in a graph "
               f"{row.get('graph_gpu_us', float('nan')):8.1f} us", flush=True)
 
+    def profile(fn, case: str) -> None:
+        """The host functions by own time (cProfile), then, on a GPU, the CUDA runtime calls and
+        kernels a call makes (torch.profiler over 20 calls: launches, allocations, copies)."""
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+        print(f"{case}, fused, cProfile over {calls} calls:\n{text.getvalue()}", flush=True)
+        if gpu:
+            sync()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as tp:
+                for _ in range(20):
+                    fn()
+                sync()
+            print(f"{case}, fused, 20 calls:\n"
+                  f"{tp.key_averages().table(sort_by='self_cpu_time_total', row_limit=25)}", flush=True)
+
     def decode(batch: int, ctx: int) -> None:
         qq, cache, w, lens, table = decode_inputs(batch, ctx, device)
         meta = tilefuse.get_paged_mqa_logits_metadata(lens, BLOCK_KV, num_sms)
@@ -89,14 +111,7 @@ def main(argv=None) -> int:
             record(case, "deep_gemm + torch.topk", lambda: torch.topk(deep_gemm.fp8_paged_mqa_logits(
                 qq[0], cache, w, lens, table, dg_meta, ctx, False), k, dim=1))
         if args.profile and batch == 1 and ctx == 4096:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(calls):
-                fused()
-            prof.disable()
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
-            print(text.getvalue(), flush=True)
+            profile(fused, case)
 
     for batch, ctx in ((1, 4096), (32, 4096), (1, 32768)) if gpu else ((1, 96),):
         decode(batch, ctx)
@@ -105,6 +120,8 @@ def main(argv=None) -> int:
     k = min(TOPK, s_k)
     case = f"prefill {s_q}/{s_k}"
     record(case, "tilefuse fused", lambda: tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k))
+    if args.profile:
+        profile(lambda: tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k), case)
     record(case, "tilefuse + torch.topk", lambda: torch.topk(tilefuse.fp8_fp4_mqa_logits(
         qq, kk, w, ks, ke, clean_logits=True), k, dim=1))
     if deep_gemm is not None:

@@ -368,6 +368,14 @@ def _chunks(n_keys: int, chunk_k: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + chunk_k, n_keys)) for lo in range(0, max(n_keys, 1), chunk_k)]
 
 
+def _span(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    """``t[lo:hi]``, or ``t`` itself where that is all of it (no view made: most calls are one
+    row block and one chunk)."""
+    if t is None or (lo == 0 and hi == t.shape[0]):
+        return t
+    return t[lo:hi]
+
+
 def _workspace(rows: int, topk: int, n_chunks: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(bars, candidates, counts)``: a row's int64 bar, its buffer of ``2 W`` int64 keys and
     its int32 count, carried between chunks. One chunk goes straight from empty to the result:
@@ -407,19 +415,23 @@ def _run_mqa_topk(
     with deferred():  # a chunk's errors surface at the next call, not the next chunk
         for r0 in range(0, max(s_q, 1), chunk_q):
             r1 = min(r0 + chunk_q, s_q)
-            rows = slice(r0, r1)
-            ks_r, ke_r = ks[rows], ke[rows]
+            ks_r, ke_r, out_r, val_r = (_span(t, r0, r1) for t in (ks, ke, out, values))
+            q_rows = (_span(q, r0, r1), _span(q_sf, r0, r1))
+            w_r = _span(weights, r0, r1)
             for c, (lo, hi) in enumerate(chunks):
                 width = hi - lo
-                ks_c = (ks_r - lo).clamp(0, width)
-                ke_c = torch.maximum((ke_r - lo).clamp(0, width), ks_c)
-                q_rows = (q[rows], None if q_sf is None else q_sf[rows])
-                logits = tilefuse.fp8_fp4_mqa_logits(q_rows, (k[lo:hi], k_scale[lo:hi]), weights[rows], ks_c, ke_c,
-                                                     clean_logits=False, logits_dtype=logits_dtype, config=cfg)
+                if lo == 0:
+                    # The logits kernel clamps windows into [0, width] as below and reports the
+                    # bad ones as the merge does: no launches (the only chunk of most calls).
+                    ks_c, ke_c = ks_r, ke_r
+                else:  # (raw, a window starting before the chunk would be reported negative)
+                    ks_c = (ks_r - lo).clamp(0, width)
+                    ke_c = torch.maximum((ke_r - lo).clamp(0, width), ks_c)
+                logits = tilefuse.fp8_fp4_mqa_logits(q_rows, (_span(k, lo, hi), _span(k_scale, lo, hi)), w_r, ks_c,
+                                                     ke_c, clean_logits=False, logits_dtype=logits_dtype, config=cfg)
                 if r1 > r0:
-                    _merge(logits, bars, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out[rows],
-                           None if values is None else values[rows], topk, kern.WIN_PREFILL,
-                           first=c == 0, final=c == len(chunks) - 1)
+                    _merge(logits, bars, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out_r, val_r,
+                           topk, kern.WIN_PREFILL, first=c == 0, final=c == len(chunks) - 1)
 
 
 @torch.library.custom_op("tilefuse::mqa_topk", mutates_args=("out", "values"))
