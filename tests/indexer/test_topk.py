@@ -835,6 +835,7 @@ PREFILL_BAD = {
     "weights-dtype": (TypeError, "weights", dict(weights=lambda w: w.half())),
     "topk-zero": (ValueError, "topk", dict(topk=lambda n: 0)),
     "topk-huge": (ValueError, "topk", dict(topk=lambda n: 1 << 20)),
+    "topk-past-the-sortable": (ValueError, "topk", dict(topk=lambda n: (1 << 14) + 1)),
     "chunk-unaligned": (ValueError, "chunk_k", dict(chunk_k=lambda n: 300)),
     "rows-unaligned": (ValueError, "chunk_q", dict(chunk_q=lambda n: 100)),
     "out-dtype": (TypeError, "out", dict(out=lambda o: torch.zeros(8, 8, dtype=torch.int64, device=DEVICE))),

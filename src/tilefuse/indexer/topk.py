@@ -97,7 +97,10 @@ _SELECT_PIECE_KEYS = 1024
 # (benchmarks/NOTES.md). Wider states hold larger tiles a thread: not capped, not measured.
 _MERGE_MAXNREG = 64
 _MERGE_MAXNREG_WIDTH = 2048
-_MAX_TOPK = 1 << 16
+# The last chunk sorts W keys in one program's registers: compiled for sm_90a in 25 s at topk
+# 16384, 104 s with 21.7 KB of spills at 32768, not within 400 s at 65536 (benchmarks/NOTES.md):
+# larger values get a clear error, not a compile that does not end.
+_MAX_TOPK = 1 << 14
 _MAX_POSITION = 2**31 - 2  # keys hold 0x7FFFFFFF - position in 31 bits, above the empty slot
 
 
@@ -469,7 +472,7 @@ def fp8_fp4_mqa_topk(
         q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, logits_dtype: as for
             :func:`tilefuse.fp8_fp4_mqa_logits` (FP8, MXFP8, MXFP4; fp32/bf16 weights; the
             logits dtype the ranking reads, so bf16 logits tie more often).
-        topk: positions per row (1 to 65536).
+        topk: positions per row (1 to 16384).
         schedule_meta: accepted as the logits op does (from ``get_mqa_logits_metadata``); the
             result does not depend on it.
         return_values: also return each position's logit (``-inf`` at ``-1``; ``-0.0`` comes
@@ -712,7 +715,7 @@ def fp8_fp4_paged_mqa_topk(
         schedule_meta: ``get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms)``;
             its row count sets the workers of each chunk's metadata; the result does not
             depend on it.
-        topk: positions per row (1 to 65536).
+        topk: positions per row (1 to 16384).
         return_values: also return each position's logit (``-inf`` at ``-1``; ``-0.0`` comes
             back as ``+0.0``).
         out: int32 ``[B * next_n, topk]`` to write the indices into (last stride 1).
