@@ -371,6 +371,18 @@ def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.
 
 
 @triton.jit
+def _scan_quarter(row_logits, start, quarter, lo, hi, chunk_lo, bar):
+    """Columns ``start + quarter`` of each row, masked to its window: ``(keys, above, taken)``,
+    the keys above the row's bar and their count a thread (0 or 1)."""
+    pos = start + quarter[None, :]
+    inside = (pos >= lo[:, None]) & (pos < hi[:, None])
+    v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
+    keys = _order_keys(v, pos)
+    above = inside & (keys > bar[:, None])
+    return keys, above, above.to(tl.int32)
+
+
+@triton.jit
 def _write_keys(idx_rows, val_rows, keys, slot, mask, WRITE_VALUES: tl.constexpr):
     """Store ``keys`` at ``slot`` of their rows: the position as the index (-1 for the empty
     key), with WRITE_VALUES the fp32 value (-inf for the empty key) in the output's dtype."""
@@ -408,7 +420,7 @@ def topk_merge_chunk_kernel(
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, PIECE: tl.constexpr,
-    RESET: tl.constexpr,
+    RESET: tl.constexpr, SCAN_QUARTERS: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
@@ -443,18 +455,36 @@ def topk_merge_chunk_kernel(
     walk_hi = tl.max(tl.where(lo < hi, hi, 0), axis=0)
     row_logits = logits_ptr + row[:, None] * stride_l
     col = tl.arange(0, BLOCK)
+    quarter = tl.arange(0, BLOCK // 4)
     # Counted from the span, so that no loop bound passes the int32 range.
     n_blocks = tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), BLOCK)
     for i in range(0, n_blocks):
-        pos = walk_lo + i * BLOCK + col[None, :]
-        inside = (pos >= lo[:, None]) & (pos < hi[:, None])
-        v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
-        keys = _order_keys(v, pos)
-        above = inside & (keys > bar[:, None])
-        taken = above.to(tl.int32)
-        # Slots count[r] .. count[r] + BLOCK - 1 < CAP: in the buffer whatever the values.
-        tl.store(cand_rows + (count[:, None] + tl.cumsum(taken, axis=1) - 1), keys, mask=above)
-        count += tl.sum(taken, axis=1)
+        if SCAN_QUARTERS:
+            # Four coalesced quarters a block, one key each a thread: one prefix sum of the
+            # threads' totals instead of one of each quarter; the buffer's order is the threads'
+            # (its order is never read: keys are unique, the final sort orders them).
+            base = walk_lo + i * BLOCK
+            k0, a0, t0 = _scan_quarter(row_logits, base, quarter, lo, hi, chunk_lo, bar)
+            k1, a1, t1 = _scan_quarter(row_logits, base + BLOCK // 4, quarter, lo, hi, chunk_lo, bar)
+            k2, a2, t2 = _scan_quarter(row_logits, base + BLOCK // 2, quarter, lo, hi, chunk_lo, bar)
+            k3, a3, t3 = _scan_quarter(row_logits, base + 3 * (BLOCK // 4), quarter, lo, hi, chunk_lo, bar)
+            total = t0 + t1 + t2 + t3
+            slot = count[:, None] + tl.cumsum(total, axis=1) - total
+            tl.store(cand_rows + slot, k0, mask=a0)
+            tl.store(cand_rows + (slot + t0), k1, mask=a1)
+            tl.store(cand_rows + (slot + t0 + t1), k2, mask=a2)
+            tl.store(cand_rows + (slot + t0 + t1 + t2), k3, mask=a3)
+            count += tl.sum(total, axis=1)
+        else:
+            pos = walk_lo + i * BLOCK + col[None, :]
+            inside = (pos >= lo[:, None]) & (pos < hi[:, None])
+            v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
+            keys = _order_keys(v, pos)
+            above = inside & (keys > bar[:, None])
+            taken = above.to(tl.int32)
+            # Slots count[r] .. count[r] + BLOCK - 1 < CAP: in the buffer whatever the values.
+            tl.store(cand_rows + (count[:, None] + tl.cumsum(taken, axis=1) - 1), keys, mask=above)
+            count += tl.sum(taken, axis=1)
         if tl.max(count, axis=0) > CAP - BLOCK:
             count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
     if FINAL:
@@ -507,6 +537,7 @@ def topk_rows_pass_kernel(
     row_logits = logits_ptr + row.to(tl.int64) * stride_l
     cand_row = cand_ptr + row.to(tl.int64) * stride_c
     col = tl.arange(0, BLOCK)
+    quarter = tl.arange(0, BLOCK // 4)
     SHIFT: tl.constexpr = 64 - (PASS + 1) * _RADIX_BITS  # this pass's digit (PASS < RADIX_LEVELS)
     if PASS > 0:
         prefix, _ = _rows_prefix_and_need(hist_row + tl.zeros([1, 1], tl.int64), topk, PASS)
