@@ -537,7 +537,6 @@ def topk_rows_pass_kernel(
     row_logits = logits_ptr + row.to(tl.int64) * stride_l
     cand_row = cand_ptr + row.to(tl.int64) * stride_c
     col = tl.arange(0, BLOCK)
-    quarter = tl.arange(0, BLOCK // 4)
     SHIFT: tl.constexpr = 64 - (PASS + 1) * _RADIX_BITS  # this pass's digit (PASS < RADIX_LEVELS)
     if PASS > 0:
         prefix, _ = _rows_prefix_and_need(hist_row + tl.zeros([1, 1], tl.int64), topk, PASS)
