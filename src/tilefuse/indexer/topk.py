@@ -99,7 +99,7 @@ _MERGE_MAXNREG = 64
 _MERGE_MAXNREG_WIDTH = 2048
 # The merge's scan takes a block of W / 2 columns as four coalesced quarters, one prefix sum of
 # the threads' totals (1), or as one tile with a prefix sum over each thread's four keys (0).
-# Off until timed (benchmarks/NOTES.md, round (18)).
+# Off until timed (benchmarks/NOTES.md, "the scan's block in four coalesced quarters").
 _SCAN_QUARTERS = 0
 # The last chunk sorts W keys in one program's registers: compiled for sm_90a in 25 s at topk
 # 16384, 104 s with 21.7 KB of spills at 32768, not within 400 s at 65536 (benchmarks/NOTES.md):
