@@ -371,10 +371,10 @@ def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.
 
 
 @triton.jit
-def _scan_quarter(row_logits, start, quarter, lo, hi, chunk_lo, bar):
-    """Columns ``start + quarter`` of each row, masked to its window: ``(keys, above, taken)``,
-    the keys above the row's bar and their count a thread (0 or 1)."""
-    pos = start + quarter[None, :]
+def _scan_columns(row_logits, start, cols, lo, hi, chunk_lo, bar):
+    """Columns ``start + cols`` of each row, masked to its window: ``(keys, above, taken)``, the
+    keys above the row's bar and the same as int32 ones and zeros."""
+    pos = start + cols[None, :]
     inside = (pos >= lo[:, None]) & (pos < hi[:, None])
     v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
     keys = _order_keys(v, pos)
@@ -464,10 +464,10 @@ def topk_merge_chunk_kernel(
             # threads' totals instead of one of each quarter; the buffer's order is the threads'
             # (its order is never read: keys are unique, the final sort orders them).
             base = walk_lo + i * BLOCK
-            k0, a0, t0 = _scan_quarter(row_logits, base, quarter, lo, hi, chunk_lo, bar)
-            k1, a1, t1 = _scan_quarter(row_logits, base + BLOCK // 4, quarter, lo, hi, chunk_lo, bar)
-            k2, a2, t2 = _scan_quarter(row_logits, base + BLOCK // 2, quarter, lo, hi, chunk_lo, bar)
-            k3, a3, t3 = _scan_quarter(row_logits, base + 3 * (BLOCK // 4), quarter, lo, hi, chunk_lo, bar)
+            k0, a0, t0 = _scan_columns(row_logits, base, quarter, lo, hi, chunk_lo, bar)
+            k1, a1, t1 = _scan_columns(row_logits, base + BLOCK // 4, quarter, lo, hi, chunk_lo, bar)
+            k2, a2, t2 = _scan_columns(row_logits, base + BLOCK // 2, quarter, lo, hi, chunk_lo, bar)
+            k3, a3, t3 = _scan_columns(row_logits, base + 3 * (BLOCK // 4), quarter, lo, hi, chunk_lo, bar)
             total = t0 + t1 + t2 + t3
             slot = count[:, None] + tl.cumsum(total, axis=1) - total
             tl.store(cand_rows + slot, k0, mask=a0)
@@ -476,12 +476,7 @@ def topk_merge_chunk_kernel(
             tl.store(cand_rows + (slot + t0 + t1 + t2), k3, mask=a3)
             count += tl.sum(total, axis=1)
         else:
-            pos = walk_lo + i * BLOCK + col[None, :]
-            inside = (pos >= lo[:, None]) & (pos < hi[:, None])
-            v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
-            keys = _order_keys(v, pos)
-            above = inside & (keys > bar[:, None])
-            taken = above.to(tl.int32)
+            keys, above, taken = _scan_columns(row_logits, walk_lo + i * BLOCK, col, lo, hi, chunk_lo, bar)
             # Slots count[r] .. count[r] + BLOCK - 1 < CAP: in the buffer whatever the values.
             tl.store(cand_rows + (count[:, None] + tl.cumsum(taken, axis=1) - 1), keys, mask=above)
             count += tl.sum(taken, axis=1)
