@@ -10,7 +10,9 @@ registers, 512 rows, graph mode), each kernel built from the merge kernel's own 
   (``_count_at_least``, as ``_bisect_rank`` calls it), for P in ``--passes``: the slope over P
   is one pass's cost at this occupancy;
 * ``compact``: the compaction of 3072 keys to 2048 (``_compact``, 3 pieces of 1024);
-* ``select``: ``_select`` whole on buffers of 3072 random keys (normal values: ~13 passes).
+* ``select``: ``_select`` whole on buffers of 3072 random keys (normal values: ~13 passes);
+* ``..., quarters``: the same with the pieces read as four quarters, one prefix sum of the
+  threads' totals (``topk._QUARTERED_PREFIX_SUMS``).
 
     python benchmarks/topk_select_probe.py [--rows 512] [--passes 0 8 16 32] [--output probe.json]
 """
@@ -54,23 +56,24 @@ def load_and_count_kernel(cand_ptr, count_ptr, out_ptr, passes, CAP: tl.constexp
 
 @triton.jit
 def compact_kernel(cand_ptr, count_ptr, bar_ptr, thr_ptr, CAP: tl.constexpr, TOPK: tl.constexpr,
-                   PIECE: tl.constexpr):
+                   PIECE: tl.constexpr, QUARTERS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     count = tl.load(count_ptr + row)
     thr = tl.load(thr_ptr + row)
     cand_rows = cand_ptr + row[:, None] * CAP
     n_pieces = tl.cdiv(tl.max(count, axis=0), PIECE)
-    count, bar = kern._compact(cand_rows, count, tl.zeros([1], tl.int64), thr, n_pieces, TOPK, 1, PIECE)
+    count, bar = kern._compact(cand_rows, count, tl.zeros([1], tl.int64), thr, n_pieces, TOPK, 1, PIECE, QUARTERS)
     tl.store(bar_ptr + row, bar)
 
 
 @triton.jit
-def select_kernel(cand_ptr, count_ptr, bar_ptr, CAP: tl.constexpr, TOPK: tl.constexpr, PIECE: tl.constexpr):
+def select_kernel(cand_ptr, count_ptr, bar_ptr, CAP: tl.constexpr, TOPK: tl.constexpr, PIECE: tl.constexpr,
+                  QUARTERS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     count = tl.load(count_ptr + row)
     cand_rows = cand_ptr + row[:, None] * CAP
     count, bar = kern._select(cand_rows, count, tl.zeros([1], tl.int64), tl.zeros([1], tl.int64), count, TOPK, 1,
-                              CAP, PIECE, 0)
+                              CAP, PIECE, 0, QUARTERS)
     tl.store(bar_ptr + row, bar)
 
 
@@ -89,29 +92,36 @@ def probe(rows: int, passes: list[int], samples: int) -> dict:
     def count_passes(p):
         return lambda: load_and_count_kernel[(rows,)](cand, counts, out, p, CAP, **OPTIONS)
 
-    def compact():
-        cand.copy_(keys)
-        compact_kernel[(rows,)](cand, counts, bars, thr, CAP, TOPK, PIECE, **OPTIONS)
+    def compact(quarters):
+        def run():
+            cand.copy_(keys)
+            compact_kernel[(rows,)](cand, counts, bars, thr, CAP, TOPK, PIECE, quarters, **OPTIONS)
+        return run
 
-    def select():
-        cand.copy_(keys)
-        select_kernel[(rows,)](cand, counts, bars, CAP, TOPK, PIECE, **OPTIONS)
+    def select(quarters):
+        def run():
+            cand.copy_(keys)
+            select_kernel[(rows,)](cand, counts, bars, CAP, TOPK, PIECE, quarters, **OPTIONS)
+        return run
 
     def copy_only():
         cand.copy_(keys)
 
     fns = {f"passes {p}": count_passes(p) for p in passes}
-    fns |= {"copy only": copy_only, "compact": compact, "select": select}
-    for f in fns.values():
+    fns |= {"copy only": copy_only, "compact": compact(0), "compact, quarters": compact(1), "select": select(0),
+            "select, quarters": select(1)}
+    ok = {}
+    for n, f in fns.items():
         f()
-    torch.cuda.synchronize()
-    ok = bool(torch.equal(bars, thr))  # the select's new bar is the TOPK-th key
+        if not n.startswith("passes") and n != "copy only":
+            torch.cuda.synchronize()
+            ok[n] = bool(torch.equal(bars, thr))  # the new bar is the TOPK-th key
     stats = measure(fns, samples=samples)
     us = {n: s.median_us for n, s in stats.items()}
     slope = None
     if len(passes) >= 2:
         slope = (us[f"passes {max(passes)}"] - us[f"passes {min(passes)}"]) / (max(passes) - min(passes))
-    return {"rows": rows, "held": held, "select_bar_is_the_topk_th_key": ok, "us": us,
+    return {"rows": rows, "held": held, "bar_is_the_topk_th_key": ok, "us": us,
             "us_per_pass": slope, "stats": {n: s.to_dict() for n, s in stats.items()}}
 
 
@@ -129,7 +139,7 @@ def main(argv=None) -> int:
     for r in results:
         row = "  ".join(f"{n} {v:7.1f}" for n, v in r["us"].items())
         print(f"rows {r['rows']:4d}: {row} us; per pass {r['us_per_pass']:.2f} us; "
-              f"select right: {r['select_bar_is_the_topk_th_key']}")
+              f"bars right: {r['bar_is_the_topk_th_key']}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"environment": env.environment("graph"), "probe": results}, f, indent=1)

@@ -114,13 +114,13 @@ PATTERNS = ["ascending", "descending", "equal", "few-values", "sawtooth", "speci
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("k_top,chunk_k", [(5, 48), (16, 1000), (40, 96)])
-@pytest.mark.parametrize("scan_quarters", [0, 1])
-def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k, scan_quarters, monkeypatch):
+@pytest.mark.parametrize("quarters", [0, 1])
+def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k, quarters, monkeypatch):
     """Buffers of 16 or 64 keys (flushed after 12 or 48), many flushes a chunk, chunks not a
     multiple of the scan block, random windows (empty, short, past the row's end), several rows
-    a program; the candidate scratch starts as garbage. The scan's blocks as one tile and as four
-    quarters."""
-    monkeypatch.setattr(topk, "_SCAN_QUARTERS", scan_quarters)
+    a program; the candidate scratch starts as garbage. The scan's blocks and the compaction's pieces
+    as one tile and as four quarters."""
+    monkeypatch.setattr(topk, "_QUARTERED_PREFIX_SUMS", quarters)
     rows, n = 24, 300
     g = torch.Generator().manual_seed(len(pattern) + k_top)
     logits = _pattern(pattern, rows, n, g).to(DEVICE)
@@ -254,12 +254,13 @@ def test_merge_long_rows_wide_state(piece_keys, monkeypatch):
 
 @triton.jit
 def _select_rows_kernel(cand_ptr, count_ptr, bar_ptr, stride, TOPK: tl.constexpr, ROWS: tl.constexpr,
-                        CAP: tl.constexpr, PIECE: tl.constexpr):
+                        CAP: tl.constexpr, PIECE: tl.constexpr, QUARTERS: tl.constexpr):
     """``_select`` alone on ROWS rows a program: the rows' counts and bars written back."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     count = tl.load(count_ptr + row)
     bar = tl.load(bar_ptr + row)
-    count, bar = kern._select(cand_ptr + row[:, None] * stride, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
+    count, bar = kern._select(cand_ptr + row[:, None] * stride, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0,
+                              QUARTERS)
     tl.store(count_ptr + row, count)
     tl.store(bar_ptr + row, bar)
 
@@ -277,7 +278,8 @@ def test_order_keys_sort_as_the_contract(pattern):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", ["random", "equal", "few-values", "specials", "all-neg-inf", "sawtooth"])
 @pytest.mark.parametrize("cap,rows", [(64, 2), (8192, 1)])
-def test_select_keeps_exactly_the_topk_largest(pattern, cap, rows):
+@pytest.mark.parametrize("quarters", [0, 1])
+def test_select_keeps_exactly_the_topk_largest(pattern, cap, rows, quarters):
     """The select itself, on buffers held in registers (64 keys, two rows a program) and counted
     from memory (8192 keys: topk above 2048): exactly the TOPK largest keys at the buffer's start
     (in some order), the count TOPK and the bar the smallest of them; rows holding TOPK or fewer
@@ -292,7 +294,7 @@ def test_select_keeps_exactly_the_topk_largest(pattern, cap, rows):
     bars = torch.full((n_rows,), -(2**63), dtype=torch.int64, device=DEVICE)
     cnt = counts.clone().to(DEVICE)
     piece = min(cap, max(16, 1024 // rows))
-    _select_rows_kernel[(n_rows // rows,)](cand, cnt, bars, cand.stride(0), top, rows, cap, piece)
+    _select_rows_kernel[(n_rows // rows,)](cand, cnt, bars, cand.stride(0), top, rows, cap, piece, quarters)
     cand, cnt, bars = cand.cpu(), cnt.cpu(), bars.cpu()
     for r in range(n_rows):
         held = int(counts[r])
@@ -324,12 +326,12 @@ def test_merge_topk_past_the_held_buffer(pattern, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("scan_quarters", [0, 1])
-def test_merge_one_row_a_program(pattern, scan_quarters, monkeypatch):
+@pytest.mark.parametrize("quarters", [0, 1])
+def test_merge_one_row_a_program(pattern, quarters, monkeypatch):
     """One row a launch, so one program a row and the widest select digits: 1000 keys, topk 40,
-    a whole row and random windows, in one chunk and in chunks of 300; the scan's blocks as one
-    tile and as four quarters."""
-    monkeypatch.setattr(topk, "_SCAN_QUARTERS", scan_quarters)
+    a whole row and random windows, in one chunk and in chunks of 300; the scan's blocks and the
+    compaction's pieces as one tile and as four quarters."""
+    monkeypatch.setattr(topk, "_QUARTERED_PREFIX_SUMS", quarters)
     n, k_top = 1000, 40
     g = torch.Generator().manual_seed(50 + len(pattern))
     logits = _pattern(pattern, 3, n, g).to(DEVICE)

@@ -183,22 +183,47 @@ def _rows_prefix_and_need(hist_rows, topk, DIGITS: tl.constexpr):
 
 
 @triton.jit
-def _compact(cand_rows, count, bar, thr, n_pieces, TOPK: tl.constexpr, ROWS: tl.constexpr, PIECE: tl.constexpr):
+def _compact(cand_rows, count, bar, thr, n_pieces, TOPK: tl.constexpr, ROWS: tl.constexpr, PIECE: tl.constexpr,
+             QUARTERS: tl.constexpr):
     """The rows holding more than TOPK keys keep their keys ``>= thr`` (TOPK of them), moved to
     the buffer's start piece by piece: a piece's kept keys go below its own end, so no piece is
-    overwritten before every thread has read it. ``(count, bar)`` after it."""
+    overwritten before every thread has read it. ``(count, bar)`` after it. QUARTERS: each piece
+    read as four quarters, one key each a thread, and one prefix sum of the threads' totals (as
+    the merge's scan: the kept keys' order becomes the threads')."""
     piece = tl.arange(0, PIECE)
+    quarter = tl.arange(0, PIECE // 4)
     shrunk = count > TOPK
     kept = tl.zeros([ROWS], tl.int32)
     new_bar = tl.full([ROWS], 0x7FFFFFFFFFFFFFFF, tl.int64)
     for p in range(0, n_pieces):
-        valid, x = _buffer_piece(cand_rows, p, piece, count, PIECE)
-        keep = valid & (x >= thr[:, None])
-        taken = keep.to(tl.int32)
-        tl.debug_barrier()  # every thread has read this piece before it is overwritten
-        tl.store(cand_rows + (kept[:, None] + tl.cumsum(taken, axis=1) - 1), x, mask=keep & shrunk[:, None])
-        kept += tl.sum(taken, axis=1)
-        new_bar = tl.minimum(new_bar, tl.min(tl.where(keep, x, 0x7FFFFFFFFFFFFFFF), axis=1))
+        if QUARTERS:
+            v0, x0 = _buffer_piece(cand_rows, 4 * p, quarter, count, PIECE // 4)
+            v1, x1 = _buffer_piece(cand_rows, 4 * p + 1, quarter, count, PIECE // 4)
+            v2, x2 = _buffer_piece(cand_rows, 4 * p + 2, quarter, count, PIECE // 4)
+            v3, x3 = _buffer_piece(cand_rows, 4 * p + 3, quarter, count, PIECE // 4)
+            k0, k1 = v0 & (x0 >= thr[:, None]), v1 & (x1 >= thr[:, None])
+            k2, k3 = v2 & (x2 >= thr[:, None]), v3 & (x3 >= thr[:, None])
+            t0, t1, t2, t3 = k0.to(tl.int32), k1.to(tl.int32), k2.to(tl.int32), k3.to(tl.int32)
+            total = t0 + t1 + t2 + t3
+            dest = kept[:, None] + tl.cumsum(total, axis=1) - total
+            moved = shrunk[:, None]
+            tl.debug_barrier()  # every thread has read this piece before it is overwritten
+            tl.store(cand_rows + dest, x0, mask=k0 & moved)
+            tl.store(cand_rows + (dest + t0), x1, mask=k1 & moved)
+            tl.store(cand_rows + (dest + t0 + t1), x2, mask=k2 & moved)
+            tl.store(cand_rows + (dest + t0 + t1 + t2), x3, mask=k3 & moved)
+            kept += tl.sum(total, axis=1)
+            least = tl.minimum(tl.minimum(tl.where(k0, x0, 0x7FFFFFFFFFFFFFFF), tl.where(k1, x1, 0x7FFFFFFFFFFFFFFF)),
+                               tl.minimum(tl.where(k2, x2, 0x7FFFFFFFFFFFFFFF), tl.where(k3, x3, 0x7FFFFFFFFFFFFFFF)))
+            new_bar = tl.minimum(new_bar, tl.min(least, axis=1))
+        else:
+            valid, x = _buffer_piece(cand_rows, p, piece, count, PIECE)
+            keep = valid & (x >= thr[:, None])
+            taken = keep.to(tl.int32)
+            tl.debug_barrier()  # every thread has read this piece before it is overwritten
+            tl.store(cand_rows + (kept[:, None] + tl.cumsum(taken, axis=1) - 1), x, mask=keep & shrunk[:, None])
+            kept += tl.sum(taken, axis=1)
+            new_bar = tl.minimum(new_bar, tl.min(tl.where(keep, x, 0x7FFFFFFFFFFFFFFF), axis=1))
     tl.debug_barrier()  # the compacted buffer is read by other threads next
     count = tl.where(shrunk, kept, count)
     bar = tl.where(shrunk, new_bar, bar)
@@ -343,7 +368,7 @@ def _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, 
 
 @triton.jit
 def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr,
-            PIECE: tl.constexpr, START: tl.constexpr):
+            PIECE: tl.constexpr, START: tl.constexpr, QUARTERS: tl.constexpr):
     """Each row's buffer (its first ``count`` keys) cut to its TOPK largest keys, compacted to
     the buffer's start: ``(count, bar)`` after it. Rows holding TOPK keys or fewer keep them.
 
@@ -367,7 +392,7 @@ def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.
     else:  # after the passes: ties can leave more candidates than CAP
         thr = _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK, ROWS, PIECE, START)
     n_pieces = tl.cdiv(tl.max(tl.where(shrunk, count, 0), axis=0), PIECE)
-    return _compact(cand_rows, count, bar, thr, n_pieces, TOPK, ROWS, PIECE)
+    return _compact(cand_rows, count, bar, thr, n_pieces, TOPK, ROWS, PIECE, QUARTERS)
 
 
 @triton.jit
@@ -420,7 +445,7 @@ def topk_merge_chunk_kernel(
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, PIECE: tl.constexpr,
-    RESET: tl.constexpr, SCAN_QUARTERS: tl.constexpr,
+    RESET: tl.constexpr, QUARTERS: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
@@ -459,7 +484,7 @@ def topk_merge_chunk_kernel(
     # Counted from the span, so that no loop bound passes the int32 range.
     n_blocks = tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), BLOCK)
     for i in range(0, n_blocks):
-        if SCAN_QUARTERS:
+        if QUARTERS:
             # Four coalesced quarters a block, one key each a thread: one prefix sum of the
             # threads' totals instead of one of each quarter; the buffer's order is the threads'
             # (its order is never read: keys are unique, the final sort orders them).
@@ -481,15 +506,16 @@ def topk_merge_chunk_kernel(
             tl.store(cand_rows + (count[:, None] + tl.cumsum(taken, axis=1) - 1), keys, mask=above)
             count += tl.sum(taken, axis=1)
         if tl.max(count, axis=0) > CAP - BLOCK:
-            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, QUARTERS)
     if FINAL:
         if RESET:
             # After the passes: their histograms hold the TOPK-th key's top RADIX_LEVELS digits.
             hist_rows = hist_ptr + row[:, None] * (_RADIX_LEVELS * _RADIX_BINS)
             prefix0, need0 = _rows_prefix_and_need(hist_rows, TOPK, _RADIX_LEVELS)
-            count, bar = _select(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, PIECE, _RADIX_LEVELS)
+            count, bar = _select(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, PIECE, _RADIX_LEVELS,
+                                 QUARTERS)
         else:
-            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, QUARTERS)
         _write_sorted(cand_rows, count, live, idx_ptr + row[:, None] * stride_i, val_ptr + row[:, None] * stride_v,
                       TOPK, W, LOG_W, ROWS, WRITE_VALUES)
         if RESET:
