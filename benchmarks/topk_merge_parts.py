@@ -14,7 +14,8 @@ parts are three short launches: back to back they time the host's launch rate):
 So the selects of a chunk are about ``first chunk - scan only``, a select's cost ``select +
 sort - sort only``. Also the candidate count a row holds after the first chunk.
 
-    python benchmarks/topk_merge_parts.py [--rows 512] [--chunk 16384] [--topk 2048] [--output parts.json]
+    python benchmarks/topk_merge_parts.py [--rows 512] [--chunk 16384] [--topk 2048] [--set NAME=INT]
+        [--output parts.json]
     ncu -k regex:topk_merge python benchmarks/topk_merge_parts.py --rows 512 --samples 0
 """
 
@@ -93,8 +94,16 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=16384)
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=20, help="0: each part run once, untimed (for a profiler)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=INT",
+                    help="a module setting of tilefuse.indexer.topk for this run, e.g. _QUARTERED_PREFIX_SUMS=1")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if not isinstance(getattr(T, name, None), int) or not value.lstrip("-").isdigit():
+            print(f"topk_merge_parts: --set {item!r}: expected NAME=INT for an int setting of topk", file=sys.stderr)
+            return 2
+        setattr(T, name, int(value))
     if not torch.cuda.is_available():
         print("topk_merge_parts: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -107,7 +116,7 @@ def main(argv=None) -> int:
               f"{r['held_after_first_chunk']['mean']:.0f} (max {r['held_after_first_chunk']['max']:.0f})")
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"environment": env.environment("graph"), "parts": results}, f, indent=1)
+            json.dump({"environment": env.environment("graph"), "settings": args.set, "parts": results}, f, indent=1)
     return 0
 
 
