@@ -183,6 +183,17 @@ def _rows_prefix_and_need(hist_rows, topk, DIGITS: tl.constexpr):
 
 
 @triton.jit
+def _quarter_slots(start, t0, t1, t2, t3):
+    """Slots after ``start`` (a row's next free slot) for four quarters' keys, ``t0`` .. ``t3``
+    ones where a thread's key of that quarter is taken: one prefix sum of the threads' totals,
+    a thread's keys stored one after another. ``(s0, s1, s2, s3, taken)``: each quarter's slots
+    and the keys each row takes."""
+    total = t0 + t1 + t2 + t3
+    s0 = start[:, None] + tl.cumsum(total, axis=1) - total
+    return s0, s0 + t0, s0 + t0 + t1, s0 + t0 + t1 + t2, tl.sum(total, axis=1)
+
+
+@triton.jit
 def _compact(cand_rows, count, bar, thr, n_pieces, TOPK: tl.constexpr, ROWS: tl.constexpr, PIECE: tl.constexpr,
              QUARTERS: tl.constexpr):
     """The rows holding more than TOPK keys keep their keys ``>= thr`` (TOPK of them), moved to
@@ -203,16 +214,15 @@ def _compact(cand_rows, count, bar, thr, n_pieces, TOPK: tl.constexpr, ROWS: tl.
             v3, x3 = _buffer_piece(cand_rows, 4 * p + 3, quarter, count, PIECE // 4)
             k0, k1 = v0 & (x0 >= thr[:, None]), v1 & (x1 >= thr[:, None])
             k2, k3 = v2 & (x2 >= thr[:, None]), v3 & (x3 >= thr[:, None])
-            t0, t1, t2, t3 = k0.to(tl.int32), k1.to(tl.int32), k2.to(tl.int32), k3.to(tl.int32)
-            total = t0 + t1 + t2 + t3
-            dest = kept[:, None] + tl.cumsum(total, axis=1) - total
+            d0, d1, d2, d3, taken = _quarter_slots(kept, k0.to(tl.int32), k1.to(tl.int32), k2.to(tl.int32),
+                                                   k3.to(tl.int32))
             moved = shrunk[:, None]
             tl.debug_barrier()  # every thread has read this piece before it is overwritten
-            tl.store(cand_rows + dest, x0, mask=k0 & moved)
-            tl.store(cand_rows + (dest + t0), x1, mask=k1 & moved)
-            tl.store(cand_rows + (dest + t0 + t1), x2, mask=k2 & moved)
-            tl.store(cand_rows + (dest + t0 + t1 + t2), x3, mask=k3 & moved)
-            kept += tl.sum(total, axis=1)
+            tl.store(cand_rows + d0, x0, mask=k0 & moved)
+            tl.store(cand_rows + d1, x1, mask=k1 & moved)
+            tl.store(cand_rows + d2, x2, mask=k2 & moved)
+            tl.store(cand_rows + d3, x3, mask=k3 & moved)
+            kept += taken
             least = tl.minimum(tl.minimum(tl.where(k0, x0, 0x7FFFFFFFFFFFFFFF), tl.where(k1, x1, 0x7FFFFFFFFFFFFFFF)),
                                tl.minimum(tl.where(k2, x2, 0x7FFFFFFFFFFFFFFF), tl.where(k3, x3, 0x7FFFFFFFFFFFFFFF)))
             new_bar = tl.minimum(new_bar, tl.min(least, axis=1))
@@ -252,7 +262,7 @@ def _count_in_memory(pairs, count, t, value, n_tiles, TIES: tl.constexpr, TILE: 
             c += tl.sum((valid & (hi_word == value[:, None].to(tl.int32)) & (lo_word >= t[:, None])).to(tl.int32),
                         axis=1)
         else:
-            c += tl.sum((valid & (hi_word >= t[:, None])).to(tl.int32), axis=1)
+            c += _count_at_least(hi_word, valid, t)
     return c
 
 
@@ -493,13 +503,12 @@ def topk_merge_chunk_kernel(
             k1, a1, t1 = _scan_columns(row_logits, base + BLOCK // 4, quarter, lo, hi, chunk_lo, bar)
             k2, a2, t2 = _scan_columns(row_logits, base + BLOCK // 2, quarter, lo, hi, chunk_lo, bar)
             k3, a3, t3 = _scan_columns(row_logits, base + 3 * (BLOCK // 4), quarter, lo, hi, chunk_lo, bar)
-            total = t0 + t1 + t2 + t3
-            slot = count[:, None] + tl.cumsum(total, axis=1) - total
-            tl.store(cand_rows + slot, k0, mask=a0)
-            tl.store(cand_rows + (slot + t0), k1, mask=a1)
-            tl.store(cand_rows + (slot + t0 + t1), k2, mask=a2)
-            tl.store(cand_rows + (slot + t0 + t1 + t2), k3, mask=a3)
-            count += tl.sum(total, axis=1)
+            s0, s1, s2, s3, taken = _quarter_slots(count, t0, t1, t2, t3)
+            tl.store(cand_rows + s0, k0, mask=a0)
+            tl.store(cand_rows + s1, k1, mask=a1)
+            tl.store(cand_rows + s2, k2, mask=a2)
+            tl.store(cand_rows + s3, k3, mask=a3)
+            count += taken
         else:
             keys, above, taken = _scan_columns(row_logits, walk_lo + i * BLOCK, col, lo, hi, chunk_lo, bar)
             # Slots count[r] .. count[r] + BLOCK - 1 < CAP: in the buffer whatever the values.
