@@ -12,7 +12,7 @@ registers, 512 rows, graph mode), each kernel built from the merge kernel's own 
 * ``compact``: the compaction of 3072 keys to 2048 (``_compact``, 3 pieces of 1024);
 * ``select``: ``_select`` whole on buffers of 3072 random keys (normal values: ~13 passes);
 * ``..., quarters``: the same with the pieces read as four quarters, one prefix sum of the
-  threads' totals (``topk._QUARTERED_PREFIX_SUMS``).
+  threads' totals (``topk._QUARTERED_COMPACTION``).
 
     python benchmarks/topk_select_probe.py [--rows 512] [--passes 0 8 16 32] [--output probe.json]
 """

@@ -114,13 +114,14 @@ PATTERNS = ["ascending", "descending", "equal", "few-values", "sawtooth", "speci
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("k_top,chunk_k", [(5, 48), (16, 1000), (40, 96)])
-@pytest.mark.parametrize("quarters", [0, 1])
-def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k, quarters, monkeypatch):
+@pytest.mark.parametrize("scan_quarters,compact_quarters", [(0, 1), (1, 0)])
+def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k, scan_quarters, compact_quarters, monkeypatch):
     """Buffers of 16 or 64 keys (flushed after 12 or 48), many flushes a chunk, chunks not a
     multiple of the scan block, random windows (empty, short, past the row's end), several rows
     a program; the candidate scratch starts as garbage. The scan's blocks and the compaction's pieces
     as one tile and as four quarters."""
-    monkeypatch.setattr(topk, "_QUARTERED_PREFIX_SUMS", quarters)
+    monkeypatch.setattr(topk, "_QUARTERED_SCAN", scan_quarters)
+    monkeypatch.setattr(topk, "_QUARTERED_COMPACTION", compact_quarters)
     rows, n = 24, 300
     g = torch.Generator().manual_seed(len(pattern) + k_top)
     logits = _pattern(pattern, rows, n, g).to(DEVICE)
@@ -327,12 +328,13 @@ def test_merge_topk_past_the_held_buffer(pattern, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("quarters", [0, 1])
-def test_merge_one_row_a_program(pattern, quarters, monkeypatch):
+@pytest.mark.parametrize("scan_quarters,compact_quarters", [(0, 1), (1, 0)])
+def test_merge_one_row_a_program(pattern, scan_quarters, compact_quarters, monkeypatch):
     """One row a launch, so one program a row and the widest select digits: 1000 keys, topk 40,
     a whole row and random windows, in one chunk and in chunks of 300; the scan's blocks and the
     compaction's pieces as one tile and as four quarters."""
-    monkeypatch.setattr(topk, "_QUARTERED_PREFIX_SUMS", quarters)
+    monkeypatch.setattr(topk, "_QUARTERED_SCAN", scan_quarters)
+    monkeypatch.setattr(topk, "_QUARTERED_COMPACTION", compact_quarters)
     n, k_top = 1000, 40
     g = torch.Generator().manual_seed(50 + len(pattern))
     logits = _pattern(pattern, 3, n, g).to(DEVICE)

@@ -455,7 +455,7 @@ def topk_merge_chunk_kernel(
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, PIECE: tl.constexpr,
-    RESET: tl.constexpr, QUARTERS: tl.constexpr,
+    RESET: tl.constexpr, SCAN_QUARTERS: tl.constexpr, COMPACT_QUARTERS: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
@@ -494,7 +494,7 @@ def topk_merge_chunk_kernel(
     # Counted from the span, so that no loop bound passes the int32 range.
     n_blocks = tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), BLOCK)
     for i in range(0, n_blocks):
-        if QUARTERS:
+        if SCAN_QUARTERS:
             # Four coalesced quarters a block, one key each a thread: one prefix sum of the
             # threads' totals instead of one of each quarter; the buffer's order is the threads'
             # (its order is never read: keys are unique, the final sort orders them).
@@ -515,16 +515,16 @@ def topk_merge_chunk_kernel(
             tl.store(cand_rows + (count[:, None] + tl.cumsum(taken, axis=1) - 1), keys, mask=above)
             count += tl.sum(taken, axis=1)
         if tl.max(count, axis=0) > CAP - BLOCK:
-            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, QUARTERS)
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, COMPACT_QUARTERS)
     if FINAL:
         if RESET:
             # After the passes: their histograms hold the TOPK-th key's top RADIX_LEVELS digits.
             hist_rows = hist_ptr + row[:, None] * (_RADIX_LEVELS * _RADIX_BINS)
             prefix0, need0 = _rows_prefix_and_need(hist_rows, TOPK, _RADIX_LEVELS)
             count, bar = _select(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, PIECE, _RADIX_LEVELS,
-                                 QUARTERS)
+                                 COMPACT_QUARTERS)
         else:
-            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, QUARTERS)
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, COMPACT_QUARTERS)
         _write_sorted(cand_rows, count, live, idx_ptr + row[:, None] * stride_i, val_ptr + row[:, None] * stride_v,
                       TOPK, W, LOG_W, ROWS, WRITE_VALUES)
         if RESET:

@@ -97,11 +97,12 @@ _SELECT_PIECE_KEYS = 1024
 # (benchmarks/NOTES.md). Wider states hold larger tiles a thread: not capped, not measured.
 _MERGE_MAXNREG = 64
 _MERGE_MAXNREG_WIDTH = 2048
-# The merge's scan takes a block of W / 2 columns, and a select's compaction a piece, as four
-# coalesced quarters with one prefix sum of the threads' totals (1), or as one tile with a
-# prefix sum over each thread's four keys (0). Off until timed (benchmarks/NOTES.md, "the scan's
-# block in four coalesced quarters").
-_QUARTERED_PREFIX_SUMS = 0
+# The merge's scan reads a block of W / 2 columns as four coalesced quarters with one prefix sum
+# of the threads' totals (1), or as one tile with a prefix sum over each thread's four keys (0);
+# the same choice for a select's compaction pieces. Quartered scan: the H200's merge 249.5 -> 230.8
+# us at 512 rows (benchmarks/NOTES.md, "the scan's block in four coalesced quarters").
+_QUARTERED_SCAN = 1
+_QUARTERED_COMPACTION = 0
 # The last chunk sorts W keys in one program's registers: compiled for sm_90a in 25 s at topk
 # 16384, 104 s with 21.7 KB of spills at 32768, not within 400 s at 65536 (benchmarks/NOTES.md):
 # larger values get a clear error, not a compile that does not end.
@@ -233,7 +234,7 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     vals = out if values is None else values
     err = error_record(out.device)
     consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, piece,
-              hist is not None, _QUARTERED_PREFIX_SUMS)
+              hist is not None, _QUARTERED_SCAN, _QUARTERED_COMPACTION)
     if hist is None:
         hist = counts  # (not read without RESET)
     warps = max(1, min(8, rows_per_program * w // 256))
