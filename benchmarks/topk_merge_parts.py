@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=20, help="0: each part run once, untimed (for a profiler)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=INT",
-                    help="a module setting of tilefuse.indexer.topk for this run, e.g. _QUARTERED_COMPACTION=1")
+                    help="a module setting of tilefuse.indexer.topk for this run, e.g. _MERGE_MAXNREG=96")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     for item in args.set:

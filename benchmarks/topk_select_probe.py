@@ -11,8 +11,6 @@ registers, 512 rows, graph mode), each kernel built from the merge kernel's own 
   is one pass's cost at this occupancy;
 * ``compact``: the compaction of 3072 keys to 2048 (``_compact``, 3 pieces of 1024);
 * ``select``: ``_select`` whole on buffers of 3072 random keys (normal values: ~13 passes);
-* ``..., quarters``: the same with the pieces read as four quarters, one prefix sum of the
-  threads' totals (``topk._QUARTERED_COMPACTION``).
 
     python benchmarks/topk_select_probe.py [--rows 512] [--passes 0 8 16 32] [--output probe.json]
 """
@@ -56,24 +54,23 @@ def load_and_count_kernel(cand_ptr, count_ptr, out_ptr, passes, CAP: tl.constexp
 
 @triton.jit
 def compact_kernel(cand_ptr, count_ptr, bar_ptr, thr_ptr, CAP: tl.constexpr, TOPK: tl.constexpr,
-                   PIECE: tl.constexpr, QUARTERS: tl.constexpr):
+                   PIECE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     count = tl.load(count_ptr + row)
     thr = tl.load(thr_ptr + row)
     cand_rows = cand_ptr + row[:, None] * CAP
     n_pieces = tl.cdiv(tl.max(count, axis=0), PIECE)
-    count, bar = kern._compact(cand_rows, count, tl.zeros([1], tl.int64), thr, n_pieces, TOPK, 1, PIECE, QUARTERS)
+    count, bar = kern._compact(cand_rows, count, tl.zeros([1], tl.int64), thr, n_pieces, TOPK, 1, PIECE)
     tl.store(bar_ptr + row, bar)
 
 
 @triton.jit
-def select_kernel(cand_ptr, count_ptr, bar_ptr, CAP: tl.constexpr, TOPK: tl.constexpr, PIECE: tl.constexpr,
-                  QUARTERS: tl.constexpr):
+def select_kernel(cand_ptr, count_ptr, bar_ptr, CAP: tl.constexpr, TOPK: tl.constexpr, PIECE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     count = tl.load(count_ptr + row)
     cand_rows = cand_ptr + row[:, None] * CAP
     count, bar = kern._select(cand_rows, count, tl.zeros([1], tl.int64), tl.zeros([1], tl.int64), count, TOPK, 1,
-                              CAP, PIECE, 0, QUARTERS)
+                              CAP, PIECE, 0)
     tl.store(bar_ptr + row, bar)
 
 
@@ -92,24 +89,19 @@ def probe(rows: int, passes: list[int], samples: int) -> dict:
     def count_passes(p):
         return lambda: load_and_count_kernel[(rows,)](cand, counts, out, p, CAP, **OPTIONS)
 
-    def compact(quarters):
-        def run():
-            cand.copy_(keys)
-            compact_kernel[(rows,)](cand, counts, bars, thr, CAP, TOPK, PIECE, quarters, **OPTIONS)
-        return run
+    def compact():
+        cand.copy_(keys)
+        compact_kernel[(rows,)](cand, counts, bars, thr, CAP, TOPK, PIECE, **OPTIONS)
 
-    def select(quarters):
-        def run():
-            cand.copy_(keys)
-            select_kernel[(rows,)](cand, counts, bars, CAP, TOPK, PIECE, quarters, **OPTIONS)
-        return run
+    def select():
+        cand.copy_(keys)
+        select_kernel[(rows,)](cand, counts, bars, CAP, TOPK, PIECE, **OPTIONS)
 
     def copy_only():
         cand.copy_(keys)
 
     fns = {f"passes {p}": count_passes(p) for p in passes}
-    fns |= {"copy only": copy_only, "compact": compact(0), "compact, quarters": compact(1), "select": select(0),
-            "select, quarters": select(1)}
+    fns |= {"copy only": copy_only, "compact": compact, "select": select}
     ok = {}
     for n, f in fns.items():
         f()

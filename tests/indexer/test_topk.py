@@ -114,14 +114,10 @@ PATTERNS = ["ascending", "descending", "equal", "few-values", "sawtooth", "speci
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("k_top,chunk_k", [(5, 48), (16, 1000), (40, 96)])
-@pytest.mark.parametrize("scan_quarters,compact_quarters", [(0, 1), (1, 0)])
-def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k, scan_quarters, compact_quarters, monkeypatch):
+def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k):
     """Buffers of 16 or 64 keys (flushed after 12 or 48), many flushes a chunk, chunks not a
     multiple of the scan block, random windows (empty, short, past the row's end), several rows
-    a program; the candidate scratch starts as garbage. The scan's blocks and the compaction's pieces
-    as one tile and as four quarters."""
-    monkeypatch.setattr(topk, "_QUARTERED_SCAN", scan_quarters)
-    monkeypatch.setattr(topk, "_QUARTERED_COMPACTION", compact_quarters)
+    a program; the candidate scratch starts as garbage."""
     rows, n = 24, 300
     g = torch.Generator().manual_seed(len(pattern) + k_top)
     logits = _pattern(pattern, rows, n, g).to(DEVICE)
@@ -255,13 +251,12 @@ def test_merge_long_rows_wide_state(piece_keys, monkeypatch):
 
 @triton.jit
 def _select_rows_kernel(cand_ptr, count_ptr, bar_ptr, stride, TOPK: tl.constexpr, ROWS: tl.constexpr,
-                        CAP: tl.constexpr, PIECE: tl.constexpr, QUARTERS: tl.constexpr):
+                        CAP: tl.constexpr, PIECE: tl.constexpr):
     """``_select`` alone on ROWS rows a program: the rows' counts and bars written back."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     count = tl.load(count_ptr + row)
     bar = tl.load(bar_ptr + row)
-    count, bar = kern._select(cand_ptr + row[:, None] * stride, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0,
-                              QUARTERS)
+    count, bar = kern._select(cand_ptr + row[:, None] * stride, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
     tl.store(count_ptr + row, count)
     tl.store(bar_ptr + row, bar)
 
@@ -279,12 +274,11 @@ def test_order_keys_sort_as_the_contract(pattern):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", ["random", "equal", "few-values", "specials", "all-neg-inf", "sawtooth"])
 @pytest.mark.parametrize("cap,rows", [(64, 2), (8192, 1)])
-@pytest.mark.parametrize("quarters", [0, 1])
-def test_select_keeps_exactly_the_topk_largest(pattern, cap, rows, quarters):
+def test_select_keeps_exactly_the_topk_largest(pattern, cap, rows):
     """The select itself, on buffers held in registers (64 keys, two rows a program) and counted
     from memory (8192 keys: topk above 2048): exactly the TOPK largest keys at the buffer's start
     (in some order), the count TOPK and the bar the smallest of them; rows holding TOPK or fewer
-    untouched; the compaction as one tile a piece and in quarters. Keys shuffled, so the largest
+    untouched. Keys shuffled, so the largest
     sit anywhere in the buffer."""
     top = 20 if cap == 64 else 2100
     g = torch.Generator().manual_seed(cap + len(pattern))
@@ -296,7 +290,7 @@ def test_select_keeps_exactly_the_topk_largest(pattern, cap, rows, quarters):
     bars = torch.full((n_rows,), -(2**63), dtype=torch.int64, device=DEVICE)
     cnt = counts.clone().to(DEVICE)
     piece = min(cap, max(16, 1024 // rows))
-    _select_rows_kernel[(n_rows // rows,)](cand, cnt, bars, cand.stride(0), top, rows, cap, piece, quarters)
+    _select_rows_kernel[(n_rows // rows,)](cand, cnt, bars, cand.stride(0), top, rows, cap, piece)
     cand, cnt, bars = cand.cpu(), cnt.cpu(), bars.cpu()
     for r in range(n_rows):
         held = int(counts[r])
@@ -328,13 +322,9 @@ def test_merge_topk_past_the_held_buffer(pattern, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("scan_quarters,compact_quarters", [(0, 1), (1, 0)])
-def test_merge_one_row_a_program(pattern, scan_quarters, compact_quarters, monkeypatch):
+def test_merge_one_row_a_program(pattern):
     """One row a launch, so one program a row and the widest select digits: 1000 keys, topk 40,
-    a whole row and random windows, in one chunk and in chunks of 300; the scan's blocks and the
-    compaction's pieces as one tile and as four quarters."""
-    monkeypatch.setattr(topk, "_QUARTERED_SCAN", scan_quarters)
-    monkeypatch.setattr(topk, "_QUARTERED_COMPACTION", compact_quarters)
+    a whole row and random windows, in one chunk and in chunks of 300."""
     n, k_top = 1000, 40
     g = torch.Generator().manual_seed(50 + len(pattern))
     logits = _pattern(pattern, 3, n, g).to(DEVICE)
@@ -522,6 +512,48 @@ def test_prefill_row_blocks(fmt, record_launches):
     tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, 8, chunk_k=256, chunk_q=128)
     with pytest.raises(tilefuse.DeviceValueError, match="row 133"):
         tilefuse.check_errors()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="streams and graphs: the GPU only")
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_prefill_merges_beside_logits_in_a_graph(overlap, monkeypatch):
+    """Three row blocks by three key chunks with the merges on the side stream (and without):
+    eager on a stream of the caller's, captured in a CUDA graph and replayed over new inputs and
+    windows; every result the unfused pair's, bit for bit, with poisoned outputs."""
+    monkeypatch.setattr(topk, "_OVERLAP_MERGES", overlap)
+    s_q, s_k, k_top = 300, 700, 24
+    qq, kk, w = prefill_inputs(s_q, s_k, 4, 64, "fp8", seed=70)
+    ks, ke = W.random_windows(s_q, s_k, torch.Generator().manual_seed(70), DEVICE, empty_fraction=0.1)
+    out = torch.full((s_q, k_top), 12345, dtype=torch.int32, device=DEVICE)
+    vals = torch.full((s_q, k_top), 7.0, device=DEVICE)
+
+    def call():
+        idx, val = tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k_top, return_values=True, chunk_k=256, chunk_q=128)
+        out.copy_(idx)
+        vals.copy_(val)
+
+    caller = torch.cuda.Stream()
+    caller.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(caller):
+        call()
+    torch.cuda.current_stream().wait_stream(caller)
+    ref_idx, ref_val = expected_prefill(qq, kk, w, ks, ke, k_top)
+    assert torch.equal(out, ref_idx) and _equal(vals, ref_val)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=caller):
+        call()
+    for seed in (71, 72):
+        qq_new, kk_new, w_new = prefill_inputs(s_q, s_k, 4, 64, "fp8", seed=seed)
+        ks_new, ke_new = W.random_windows(s_q, s_k, torch.Generator().manual_seed(seed), DEVICE, empty_fraction=0.1)
+        for dst, src in ((qq[0], qq_new[0]), (kk[0], kk_new[0]), (kk[1], kk_new[1]), (w, w_new), (ks, ks_new),
+                         (ke, ke_new)):
+            dst.copy_(src)
+        out.fill_(12345)
+        vals.fill_(7.0)
+        graph.replay()
+        tilefuse.check_errors()
+        ref_idx, ref_val = expected_prefill(qq, kk, w, ks, ke, k_top)
+        assert torch.equal(out, ref_idx) and _equal(vals, ref_val), seed
 
 
 # ---------------------------------------------------------------------------------------

@@ -194,46 +194,35 @@ def _quarter_slots(start, t0, t1, t2, t3):
 
 
 @triton.jit
-def _compact(cand_rows, count, bar, thr, n_pieces, TOPK: tl.constexpr, ROWS: tl.constexpr, PIECE: tl.constexpr,
-             QUARTERS: tl.constexpr):
+def _compact(cand_rows, count, bar, thr, n_pieces, TOPK: tl.constexpr, ROWS: tl.constexpr, PIECE: tl.constexpr):
     """The rows holding more than TOPK keys keep their keys ``>= thr`` (TOPK of them), moved to
     the buffer's start piece by piece: a piece's kept keys go below its own end, so no piece is
-    overwritten before every thread has read it. ``(count, bar)`` after it. QUARTERS: each piece
-    read as four quarters, one key each a thread, and one prefix sum of the threads' totals (as
-    the merge's scan: the kept keys' order becomes the threads')."""
-    piece = tl.arange(0, PIECE)
+    overwritten before every thread has read it. ``(count, bar)`` after it. A piece is read as
+    four coalesced quarters, one key each a thread, with one prefix sum of the threads' totals
+    (as the merge's scan: the kept keys' order becomes the threads')."""
     quarter = tl.arange(0, PIECE // 4)
     shrunk = count > TOPK
+    moved = shrunk[:, None]
     kept = tl.zeros([ROWS], tl.int32)
     new_bar = tl.full([ROWS], 0x7FFFFFFFFFFFFFFF, tl.int64)
     for p in range(0, n_pieces):
-        if QUARTERS:
-            v0, x0 = _buffer_piece(cand_rows, 4 * p, quarter, count, PIECE // 4)
-            v1, x1 = _buffer_piece(cand_rows, 4 * p + 1, quarter, count, PIECE // 4)
-            v2, x2 = _buffer_piece(cand_rows, 4 * p + 2, quarter, count, PIECE // 4)
-            v3, x3 = _buffer_piece(cand_rows, 4 * p + 3, quarter, count, PIECE // 4)
-            k0, k1 = v0 & (x0 >= thr[:, None]), v1 & (x1 >= thr[:, None])
-            k2, k3 = v2 & (x2 >= thr[:, None]), v3 & (x3 >= thr[:, None])
-            d0, d1, d2, d3, taken = _quarter_slots(kept, k0.to(tl.int32), k1.to(tl.int32), k2.to(tl.int32),
-                                                   k3.to(tl.int32))
-            moved = shrunk[:, None]
-            tl.debug_barrier()  # every thread has read this piece before it is overwritten
-            tl.store(cand_rows + d0, x0, mask=k0 & moved)
-            tl.store(cand_rows + d1, x1, mask=k1 & moved)
-            tl.store(cand_rows + d2, x2, mask=k2 & moved)
-            tl.store(cand_rows + d3, x3, mask=k3 & moved)
-            kept += taken
-            least = tl.minimum(tl.minimum(tl.where(k0, x0, 0x7FFFFFFFFFFFFFFF), tl.where(k1, x1, 0x7FFFFFFFFFFFFFFF)),
-                               tl.minimum(tl.where(k2, x2, 0x7FFFFFFFFFFFFFFF), tl.where(k3, x3, 0x7FFFFFFFFFFFFFFF)))
-            new_bar = tl.minimum(new_bar, tl.min(least, axis=1))
-        else:
-            valid, x = _buffer_piece(cand_rows, p, piece, count, PIECE)
-            keep = valid & (x >= thr[:, None])
-            taken = keep.to(tl.int32)
-            tl.debug_barrier()  # every thread has read this piece before it is overwritten
-            tl.store(cand_rows + (kept[:, None] + tl.cumsum(taken, axis=1) - 1), x, mask=keep & shrunk[:, None])
-            kept += tl.sum(taken, axis=1)
-            new_bar = tl.minimum(new_bar, tl.min(tl.where(keep, x, 0x7FFFFFFFFFFFFFFF), axis=1))
+        v0, x0 = _buffer_piece(cand_rows, 4 * p, quarter, count, PIECE // 4)
+        v1, x1 = _buffer_piece(cand_rows, 4 * p + 1, quarter, count, PIECE // 4)
+        v2, x2 = _buffer_piece(cand_rows, 4 * p + 2, quarter, count, PIECE // 4)
+        v3, x3 = _buffer_piece(cand_rows, 4 * p + 3, quarter, count, PIECE // 4)
+        k0, k1 = v0 & (x0 >= thr[:, None]), v1 & (x1 >= thr[:, None])
+        k2, k3 = v2 & (x2 >= thr[:, None]), v3 & (x3 >= thr[:, None])
+        d0, d1, d2, d3, taken = _quarter_slots(kept, k0.to(tl.int32), k1.to(tl.int32), k2.to(tl.int32),
+                                               k3.to(tl.int32))
+        tl.debug_barrier()  # every thread has read this piece before it is overwritten
+        tl.store(cand_rows + d0, x0, mask=k0 & moved)
+        tl.store(cand_rows + d1, x1, mask=k1 & moved)
+        tl.store(cand_rows + d2, x2, mask=k2 & moved)
+        tl.store(cand_rows + d3, x3, mask=k3 & moved)
+        kept += taken
+        least = tl.minimum(tl.minimum(tl.where(k0, x0, 0x7FFFFFFFFFFFFFFF), tl.where(k1, x1, 0x7FFFFFFFFFFFFFFF)),
+                           tl.minimum(tl.where(k2, x2, 0x7FFFFFFFFFFFFFFF), tl.where(k3, x3, 0x7FFFFFFFFFFFFFFF)))
+        new_bar = tl.minimum(new_bar, tl.min(least, axis=1))
     tl.debug_barrier()  # the compacted buffer is read by other threads next
     count = tl.where(shrunk, kept, count)
     bar = tl.where(shrunk, new_bar, bar)
@@ -378,7 +367,7 @@ def _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, 
 
 @triton.jit
 def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr,
-            PIECE: tl.constexpr, START: tl.constexpr, QUARTERS: tl.constexpr):
+            PIECE: tl.constexpr, START: tl.constexpr):
     """Each row's buffer (its first ``count`` keys) cut to its TOPK largest keys, compacted to
     the buffer's start: ``(count, bar)`` after it. Rows holding TOPK keys or fewer keep them.
 
@@ -402,7 +391,7 @@ def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.
     else:  # after the passes: ties can leave more candidates than CAP
         thr = _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK, ROWS, PIECE, START)
     n_pieces = tl.cdiv(tl.max(tl.where(shrunk, count, 0), axis=0), PIECE)
-    return _compact(cand_rows, count, bar, thr, n_pieces, TOPK, ROWS, PIECE, QUARTERS)
+    return _compact(cand_rows, count, bar, thr, n_pieces, TOPK, ROWS, PIECE)
 
 
 @triton.jit
@@ -455,7 +444,7 @@ def topk_merge_chunk_kernel(
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, PIECE: tl.constexpr,
-    RESET: tl.constexpr, SCAN_QUARTERS: tl.constexpr, COMPACT_QUARTERS: tl.constexpr,
+    RESET: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
@@ -489,42 +478,35 @@ def topk_merge_chunk_kernel(
     walk_lo = tl.min(tl.where(lo < hi, lo, chunk_lo + chunk_width), axis=0)
     walk_hi = tl.max(tl.where(lo < hi, hi, 0), axis=0)
     row_logits = logits_ptr + row[:, None] * stride_l
-    col = tl.arange(0, BLOCK)
     quarter = tl.arange(0, BLOCK // 4)
     # Counted from the span, so that no loop bound passes the int32 range.
     n_blocks = tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), BLOCK)
     for i in range(0, n_blocks):
-        if SCAN_QUARTERS:
-            # Four coalesced quarters a block, one key each a thread: one prefix sum of the
-            # threads' totals instead of one of each quarter; the buffer's order is the threads'
-            # (its order is never read: keys are unique, the final sort orders them).
-            base = walk_lo + i * BLOCK
-            k0, a0, t0 = _scan_columns(row_logits, base, quarter, lo, hi, chunk_lo, bar)
-            k1, a1, t1 = _scan_columns(row_logits, base + BLOCK // 4, quarter, lo, hi, chunk_lo, bar)
-            k2, a2, t2 = _scan_columns(row_logits, base + BLOCK // 2, quarter, lo, hi, chunk_lo, bar)
-            k3, a3, t3 = _scan_columns(row_logits, base + 3 * (BLOCK // 4), quarter, lo, hi, chunk_lo, bar)
-            s0, s1, s2, s3, taken = _quarter_slots(count, t0, t1, t2, t3)
-            tl.store(cand_rows + s0, k0, mask=a0)
-            tl.store(cand_rows + s1, k1, mask=a1)
-            tl.store(cand_rows + s2, k2, mask=a2)
-            tl.store(cand_rows + s3, k3, mask=a3)
-            count += taken
-        else:
-            keys, above, taken = _scan_columns(row_logits, walk_lo + i * BLOCK, col, lo, hi, chunk_lo, bar)
-            # Slots count[r] .. count[r] + BLOCK - 1 < CAP: in the buffer whatever the values.
-            tl.store(cand_rows + (count[:, None] + tl.cumsum(taken, axis=1) - 1), keys, mask=above)
-            count += tl.sum(taken, axis=1)
+        # Four coalesced quarters a block, one key each a thread: one prefix sum of the threads'
+        # totals instead of one over each thread's four keys; the buffer's order is the threads'
+        # (never read: keys are unique, the final sort orders them).
+        base = walk_lo + i * BLOCK
+        k0, a0, t0 = _scan_columns(row_logits, base, quarter, lo, hi, chunk_lo, bar)
+        k1, a1, t1 = _scan_columns(row_logits, base + BLOCK // 4, quarter, lo, hi, chunk_lo, bar)
+        k2, a2, t2 = _scan_columns(row_logits, base + BLOCK // 2, quarter, lo, hi, chunk_lo, bar)
+        k3, a3, t3 = _scan_columns(row_logits, base + 3 * (BLOCK // 4), quarter, lo, hi, chunk_lo, bar)
+        # Slots count[r] .. count[r] + BLOCK - 1 < CAP: in the buffer whatever the values.
+        s0, s1, s2, s3, taken = _quarter_slots(count, t0, t1, t2, t3)
+        tl.store(cand_rows + s0, k0, mask=a0)
+        tl.store(cand_rows + s1, k1, mask=a1)
+        tl.store(cand_rows + s2, k2, mask=a2)
+        tl.store(cand_rows + s3, k3, mask=a3)
+        count += taken
         if tl.max(count, axis=0) > CAP - BLOCK:
-            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, COMPACT_QUARTERS)
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
     if FINAL:
         if RESET:
             # After the passes: their histograms hold the TOPK-th key's top RADIX_LEVELS digits.
             hist_rows = hist_ptr + row[:, None] * (_RADIX_LEVELS * _RADIX_BINS)
             prefix0, need0 = _rows_prefix_and_need(hist_rows, TOPK, _RADIX_LEVELS)
-            count, bar = _select(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, PIECE, _RADIX_LEVELS,
-                                 COMPACT_QUARTERS)
+            count, bar = _select(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, PIECE, _RADIX_LEVELS)
         else:
-            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, COMPACT_QUARTERS)
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
         _write_sorted(cand_rows, count, live, idx_ptr + row[:, None] * stride_i, val_ptr + row[:, None] * stride_v,
                       TOPK, W, LOG_W, ROWS, WRITE_VALUES)
         if RESET:

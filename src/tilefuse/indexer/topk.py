@@ -97,12 +97,10 @@ _SELECT_PIECE_KEYS = 1024
 # (benchmarks/NOTES.md). Wider states hold larger tiles a thread: not capped, not measured.
 _MERGE_MAXNREG = 64
 _MERGE_MAXNREG_WIDTH = 2048
-# The merge's scan reads a block of W / 2 columns as four coalesced quarters with one prefix sum
-# of the threads' totals (1), or as one tile with a prefix sum over each thread's four keys (0);
-# the same choice for a select's compaction pieces. Quartered scan: the H200's merge 249.5 -> 230.8
-# us at 512 rows (benchmarks/NOTES.md, "the scan's block in four coalesced quarters").
-_QUARTERED_SCAN = 1
-_QUARTERED_COMPACTION = 0
+# Prefill calls of several row blocks or key chunks: each chunk's merge on a side stream, beside
+# the next chunk's logits (1), or after them on the caller's stream (0). Prediction and outcome
+# in benchmarks/NOTES.md ("prefill merges beside the next logits").
+_OVERLAP_MERGES = 1
 # The last chunk sorts W keys in one program's registers: compiled for sm_90a in 25 s at topk
 # 16384, 104 s with 21.7 KB of spills at 32768, not within 400 s at 65536 (benchmarks/NOTES.md):
 # larger values get a clear error, not a compile that does not end.
@@ -234,7 +232,7 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     vals = out if values is None else values
     err = error_record(out.device)
     consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, piece,
-              hist is not None, _QUARTERED_SCAN, _QUARTERED_COMPACTION)
+              hist is not None)
     if hist is None:
         hist = counts  # (not read without RESET)
     warps = max(1, min(8, rows_per_program * w // 256))
@@ -372,6 +370,18 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     return out, out_values
 
 
+_merge_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _merge_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream a device's prefill merges run on (made once a device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _merge_streams.get(index)
+    if stream is None:
+        stream = _merge_streams[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
 def _chunks(n_keys: int, chunk_k: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` column ranges; one empty range when there are no keys (the rows still get -1)."""
     return [(lo, min(lo + chunk_k, n_keys)) for lo in range(0, max(n_keys, 1), chunk_k)]
@@ -421,6 +431,10 @@ def _run_mqa_topk(
     cfg = prefill.resolve_config(fmt, q.shape[1], head_dim, s_q, None, logits_dtype, capability_major(q.device), s_k)
     chunks = _chunks(s_k, chunk_k)
     bars, candidates, counts = _workspace(min(s_q, chunk_q), topk, len(chunks), q.device)
+    steps = cdiv(max(s_q, 1), chunk_q) * len(chunks)
+    side = _merge_stream(q.device) if _OVERLAP_MERGES and steps > 1 and q.is_cuda else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(q.device))  # (joins a graph capture too)
     with deferred():  # a chunk's errors surface at the next call, not the next chunk
         for r0 in range(0, max(s_q, 1), chunk_q):
             r1 = min(r0 + chunk_q, s_q)
@@ -438,9 +452,19 @@ def _run_mqa_topk(
                     ke_c = torch.maximum((ke_r - lo).clamp(0, width), ks_c)
                 logits = tilefuse.fp8_fp4_mqa_logits(q_rows, (_span(k, lo, hi), _span(k_scale, lo, hi)), w_r, ks_c,
                                                      ke_c, clean_logits=False, logits_dtype=logits_dtype, config=cfg)
-                if r1 > r0:
+                if r1 > r0 and side is not None:
+                    # The merge of this chunk beside the next chunk's logits: the merges keep
+                    # their order on the side stream; the logits stay allocated until it has read them.
+                    side.wait_stream(torch.cuda.current_stream(q.device))
+                    logits.record_stream(side)
+                    with torch.cuda.stream(side):
+                        _merge(logits, bars, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out_r,
+                               val_r, topk, kern.WIN_PREFILL, first=c == 0, final=c == len(chunks) - 1)
+                elif r1 > r0:
                     _merge(logits, bars, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out_r, val_r,
                            topk, kern.WIN_PREFILL, first=c == 0, final=c == len(chunks) - 1)
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)
 
 
 @torch.library.custom_op("tilefuse::mqa_topk", mutates_args=("out", "values"))

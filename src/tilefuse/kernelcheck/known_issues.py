@@ -59,7 +59,7 @@ _ENTRIES = [
     ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * last w8*", 240, _MERGE_FINAL, "3.8*"),
     ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * only w8", 176, _MERGE_FINAL, "3.8*"),
     ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * after-passes w8*", 264, _MERGE_FINAL, "3.8*"),
-    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * first w8", 64, _MERGE_SCAN, "3.8*"),
+    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * first w8", 72, _MERGE_SCAN, "3.8*"),
     ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 prefill middle w8", 64, _MERGE_SCAN, "3.8*"),
     ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * last w8*", 288, _MERGE_FINAL, "3.8*"),
     ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * only w8", 256, _MERGE_FINAL, "3.8*"),
@@ -70,8 +70,8 @@ _ENTRIES = [
     ("indexer.topk_merge", "*", "k2048 W2048 rows1 * only w8", 216, _MERGE_FINAL, "3.6*"),
     ("indexer.topk_merge", "*", "k2048 W2048 rows1 * after-passes w8*", 296, _MERGE_FINAL, "3.6*"),
     ("indexer.topk_merge", "*", "k512 W512 rows1 prefill *", 8, "two warps at 96 registers", "3.6*"),
-    ("indexer.topk_merge", "sm_100a", "k512 W512 rows1 prefill * w2 values", 80,
-     "two warps at 128 registers: the select's 16 high words a thread", "3.8*"),
+    ("indexer.topk_merge", "sm_90a", "k512 W512 rows1 prefill only w2 values", 24,
+     "two warps at 96 registers: the quartered compaction's four keys a thread beside the final sort", "3.8*"),
     # Persistent GEMM: the masked (unaligned) epilogue builds a pointer per element (on sm_90a
     # it no longer spills since the per-tile clock read went under TRACE); the reduce-scatter
     # epilogues hold the accumulator while loading every peer's partial.
