@@ -514,6 +514,48 @@ def test_prefill_row_blocks(fmt, record_launches):
         tilefuse.check_errors()
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_prefill_plan_over_changing_sizes(fmt, monkeypatch):
+    """Eager one-step calls of one argument layout with new S_q and S_k (one size class), new
+    windows (empty, past the end) and fresh random inputs each: the first call is checked and
+    makes the layout's plan, the others reuse it without the checks, each bit for bit the
+    unfused pair's. A bad window found by the kernels still surfaces at the next call; a wrong
+    argument of the same layout but other sizes (weights rows), checked mode, another output
+    layout and a call of two chunks each take the checked path."""
+    monkeypatch.setattr(topk, "_prefill_plans", {})
+    checked_calls = []
+    real_checks = topk._check_topk_args
+    monkeypatch.setattr(topk, "_check_topk_args", lambda *a: (checked_calls.append(a), real_checks(*a)))
+    k_top = 24
+    for i, (s_q, s_k) in enumerate(((40, 300), (33, 260), (48, 511))):
+        qq, kk, w = prefill_inputs(s_q, s_k, 4, 64, fmt, seed=90 + i)
+        ks, ke = W.random_windows(s_q, s_k, torch.Generator().manual_seed(90 + i), DEVICE, empty_fraction=0.1,
+                                  overhang=7)
+        ref_idx, ref_val = expected_prefill(qq, kk, w, ks, ke, k_top)
+        out = torch.full((s_q, k_top), 12345, dtype=torch.int32, device=DEVICE)
+        idx, val = tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k_top, return_values=True, out=out)
+        tilefuse.check_errors()
+        assert idx is out and torch.equal(idx, ref_idx) and _equal(val, ref_val), (s_q, s_k)
+    assert len(topk._prefill_plans) == 1 and len(checked_calls) == 1
+    bad_ks = ks.clone()
+    bad_ks[5] = ke[5] + 1
+    tilefuse.fp8_fp4_mqa_topk(qq, kk, w, bad_ks, ke, k_top, return_values=True, out=out)
+    assert len(checked_calls) == 1
+    with pytest.raises(tilefuse.DeviceValueError, match="row 5"):
+        tilefuse.check_errors()
+    with pytest.raises(ValueError, match="weights"):
+        tilefuse.fp8_fp4_mqa_topk(qq, kk, w[:-1], ks, ke, k_top, return_values=True, out=out)
+    assert len(checked_calls) == 2
+    with tilefuse.checked_mode():
+        assert torch.equal(tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k_top, return_values=True)[0], ref_idx)
+    assert len(checked_calls) == 3
+    assert torch.equal(tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k_top), ref_idx)  # no out=, no values
+    assert len(topk._prefill_plans) == 2 and len(checked_calls) == 4
+    monkeypatch.setattr(topk, "default_chunk_k", lambda *a: 256)  # two chunks: no plan
+    assert torch.equal(tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k_top), ref_idx)
+    assert len(topk._prefill_plans) == 2 and len(checked_calls) == 5
+
+
 @pytest.mark.skipif(not ON_GPU, reason="streams and graphs: the GPU only")
 @pytest.mark.parametrize("overlap", [0, 1])
 def test_prefill_merges_beside_logits_in_a_graph(overlap, monkeypatch):

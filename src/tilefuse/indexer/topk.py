@@ -55,7 +55,7 @@ from typing import NamedTuple
 import torch
 
 import tilefuse
-from tilefuse import _config
+from tilefuse import _config, _validate
 from tilefuse._device import capability_major
 from tilefuse._errors import checked, deferred, error_record, raise_pending, raise_pending_fast
 from tilefuse._jit import Launcher, cdiv, next_power_of_2
@@ -467,6 +467,94 @@ def _run_mqa_topk(
         torch.cuda.current_stream(q.device).wait_stream(side)
 
 
+class _PrefillPlan(NamedTuple):
+    """An eager prefill call of one row block and one key chunk, by its layout: its checks
+    passed, the logits launch configuration of its size class, a bar and a count that a
+    one-chunk merge never reads nor writes, and the merge's pre-bound launches by launch key."""
+
+    cfg: prefill.PrefillConfig
+    device: torch.device
+    bars: torch.Tensor
+    counts: torch.Tensor
+    partials: dict
+
+
+# Plans by layout: what the op's checks read but S_q and S_k (the logits op's signature, the
+# size class its config follows), plus topk, return_values, out's and schedule_meta's layout.
+_prefill_plans: dict[tuple, _PrefillPlan] = {}
+_MAX_PREFILL_PLANS = 4096
+
+
+def _prefill_plan_key(q_values, q_sf, k, k_scale, weights, ks, ke, topk, logits_dtype, return_values, out,
+                      schedule_meta) -> tuple:
+    """The layout key of a prefill call (AttributeError, TypeError, IndexError where an argument
+    is not what the op takes: the checks then say what is wrong)."""
+    overrides = _config._overrides.get("prefill")
+    device = q_values.device
+    return (prefill._signature(q_values, q_sf, k, k_scale, weights, ks, ke, 0, logits_dtype),
+            prefill.size_class(q_values.shape[0], k.shape[0]), topk.__class__, topk,
+            return_values.__class__, return_values,
+            None if out is None else (out.shape[1:], out.stride(), out.dtype, out.get_device()),
+            None if schedule_meta is None else (schedule_meta.__class__, schedule_meta.dtype, schedule_meta.dim()),
+            tuple(sorted(overrides.items())) if overrides else None,
+            # on the CPU, whether a kernel runs at all follows the interpreter (and which, the
+            # architecture the tests pose as)
+            device.type == "cuda" or (_validate.interpreter_enabled(), capability_major(device)))
+
+
+def _one_step(s_q: int, s_k: int, topk: int, logits_dtype) -> bool:
+    """Whether a call with the default chunks is one row block and one key chunk."""
+    chunk_k = default_chunk_k(topk, _PREFILL_KEY_TILE)
+    return 1 <= s_q <= default_chunk_q(chunk_k, logits_dtype) and 1 <= s_k <= chunk_k
+
+
+def _run_prefill_plan(plan: _PrefillPlan, q_values, q_sf, k, k_scale, weights, ks, ke, logits_dtype, topk: int,
+                      out, values) -> None:
+    s_q, s_k = q_values.shape[0], k.shape[0]
+    candidates = torch.empty((s_q, 2 * state_width(topk)), dtype=torch.int64, device=plan.device)
+    logits = tilefuse.fp8_fp4_mqa_logits((q_values, q_sf), (k, k_scale), weights, ks, ke, clean_logits=False,
+                                         logits_dtype=logits_dtype, config=plan.cfg)
+    _merge(logits, plan.bars, candidates, plan.counts, 0, s_k, ks, ke, s_k, s_k, 1, 0, 0, out, values, topk,
+           kern.WIN_PREFILL, first=True, final=True, partials=plan.partials)
+
+
+def _make_prefill_plan(key, q_values, q_sf, k, logits_dtype) -> _PrefillPlan:
+    """A one-step call's plan (its arguments checked by the op already)."""
+    fmt = format_of(q_values, q_sf)
+    head_dim = q_values.shape[2] * 2 if fmt == "mxfp4" else q_values.shape[2]
+    device = q_values.device
+    cfg = prefill.resolve_config(fmt, q_values.shape[1], head_dim, q_values.shape[0], None, logits_dtype,
+                                 capability_major(device), k.shape[0])
+    plan = _PrefillPlan(cfg, device, torch.empty(1, dtype=torch.int64, device=device),
+                        torch.empty(1, dtype=torch.int32, device=device), {})
+    if len(_prefill_plans) >= _MAX_PREFILL_PLANS:
+        _prefill_plans.clear()
+    _prefill_plans[key] = plan
+    return plan
+
+
+def _prefill_by_plan(q_values, q_sf, k, k_scale, weights, ks, ke, topk, logits_dtype, return_values, out,
+                     schedule_meta):
+    """``(key, result)``: the call made by its layout's plan where there is one and the call is
+    one step (result not None), else ``(key or None, None)`` for the checked path."""
+    try:
+        key = _prefill_plan_key(q_values, q_sf, k, k_scale, weights, ks, ke, topk, logits_dtype, return_values,
+                                out, schedule_meta)
+        plan = _prefill_plans.get(key)
+    except (AttributeError, TypeError, IndexError, RuntimeError):  # not tensors, unhashable: the checks say which
+        return None, None
+    if plan is None:
+        return key, None
+    s_q, s_k = q_values.shape[0], k.shape[0]
+    if not (prefill._sizes_agree(q_values, q_sf, k, k_scale, weights, ks, ke)
+            and _one_step(s_q, s_k, topk, logits_dtype) and (out is None or out.shape[0] == s_q)):
+        return key, None
+    raise_pending_fast(plan.device)
+    out, values = _outputs(s_q, topk, logits_dtype, plan.device, out, return_values)
+    _run_prefill_plan(plan, q_values, q_sf, k, k_scale, weights, ks, ke, logits_dtype, topk, out, values)
+    return key, ((out, values) if return_values else out)
+
+
 @torch.library.custom_op("tilefuse::mqa_topk", mutates_args=("out", "values"))
 def _mqa_topk(
     q: torch.Tensor, q_sf: torch.Tensor | None, k: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
@@ -524,6 +612,13 @@ def fp8_fp4_mqa_topk(
     """
     q_values, q_sf = prefill.split_query(q)
     k, k_scale = prefill.split_keys(kv)
+    # Eager one-step calls by their layout's plan (checked mode: the checked path).
+    plan_key = None
+    if chunk_k is None and chunk_q is None and not checked() and not torch.compiler.is_compiling():
+        plan_key, result = _prefill_by_plan(q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start,
+                                            cu_seq_len_k_end, topk, logits_dtype, return_values, out, schedule_meta)
+        if result is not None:
+            return result
     for name, t in (("q", q_values), ("kv[0]", k), ("kv[1]", k_scale),
                     ("cu_seq_len_k_start", cu_seq_len_k_start), ("cu_seq_len_k_end", cu_seq_len_k_end)):
         expect_tensor(t, name)
@@ -547,6 +642,12 @@ def fp8_fp4_mqa_topk(
     chunk_k = chunk_k or default_chunk_k(topk, _PREFILL_KEY_TILE)
     chunk_q = chunk_q or default_chunk_q(chunk_k, logits_dtype)
     out, values = _outputs(s_q, topk, logits_dtype, q_values.device, out, return_values)
+    if plan_key is not None and _one_step(s_q, k.shape[0], topk, logits_dtype):
+        # eager, one step: the next calls of this layout skip the checks
+        plan = _make_prefill_plan(plan_key, q_values, q_sf, k, logits_dtype)
+        _run_prefill_plan(plan, q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end,
+                          logits_dtype, topk, out, values)
+        return (out, values) if return_values else out
     # Eager: the implementation without the dispatcher (the custom op's wrapper was most of the
     # eager cost of a call: benchmarks/NOTES.md); under torch.compile the custom op, one node.
     run = _mqa_topk if torch.compiler.is_compiling() else _run_mqa_topk
