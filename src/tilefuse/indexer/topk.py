@@ -98,9 +98,9 @@ _SELECT_PIECE_KEYS = 1024
 _MERGE_MAXNREG = 64
 _MERGE_MAXNREG_WIDTH = 2048
 # Prefill calls of several row blocks or key chunks: each chunk's merge on a side stream, beside
-# the next chunk's logits (1), or after them on the caller's stream (0). Prediction and outcome
-# in benchmarks/NOTES.md ("prefill merges beside the next logits").
-_OVERLAP_MERGES = 1
+# the next chunk's logits (1), or after them on the caller's stream (0). Off until timed
+# (benchmarks/NOTES.md, round (18): "prefill merges on a side stream").
+_OVERLAP_MERGES = 0
 # The last chunk sorts W keys in one program's registers: compiled for sm_90a in 25 s at topk
 # 16384, 104 s with 21.7 KB of spills at 32768, not within 400 s at 65536 (benchmarks/NOTES.md):
 # larger values get a clear error, not a compile that does not end.
