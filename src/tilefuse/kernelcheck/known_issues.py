@@ -65,11 +65,9 @@ _ENTRIES = [
     ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * only w8", 256, _MERGE_FINAL, "3.8*"),
     ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * after-passes w8*", 344, _MERGE_FINAL, "3.8*"),
     ("indexer.topk_merge", "*", "k2048 W2048 rows1 * first w8", 8, _MERGE_SCAN, "3.6*"),
-    ("indexer.topk_merge", "*", "k2048 W2048 rows1 prefill middle w8", 8, _MERGE_SCAN, "3.6*"),
     ("indexer.topk_merge", "*", "k2048 W2048 rows1 * last w8*", 248, _MERGE_FINAL, "3.6*"),
     ("indexer.topk_merge", "*", "k2048 W2048 rows1 * only w8", 216, _MERGE_FINAL, "3.6*"),
     ("indexer.topk_merge", "*", "k2048 W2048 rows1 * after-passes w8*", 296, _MERGE_FINAL, "3.6*"),
-    ("indexer.topk_merge", "*", "k512 W512 rows1 prefill *", 8, "two warps at 96 registers", "3.6*"),
     ("indexer.topk_merge", "sm_90a", "k512 W512 rows1 prefill only w2 values", 24,
      "two warps at 96 registers: the quartered compaction's four keys a thread beside the final sort", "3.8*"),
     # Persistent GEMM: the masked (unaligned) epilogue builds a pointer per element (on sm_90a
