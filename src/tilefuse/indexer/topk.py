@@ -61,8 +61,8 @@ from tilefuse._errors import checked, deferred, error_record, raise_pending, rai
 from tilefuse._jit import Launcher, cdiv, next_power_of_2
 from tilefuse._validate import check_kernel_device, expect, expect_int, expect_tensor
 from tilefuse.formats import format_of
+from tilefuse.indexer import _layout, paged, prefill
 from tilefuse.indexer import _topk_kernel as kern
-from tilefuse.indexer import paged, prefill
 
 _INDEX_DTYPE = torch.int32
 # Logits bytes one prefill chunk may take: about an H200's L2 (50 MB) less room for the keys
@@ -373,8 +373,11 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
 _merge_streams: dict[int, torch.cuda.Stream] = {}
 
 
-def _merge_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream a device's prefill merges run on (made once a device)."""
+def _merge_stream(device: torch.device, steps: int) -> torch.cuda.Stream | None:
+    """The side stream a device's prefill merges run on (made once a device; calls from several
+    streams at once serialise their merges there), or None: the setting off, one step, not CUDA."""
+    if not (_OVERLAP_MERGES and steps > 1 and device.type == "cuda"):
+        return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = _merge_streams.get(index)
     if stream is None:
@@ -432,9 +435,15 @@ def _run_mqa_topk(
     chunks = _chunks(s_k, chunk_k)
     bars, candidates, counts = _workspace(min(s_q, chunk_q), topk, len(chunks), q.device)
     steps = cdiv(max(s_q, 1), chunk_q) * len(chunks)
-    side = _merge_stream(q.device) if _OVERLAP_MERGES and steps > 1 and q.is_cuda else None
+    side = _merge_stream(q.device, steps)
     if side is not None:
-        side.wait_stream(torch.cuda.current_stream(q.device))  # (joins a graph capture too)
+        main = torch.cuda.current_stream(q.device)
+        side.wait_stream(main)  # (joins a graph capture too)
+        # Two logits buffers taken in turn: a step's logits wait for the merge that read its
+        # buffer two steps before, so the memory stays two chunks whatever the host's lead.
+        ring = [_layout.new_logits(min(s_q, chunk_q), min(s_k, chunk_k), logits_dtype, q.device) for _ in range(2)]
+        merged: list = [None, None]
+        step = 0
     with deferred():  # a chunk's errors surface at the next call, not the next chunk
         for r0 in range(0, max(s_q, 1), chunk_q):
             r1 = min(r0 + chunk_q, s_q)
@@ -450,21 +459,31 @@ def _run_mqa_topk(
                 else:  # (raw, a window starting before the chunk would be reported negative)
                     ks_c = (ks_r - lo).clamp(0, width)
                     ke_c = torch.maximum((ke_r - lo).clamp(0, width), ks_c)
-                logits = tilefuse.fp8_fp4_mqa_logits(q_rows, (_span(k, lo, hi), _span(k_scale, lo, hi)), w_r, ks_c,
-                                                     ke_c, clean_logits=False, logits_dtype=logits_dtype, config=cfg)
-                if r1 > r0 and side is not None:
-                    # The merge of this chunk beside the next chunk's logits: the merges keep
-                    # their order on the side stream; the logits stay allocated until it has read them.
-                    side.wait_stream(torch.cuda.current_stream(q.device))
-                    logits.record_stream(side)
+                kv_c = (_span(k, lo, hi), _span(k_scale, lo, hi))
+                first, final = c == 0, c == len(chunks) - 1
+                if side is None:
+                    logits = tilefuse.fp8_fp4_mqa_logits(q_rows, kv_c, w_r, ks_c, ke_c, clean_logits=False,
+                                                         logits_dtype=logits_dtype, config=cfg)
+                    if r1 > r0:
+                        _merge(logits, bars, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out_r,
+                               val_r, topk, kern.WIN_PREFILL, first=first, final=final)
+                    continue
+                # The merge of this chunk on the side stream, beside the next chunk's logits (the
+                # merges keep their order there).
+                slot, step = step % 2, step + 1
+                if merged[slot] is not None:
+                    main.wait_event(merged[slot])
+                logits = tilefuse.fp8_fp4_mqa_logits(q_rows, kv_c, w_r, ks_c, ke_c, clean_logits=False,
+                                                     logits_dtype=logits_dtype, config=cfg,
+                                                     out=ring[slot][: r1 - r0, :width])
+                if r1 > r0:
+                    side.wait_stream(main)
                     with torch.cuda.stream(side):
                         _merge(logits, bars, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out_r,
-                               val_r, topk, kern.WIN_PREFILL, first=c == 0, final=c == len(chunks) - 1)
-                elif r1 > r0:
-                    _merge(logits, bars, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out_r, val_r,
-                           topk, kern.WIN_PREFILL, first=c == 0, final=c == len(chunks) - 1)
+                               val_r, topk, kern.WIN_PREFILL, first=first, final=final)
+                    merged[slot] = side.record_event()
     if side is not None:
-        torch.cuda.current_stream(q.device).wait_stream(side)
+        main.wait_stream(side)
 
 
 class _PrefillPlan(NamedTuple):
