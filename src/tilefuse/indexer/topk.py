@@ -73,6 +73,11 @@ _WORKSPACE_BYTES = 32 << 20
 # the candidate buffers beside them. Memory held, not traffic: the logits op writes and the
 # passes read only the columns within each row's length.
 _WHOLE_ROWS_BYTES = 3 * _WORKSPACE_BYTES
+# Decode calls whose max_context_len is at most this many keys take chunks of default_chunk_k
+# (one chunk at topk 2048 up to 16384 keys: one merge program a row over its whole row, no
+# passes) instead of whole rows across programs; 0: never. Off until timed (benchmarks/NOTES.md,
+# round (18): "short decode rows in one chunk").
+_ONE_CHUNK_DECODE_KEYS = 0
 _MIN_CHUNK, _MAX_CHUNK = 2048, 65536
 # Prefill row blocks are whole multiples of this (the query tiles of every prefill kernel, so
 # the MX paths' per-tile recompute flags match the unfused op's).
@@ -134,7 +139,10 @@ def decode_whole_rows(rows: int, max_context_len: int, logits_dtype: torch.dtype
     once, then each row's top-k split over several programs (``_topk_rows_across_programs``),
     when those logits and their candidate keys (int64, one slot a column) take at most
     ``_WHOLE_ROWS_BYTES``. Chunks instead leave one program a row to the merge, which is 1.3-9x
-    slower than the split at the rows and widths where both were timed (``benchmarks/NOTES.md``)."""
+    slower than the split at the rows and widths where both were timed (``benchmarks/NOTES.md``);
+    rows of at most ``_ONE_CHUNK_DECODE_KEYS`` keys take chunks."""
+    if max_context_len <= _ONE_CHUNK_DECODE_KEYS:
+        return False
     per_key = logits_dtype.itemsize + 8
     return rows * max_context_len * per_key <= _WHOLE_ROWS_BYTES
 
