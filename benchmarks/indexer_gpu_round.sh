@@ -25,6 +25,8 @@
 #   PART=topk-decode-ab: the decode top-k of $AB_PREV against this tree (after a last-step change);
 #   PART=topk-parts: the top-k merge kernel's time taken apart (and the select's pieces); PART=topk-sweep: the top-k contract sweep;
 #   PART=topk-profile: Nsight Compute on the merge kernel's launches (stall reasons, hottest lines);
+#   PART=topk-open: the top-k settings built but untimed (their GPU tests first, DeepGEMM building
+#     meanwhile), each A/B beside the pair, the eager cost, then top-k speed beside DeepGEMM;
 #   PART=topk-check: the top-k GPU tests, warm-up count and contract sweep side by side (DeepGEMM builds meanwhile);
 #     PART=topk-across: the top-k of few rows across programs against torch.topk
 #   PART=prefill-sweep: the whole prefill contract product, $SWEEP_PROCS processes
@@ -135,7 +137,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|decode-ab|decode-profile|persistent|persistent-contract|table|host|topk|topk-check|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|decode-ab|decode-profile|persistent|persistent-contract|table|host|topk|topk-check|topk-open|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   if [ -f "$PEERS/build.sh" ]; then
     touch "$LOGS/.deepgemm-building"
@@ -368,6 +370,22 @@ case "$part" in
     # then the select's own pieces (a counting pass's cost, the compaction)
     step topk-parts "${TOPK_S:-90}" python3 benchmarks/topk_merge_parts.py --output "$OUT/topk-merge-parts.json"
     step topk-select-probe 60 python3 benchmarks/topk_select_probe.py --output "$OUT/topk-select-probe.json"
+    ;;
+  topk-open)  # the untimed top-k settings (benchmarks/NOTES.md, "Open measurements"): their GPU
+    # tests, then each setting's A/B only where those passed, the eager cost, top-k speed
+    step topk-tests "${TOPK_TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -n 6 tests/indexer/test_topk.py \
+      tests/indexer/test_warmup.py
+    if passed topk-tests; then
+      step ab-overlap 120 python3 benchmarks/topk_setting_ab.py --setting _OVERLAP_MERGES --values 0 1 \
+        --shapes 2048x32768 2048x131072 4096x65536 --output "$OUT/topk-overlap-ab.json"
+      step ab-one-chunk 150 python3 benchmarks/topk_setting_ab.py --setting _ONE_CHUNK_DECODE_KEYS \
+        --values 0 8192 16384 --shapes 1x1x4096 32x1x4096 1x1x8192 64x1x8192 256x1x8192 64x1x16384 \
+        --output "$OUT/topk-one-chunk-ab.json"
+    fi
+    wait_deepgemm
+    step topk-host 60 python3 benchmarks/topk_host_cost.py --output "$OUT/topk-host-cost.json"
+    step bench-topk "${TOPK_S:-150}" python3 -m tilefuse.cli bench topk -o "$OUT/topk.json" --samples 10 \
+      --shapes ${TOPK_SHAPES:-2048x32768 4096x65536 64x1x32768 256x2x65536}
     ;;
   topk-profile)  # Nsight Compute on the merge's launches (first, first + last, a middle chunk's
     # scan; 512 rows): where its warps stall, the issue rate, the hottest lines
