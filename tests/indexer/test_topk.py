@@ -556,6 +556,72 @@ def test_prefill_plan_over_changing_sizes(fmt, monkeypatch):
     assert len(topk._prefill_plans) == 2 and len(checked_calls) == 5
 
 
+class _LoggedStream:
+    """A stand-in for a CUDA stream that logs what is asked of it (the interpreter has none)."""
+
+    def __init__(self, name, log):
+        self.name, self.log, self.events = name, log, 0
+
+    def wait_stream(self, other):
+        self.log.append(("wait", self.name, other.name))
+
+    def wait_event(self, event):
+        self.log.append(("wait event", self.name, event))
+
+    def record_event(self):
+        self.events += 1
+        self.log.append(("record", self.name, self.events))
+        return self.events
+
+    def __enter__(self):
+        self.log.append(("enter", self.name))
+
+    def __exit__(self, *exc):
+        self.log.append(("exit", self.name))
+
+
+def test_prefill_merges_beside_logits_order(monkeypatch, record_launches):
+    """The side-stream path's order, with logged stand-ins for the streams: three row blocks by
+    three chunks, each merge on the side stream after it waited for the caller's stream, each
+    step's logits (into one of two buffers) after the caller waited for the merge two steps
+    before, the caller joined to the side stream at the end; the result the unfused pair's."""
+    log = []
+    main, side = _LoggedStream("main", log), _LoggedStream("side", log)
+    monkeypatch.setattr(topk, "_merge_stream", lambda device, steps: side if steps > 1 else None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: stream)
+    logits_out = []
+    real_logits = tilefuse.fp8_fp4_mqa_logits
+
+    def logged_logits(*args, **kwargs):
+        log.append(("logits",))
+        logits_out.append(kwargs["out"])
+        return real_logits(*args, **kwargs)
+
+    monkeypatch.setattr(tilefuse, "fp8_fp4_mqa_logits", logged_logits)
+    merges = record_launches(kern, "topk_merge_chunk_kernel")
+    s_q, s_k, k_top = 300, 700, 24
+    qq, kk, w = prefill_inputs(s_q, s_k, 4, 64, "fp8", seed=75)
+    ks, ke = W.random_windows(s_q, s_k, torch.Generator().manual_seed(75), DEVICE, empty_fraction=0.1)
+    idx, val = tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k_top, return_values=True, chunk_k=256, chunk_q=128)
+    tilefuse.check_errors()
+    monkeypatch.setattr(tilefuse, "fp8_fp4_mqa_logits", real_logits)
+    ref_idx, ref_val = expected_prefill(qq, kk, w, ks, ke, k_top)
+    assert torch.equal(idx, ref_idx) and _equal(val, ref_val)
+    steps = 9
+    assert len(merges) == steps and log[0] == ("wait", "side", "main") and log[-1] == ("wait", "main", "side")
+    expected = [("wait", "side", "main")]
+    for i in range(steps):
+        if i >= 2:
+            expected.append(("wait event", "main", i - 1))  # the merge of step i - 2
+        expected += [("logits",), ("wait", "side", "main"), ("enter", "side"), ("exit", "side"),
+                     ("record", "side", i + 1)]
+    assert log == expected + [("wait", "main", "side")]
+    # two buffers taken in turn
+    bases = [t.untyped_storage().data_ptr() for t in logits_out]
+    assert len(set(bases)) == 2 and all(bases[i] == bases[i % 2] for i in range(steps))
+
+
 @pytest.mark.skipif(not ON_GPU, reason="streams and graphs: the GPU only")
 @pytest.mark.parametrize("overlap", [0, 1])
 def test_prefill_merges_beside_logits_in_a_graph(overlap, monkeypatch):
