@@ -41,9 +41,9 @@ merge kernel and raised at the next op call or by :func:`tilefuse.check_errors` 
 ``tilefuse._errors``); each chunk's logits op runs on windows and lengths valid by
 construction (their checks are on the device too, so no chunk syncs). Under ``torch.compile``
 the ops are ``torch.library`` custom ops with fake implementations; eager calls run the same
-implementation without the dispatcher, and the decode op's eager calls over whole rows go by a
-plan per argument layout (checked on its first call: ``_DecodePlan``). They write into ``out=``
-if given.
+implementation without the dispatcher, and the eager calls of the commonest kind (decode: whole
+rows; prefill: one row block and one chunk) go by a plan per argument layout (checked on its
+first call: ``_DecodePlan``, ``_PrefillPlan``). They write into ``out=`` if given.
 """
 
 from __future__ import annotations
