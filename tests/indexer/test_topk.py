@@ -278,8 +278,7 @@ def test_select_keeps_exactly_the_topk_largest(pattern, cap, rows):
     """The select itself, on buffers held in registers (64 keys, two rows a program) and counted
     from memory (8192 keys: topk above 2048): exactly the TOPK largest keys at the buffer's start
     (in some order), the count TOPK and the bar the smallest of them; rows holding TOPK or fewer
-    untouched. Keys shuffled, so the largest
-    sit anywhere in the buffer."""
+    untouched. Keys shuffled, so the largest sit anywhere in the buffer."""
     top = 20 if cap == 64 else 2100
     g = torch.Generator().manual_seed(cap + len(pattern))
     counts = torch.tensor([cap, cap - 5, top, top - 3][: 2 * rows], dtype=torch.int32)

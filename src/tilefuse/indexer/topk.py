@@ -48,6 +48,7 @@ first call: ``_DecodePlan``, ``_PrefillPlan``). They write into ``out=`` if give
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import NamedTuple
@@ -420,6 +421,14 @@ def _workspace(rows: int, topk: int, n_chunks: int, device) -> tuple[torch.Tenso
 # ---------------------------------------------------------------------------------------
 # Prefill
 # ---------------------------------------------------------------------------------------
+def _prefill_config(q: torch.Tensor, q_sf: torch.Tensor | None, k: torch.Tensor, logits_dtype) -> prefill.PrefillConfig:
+    """The launch configuration the unfused op picks for the call's S_q rows and S_k keys."""
+    fmt = format_of(q, q_sf)
+    head_dim = q.shape[2] * 2 if fmt == "mxfp4" else q.shape[2]
+    return prefill.resolve_config(fmt, q.shape[1], head_dim, q.shape[0], None, logits_dtype,
+                                  capability_major(q.device), k.shape[0])
+
+
 def _run_mqa_topk(
     q: torch.Tensor,
     q_sf: torch.Tensor | None,
@@ -436,10 +445,7 @@ def _run_mqa_topk(
     values: torch.Tensor | None,
 ) -> None:
     s_q, s_k = q.shape[0], k.shape[0]
-    # The launch configuration the unfused op picks for all S_q rows, pinned for every slice.
-    fmt = format_of(q, q_sf)
-    head_dim = q.shape[2] * 2 if fmt == "mxfp4" else q.shape[2]
-    cfg = prefill.resolve_config(fmt, q.shape[1], head_dim, s_q, None, logits_dtype, capability_major(q.device), s_k)
+    cfg = _prefill_config(q, q_sf, k, logits_dtype)  # pinned for every slice
     chunks = _chunks(s_k, chunk_k)
     bars, candidates, counts = _workspace(min(s_q, chunk_q), topk, len(chunks), q.device)
     steps = cdiv(max(s_q, 1), chunk_q) * len(chunks)
@@ -467,28 +473,25 @@ def _run_mqa_topk(
                 else:  # (raw, a window starting before the chunk would be reported negative)
                     ks_c = (ks_r - lo).clamp(0, width)
                     ke_c = torch.maximum((ke_r - lo).clamp(0, width), ks_c)
-                kv_c = (_span(k, lo, hi), _span(k_scale, lo, hi))
-                first, final = c == 0, c == len(chunks) - 1
-                if side is None:
-                    logits = tilefuse.fp8_fp4_mqa_logits(q_rows, kv_c, w_r, ks_c, ke_c, clean_logits=False,
-                                                         logits_dtype=logits_dtype, config=cfg)
-                    if r1 > r0:
-                        _merge(logits, bars, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out_r,
-                               val_r, topk, kern.WIN_PREFILL, first=first, final=final)
+                buffer = None
+                if side is not None:
+                    slot, step = step % 2, step + 1
+                    if merged[slot] is not None:
+                        main.wait_event(merged[slot])
+                    buffer = ring[slot][: r1 - r0, :width]
+                logits = tilefuse.fp8_fp4_mqa_logits(q_rows, (_span(k, lo, hi), _span(k_scale, lo, hi)), w_r, ks_c,
+                                                     ke_c, clean_logits=False, logits_dtype=logits_dtype, config=cfg,
+                                                     out=buffer)
+                if r1 == r0:
                     continue
-                # The merge of this chunk on the side stream, beside the next chunk's logits (the
-                # merges keep their order there).
-                slot, step = step % 2, step + 1
-                if merged[slot] is not None:
-                    main.wait_event(merged[slot])
-                logits = tilefuse.fp8_fp4_mqa_logits(q_rows, kv_c, w_r, ks_c, ke_c, clean_logits=False,
-                                                     logits_dtype=logits_dtype, config=cfg,
-                                                     out=ring[slot][: r1 - r0, :width])
-                if r1 > r0:
+                if side is not None:
+                    # The merge of this chunk on the side stream, beside the next chunk's logits
+                    # (the merges keep their order there).
                     side.wait_stream(main)
-                    with torch.cuda.stream(side):
-                        _merge(logits, bars, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out_r,
-                               val_r, topk, kern.WIN_PREFILL, first=first, final=final)
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    _merge(logits, bars, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out_r, val_r,
+                           topk, kern.WIN_PREFILL, first=c == 0, final=c == len(chunks) - 1)
+                if side is not None:
                     merged[slot] = side.record_event()
     if side is not None:
         main.wait_stream(side)
@@ -547,12 +550,9 @@ def _run_prefill_plan(plan: _PrefillPlan, q_values, q_sf, k, k_scale, weights, k
 
 def _make_prefill_plan(key, q_values, q_sf, k, logits_dtype) -> _PrefillPlan:
     """A one-step call's plan (its arguments checked by the op already)."""
-    fmt = format_of(q_values, q_sf)
-    head_dim = q_values.shape[2] * 2 if fmt == "mxfp4" else q_values.shape[2]
     device = q_values.device
-    cfg = prefill.resolve_config(fmt, q_values.shape[1], head_dim, q_values.shape[0], None, logits_dtype,
-                                 capability_major(device), k.shape[0])
-    plan = _PrefillPlan(cfg, device, torch.empty(1, dtype=torch.int64, device=device),
+    plan = _PrefillPlan(_prefill_config(q_values, q_sf, k, logits_dtype), device,
+                        torch.empty(1, dtype=torch.int64, device=device),
                         torch.empty(1, dtype=torch.int32, device=device), {})
     if len(_prefill_plans) >= _MAX_PREFILL_PLANS:
         _prefill_plans.clear()
