@@ -711,24 +711,6 @@ class PagedCase:
         return idx
 
 
-@pytest.mark.parametrize("ctx_2d", [False, True])
-def test_decode_short_rows_in_one_chunk(ctx_2d, monkeypatch, record_launches):
-    """With ``_ONE_CHUNK_DECODE_KEYS`` at or above max_context_len the default call takes one
-    chunk (one logits launch, one merge launch, no passes), eagerly twice (the second after a
-    plan could have been made) and bit for bit the unfused op's top-k; past it, whole rows."""
-    monkeypatch.setattr(topk, "_ONE_CHUNK_DECODE_KEYS", 300)
-    monkeypatch.setattr(topk, "_decode_plans", {})
-    case = PagedCase(ctx_2d=ctx_2d, seed=40 + ctx_2d)
-    passes = record_launches(kern, "topk_rows_pass_kernel")
-    merges = record_launches(kern, "topk_merge_chunk_kernel")
-    for _ in range(2):
-        case.check(24, None)
-    assert not passes and len(merges) == 2 and not topk._decode_plans
-    monkeypatch.setattr(topk, "_ONE_CHUNK_DECODE_KEYS", case.max_context_len - 1)
-    case.check(24, None)
-    assert passes
-
-
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
 @pytest.mark.parametrize("ctx_2d", [False, True])
 def test_decode_formats_and_length_modes(fmt, ctx_2d):

@@ -74,11 +74,6 @@ _WORKSPACE_BYTES = 32 << 20
 # the candidate buffers beside them. Memory held, not traffic: the logits op writes and the
 # passes read only the columns within each row's length.
 _WHOLE_ROWS_BYTES = 3 * _WORKSPACE_BYTES
-# Decode calls whose max_context_len is at most this many keys take chunks of default_chunk_k
-# (one chunk at topk 2048 up to 16384 keys: one merge program a row over its whole row, no
-# passes) instead of whole rows across programs; 0: never. Off until timed (benchmarks/NOTES.md,
-# round (18): "short decode rows in one chunk").
-_ONE_CHUNK_DECODE_KEYS = 0
 _MIN_CHUNK, _MAX_CHUNK = 2048, 65536
 # Prefill row blocks are whole multiples of this (the query tiles of every prefill kernel, so
 # the MX paths' per-tile recompute flags match the unfused op's).
@@ -104,9 +99,9 @@ _SELECT_PIECE_KEYS = 1024
 _MERGE_MAXNREG = 64
 _MERGE_MAXNREG_WIDTH = 2048
 # Prefill calls of several row blocks or key chunks: each chunk's merge on a side stream, beside
-# the next chunk's logits (1), or after them on the caller's stream (0). Off until timed
-# (benchmarks/NOTES.md, round (18): "prefill merges on a side stream").
-_OVERLAP_MERGES = 0
+# the next chunk's logits (1: 5-8% faster at 2048 x 32768 .. 4096 x 65536 on an H100, level at
+# one step; benchmarks/NOTES.md, round (19)), or after them on the caller's stream (0).
+_OVERLAP_MERGES = 1
 # The last chunk sorts W keys in one program's registers: compiled for sm_90a in 25 s at topk
 # 16384, 104 s with 21.7 KB of spills at 32768, not within 400 s at 65536 (benchmarks/NOTES.md):
 # larger values get a clear error, not a compile that does not end.
@@ -140,10 +135,7 @@ def decode_whole_rows(rows: int, max_context_len: int, logits_dtype: torch.dtype
     once, then each row's top-k split over several programs (``_topk_rows_across_programs``),
     when those logits and their candidate keys (int64, one slot a column) take at most
     ``_WHOLE_ROWS_BYTES``. Chunks instead leave one program a row to the merge, which is 1.3-9x
-    slower than the split at the rows and widths where both were timed (``benchmarks/NOTES.md``);
-    rows of at most ``_ONE_CHUNK_DECODE_KEYS`` keys take chunks."""
-    if max_context_len <= _ONE_CHUNK_DECODE_KEYS:
-        return False
+    slower than the split at the rows and widths where both were timed (``benchmarks/NOTES.md``)."""
     per_key = logits_dtype.itemsize + 8
     return rows * max_context_len * per_key <= _WHOLE_ROWS_BYTES
 
