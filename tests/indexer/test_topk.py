@@ -321,9 +321,12 @@ def test_merge_topk_past_the_held_buffer(pattern, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_merge_one_row_a_program(pattern):
+@pytest.mark.parametrize("groups_bar", [0, 1])
+def test_merge_one_row_a_program(pattern, groups_bar, monkeypatch):
     """One row a launch, so one program a row and the widest select digits: 1000 keys, topk 40,
-    a whole row and random windows, in one chunk and in chunks of 300."""
+    a whole row and random windows, in one chunk and in chunks of 300; the first chunk's scan
+    from its group maxima's bar and from an empty bar."""
+    monkeypatch.setattr(topk, "_FIRST_CHUNK_BAR", groups_bar)
     n, k_top = 1000, 40
     g = torch.Generator().manual_seed(50 + len(pattern))
     logits = _pattern(pattern, 3, n, g).to(DEVICE)
@@ -335,6 +338,41 @@ def test_merge_one_row_a_program(pattern):
         for chunk_k in (n, 300):
             idx, val = merge_chunks(logits[one], ks[one], ke[one], k_top, chunk_k)
             assert torch.equal(idx, ref_idx) and _equal(val, ref_val), (r, chunk_k)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
+@pytest.mark.parametrize("pattern", ["random", "specials", "equal", "all-neg-inf"])
+def test_first_chunk_bar_from_group_maxima(pattern, monkeypatch):
+    """After a first chunk (not the last) of 8 W keys a row, each row's bar is at most its
+    topk-th key; on random logits it is the topk-th largest of the chunk's 2 W group maxima
+    (groups of four columns 2 W apart; near the 84th percentile, so no select follows); rows
+    with fewer than topk groups holding a key (a window of topk - 1 keys) keep the empty bar."""
+    monkeypatch.setattr(topk, "_FIRST_CHUNK_BAR", 1)
+    rows, n, k_top = 4, 512, 40  # W 64: 128 groups of four columns
+    g = torch.Generator().manual_seed(90 + len(pattern))
+    logits = _pattern(pattern, rows, n, g).to(DEVICE)
+    ks = torch.tensor([0, 0, 0, 100], dtype=torch.int32, device=DEVICE)
+    ke = torch.tensor([n, n, n, 100 + k_top - 1], dtype=torch.int32, device=DEVICE)
+    bars, candidates, counts = topk._workspace(rows, k_top, 2, DEVICE)
+    out = torch.empty((rows, k_top), dtype=torch.int32, device=DEVICE)
+    topk._merge(logits, bars, candidates, counts, 0, n, ks, ke, n, n, 1, 1, 0, out, None, k_top, kern.WIN_PREFILL,
+                first=True, final=False)
+    tilefuse.check_errors()
+    keys = R.order_keys(logits.cpu())
+    for r in range(rows):
+        bar = int(bars[r])
+        row_keys = keys[r, int(ks[r]):int(ke[r])]
+        if r == 3:
+            assert bar == -(2**63)  # 39 keys: fewer than topk groups
+            continue
+        kth = int(row_keys.sort(descending=True).values[k_top - 1])
+        assert bar <= kth, r  # (a select in the scan makes it the topk-th key so far)
+        if pattern == "random":  # no select in the scan (fewer keys above the bar than 3 W / 2)
+            maxima = (keys[r] >> 32).view(n // 128, 128).max(dim=0).values
+            kth_max, next_max = maxima.sort(descending=True).values[k_top - 1:k_top + 1].tolist()
+            t = (bar + 1) >> 32  # the search may stop anywhere above the next maximum
+            assert (bar + 1) % (1 << 32) == 0 and next_max < t <= kth_max, r
+            assert int((row_keys > bar).sum()) <= 96, r
 
 
 # ---------------------------------------------------------------------------------------

@@ -65,13 +65,18 @@ _SELECT_HELD_KEYS = tl.constexpr(4096)
 
 
 @triton.jit
-def _order_keys(values, pos):
-    """int64 keys of fp32 ``values`` at int32 ``pos`` (see the module docstring)."""
+def _order_words(values):
+    """The keys' high words: fp32 ``values`` as int32 of the same order (see the module docstring)."""
     bits = values.to(tl.int32, bitcast=True)
     bits = tl.where(bits == _INT32_MIN, 0, bits)  # -0.0 -> +0.0
     ordered = bits ^ ((bits >> 31) & _POS_MASK)
-    ordered = tl.where(values != values, _INT32_MIN, ordered)
-    return (ordered.to(tl.int64) << 32) | (-pos + _POS_MASK).to(tl.int64)
+    return tl.where(values != values, _INT32_MIN, ordered)
+
+
+@triton.jit
+def _order_keys(values, pos):
+    """int64 keys of fp32 ``values`` at int32 ``pos`` (see the module docstring)."""
+    return (_order_words(values).to(tl.int64) << 32) | (-pos + _POS_MASK).to(tl.int64)
 
 
 @triton.jit
@@ -395,6 +400,34 @@ def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.
 
 
 @triton.jit
+def _groups_bar(row_logits, walk_lo, walk_hi, lo, hi, chunk_lo, bar, TOPK: tl.constexpr, ROWS: tl.constexpr,
+                CAP: tl.constexpr):
+    """Each row's bar raised before its first chunk is scanned: the chunk's columns cut into CAP
+    groups (group g: columns ``walk_lo + g + j CAP``), the largest high word ``t`` that at least
+    TOPK groups' largest keys reach. Those keys are TOPK distinct keys of the row at or above
+    ``t << 32``, so the row's final TOPK-th key is too, and dropping every key below it is exact.
+    One read of the chunk (from L2) and one search over CAP words held in registers, against
+    the selects of a scan from an empty bar (one per ~W / 2 keys taken). Rows with fewer than
+    TOPK groups holding a number keep their bar."""
+    col = tl.arange(0, CAP)[None, :]
+    best = tl.full([ROWS, CAP], _INT32_MIN, tl.int32)
+    for j in range(0, tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), CAP)):
+        pos = walk_lo + j * CAP + col
+        inside = (pos >= lo[:, None]) & (pos < hi[:, None])
+        v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
+        best = tl.maximum(best, tl.where(inside, _order_words(v), _INT32_MIN))
+    valid = best > _INT32_MIN  # (a NaN's word is INT32_MIN too: such a group counts for nothing)
+    n_valid = tl.sum(valid.to(tl.int32), axis=1)
+    enough = n_valid >= TOPK
+    hi_w = tl.max(best, axis=1).to(tl.int64)
+    lo_w = tl.where(enough, tl.min(tl.where(valid, best, 0x7FFFFFFF), axis=1).to(tl.int64), hi_w)
+    t, _, _ = _bisect_rank(best, valid, TOPK, lo_w, hi_w, n_valid, tl.zeros([ROWS], tl.int32), best, n_valid, lo_w,
+                           0, False, False, 16)
+    # t > INT32_MIN where enough: the bar stays above the empty key
+    return tl.where(enough, tl.maximum(bar, (t << 32) - 1), bar)
+
+
+@triton.jit
 def _scan_columns(row_logits, start, cols, lo, hi, chunk_lo, bar):
     """Columns ``start + cols`` of each row, masked to its window: ``(keys, above, taken)``, the
     keys above the row's bar and the same as int32 ones and zeros."""
@@ -444,7 +477,7 @@ def topk_merge_chunk_kernel(
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, PIECE: tl.constexpr,
-    RESET: tl.constexpr,
+    RESET: tl.constexpr, GROUPS_BAR: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
@@ -453,6 +486,8 @@ def topk_merge_chunk_kernel(
     RESET (with FINAL, after ``topk_rows_pass_kernel``'s passes): each row's count and its
     histograms (``hist_ptr``: RADIX_LEVELS x 2^RADIX_BITS int32 a row) stored back as zeros,
     ready for the next call's passes; no launch of the call reads them after this one.
+    GROUPS_BAR (with FIRST): the rows' bars raised from the chunk's group maxima before the scan
+    (``_groups_bar``).
 
     The rows walk the union of their windows in blocks of W / 2 columns (rows of one program
     have near windows in the usual layouts: causal, zig-zag, decode), each row masked to its
@@ -478,6 +513,8 @@ def topk_merge_chunk_kernel(
     walk_lo = tl.min(tl.where(lo < hi, lo, chunk_lo + chunk_width), axis=0)
     walk_hi = tl.max(tl.where(lo < hi, hi, 0), axis=0)
     row_logits = logits_ptr + row[:, None] * stride_l
+    if GROUPS_BAR:
+        bar = _groups_bar(row_logits, walk_lo, walk_hi, lo, hi, chunk_lo, bar, TOPK, ROWS, CAP)
     quarter = tl.arange(0, BLOCK // 4)
     # Counted from the span, so that no loop bound passes the int32 range.
     n_blocks = tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), BLOCK)

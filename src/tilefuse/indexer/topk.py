@@ -102,6 +102,9 @@ _MERGE_MAXNREG_WIDTH = 2048
 # the next chunk's logits (1: 5-8% faster at 2048 x 32768 .. 4096 x 65536 on an H100, level at
 # one step; benchmarks/NOTES.md, round (19)), or after them on the caller's stream (0).
 _OVERLAP_MERGES = 1
+# A merge of a first chunk raises each row's bar before its scan to what at least topk of the
+# chunk's 2 W group maxima reach (``_topk_kernel._groups_bar``; 1), or scans from an empty bar (0).
+_FIRST_CHUNK_BAR = 1
 # The last chunk sorts W keys in one program's registers: compiled for sm_90a in 25 s at topk
 # 16384, 104 s with 21.7 KB of spills at 32768, not within 400 s at 65536 (benchmarks/NOTES.md):
 # larger values get a clear error, not a compile that does not end.
@@ -233,7 +236,7 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     vals = out if values is None else values
     err = error_record(out.device)
     consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, piece,
-              hist is not None)
+              hist is not None, bool(first and _FIRST_CHUNK_BAR))
     if hist is None:
         hist = counts  # (not read without RESET)
     warps = max(1, min(8, rows_per_program * w // 256))
