@@ -104,7 +104,8 @@ _MERGE_MAXNREG_WIDTH = 2048
 _OVERLAP_MERGES = 1
 # A merge of a first chunk raises each row's bar before its scan to what at least topk of the
 # chunk's 2 W group maxima reach (``_topk_kernel._groups_bar``; 1), or scans from an empty bar (0).
-_FIRST_CHUNK_BAR = 1
+# Off until timed (benchmarks/NOTES.md, round (19)).
+_FIRST_CHUNK_BAR = 0
 # The last chunk sorts W keys in one program's registers: compiled for sm_90a in 25 s at topk
 # 16384, 104 s with 21.7 KB of spills at 32768, not within 400 s at 65536 (benchmarks/NOTES.md):
 # larger values get a clear error, not a compile that does not end.
