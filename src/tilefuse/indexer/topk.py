@@ -66,14 +66,20 @@ from tilefuse.indexer import _layout, paged, prefill
 from tilefuse.indexer import _topk_kernel as kern
 
 _INDEX_DTYPE = torch.int32
-# Logits bytes one prefill chunk may take: about an H200's L2 (50 MB) less room for the keys
-# and the candidate buffers. A prediction, not a measurement (``tilefuse bench topk --chunk-k/--chunk-q``
-# sweeps it).
-_WORKSPACE_BYTES = 32 << 20
+# Logits bytes one prefill chunk may take: 512 rows of 32768 fp32 logits (64 MiB; more than an
+# H100's or H200's 50 MB L2, so part of the chunk's three passes goes to HBM). At topk 2048,
+# 32768 keys x 512 rows measured 1.31x the sorted pair at 2048 x 32768 against 1.15x for 16384 x
+# 512 and 1.09x for 32768 x 256 (benchmarks/NOTES.md, round (19)).
+_WORKSPACE_BYTES = 64 << 20
 # Decode rows taken whole (``decode_whole_rows``): their logits (32 MiB of fp32 at most) and
 # the candidate buffers beside them. Memory held, not traffic: the logits op writes and the
 # passes read only the columns within each row's length.
-_WHOLE_ROWS_BYTES = 3 * _WORKSPACE_BYTES
+_WHOLE_ROWS_BYTES = 96 << 20
+# Key columns a chunk, in state widths W: decode 8 W; prefill 16 W (with the first chunk's bar
+# from its group maxima a wider chunk takes about as many keys into its buffer: ~1.4 W on random
+# logits, whatever the width).
+_DECODE_CHUNK_STATES = 8
+_PREFILL_CHUNK_STATES = 16
 _MIN_CHUNK, _MAX_CHUNK = 2048, 65536
 # Prefill row blocks are whole multiples of this (the query tiles of every prefill kernel, so
 # the MX paths' per-tile recompute flags match the unfused op's).
@@ -104,8 +110,9 @@ _MERGE_MAXNREG_WIDTH = 2048
 _OVERLAP_MERGES = 1
 # A merge of a first chunk raises each row's bar before its scan to what at least topk of the
 # chunk's 2 W group maxima reach (``_topk_kernel._groups_bar``; 1), or scans from an empty bar (0).
-# Off until timed (benchmarks/NOTES.md, round (19)).
-_FIRST_CHUNK_BAR = 0
+# 1: 1.07x -> 1.16x the sorted pair at 2048 x 32768, 1.10x -> 1.31x at 512 x 8192, decode B256
+# next_n 2 ctx 64K 1.25x -> 1.30x on an H100 (benchmarks/NOTES.md, round (19)).
+_FIRST_CHUNK_BAR = 1
 # The last chunk sorts W keys in one program's registers: compiled for sm_90a in 25 s at topk
 # 16384, 104 s with 21.7 KB of spills at 32768, not within 400 s at 65536 (benchmarks/NOTES.md):
 # larger values get a clear error, not a compile that does not end.
@@ -119,12 +126,16 @@ def state_width(topk: int) -> int:
     return max(_MIN_STATE, next_power_of_2(topk))
 
 
-def default_chunk_k(topk: int, align: int) -> int:
-    """Key columns per chunk: ``8 W`` within [2048, 65536], rounded up to ``align`` (each chunk is
-    one logits launch and one merge launch; at 8 W columns of fp32 a chunk of 512 rows stays
-    within ``_WORKSPACE_BYTES``)."""
-    chunk = min(_MAX_CHUNK, max(_MIN_CHUNK, 8 * state_width(topk)))
+def default_chunk_k(topk: int, align: int, states: int = _DECODE_CHUNK_STATES) -> int:
+    """Key columns per chunk: ``states * W`` within [2048, 65536], rounded up to ``align`` (each
+    chunk is one logits launch and one merge launch)."""
+    chunk = min(_MAX_CHUNK, max(_MIN_CHUNK, states * state_width(topk)))
     return cdiv(chunk, align) * align
+
+
+def default_prefill_chunk_k(topk: int) -> int:
+    """The prefill op's key columns per chunk: ``16 W`` (32768 at topk 2048) on whole key tiles."""
+    return default_chunk_k(topk, _PREFILL_KEY_TILE, _PREFILL_CHUNK_STATES)
 
 
 def default_chunk_q(chunk_k: int, logits_dtype: torch.dtype) -> int:
@@ -530,7 +541,7 @@ def _prefill_plan_key(q_values, q_sf, k, k_scale, weights, ks, ke, topk, logits_
 
 def _one_step(s_q: int, s_k: int, topk: int, logits_dtype) -> bool:
     """Whether a call with the default chunks is one row block and one key chunk."""
-    chunk_k = default_chunk_k(topk, _PREFILL_KEY_TILE)
+    chunk_k = default_prefill_chunk_k(topk)
     return 1 <= s_q <= default_chunk_q(chunk_k, logits_dtype) and 1 <= s_k <= chunk_k
 
 
@@ -619,7 +630,7 @@ def fp8_fp4_mqa_topk(
         return_values: also return each position's logit (``-inf`` at ``-1``; ``-0.0`` comes
             back as ``+0.0``).
         out: int32 ``[S_q, topk]`` to write the indices into (last stride 1).
-        chunk_k: key columns per chunk, a multiple of 256 (default: :func:`default_chunk_k`).
+        chunk_k: key columns per chunk, a multiple of 256 (default: :func:`default_prefill_chunk_k`).
         chunk_q: query rows per block, a multiple of 128 (default: :func:`default_chunk_q`,
             about 32 MiB of logits a chunk).
 
@@ -662,7 +673,7 @@ def fp8_fp4_mqa_topk(
         expect_int(chunk_q, "chunk_q", 1)
         expect(chunk_q % _ROW_BLOCK == 0, ValueError, f"chunk_q: must be a multiple of {_ROW_BLOCK}, got {chunk_q}")
     raise_pending(q_values.device)
-    chunk_k = chunk_k or default_chunk_k(topk, _PREFILL_KEY_TILE)
+    chunk_k = chunk_k or default_prefill_chunk_k(topk)
     chunk_q = chunk_q or default_chunk_q(chunk_k, logits_dtype)
     out, values = _outputs(s_q, topk, logits_dtype, q_values.device, out, return_values)
     if plan_key is not None and _one_step(s_q, k.shape[0], topk, logits_dtype):

@@ -160,11 +160,11 @@ def _pairs_flops(spec: Spec, valid_pairs: int) -> int:
 
 def prefill_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) -> Case:
     from tilefuse.indexer import windows
-    from tilefuse.indexer.topk import default_chunk_k, default_chunk_q, topk_bytes_moved
+    from tilefuse.indexer.topk import default_chunk_q, default_prefill_chunk_k, topk_bytes_moved
 
     s_q, s_k = spec.rows_a, spec.rows_b
     ks_cpu, ke_cpu = windows.causal_tail(s_q, s_k)
-    chunk = spec.chunk_k or default_chunk_k(spec.topk, 256)
+    chunk = spec.chunk_k or default_prefill_chunk_k(spec.topk)
     chunk_q = spec.chunk_q or default_chunk_q(chunk, torch.float32)
 
     def build() -> list[Impl]:
