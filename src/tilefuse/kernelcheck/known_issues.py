@@ -31,6 +31,7 @@ class KnownSpill(NamedTuple):
 
 _MERGE_SCAN = "scan and select held to 64 registers"
 _MERGE_FINAL = "select and final sort held to 64 registers"
+_MERGE_BAR = "scan, select and the first chunk's group maxima held to 64 registers"
 
 _ENTRIES = [
     # Prefill, compressed layout: the store address ``row + (col - ks[row])`` and its mask are
@@ -54,22 +55,22 @@ _ENTRIES = [
     # Top-k merge: the 8-warp launches (topk 2048) are held to 64 registers (``topk._MERGE_MAXNREG``,
     # four programs an SM: measured faster than two an SM unspilled, NOTES round (15)); the scan's
     # temporaries spill a few words there, the select's and the final sort's a few hundred bytes.
-    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * first w8", 32, _MERGE_SCAN, "3.8*"),
+    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * first w8", 88, _MERGE_BAR, "3.8*"),
     ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 prefill middle w8", 24, _MERGE_SCAN, "3.8*"),
     ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * last w8*", 240, _MERGE_FINAL, "3.8*"),
-    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * only w8", 176, _MERGE_FINAL, "3.8*"),
+    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * only w8", 320, _MERGE_FINAL, "3.8*"),
     ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * after-passes w8*", 264, _MERGE_FINAL, "3.8*"),
-    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * first w8", 72, _MERGE_SCAN, "3.8*"),
+    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * first w8", 192, _MERGE_BAR, "3.8*"),
     ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 prefill middle w8", 64, _MERGE_SCAN, "3.8*"),
     ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * last w8*", 288, _MERGE_FINAL, "3.8*"),
-    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * only w8", 256, _MERGE_FINAL, "3.8*"),
+    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * only w8", 436, _MERGE_FINAL, "3.8*"),
     ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * after-passes w8*", 344, _MERGE_FINAL, "3.8*"),
-    ("indexer.topk_merge", "*", "k2048 W2048 rows1 * first w8", 8, _MERGE_SCAN, "3.6*"),
+    ("indexer.topk_merge", "*", "k2048 W2048 rows1 * first w8", 64, _MERGE_BAR, "3.6*"),
     ("indexer.topk_merge", "*", "k2048 W2048 rows1 * last w8*", 248, _MERGE_FINAL, "3.6*"),
-    ("indexer.topk_merge", "*", "k2048 W2048 rows1 * only w8", 216, _MERGE_FINAL, "3.6*"),
+    ("indexer.topk_merge", "*", "k2048 W2048 rows1 * only w8", 356, _MERGE_FINAL, "3.6*"),
     ("indexer.topk_merge", "*", "k2048 W2048 rows1 * after-passes w8*", 296, _MERGE_FINAL, "3.6*"),
-    ("indexer.topk_merge", "sm_90a", "k512 W512 rows1 prefill only w2 values", 24,
-     "two warps at 96 registers: the quartered compaction's four keys a thread beside the final sort", "3.8*"),
+    ("indexer.topk_merge", "sm_90a", "k16 W16 rows2 prefill first w1", 8,
+     "two rows a warp at 96 registers: the first chunk's group maxima beside the scan", "3.8*"),
     # Persistent GEMM: the masked (unaligned) epilogue builds a pointer per element (on sm_90a
     # it no longer spills since the per-tile clock read went under TRACE); the reduce-scatter
     # epilogues hold the accumulator while loading every peer's partial.
