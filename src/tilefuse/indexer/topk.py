@@ -21,7 +21,9 @@ the unfused op's value by construction: a logit depends on its own (row, key) on
 start on whole tiles (prefill: 128 rows, 256 keys) or pages (decode). A Triton kernel
 (``_topk_kernel``) then collects the chunk's keys above each row's running bar into a per-row
 candidate buffer of int64 keys, cut back to its ``topk`` largest (a select by counts at a
-halved bound) whenever it could overflow; the last chunk sorts each row's ``topk`` once. The
+halved bound) whenever it could overflow; the last chunk sorts each row's ``topk`` once. A
+row's first chunk starts its bar where at least ``topk`` of the chunk's ``2 W`` group maxima
+lie (exact, and on random logits only ~1.4 W keys get past it, whatever the chunk's width). The
 workspace is one chunk of logits plus ``2 W`` keys (the buffer, ``W = next_pow2(topk)``), a
 count and a bar per row of the block, independent of S_k; :func:`topk_bytes_moved` gives the
 traffic beside the unfused pair's.
