@@ -25,8 +25,8 @@
 #   PART=topk-decode-ab: the decode top-k of $AB_PREV against this tree (after a last-step change);
 #   PART=topk-parts: the top-k merge kernel's time taken apart (and the select's pieces); PART=topk-sweep: the top-k contract sweep;
 #   PART=topk-profile: Nsight Compute on the merge kernel's launches (stall reasons, hottest lines);
-#   PART=topk-open: the top-k settings built but untimed (their GPU tests first, DeepGEMM building
-#     meanwhile), each A/B beside the pair, the eager cost, then top-k speed beside DeepGEMM;
+#   PART=topk-open: the top-k GPU tests (DeepGEMM building meanwhile), the eager cost, then top-k
+#     speed beside DeepGEMM (the README's table);
 #   PART=topk-check: the top-k GPU tests, warm-up count and contract sweep side by side (DeepGEMM builds meanwhile);
 #     PART=topk-across: the top-k of few rows across programs against torch.topk
 #   PART=prefill-sweep: the whole prefill contract product, $SWEEP_PROCS processes
@@ -378,7 +378,7 @@ case "$part" in
     wait_deepgemm
     step topk-host 60 python3 benchmarks/topk_host_cost.py --output "$OUT/topk-host-cost.json"
     step bench-topk "${TOPK_S:-150}" python3 -m tilefuse.cli bench topk -o "$OUT/topk.json" --samples 10 \
-      --shapes ${TOPK_SHAPES:-2048x32768 4096x65536 64x1x32768 256x2x65536}
+      --shapes ${TOPK_SHAPES:-2048x32768 4096x65536 2048x131072 64x1x32768 256x2x65536}
     ;;
   topk-profile)  # Nsight Compute on the merge's launches (first, first + last, a middle chunk's
     # scan; 512 rows): where its warps stall, the issue rate, the hottest lines
@@ -391,7 +391,7 @@ case "$part" in
   topk)  # the fused top-k's speed beside the unfused pairs (its tests are in PART=tests)
     wait_deepgemm
     step bench-topk "${TOPK_S:-150}" python3 -m tilefuse.cli bench topk -o "$OUT/topk.json" --samples 10 \
-      --shapes ${TOPK_SHAPES:-2048x32768 4096x65536 64x1x32768 256x2x65536}
+      --shapes ${TOPK_SHAPES:-2048x32768 4096x65536 2048x131072 64x1x32768 256x2x65536}
     ;;
   final)  # after kernel-default and host-path changes: their GPU tests, the A/B, host cost, decode beside DeepGEMM
     step tests-paged 150 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_paged.py \
