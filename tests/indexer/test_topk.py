@@ -994,12 +994,20 @@ def test_custom_ops_fake_and_torch_compile():
     assert torch.equal(compiled(case.qq[0], case.cache, case.w, case.ctx, case.table, case.meta), real)
 
 
-def test_bytes_moved_and_default_chunks():
+@pytest.mark.parametrize("groups_bar", [0, 1])
+def test_bytes_moved_and_default_chunks(groups_bar, monkeypatch):
+    monkeypatch.setattr(topk, "_FIRST_CHUNK_BAR", groups_bar)
     moved = topk.topk_bytes_moved(8192, 131072, 2048, 16384, chunk_q=512)
     assert moved["unfused"] == 2 * 8192 * 131072 * 4 + 8192 * 2048 * 4
-    assert moved["chunked_total"] == moved["unfused"] + 8192 * 12 * 2 * 7  # a count and a bar a row
+    # a count and a bar a row between chunks; the first chunk read again for its bar
+    assert moved["chunked_total"] == moved["unfused"] + 8192 * 12 * 2 * 7 + groups_bar * 8192 * 16384 * 4
     assert moved["chunked_workspace_bytes"] == 512 * (16384 * 4 + 2 * 2048 * 8 + 12)
-    assert moved["candidates_random"] == round(8192 * 2048 * (1 + math.log(64)) * 16)
+    if groups_bar:  # groups of four: 1 - 0.5^(1/4) of the first chunk, then topk ln 8
+        per_row = 16384 * (1 - 0.5**0.25) + 2048 * math.log(8)
+        assert moved["candidates_random"] == round(8192 * per_row * 16)
+        assert topk.topk_bytes_moved(1, 4096, 2048, 4096)["candidates_random"] == 2048 * 16  # single-key groups
+    else:
+        assert moved["candidates_random"] == round(8192 * 2048 * (1 + math.log(64)) * 16)
     assert topk.topk_bytes_moved(4, 100, 128, 256)["candidates_random"] == 4 * 100 * 16
     assert moved["chunked_hbm_if_l2_resident"] < moved["unfused"] / 4
     assert topk.topk_bytes_moved(4, 100, 8, 256)["chunked_hbm_if_l2_resident"] == 4 * 8 * 4

@@ -168,9 +168,12 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
     not reach HBM), plus a row's count and bar (12 bytes) stored after every chunk but the last
     and loaded before every chunk but the first, plus the indices. The candidates (keys above a
     row's running bar, each stored once and loaded once or twice) depend on the values:
-    ``candidates_random`` is their bytes for keys in random order, about
-    ``topk * (1 + ln(n / topk))`` a row of ``n`` keys (a bar that rises at every key; it rises
-    a select at a time, so a little more); keys in ascending order make every key a candidate.
+    ``candidates_random`` is their bytes for keys in random order. With the first chunk's bar
+    from its group maxima (``_FIRST_CHUNK_BAR``, which also reads the first chunk a second
+    time), a first chunk of ``c`` keys in ``g = c / 2 W`` keys a group takes about ``c (1 - (1 -
+    topk / 2 W)^(1 / g))`` (~1.4 W at topk = W), later keys ``topk * ln(n / c)`` a row of ``n``;
+    without it ``topk * (1 + ln(n / topk))`` (a bar that rises at every key; it rises a select
+    at a time, so a little more). Keys in ascending order make every key a candidate.
     Inputs (q, keys, weights) are read alike by both and left out.
     """
     logits = rows * n_keys * logits_bytes
@@ -178,7 +181,15 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
     chunks = max(1, cdiv(n_keys, chunk_k))
     state = rows * 12 * 2 * (chunks - 1)
     block = rows if chunk_q is None else min(rows, chunk_q)
-    per_row = n_keys if n_keys <= topk else topk * (1 + math.log(n_keys / topk))
+    first = min(chunk_k, n_keys)
+    groups_bar = rows * first * logits_bytes if _FIRST_CHUNK_BAR else 0
+    if n_keys <= topk:
+        per_row = n_keys
+    elif _FIRST_CHUNK_BAR:
+        width = 2 * state_width(topk)
+        per_row = first * (1 - (1 - topk / width) ** (width / max(first, width))) + topk * math.log(n_keys / first)
+    else:
+        per_row = topk * (1 + math.log(n_keys / topk))
     return {
         "unfused": 2 * logits + indices,
         # decode_whole_rows: the logits written once and read by each pass across programs (in
@@ -186,7 +197,7 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
         "whole_rows_total": (2 + kern.RADIX_LEVELS) * logits + rows * (kern.RADIX_LEVELS << kern.RADIX_BITS) * 4
         + rows * min(topk, n_keys) * 16 + indices,
         "whole_rows_workspace_bytes": rows * max(n_keys, 1) * (logits_bytes + 8),
-        "chunked_total": 2 * logits + state + indices,
+        "chunked_total": 2 * logits + groups_bar + state + indices,
         "chunked_workspace_bytes": block * (min(chunk_k, max(n_keys, 1)) * logits_bytes + 2 * state_width(topk) * 8
                                             + 12),
         "chunked_hbm_if_l2_resident": state + indices,
