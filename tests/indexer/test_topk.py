@@ -375,6 +375,18 @@ def test_first_chunk_bar_from_group_maxima(pattern, monkeypatch):
             assert int((row_keys > bar).sum()) <= 96, r
 
 
+def test_first_chunk_bar_only_where_its_words_are_held(monkeypatch):
+    """The group maxima are held in registers as a select holds its buffer: the bar is asked for
+    at topk 2048 (one row a program) and at the interpreter's row blocks, not above topk 2048,
+    and the bytes moved follow (no second read of the first chunk there)."""
+    assert topk._groups_bar(2048, 1) and topk._groups_bar(16, 2) and topk._groups_bar(64, 32)
+    assert not topk._groups_bar(4096, 1) and not topk._groups_bar(64, 64)
+    wide = topk.topk_bytes_moved(64, 131072, 2100, 65536)
+    assert wide["chunked_total"] == wide["unfused"] + 64 * 12 * 2 * 1
+    monkeypatch.setattr(topk, "_FIRST_CHUNK_BAR", 0)
+    assert not topk._groups_bar(2048, 1)
+
+
 # ---------------------------------------------------------------------------------------
 # Prefill
 # ---------------------------------------------------------------------------------------

@@ -61,7 +61,10 @@ _RADIX_LEVELS = tl.constexpr(RADIX_LEVELS)
 _RADIX_BINS = tl.constexpr(1 << RADIX_BITS)
 # A select holds its buffer's high words in registers up to this many a program (16 a thread
 # at topk 2048's 8 warps; larger buffers would spill them, so they are counted from memory).
-_SELECT_HELD_KEYS = tl.constexpr(4096)
+# The first chunk's group maxima (``_groups_bar``) are held the same way, so the merge's launch
+# asks for them only where its 2 W words a row fit this.
+SELECT_HELD_KEYS = 4096
+_SELECT_HELD_KEYS = tl.constexpr(SELECT_HELD_KEYS)
 
 
 @triton.jit

@@ -128,6 +128,13 @@ def state_width(topk: int) -> int:
     return max(_MIN_STATE, next_power_of_2(topk))
 
 
+def _groups_bar(w: int, rows_per_program: int) -> bool:
+    """Whether a first chunk's merge raises its bar from the chunk's group maxima: the setting,
+    where a program's 2 W words a row fit in registers as a select holds its buffer (topk up to
+    2048 on a GPU; above it the maxima would spill, and the chunk is scanned from an empty bar)."""
+    return bool(_FIRST_CHUNK_BAR) and 2 * w * rows_per_program <= kern.SELECT_HELD_KEYS
+
+
 def default_chunk_k(topk: int, align: int, states: int = _DECODE_CHUNK_STATES) -> int:
     """Key columns per chunk: ``states * W`` within [2048, 65536], rounded up to ``align`` (each
     chunk is one logits launch and one merge launch)."""
@@ -169,8 +176,8 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
     and loaded before every chunk but the first, plus the indices. The candidates (keys above a
     row's running bar, each stored once and loaded once or twice) depend on the values:
     ``candidates_random`` is their bytes for keys in random order. With the first chunk's bar
-    from its group maxima (``_FIRST_CHUNK_BAR``, which also reads the first chunk a second
-    time), a first chunk of ``c`` keys in ``g = c / 2 W`` keys a group takes about ``c (1 - (1 -
+    from its group maxima (``_FIRST_CHUNK_BAR``, topk up to 2048; it also reads the first chunk
+    a second time), a first chunk of ``c`` keys in ``g = c / 2 W`` keys a group takes about ``c (1 - (1 -
     topk / 2 W)^(1 / g))`` (~1.4 W at topk = W), later keys ``topk * ln(n / c)`` a row of ``n``;
     without it ``topk * (1 + ln(n / topk))`` (a bar that rises at every key; it rises a select
     at a time, so a little more). Keys in ascending order make every key a candidate.
@@ -182,10 +189,11 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
     state = rows * 12 * 2 * (chunks - 1)
     block = rows if chunk_q is None else min(rows, chunk_q)
     first = min(chunk_k, n_keys)
-    groups_bar = rows * first * logits_bytes if _FIRST_CHUNK_BAR else 0
+    bar = _groups_bar(state_width(topk), max(_MIN_KEYS_PER_PROGRAM // state_width(topk), 1))
+    groups_bar = rows * first * logits_bytes if bar else 0
     if n_keys <= topk:
         per_row = n_keys
-    elif _FIRST_CHUNK_BAR:
+    elif bar:
         width = 2 * state_width(topk)
         per_row = first * (1 - (1 - topk / width) ** (width / max(first, width))) + topk * math.log(n_keys / first)
     else:
@@ -261,7 +269,7 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     vals = out if values is None else values
     err = error_record(out.device)
     consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, piece,
-              hist is not None, bool(first and _FIRST_CHUNK_BAR))
+              hist is not None, first and _groups_bar(w, rows_per_program))
     if hist is None:
         hist = counts  # (not read without RESET)
     warps = max(1, min(8, rows_per_program * w // 256))
