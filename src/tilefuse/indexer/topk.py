@@ -128,6 +128,11 @@ def state_width(topk: int) -> int:
     return max(_MIN_STATE, next_power_of_2(topk))
 
 
+def _gpu_rows_per_program(w: int) -> int:
+    """Rows a merge program holds on a GPU (``_MIN_KEYS_PER_PROGRAM``: one a program from W 32)."""
+    return max(_MIN_KEYS_PER_PROGRAM // w, 1)
+
+
 def _groups_bar(w: int, rows_per_program: int) -> bool:
     """Whether a first chunk's merge raises its bar from the chunk's group maxima: the setting,
     where a program's 2 W words a row fit in registers as a select holds its buffer (topk up to
@@ -189,7 +194,7 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
     state = rows * 12 * 2 * (chunks - 1)
     block = rows if chunk_q is None else min(rows, chunk_q)
     first = min(chunk_k, n_keys)
-    bar = _groups_bar(state_width(topk), max(_MIN_KEYS_PER_PROGRAM // state_width(topk), 1))
+    bar = _groups_bar(state_width(topk), _gpu_rows_per_program(state_width(topk)))
     groups_bar = rows * first * logits_bytes if bar else 0
     if n_keys <= topk:
         per_row = n_keys
@@ -260,7 +265,7 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     key, for callers whose ``next_n``, ``ctx_stride`` and ``row_base`` never change (taken and
     kept there)."""
     rows, w = out.shape[0], state_width(topk)
-    rows_per_program = max(_MIN_KEYS_PER_PROGRAM // w, 1)
+    rows_per_program = _gpu_rows_per_program(w)
     # The interpreter: row blocks (the kernel registry sets the row cap to 0 to compile the
     # GPU's launches).
     if logits.device.type == "cpu" and _INTERPRETER_KEYS_PER_PROGRAM:
@@ -653,7 +658,7 @@ def fp8_fp4_mqa_topk(
         out: int32 ``[S_q, topk]`` to write the indices into (last stride 1).
         chunk_k: key columns per chunk, a multiple of 256 (default: :func:`default_prefill_chunk_k`).
         chunk_q: query rows per block, a multiple of 128 (default: :func:`default_chunk_q`,
-            about 32 MiB of logits a chunk).
+            about 64 MiB of logits a chunk).
 
     Returns:
         int32 ``[S_q, topk]``: key positions (indices into ``kv``) by (logit descending,
