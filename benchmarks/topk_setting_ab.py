@@ -5,7 +5,10 @@ Each variant is captured in its own CUDA graph with the value it names, every ou
 bitwise against the first value's (and that one against the suite's reference rows).
 
     python benchmarks/topk_setting_ab.py --setting _MERGE_MAXNREG --values 64 80 [--shapes 2048x32768 64x1x32768]
-        [--output ab.json]
+        [--fix _WHOLE_ROWS_BYTES=0 ...] [--output ab.json]
+
+``--fix NAME=VALUE`` holds other settings of the module at a value for every variant (e.g. decode
+rows in chunks where they would be taken whole).
 """
 
 from __future__ import annotations
@@ -51,15 +54,21 @@ def main(argv=None) -> int:
     ap.add_argument("--setting", required=True, help="a module-level int of tilefuse.indexer.topk")
     ap.add_argument("--values", type=int, nargs="+", required=True, help="the first is the reference")
     ap.add_argument("--shapes", nargs="+", default=["2048x32768", "2048x131072", "64x1x32768", "256x1x8192"])
+    ap.add_argument("--fix", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="other int settings held at a value for every variant")
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("topk_setting_ab: needs a CUDA GPU", file=sys.stderr)
         return 2
-    if not isinstance(getattr(T, args.setting, None), int):
-        print(f"topk_setting_ab: tilefuse.indexer.topk has no int setting {args.setting!r}", file=sys.stderr)
-        return 2
+    fixed = dict(f.split("=", 1) for f in args.fix)
+    for name in [args.setting, *fixed]:
+        if not isinstance(getattr(T, name, None), int):
+            print(f"topk_setting_ab: tilefuse.indexer.topk has no int setting {name!r}", file=sys.stderr)
+            return 2
+    for name, value in fixed.items():
+        setattr(T, name, int(value))
     cases = suite.cases(on_gpu=True, device="cuda", shapes=suite.parse_shapes(args.shapes))
     results = []
     for case in cases:
@@ -72,7 +81,8 @@ def main(argv=None) -> int:
               flush=True)
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"environment": env.environment("graph"), "ab": results}, f, indent=1)
+            json.dump({"environment": env.environment("graph"), "setting": args.setting, "fixed": fixed,
+                   "ab": results}, f, indent=1)
     return 0
 
 

@@ -811,6 +811,85 @@ def test_decode_whole_rows(fmt, ctx_2d, logits_dtype, record_launches, monkeypat
     assert torch.equal(idx, case.check(48, chunk_k=None, logits_dtype=logits_dtype))  # chunks agree
 
 
+def test_decode_merges_beside_logits_order(monkeypatch, record_launches):
+    """Decode chunks on the side-stream path, with logged stand-ins for the streams: each merge
+    on the side stream after it waited for the caller's, each chunk's logits into one of two
+    buffers after the caller waited for the merge two chunks before, the caller joined to the
+    side stream at the end; ties and an empty request, the result the unfused op's."""
+    log = []
+    main, side = _LoggedStream("main", log), _LoggedStream("side", log)
+    monkeypatch.setattr(topk, "_merge_stream", lambda device, steps: side if steps > 1 else None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: stream)
+    logits_out = []
+    real_logits = tilefuse.fp8_fp4_paged_mqa_logits
+
+    def logged_logits(*args, **kwargs):
+        log.append(("logits",))
+        logits_out.append(kwargs["out"])
+        return real_logits(*args, **kwargs)
+
+    merges = record_launches(kern, "topk_merge_chunk_kernel")
+    case = PagedCase("fp8", lens=(150, 0, 97), next_n=2, block_kv=16, seed=76, distinct_keys=40)
+    ref_idx, ref_val = case.expected(24)
+    monkeypatch.setattr(tilefuse, "fp8_fp4_paged_mqa_logits", logged_logits)
+    idx, val = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 24, return_values=True, chunk_k=32)
+    monkeypatch.setattr(tilefuse, "fp8_fp4_paged_mqa_logits", real_logits)
+    tilefuse.check_errors()
+    assert torch.equal(idx, ref_idx) and _equal(val, ref_val)
+    steps = topk.cdiv(case.max_context_len, 32)
+    assert steps == 5 and len(merges) == steps
+    expected = [("wait", "side", "main")]
+    for i in range(steps):
+        if i >= 2:
+            expected.append(("wait event", "main", i - 1))
+        expected += [("logits",), ("wait", "side", "main"), ("enter", "side"), ("exit", "side"),
+                     ("record", "side", i + 1)]
+    assert log == expected + [("wait", "main", "side")]
+    bases = [t.untyped_storage().data_ptr() for t in logits_out]
+    assert len(set(bases)) == 2 and all(bases[i] == bases[i % 2] for i in range(steps))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="streams and graphs: the GPU only")
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_decode_merges_beside_logits_in_a_graph(overlap, monkeypatch):
+    """Decode in five key chunks with the merges on the side stream (and without): eager on a
+    stream of the caller's, captured in a CUDA graph and replayed over new queries, weights and
+    lengths; every result the unfused op's, bit for bit, with poisoned outputs."""
+    monkeypatch.setattr(topk, "_OVERLAP_MERGES", overlap)
+    case = PagedCase("fp8", lens=(150, 0, 97), next_n=2, block_kv=16, seed=77)
+    rows, k_top = case.w.shape[0], 24
+    out = torch.full((rows, k_top), 12345, dtype=torch.int32, device=DEVICE)
+    vals = torch.full((rows, k_top), 7.0, device=DEVICE)
+
+    def call():
+        idx, val = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), k_top, return_values=True, chunk_k=32)
+        out.copy_(idx)
+        vals.copy_(val)
+
+    caller = torch.cuda.Stream()
+    caller.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(caller):
+        call()
+    torch.cuda.current_stream().wait_stream(caller)
+    ref_idx, ref_val = case.expected(k_top)
+    assert torch.equal(out, ref_idx) and _equal(vals, ref_val)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=caller):
+        call()
+    for seed in (78, 79):
+        new = PagedCase("fp8", lens=(150, 0, 97), next_n=2, block_kv=16, seed=seed)
+        case.qq[0].copy_(new.qq[0])
+        case.w.copy_(new.w)
+        case.ctx.copy_(torch.tensor((120, 0, 61), dtype=torch.int32, device=DEVICE) if seed == 78 else new.ctx)
+        out.fill_(12345)
+        vals.fill_(7.0)
+        graph.replay()
+        tilefuse.check_errors()
+        ref_idx, ref_val = case.expected(k_top)
+        assert torch.equal(out, ref_idx) and _equal(vals, ref_val), seed
+
+
 def test_decode_whole_rows_limit():
     """Whole rows while their logits and candidates fit the limit, chunks past it."""
     limit = topk._WHOLE_ROWS_BYTES

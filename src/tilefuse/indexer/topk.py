@@ -106,9 +106,10 @@ _SELECT_PIECE_KEYS = 1024
 # (benchmarks/NOTES.md). Wider states hold larger tiles a thread: not capped, not measured.
 _MERGE_MAXNREG = 64
 _MERGE_MAXNREG_WIDTH = 2048
-# Prefill calls of several row blocks or key chunks: each chunk's merge on a side stream, beside
-# the next chunk's logits (1: 5-8% faster at 2048 x 32768 .. 4096 x 65536 on an H100, level at
-# one step; benchmarks/NOTES.md, round (19)), or after them on the caller's stream (0).
+# Calls of several steps (prefill row blocks or key chunks, decode key chunks): each chunk's merge
+# on a side stream, beside the next chunk's logits (1: prefill 5-8% faster at 2048 x 32768 ..
+# 4096 x 65536 on an H100, level at one step; benchmarks/NOTES.md, round (19)), or after them on
+# the caller's stream (0).
 _OVERLAP_MERGES = 1
 # A merge of a first chunk raises each row's bar before its scan to what at least topk of the
 # chunk's 2 W group maxima reach (``_topk_kernel._groups_bar``; 1), or scans from an empty bar (0).
@@ -416,8 +417,9 @@ _merge_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def _merge_stream(device: torch.device, steps: int) -> torch.cuda.Stream | None:
-    """The side stream a device's prefill merges run on (made once a device; calls from several
-    streams at once serialise their merges there), or None: the setting off, one step, not CUDA."""
+    """The side stream a device's merges run on, prefill and decode (made once a device; calls
+    from several streams at once serialise their merges there), or None: the setting off, one
+    step, not CUDA."""
     if not (_OVERLAP_MERGES and steps > 1 and device.type == "cuda"):
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -759,18 +761,37 @@ def _run_paged_mqa_topk(
     ends = ends.clamp(min=0).to(torch.int32)
     chunks = _chunks(covered, chunk_k)
     bars, candidates, counts = _workspace(b * next_n, topk, len(chunks), q.device)
+    side = _merge_stream(q.device, len(chunks) if b else 1)
+    if side is not None:  # as the prefill op: merges beside the next chunk's logits, two buffers in turn
+        main = torch.cuda.current_stream(q.device)
+        side.wait_stream(main)
+        ring = [_layout.new_logits(b * next_n, min(covered, chunk_k), logits_dtype, q.device) for _ in range(2)]
+        merged: list = [None, None]
     with deferred():  # a chunk's errors surface at the next call, not the next chunk
         for c, (lo, hi) in enumerate(chunks):
             width = hi - lo
             lens_c = (ends - lo).clamp(0, width).contiguous()
             table_c = block_table[:, lo // block_kv: cdiv(hi, block_kv)]
             meta_c = tilefuse.get_paged_mqa_logits_metadata(lens_c, block_kv, schedule_meta.shape[0] - 1)
+            buffer = None
+            if side is not None:
+                slot = c % 2
+                if merged[slot] is not None:
+                    main.wait_event(merged[slot])
+                buffer = ring[slot][:, :width]
             logits = tilefuse.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, lens_c, table_c, meta_c, width,
-                                                       False, logits_dtype, indices, config=cfg)
+                                                       False, logits_dtype, indices, out=buffer, config=cfg)
             if b:
-                _merge(logits, bars, candidates, counts, lo, width, context_lens, context_lens, max_context_len,
-                       covered, next_n, ctx_stride, 0, out, values, topk, mode, first=c == 0,
-                       final=c == len(chunks) - 1)
+                if side is not None:
+                    side.wait_stream(main)
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    _merge(logits, bars, candidates, counts, lo, width, context_lens, context_lens, max_context_len,
+                           covered, next_n, ctx_stride, 0, out, values, topk, mode, first=c == 0,
+                           final=c == len(chunks) - 1)
+                if side is not None:
+                    merged[slot] = side.record_event()
+    if side is not None:
+        main.wait_stream(side)
 
 
 @torch.library.custom_op("tilefuse::paged_mqa_topk", mutates_args=("out", "values"))
