@@ -132,15 +132,21 @@ def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("k_top,segments", [(5, 2), (130, 5)])
+@pytest.mark.parametrize("k_top,segments", [(5, 2), (130, 5), (130, 8)])
 @pytest.mark.parametrize("rows_a_program", ["interpreter", "gpu"])
-def test_rows_across_programs(pattern, k_top, segments, rows_a_program, monkeypatch):
+@pytest.mark.parametrize("maxima", [0, 1])
+def test_rows_across_programs(pattern, k_top, segments, rows_a_program, maxima, monkeypatch):
     """The radix select across a row's programs: random windows (empty, shorter than topk, past
     the row's end), every tie pattern, blocks of 64 keys dealt over the programs; index for
-    index and value for value with the reference. The last step's select starts from the
-    passes' three digits; with the GPU's rows a program and digit widths too (narrower digits
-    at topk 5: a select from the top)."""
+    index and value for value with the reference. The digit passes over every key (the last
+    step's select starts from their three digits) or over group maxima where the row's
+    programs hold at least 2 W groups (topk 130: 8 programs of 64 columns, not 5; the select
+    from the top); with the GPU's rows a program and digit widths too (narrower digits at
+    topk 5: a select from the top)."""
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
+    monkeypatch.setattr(topk, "_ACROSS_GROUP_MAXIMA", maxima)
+    last_steps, real_merge = [], topk._merge
+    monkeypatch.setattr(topk, "_merge", lambda *a, **kw: last_steps.append(kw["maxima"]) or real_merge(*a, **kw))
     if rows_a_program == "gpu":
         monkeypatch.setattr(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0)
     rows, n = 6, 700
@@ -153,6 +159,8 @@ def test_rows_across_programs(pattern, k_top, segments, rows_a_program, monkeypa
     ref_idx, ref_val = R.topk_of_logits(logits, R.window_mask(ks, ke, n), k_top)
     assert torch.equal(idx, ref_idx)
     assert _equal(val, ref_val)
+    on = bool(maxima) and segments * 64 >= 2 * topk.state_width(k_top)
+    assert last_steps == [on]
 
 
 def test_rows_across_programs_over_ties_past_their_buffer(monkeypatch):
@@ -944,7 +952,7 @@ def test_decode_whole_rows_plan_over_changing_sizes(fmt, ctx_2d, monkeypatch):
         assert idx is out and torch.equal(idx, ref_idx) and _equal(val, ref_val), (b, max_len)
     assert len(topk._decode_plans) == 1 and len(checked_calls) == 1
     (plan,) = topk._decode_plans.values()
-    passes = {key for key in plan.partials if len(key[0]) == 3}
+    passes = {key for key in plan.partials if len(key[0]) == 4}  # (PASS, MODE, BLOCK, MAXIMA)
     assert len(passes) == kern.RADIX_LEVELS + 1 and len(plan.partials) > len(passes)  # and the merges
     declined = []
     for key in plan.partials:  # partial launches that decline (a launch hook, another device): each step launches

@@ -375,7 +375,7 @@ def _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK: tl.constexpr, 
 
 @triton.jit
 def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr,
-            PIECE: tl.constexpr, START: tl.constexpr):
+            PIECE: tl.constexpr, START: tl.constexpr, AFTER_PASSES: tl.constexpr):
     """Each row's buffer (its first ``count`` keys) cut to its TOPK largest keys, compacted to
     the buffer's start: ``(count, bar)`` after it. Rows holding TOPK keys or fewer keep them.
 
@@ -387,12 +387,14 @@ def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.
     sharing them are wanted (the keys above them number TOPK - need0), so the interval of high
     words starts 2^(32 - START * RADIX_BITS) wide. Buffers of more than _SELECT_HELD_KEYS keys a
     program (topk above 2048) and candidates after the passes that outnumber CAP (keys tied with
-    the TOPK-th in those bits) are counted from memory instead, PIECE keys a row at a time."""
+    the TOPK-th in those bits) are counted from memory instead, PIECE keys a row at a time.
+    AFTER_PASSES: the candidates of the passes across programs, which may outnumber CAP (a
+    scan keeps at most CAP keys a row)."""
     tl.debug_barrier()  # the buffer was stored by other threads of the program
     shrunk = count > TOPK
     if CAP > _SELECT_HELD_KEYS // ROWS:  # too many words to hold a thread: counted from memory
         thr = _kth_key_in_memory(cand_rows, count, prefix0, need0, TOPK, ROWS, PIECE, START)
-    elif START == 0:  # (the scan keeps at most CAP keys a row)
+    elif not AFTER_PASSES:
         thr = _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK, ROWS, CAP, START)
     elif tl.max(count, axis=0) <= CAP:
         thr = _kth_key_in_registers(cand_rows, count, prefix0, need0, TOPK, ROWS, CAP, START)
@@ -486,9 +488,10 @@ def topk_merge_chunk_kernel(
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
     a row; ``count_ptr`` / ``bar_ptr``: its count and bar between launches). FIRST starts empty
     (and checks the rows' windows), FINAL writes the first TOPK indices (and values).
-    RESET (with FINAL, after ``topk_rows_pass_kernel``'s passes): each row's count and its
-    histograms (``hist_ptr``: RADIX_LEVELS x 2^RADIX_BITS int32 a row) stored back as zeros,
-    ready for the next call's passes; no launch of the call reads them after this one.
+    RESET (with FINAL, after ``topk_rows_pass_kernel``'s passes; 1: over the keys, 2: over
+    group maxima): each row's count and its histograms (``hist_ptr``: RADIX_LEVELS x
+    2^RADIX_BITS int32 a row) stored back as zeros, ready for the next call's passes; no launch
+    of the call reads them after this one.
     GROUPS_BAR (with FIRST): the rows' bars raised from the chunk's group maxima before the scan
     (``_groups_bar``).
 
@@ -538,15 +541,17 @@ def topk_merge_chunk_kernel(
         tl.store(cand_rows + s3, k3, mask=a3)
         count += taken
         if tl.max(count, axis=0) > CAP - BLOCK:
-            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, False)
     if FINAL:
-        if RESET:
+        if RESET == 1:
             # After the passes: their histograms hold the TOPK-th key's top RADIX_LEVELS digits.
             hist_rows = hist_ptr + row[:, None] * (_RADIX_LEVELS * _RADIX_BINS)
             prefix0, need0 = _rows_prefix_and_need(hist_rows, TOPK, _RADIX_LEVELS)
-            count, bar = _select(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, PIECE, _RADIX_LEVELS)
+            count, bar = _select(cand_rows, count, bar, prefix0, need0, TOPK, ROWS, CAP, PIECE, _RADIX_LEVELS, True)
+        elif RESET == 2:  # after passes over group maxima: their digits are not the TOPK-th key's
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, True)
         else:
-            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
+            count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, False)
         _write_sorted(cand_rows, count, live, idx_ptr + row[:, None] * stride_i, val_ptr + row[:, None] * stride_v,
                       TOPK, W, LOG_W, ROWS, WRITE_VALUES)
         if RESET:
@@ -570,7 +575,7 @@ def topk_merge_chunk_kernel(
 def topk_rows_pass_kernel(
     logits_ptr, stride_l, win_a_ptr, win_b_ptr, n_keys, next_n, ctx_stride, segments,
     hist_ptr, cand_ptr, stride_c, count_ptr, topk,
-    PASS: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
+    PASS: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, MAXIMA: tl.constexpr,
 ):
     """One pass of program (row, s) over the row's window, BLOCK keys at a time: blocks s, s +
     segments, s + 2 segments ... (block-cyclic, so a row shorter than the logits' width still
@@ -580,7 +585,14 @@ def topk_rows_pass_kernel(
     row's candidates (a slot range reserved by an atomic add on its count: topk keys plus the
     others sharing all the digits with the topk-th). Histograms are summed into ``hist_ptr``
     (RADIX_LEVELS x 2^RADIX_BITS int32 a row) and the appended keys counted in ``count_ptr``,
-    both zero before PASS 0: the merge launch after the passes (``RESET``) leaves them so."""
+    both zero before PASS 0: the merge launch after the passes (``RESET``) leaves them so.
+    MAXIMA: the digit passes count the largest key of each group instead of every key (a
+    program's group ``c``: its keys at column ``c`` of its blocks; a row's groups are distinct
+    keys, so its topk-th key is at or above the topk-th largest group maximum, whose top digits
+    the passes find). The keys at or above those digits are then topk and a few more where the
+    row has at least 2 topk groups (``segments * BLOCK >= 2 W``: each key its own group in
+    rows shorter than that), and the histograms count the maxima, not the keys
+    (``RESET == 2``: the last step's select starts from the top)."""
     row = tl.program_id(0)
     seg = tl.program_id(1)
     start, end = _row_window(win_a_ptr, win_b_ptr, row, 0, n_keys, n_keys, next_n, ctx_stride, count_ptr, MODE,
@@ -594,23 +606,37 @@ def topk_rows_pass_kernel(
         prefix, _ = _rows_prefix_and_need(hist_row + tl.zeros([1, 1], tl.int64), topk, PASS)
         prefix = tl.sum(prefix, axis=0)  # (one row)
     local = tl.zeros([_RADIX_BINS], tl.int32)
-    # Counted in blocks from the window's start, positions in int64: no bound passes int32.
-    for i in range(seg, tl.cdiv(end - start, BLOCK), segments):
-        pos = start.to(tl.int64) + i * BLOCK + col
-        inside = pos < end
-        v = tl.load(row_logits + pos, mask=inside, other=0.0).to(tl.float32)
-        keys = _order_keys(v, pos.to(tl.int32))
+    if MAXIMA and PASS < _RADIX_LEVELS:
+        best = tl.full([BLOCK], EMPTY_KEY, tl.int64)  # (valid keys lie above it)
+        for i in range(seg, tl.cdiv(end - start, BLOCK), segments):
+            pos = start.to(tl.int64) + i * BLOCK + col
+            inside = pos < end
+            v = tl.load(row_logits + pos, mask=inside, other=0.0).to(tl.float32)
+            best = tl.maximum(best, tl.where(inside, _order_keys(v, pos.to(tl.int32)), EMPTY_KEY))
+        held = best != EMPTY_KEY
         if PASS == 0:
-            digit = ((keys >> SHIFT) + _RADIX_BINS // 2).to(tl.int32)
-            local += tl.histogram(digit, _RADIX_BINS, mask=inside)
-        elif PASS < _RADIX_LEVELS:
-            digit = ((keys >> SHIFT) & (_RADIX_BINS - 1)).to(tl.int32)
-            local += tl.histogram(digit, _RADIX_BINS, mask=inside & ((keys >> (SHIFT + _RADIX_BITS)) == prefix))
+            local = tl.histogram(((best >> SHIFT) + _RADIX_BINS // 2).to(tl.int32), _RADIX_BINS, mask=held)
         else:
-            keep = inside & (keys >= (prefix << (64 - _RADIX_LEVELS * _RADIX_BITS)))
-            taken = keep.to(tl.int32)
-            first_slot = tl.atomic_add(count_ptr + row, tl.sum(taken, axis=0), sem="relaxed")
-            tl.store(cand_row + (first_slot + tl.cumsum(taken, 0) - 1), keys, mask=keep)
+            local = tl.histogram(((best >> SHIFT) & (_RADIX_BINS - 1)).to(tl.int32), _RADIX_BINS,
+                                 mask=held & ((best >> (SHIFT + _RADIX_BITS)) == prefix))
+    else:
+        # Counted in blocks from the window's start, positions in int64: no bound passes int32.
+        for i in range(seg, tl.cdiv(end - start, BLOCK), segments):
+            pos = start.to(tl.int64) + i * BLOCK + col
+            inside = pos < end
+            v = tl.load(row_logits + pos, mask=inside, other=0.0).to(tl.float32)
+            keys = _order_keys(v, pos.to(tl.int32))
+            if PASS == 0:
+                digit = ((keys >> SHIFT) + _RADIX_BINS // 2).to(tl.int32)
+                local += tl.histogram(digit, _RADIX_BINS, mask=inside)
+            elif PASS < _RADIX_LEVELS:
+                digit = ((keys >> SHIFT) & (_RADIX_BINS - 1)).to(tl.int32)
+                local += tl.histogram(digit, _RADIX_BINS, mask=inside & ((keys >> (SHIFT + _RADIX_BITS)) == prefix))
+            else:
+                keep = inside & (keys >= (prefix << (64 - _RADIX_LEVELS * _RADIX_BITS)))
+                taken = keep.to(tl.int32)
+                first_slot = tl.atomic_add(count_ptr + row, tl.sum(taken, axis=0), sem="relaxed")
+                tl.store(cand_row + (first_slot + tl.cumsum(taken, 0) - 1), keys, mask=keep)
     if PASS < _RADIX_LEVELS:
         bins = tl.arange(0, _RADIX_BINS)
         tl.atomic_add(hist_row + PASS * _RADIX_BINS + bins, local, mask=local > 0, sem="relaxed")

@@ -257,14 +257,15 @@ def _aligned(*tensors) -> tuple:
 
 def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, n_keys: int, key_limit: int,
            next_n: int, ctx_stride: int, row_base: int, out, values, topk: int, mode: int, first: bool,
-           final: bool, hist: torch.Tensor | None = None, partials: dict | None = None) -> None:
+           final: bool, hist: torch.Tensor | None = None, partials: dict | None = None,
+           maxima: bool = False) -> None:
     """Merge logits columns ``[0, width)`` (positions ``lo + c``) of every row of ``out`` into
     its candidates (``candidates``: one buffer a row; ``counts``, ``bars``: its count and bar
     between chunks); ``row_base`` is the first row's index in the op's output (for error
-    messages). With ``hist`` (a final merge after ``_topk_rows_across_programs``' passes) the
-    rows' counts and histograms are zeroed after use. ``partials``: partial launches by launch
-    key, for callers whose ``next_n``, ``ctx_stride`` and ``row_base`` never change (taken and
-    kept there)."""
+    messages). With ``hist`` (a final merge after ``_topk_rows_across_programs``' passes; over
+    group maxima with ``maxima``) the rows' counts and histograms are zeroed after use.
+    ``partials``: partial launches by launch key, for callers whose ``next_n``, ``ctx_stride``
+    and ``row_base`` never change (taken and kept there)."""
     rows, w = out.shape[0], state_width(topk)
     rows_per_program = _gpu_rows_per_program(w)
     # The interpreter: row blocks (the kernel registry sets the row cap to 0 to compile the
@@ -275,7 +276,7 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     vals = out if values is None else values
     err = error_record(out.device)
     consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, piece,
-              hist is not None, first and _groups_bar(w, rows_per_program))
+              0 if hist is None else 2 if maxima else 1, first and _groups_bar(w, rows_per_program))
     if hist is None:
         hist = counts  # (not read without RESET)
     warps = max(1, min(8, rows_per_program * w // 256))
@@ -312,6 +313,10 @@ _ACROSS_PROGRAMS = 4 * 132
 _ACROSS_MIN_SEGMENT = 2048
 _ACROSS_BLOCK = 1024
 _PASS_OPTIONS = {"num_warps": 4}
+# The digit passes over the largest key of each program's columns (1; at least 2 W groups a
+# row, so a row takes at least 2 W / _ACROSS_BLOCK programs) instead of every key (0): a
+# histogram of a program's BLOCK maxima once, not of each block it reads.
+_ACROSS_GROUP_MAXIMA = 1
 
 
 # Histograms and counts of the passes across programs: RADIX_LEVELS x 2^RADIX_BITS int32 and one
@@ -368,16 +373,22 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     the keys' top three 8-bit digits (each among the keys sharing the digits above it with the
     row's topk-th key), then every key at or above those 24 bits appended to the row's
     candidates, then the merge kernel's last step (a select from those 24 bits on, a sort, the
-    writes), which zeroes the histograms and counts (:func:`_take_histograms`). For the decode
-    rows taken whole
+    writes), which zeroes the histograms and counts (:func:`_take_histograms`). With
+    ``_ACROSS_GROUP_MAXIMA`` (where ``segments`` x ``_ACROSS_BLOCK`` >= 2 W) the digits are those
+    of the topk-th largest group maximum (``topk_rows_pass_kernel``'s MAXIMA), a bound below the
+    row's topk-th key, and the last step selects from the top. For the decode rows taken whole
     (:func:`decode_whole_rows`), where one program a row leaves most of the GPU idle. Writes
     ``out`` / ``out_values`` when given; ``partials``: the launches as partial launches by
     launch key, for a caller whose ``next_n``, ``ctx_stride`` and ``topk`` never change (taken
     and kept there). Returns ``(indices, values or None)``."""
     rows, n_keys = logits.shape
     dev = logits.device
+    groups = 2 * state_width(topk)
     if segments is None:
         segments = max(1, min(cdiv(_ACROSS_PROGRAMS, max(rows, 1)), cdiv(n_keys, _ACROSS_MIN_SEGMENT)))
+        if _ACROSS_GROUP_MAXIMA:
+            segments = max(segments, cdiv(groups, _ACROSS_BLOCK))
+    maxima = bool(_ACROSS_GROUP_MAXIMA) and segments * _ACROSS_BLOCK >= groups
     if out is None:
         out = torch.empty((rows, topk), dtype=torch.int32, device=dev)
     if out_values is None and values:
@@ -389,7 +400,7 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     aligned = _aligned(logits, win_a, win_b, hist, candidates, counts)
     stride_l, stride_c = logits.stride(0), candidates.stride(0)
     for p in range(kern.RADIX_LEVELS + 1):
-        consts = (p, mode, _ACROSS_BLOCK)
+        consts = (p, mode, _ACROSS_BLOCK, maxima)
         key = (consts, logits.dtype, win_a.dtype, win_b.dtype, aligned)
         fast = partials.get(key) if partials is not None else None
         if fast is not None and fast(logits, stride_l, win_a, win_b, n_keys, segments, hist, candidates, stride_c,
@@ -408,7 +419,7 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     # any int64 memory of a row each does (no allocation on the call's path).
     bars = candidates
     _merge(logits, bars, candidates, counts, 0, 0, win_a, win_b, n_keys, n_keys, next_n, ctx_stride, 0, out,
-           out_values, topk, mode, first=False, final=True, hist=hist, partials=partials)
+           out_values, topk, mode, first=False, final=True, hist=hist, partials=partials, maxima=maxima)
     _put_back_histograms(kept)
     return out, out_values
 

@@ -838,9 +838,10 @@ def topk_merge_variants() -> list[Variant]:
 
 def topk_rows_pass_variants() -> list[Variant]:
     """``topk_rows_pass_kernel`` as the decode top-k over whole rows launches it
-    (``topk._topk_rows_across_programs``): its four passes (three digit histograms, the
-    compaction) over 1-D decode lengths from fp32 logits, the compaction over 2-D lengths (the
-    window load differs) and the first pass from bf16 logits (the logits load differs)."""
+    (``topk._topk_rows_across_programs``): its four passes (three digit histograms, over group
+    maxima at the default settings; the compaction) over 1-D decode lengths from fp32 logits,
+    the compaction over 2-D lengths (the window load differs) and the first pass from bf16
+    logits (the logits load differs)."""
     import torch
 
     from tilefuse.indexer import topk
