@@ -264,7 +264,8 @@ def _select_rows_kernel(cand_ptr, count_ptr, bar_ptr, stride, TOPK: tl.constexpr
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     count = tl.load(count_ptr + row)
     bar = tl.load(bar_ptr + row)
-    count, bar = kern._select(cand_ptr + row[:, None] * stride, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0)
+    count, bar = kern._select(cand_ptr + row[:, None] * stride, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0,
+                              False)
     tl.store(count_ptr + row, count)
     tl.store(bar_ptr + row, bar)
 

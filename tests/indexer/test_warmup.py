@@ -118,7 +118,7 @@ def test_topk_warmup_runs_every_merge_variant(monkeypatch):
 
 @pytest.mark.parametrize("next_n", [1, 3])
 def test_topk_warmup_runs_the_last_step_of_whole_rows(next_n, monkeypatch):
-    """Decode rows taken whole end in the final merge (its select from the passes' digits): the
+    """Decode rows taken whole end in the final merge (after the passes over group maxima): the
     warm-up runs it with and without values, over both length layouts."""
     from tilefuse import _jit
     from tilefuse.indexer import _topk_kernel as kern
@@ -141,7 +141,8 @@ def test_topk_warmup_runs_the_last_step_of_whole_rows(next_n, monkeypatch):
                                          prefill_calls=False)["decode_topk"]:
             call()
     modes = (kern.WIN_DECODE_1D, kern.WIN_DECODE_2D)
-    assert {("merge", m, v, True) for m in modes for v in (False, True)} <= seen
+    reset = 2 if topk_op._ACROSS_GROUP_MAXIMA else 1  # the passes over group maxima, or over the keys
+    assert {("merge", m, v, reset) for m in modes for v in (False, True)} <= seen
 
 
 @pytest.mark.gpu
