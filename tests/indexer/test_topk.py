@@ -821,12 +821,14 @@ def test_decode_whole_rows(fmt, ctx_2d, logits_dtype, record_launches, monkeypat
 
 
 def test_decode_merges_beside_logits_order(monkeypatch, record_launches):
-    """Decode chunks on the side-stream path, with logged stand-ins for the streams: each merge
-    on the side stream after it waited for the caller's, each chunk's logits into one of two
-    buffers after the caller waited for the merge two chunks before, the caller joined to the
-    side stream at the end; ties and an empty request, the result the unfused op's."""
+    """Decode chunks on the side-stream path (the setting on), with logged stand-ins for the
+    streams: each merge on the side stream after it waited for the caller's, each chunk's
+    logits into one of two buffers after the caller waited for the merge two chunks before, the
+    caller joined to the side stream at the end; ties and an empty request, the result the
+    unfused op's."""
     log = []
     main, side = _LoggedStream("main", log), _LoggedStream("side", log)
+    monkeypatch.setattr(topk, "_OVERLAP_DECODE_MERGES", 1)
     monkeypatch.setattr(topk, "_merge_stream", lambda device, steps: side if steps > 1 else None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: stream)
@@ -865,7 +867,7 @@ def test_decode_merges_beside_logits_in_a_graph(overlap, monkeypatch):
     """Decode in five key chunks with the merges on the side stream (and without): eager on a
     stream of the caller's, captured in a CUDA graph and replayed over new queries, weights and
     lengths; every result the unfused op's, bit for bit, with poisoned outputs."""
-    monkeypatch.setattr(topk, "_OVERLAP_MERGES", overlap)
+    monkeypatch.setattr(topk, "_OVERLAP_DECODE_MERGES", overlap)
     case = PagedCase("fp8", lens=(150, 0, 97), next_n=2, block_kv=16, seed=77)
     rows, k_top = case.w.shape[0], 24
     out = torch.full((rows, k_top), 12345, dtype=torch.int32, device=DEVICE)

@@ -106,11 +106,12 @@ _SELECT_PIECE_KEYS = 1024
 # (benchmarks/NOTES.md). Wider states hold larger tiles a thread: not capped, not measured.
 _MERGE_MAXNREG = 64
 _MERGE_MAXNREG_WIDTH = 2048
-# Calls of several steps (prefill row blocks or key chunks, decode key chunks): each chunk's merge
-# on a side stream, beside the next chunk's logits (1: prefill 5-8% faster at 2048 x 32768 ..
-# 4096 x 65536 on an H100, level at one step; benchmarks/NOTES.md, round (19)), or after them on
-# the caller's stream (0).
+# Prefill calls of several row blocks or key chunks: each chunk's merge on a side stream, beside
+# the next chunk's logits (1: 5-8% faster at 2048 x 32768 .. 4096 x 65536 on an H100, level at
+# one step; benchmarks/NOTES.md, round (19)), or after them on the caller's stream (0).
 _OVERLAP_MERGES = 1
+# The same for decode key chunks (1), or not (0: the default until timed; NOTES round (20)).
+_OVERLAP_DECODE_MERGES = 0
 # A merge of a first chunk raises each row's bar before its scan to what at least topk of the
 # chunk's 2 W group maxima reach (``_topk_kernel._groups_bar``; 1), or scans from an empty bar (0).
 # 1: 1.07x -> 1.16x the sorted pair at 2048 x 32768, 1.10x -> 1.31x at 512 x 8192, decode B256
@@ -315,8 +316,9 @@ _ACROSS_BLOCK = 1024
 _PASS_OPTIONS = {"num_warps": 4}
 # The digit passes over the largest key of each program's columns (1; at least 2 W groups a
 # row, so a row takes at least 2 W / _ACROSS_BLOCK programs) instead of every key (0): a
-# histogram of a program's BLOCK maxima once, not of each block it reads.
-_ACROSS_GROUP_MAXIMA = 1
+# histogram of a program's BLOCK maxima once, not of each block it reads. 0 until timed
+# (benchmarks/NOTES.md, round (20)).
+_ACROSS_GROUP_MAXIMA = 0
 
 
 # Histograms and counts of the passes across programs: RADIX_LEVELS x 2^RADIX_BITS int32 and one
@@ -428,9 +430,8 @@ _merge_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def _merge_stream(device: torch.device, steps: int) -> torch.cuda.Stream | None:
-    """The side stream a device's merges run on, prefill and decode (made once a device; calls
-    from several streams at once serialise their merges there), or None: the setting off, one
-    step, not CUDA."""
+    """The side stream a device's merges run on (made once a device; calls from several streams
+    at once serialise their merges there), or None: the setting off, one step, not CUDA."""
     if not (_OVERLAP_MERGES and steps > 1 and device.type == "cuda"):
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -772,8 +773,8 @@ def _run_paged_mqa_topk(
     ends = ends.clamp(min=0).to(torch.int32)
     chunks = _chunks(covered, chunk_k)
     bars, candidates, counts = _workspace(b * next_n, topk, len(chunks), q.device)
-    side = _merge_stream(q.device, len(chunks) if b else 1)
-    if side is not None:  # as the prefill op: merges beside the next chunk's logits, two buffers in turn
+    side = _merge_stream(q.device, len(chunks) if b and _OVERLAP_DECODE_MERGES else 1)
+    if side is not None:  # as the prefill op's: merges beside the next chunk's logits, two buffers in turn
         main = torch.cuda.current_stream(q.device)
         side.wait_stream(main)
         ring = [_layout.new_logits(b * next_n, min(covered, chunk_k), logits_dtype, q.device) for _ in range(2)]

@@ -817,19 +817,23 @@ def topk_merge_variants() -> list[Variant]:
     # The last step after the passes across programs: the select starts from the passes'
     # histograms (RESET).
     passes = f"{topk.kern.__name__}:topk_rows_pass_kernel"
-    for k, mode, dtype, values in ((2048, topk.kern.WIN_DECODE_1D, torch.float32, False),
-                                   (2048, topk.kern.WIN_DECODE_2D, torch.float32, True),
-                                   (2048, topk.kern.WIN_DECODE_1D, torch.bfloat16, True),
-                                   (16, topk.kern.WIN_DECODE_1D, torch.float32, False)):
+    for k, mode, dtype, values, maxima in ((2048, topk.kern.WIN_DECODE_1D, torch.float32, False, 0),
+                                           (2048, topk.kern.WIN_DECODE_2D, torch.float32, True, 0),
+                                           (2048, topk.kern.WIN_DECODE_1D, torch.bfloat16, True, 0),
+                                           (16, topk.kern.WIN_DECODE_1D, torch.float32, False, 0),
+                                           (2048, topk.kern.WIN_DECODE_1D, torch.float32, False, 1),
+                                           (2048, topk.kern.WIN_DECODE_2D, torch.float32, True, 1)):
         rows, next_n = 4, 2
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
         logits = torch.empty(rows, 5000, dtype=dtype)
-        with tracing(path, passes) as launches, mock.patch.object(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0):
+        with (tracing(path, passes) as launches, mock.patch.object(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0),
+              mock.patch.object(topk, "_ACROSS_GROUP_MAXIMA", maxima)):
             topk._topk_rows_across_programs(logits, win, win, k, mode, next_n,
                                             win.stride(0) if win.dim() == 2 else 1, values=values)
         (launch,) = [x for x in launches if x.function == path]
         c = launch.arguments
-        extras = [x for x, on in ((f"logits={_short(dtype)}", dtype != torch.float32), ("values", values)) if on]
+        extras = [x for x, on in ((f"logits={_short(dtype)}", dtype != torch.float32), ("values", values),
+                                  ("maxima", maxima)) if on]
         name = (f"k{k} W{c['W']} rows{c['ROWS']} {modes[mode]} after-passes w{launch.options['num_warps']}"
                 + "".join(" " + x for x in extras))
         out.append(variant_of(launch, "indexer.topk_merge", name))
@@ -838,10 +842,12 @@ def topk_merge_variants() -> list[Variant]:
 
 def topk_rows_pass_variants() -> list[Variant]:
     """``topk_rows_pass_kernel`` as the decode top-k over whole rows launches it
-    (``topk._topk_rows_across_programs``): its four passes (three digit histograms, over group
-    maxima at the default settings; the compaction) over 1-D decode lengths from fp32 logits,
-    the compaction over 2-D lengths (the window load differs) and the first pass from bf16
-    logits (the logits load differs)."""
+    (``topk._topk_rows_across_programs``): its four passes (three digit histograms, the
+    compaction) over 1-D decode lengths from fp32 logits, the compaction over 2-D lengths (the
+    window load differs), the first pass from bf16 logits (the logits load differs) and the
+    three digit passes over group maxima (``_ACROSS_GROUP_MAXIMA``)."""
+    from unittest import mock
+
     import torch
 
     from tilefuse.indexer import topk
@@ -850,19 +856,22 @@ def topk_rows_pass_variants() -> list[Variant]:
     merge = f"{topk.kern.__name__}:topk_merge_chunk_kernel"  # its variants are topk_merge's
     last = topk.kern.RADIX_LEVELS
     out = []
-    for mode, dtype, passes in ((topk.kern.WIN_DECODE_1D, torch.float32, range(last + 1)),
-                                (topk.kern.WIN_DECODE_2D, torch.float32, (last,)),
-                                (topk.kern.WIN_DECODE_1D, torch.bfloat16, (0,))):
+    for mode, dtype, passes, maxima in ((topk.kern.WIN_DECODE_1D, torch.float32, range(last + 1), 0),
+                                        (topk.kern.WIN_DECODE_2D, torch.float32, (last,), 0),
+                                        (topk.kern.WIN_DECODE_1D, torch.bfloat16, (0,), 0),
+                                        (topk.kern.WIN_DECODE_1D, torch.float32, range(last), 1)):
         rows, next_n = 4, 2
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
         logits = torch.empty(rows, 5000, dtype=dtype)
-        with tracing(path, merge) as launches:  # traced launches are recorded, not run
+        # traced launches are recorded, not run
+        with tracing(path, merge) as launches, mock.patch.object(topk, "_ACROSS_GROUP_MAXIMA", maxima):
             topk._topk_rows_across_programs(logits, win, win, 2048, mode, next_n,
                                             win.stride(0) if win.dim() == 2 else 1)
         for launch in (x for x in launches if x.function == path and x.arguments["PASS"] in passes):
             name = "decode2d" if mode == topk.kern.WIN_DECODE_2D else "decode1d"
             out.append(variant_of(launch, "indexer.topk_rows_pass",
-                                  f"pass{launch.arguments['PASS']} {name} logits={_short(dtype)}"))
+                                  f"pass{launch.arguments['PASS']} {name} logits={_short(dtype)}"
+                                  + (" maxima" if maxima else "")))
     return _unique(out)
 
 
