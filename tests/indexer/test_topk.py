@@ -638,25 +638,47 @@ class _LoggedStream:
         self.log.append(("exit", self.name))
 
 
+def _log_side_stream(monkeypatch, logits_op: str):
+    """The side-stream path under logged stand-ins: the caller's and the side stream, and the
+    logits op ``tilefuse.<logits_op>`` logging each call and its ``out`` buffer. Returns
+    ``(log, outs, real_op)``; the caller puts ``real_op`` back before computing references."""
+    log, outs = [], []
+    main, side = _LoggedStream("main", log), _LoggedStream("side", log)
+    monkeypatch.setattr(topk, "_merge_stream", lambda device, steps: side if steps > 1 else None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: stream)
+    real_op = getattr(tilefuse, logits_op)
+
+    def logged(*args, **kwargs):
+        log.append(("logits",))
+        outs.append(kwargs["out"])
+        return real_op(*args, **kwargs)
+
+    monkeypatch.setattr(tilefuse, logits_op, logged)
+    return log, outs, real_op
+
+
+def _check_side_stream_log(log, outs, steps: int) -> None:
+    """Each merge on the side stream after it waited for the caller's, each step's logits after
+    the caller waited for the merge two steps before, the caller joined to the side stream at
+    the end; two logits buffers taken in turn."""
+    expected = [("wait", "side", "main")]
+    for i in range(steps):
+        if i >= 2:
+            expected.append(("wait event", "main", i - 1))  # the merge of step i - 2
+        expected += [("logits",), ("wait", "side", "main"), ("enter", "side"), ("exit", "side"),
+                     ("record", "side", i + 1)]
+    assert log == expected + [("wait", "main", "side")]
+    bases = [t.untyped_storage().data_ptr() for t in outs]
+    assert len(set(bases)) == 2 and all(bases[i] == bases[i % 2] for i in range(steps))
+
+
 def test_prefill_merges_beside_logits_order(monkeypatch, record_launches):
     """The side-stream path's order, with logged stand-ins for the streams: three row blocks by
     three chunks, each merge on the side stream after it waited for the caller's stream, each
     step's logits (into one of two buffers) after the caller waited for the merge two steps
     before, the caller joined to the side stream at the end; the result the unfused pair's."""
-    log = []
-    main, side = _LoggedStream("main", log), _LoggedStream("side", log)
-    monkeypatch.setattr(topk, "_merge_stream", lambda device, steps: side if steps > 1 else None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: stream)
-    logits_out = []
-    real_logits = tilefuse.fp8_fp4_mqa_logits
-
-    def logged_logits(*args, **kwargs):
-        log.append(("logits",))
-        logits_out.append(kwargs["out"])
-        return real_logits(*args, **kwargs)
-
-    monkeypatch.setattr(tilefuse, "fp8_fp4_mqa_logits", logged_logits)
+    log, logits_out, real_logits = _log_side_stream(monkeypatch, "fp8_fp4_mqa_logits")
     merges = record_launches(kern, "topk_merge_chunk_kernel")
     s_q, s_k, k_top = 300, 700, 24
     qq, kk, w = prefill_inputs(s_q, s_k, 4, 64, "fp8", seed=75)
@@ -668,16 +690,22 @@ def test_prefill_merges_beside_logits_order(monkeypatch, record_launches):
     assert torch.equal(idx, ref_idx) and _equal(val, ref_val)
     steps = 9
     assert len(merges) == steps and log[0] == ("wait", "side", "main") and log[-1] == ("wait", "main", "side")
-    expected = [("wait", "side", "main")]
-    for i in range(steps):
-        if i >= 2:
-            expected.append(("wait event", "main", i - 1))  # the merge of step i - 2
-        expected += [("logits",), ("wait", "side", "main"), ("enter", "side"), ("exit", "side"),
-                     ("record", "side", i + 1)]
-    assert log == expected + [("wait", "main", "side")]
-    # two buffers taken in turn
-    bases = [t.untyped_storage().data_ptr() for t in logits_out]
-    assert len(set(bases)) == 2 and all(bases[i] == bases[i % 2] for i in range(steps))
+    _check_side_stream_log(log, logits_out, steps)
+
+
+def _eager_on_a_caller_stream_then_captured(call, check):
+    """``call()`` eagerly on a stream of the caller's, then ``check()``; then ``call`` captured
+    in a CUDA graph on that stream: the graph."""
+    caller = torch.cuda.Stream()
+    caller.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(caller):
+        call()
+    torch.cuda.current_stream().wait_stream(caller)
+    check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=caller):
+        call()
+    return graph
 
 
 @pytest.mark.skipif(not ON_GPU, reason="streams and graphs: the GPU only")
@@ -698,16 +726,11 @@ def test_prefill_merges_beside_logits_in_a_graph(overlap, monkeypatch):
         out.copy_(idx)
         vals.copy_(val)
 
-    caller = torch.cuda.Stream()
-    caller.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(caller):
-        call()
-    torch.cuda.current_stream().wait_stream(caller)
-    ref_idx, ref_val = expected_prefill(qq, kk, w, ks, ke, k_top)
-    assert torch.equal(out, ref_idx) and _equal(vals, ref_val)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=caller):
-        call()
+    def check():
+        ref_idx, ref_val = expected_prefill(qq, kk, w, ks, ke, k_top)
+        assert torch.equal(out, ref_idx) and _equal(vals, ref_val)
+
+    graph = _eager_on_a_caller_stream_then_captured(call, check)
     for seed in (71, 72):
         qq_new, kk_new, w_new = prefill_inputs(s_q, s_k, 4, 64, "fp8", seed=seed)
         ks_new, ke_new = W.random_windows(s_q, s_k, torch.Generator().manual_seed(seed), DEVICE, empty_fraction=0.1)
@@ -826,39 +849,18 @@ def test_decode_merges_beside_logits_order(monkeypatch, record_launches):
     logits into one of two buffers after the caller waited for the merge two chunks before, the
     caller joined to the side stream at the end; ties and an empty request, the result the
     unfused op's."""
-    log = []
-    main, side = _LoggedStream("main", log), _LoggedStream("side", log)
     monkeypatch.setattr(topk, "_OVERLAP_DECODE_MERGES", 1)
-    monkeypatch.setattr(topk, "_merge_stream", lambda device, steps: side if steps > 1 else None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: stream)
-    logits_out = []
-    real_logits = tilefuse.fp8_fp4_paged_mqa_logits
-
-    def logged_logits(*args, **kwargs):
-        log.append(("logits",))
-        logits_out.append(kwargs["out"])
-        return real_logits(*args, **kwargs)
-
     merges = record_launches(kern, "topk_merge_chunk_kernel")
     case = PagedCase("fp8", lens=(150, 0, 97), next_n=2, block_kv=16, seed=76, distinct_keys=40)
     ref_idx, ref_val = case.expected(24)
-    monkeypatch.setattr(tilefuse, "fp8_fp4_paged_mqa_logits", logged_logits)
+    log, logits_out, real_logits = _log_side_stream(monkeypatch, "fp8_fp4_paged_mqa_logits")
     idx, val = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 24, return_values=True, chunk_k=32)
     monkeypatch.setattr(tilefuse, "fp8_fp4_paged_mqa_logits", real_logits)
     tilefuse.check_errors()
     assert torch.equal(idx, ref_idx) and _equal(val, ref_val)
     steps = topk.cdiv(case.max_context_len, 32)
     assert steps == 5 and len(merges) == steps
-    expected = [("wait", "side", "main")]
-    for i in range(steps):
-        if i >= 2:
-            expected.append(("wait event", "main", i - 1))
-        expected += [("logits",), ("wait", "side", "main"), ("enter", "side"), ("exit", "side"),
-                     ("record", "side", i + 1)]
-    assert log == expected + [("wait", "main", "side")]
-    bases = [t.untyped_storage().data_ptr() for t in logits_out]
-    assert len(set(bases)) == 2 and all(bases[i] == bases[i % 2] for i in range(steps))
+    _check_side_stream_log(log, logits_out, steps)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="streams and graphs: the GPU only")
@@ -878,16 +880,11 @@ def test_decode_merges_beside_logits_in_a_graph(overlap, monkeypatch):
         out.copy_(idx)
         vals.copy_(val)
 
-    caller = torch.cuda.Stream()
-    caller.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(caller):
-        call()
-    torch.cuda.current_stream().wait_stream(caller)
-    ref_idx, ref_val = case.expected(k_top)
-    assert torch.equal(out, ref_idx) and _equal(vals, ref_val)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=caller):
-        call()
+    def check():
+        ref_idx, ref_val = case.expected(k_top)
+        assert torch.equal(out, ref_idx) and _equal(vals, ref_val)
+
+    graph = _eager_on_a_caller_stream_then_captured(call, check)
     for seed in (78, 79):
         new = PagedCase("fp8", lens=(150, 0, 97), next_n=2, block_kv=16, seed=seed)
         case.qq[0].copy_(new.qq[0])
