@@ -608,35 +608,32 @@ def topk_rows_pass_kernel(
     local = tl.zeros([_RADIX_BINS], tl.int32)
     if MAXIMA and PASS < _RADIX_LEVELS:
         best = tl.full([BLOCK], EMPTY_KEY, tl.int64)  # (valid keys lie above it)
-        for i in range(seg, tl.cdiv(end - start, BLOCK), segments):
-            pos = start.to(tl.int64) + i * BLOCK + col
-            inside = pos < end
-            v = tl.load(row_logits + pos, mask=inside, other=0.0).to(tl.float32)
-            best = tl.maximum(best, tl.where(inside, _order_keys(v, pos.to(tl.int32)), EMPTY_KEY))
+    # Counted in blocks from the window's start, positions in int64: no bound passes int32.
+    for i in range(seg, tl.cdiv(end - start, BLOCK), segments):
+        pos = start.to(tl.int64) + i * BLOCK + col
+        inside = pos < end
+        v = tl.load(row_logits + pos, mask=inside, other=0.0).to(tl.float32)
+        keys = _order_keys(v, pos.to(tl.int32))
+        if MAXIMA and PASS < _RADIX_LEVELS:
+            best = tl.maximum(best, tl.where(inside, keys, EMPTY_KEY))
+        elif PASS == 0:
+            digit = ((keys >> SHIFT) + _RADIX_BINS // 2).to(tl.int32)
+            local += tl.histogram(digit, _RADIX_BINS, mask=inside)
+        elif PASS < _RADIX_LEVELS:
+            digit = ((keys >> SHIFT) & (_RADIX_BINS - 1)).to(tl.int32)
+            local += tl.histogram(digit, _RADIX_BINS, mask=inside & ((keys >> (SHIFT + _RADIX_BITS)) == prefix))
+        else:
+            keep = inside & (keys >= (prefix << (64 - _RADIX_LEVELS * _RADIX_BITS)))
+            taken = keep.to(tl.int32)
+            first_slot = tl.atomic_add(count_ptr + row, tl.sum(taken, axis=0), sem="relaxed")
+            tl.store(cand_row + (first_slot + tl.cumsum(taken, 0) - 1), keys, mask=keep)
+    if MAXIMA and PASS < _RADIX_LEVELS:  # one histogram of the program's column maxima
         held = best != EMPTY_KEY
         if PASS == 0:
             local = tl.histogram(((best >> SHIFT) + _RADIX_BINS // 2).to(tl.int32), _RADIX_BINS, mask=held)
         else:
             local = tl.histogram(((best >> SHIFT) & (_RADIX_BINS - 1)).to(tl.int32), _RADIX_BINS,
                                  mask=held & ((best >> (SHIFT + _RADIX_BITS)) == prefix))
-    else:
-        # Counted in blocks from the window's start, positions in int64: no bound passes int32.
-        for i in range(seg, tl.cdiv(end - start, BLOCK), segments):
-            pos = start.to(tl.int64) + i * BLOCK + col
-            inside = pos < end
-            v = tl.load(row_logits + pos, mask=inside, other=0.0).to(tl.float32)
-            keys = _order_keys(v, pos.to(tl.int32))
-            if PASS == 0:
-                digit = ((keys >> SHIFT) + _RADIX_BINS // 2).to(tl.int32)
-                local += tl.histogram(digit, _RADIX_BINS, mask=inside)
-            elif PASS < _RADIX_LEVELS:
-                digit = ((keys >> SHIFT) & (_RADIX_BINS - 1)).to(tl.int32)
-                local += tl.histogram(digit, _RADIX_BINS, mask=inside & ((keys >> (SHIFT + _RADIX_BITS)) == prefix))
-            else:
-                keep = inside & (keys >= (prefix << (64 - _RADIX_LEVELS * _RADIX_BITS)))
-                taken = keep.to(tl.int32)
-                first_slot = tl.atomic_add(count_ptr + row, tl.sum(taken, axis=0), sem="relaxed")
-                tl.store(cand_row + (first_slot + tl.cumsum(taken, 0) - 1), keys, mask=keep)
     if PASS < _RADIX_LEVELS:
         bins = tl.arange(0, _RADIX_BINS)
         tl.atomic_add(hist_row + PASS * _RADIX_BINS + bins, local, mask=local > 0, sem="relaxed")

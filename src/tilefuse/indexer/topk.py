@@ -196,12 +196,13 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
     state = rows * 12 * 2 * (chunks - 1)
     block = rows if chunk_q is None else min(rows, chunk_q)
     first = min(chunk_k, n_keys)
-    bar = _groups_bar(state_width(topk), _gpu_rows_per_program(state_width(topk)))
+    w = state_width(topk)
+    bar = _groups_bar(w, _gpu_rows_per_program(w))
     groups_bar = rows * first * logits_bytes if bar else 0
     if n_keys <= topk:
         per_row = n_keys
     elif bar:
-        width = 2 * state_width(topk)
+        width = 2 * w
         per_row = first * (1 - (1 - topk / width) ** (width / max(first, width))) + topk * math.log(n_keys / first)
     else:
         per_row = topk * (1 + math.log(n_keys / topk))
@@ -213,7 +214,7 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
         + rows * min(topk, n_keys) * 16 + indices,
         "whole_rows_workspace_bytes": rows * max(n_keys, 1) * (logits_bytes + 8),
         "chunked_total": 2 * logits + groups_bar + state + indices,
-        "chunked_workspace_bytes": block * (min(chunk_k, max(n_keys, 1)) * logits_bytes + 2 * state_width(topk) * 8
+        "chunked_workspace_bytes": block * (min(chunk_k, max(n_keys, 1)) * logits_bytes + 2 * w * 8
                                             + 12),
         "chunked_hbm_if_l2_resident": state + indices,
         "candidates_random": round(rows * per_row * 8 * 2),
@@ -441,6 +442,38 @@ def _merge_stream(device: torch.device, steps: int) -> torch.cuda.Stream | None:
     return stream
 
 
+class _SideMerges:
+    """A call's merges on the side stream of :func:`_merge_stream`, each beside the next step's
+    logits. Two logits buffers taken in turn: a step's logits wait for the merge that read its
+    buffer two steps before, so the memory stays two chunks whatever the host's lead."""
+
+    def __init__(self, side: torch.cuda.Stream, rows: int, cols: int, logits_dtype, device: torch.device):
+        self.side, self.main = side, torch.cuda.current_stream(device)
+        side.wait_stream(self.main)  # (joins a graph capture too)
+        self.ring = [_layout.new_logits(rows, cols, logits_dtype, device) for _ in range(2)]
+        self.merged: list = [None, None]
+        self.step = self.slot = 0
+
+    def buffer(self, rows: int, cols: int) -> torch.Tensor:
+        """The next step's logits buffer, once the merge that last read it is done."""
+        self.slot, self.step = self.step % 2, self.step + 1
+        if self.merged[self.slot] is not None:
+            self.main.wait_event(self.merged[self.slot])
+        return self.ring[self.slot][:rows, :cols]
+
+    @contextlib.contextmanager
+    def merging(self):
+        """The step's merge on the side stream, after the caller's launches so far (the merges
+        keep their order there)."""
+        self.side.wait_stream(self.main)
+        with torch.cuda.stream(self.side):
+            yield
+        self.merged[self.slot] = self.side.record_event()
+
+    def join(self) -> None:
+        self.main.wait_stream(self.side)
+
+
 def _chunks(n_keys: int, chunk_k: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` column ranges; one empty range when there are no keys (the rows still get -1)."""
     return [(lo, min(lo + chunk_k, n_keys)) for lo in range(0, max(n_keys, 1), chunk_k)]
@@ -497,14 +530,7 @@ def _run_mqa_topk(
     bars, candidates, counts = _workspace(min(s_q, chunk_q), topk, len(chunks), q.device)
     steps = cdiv(max(s_q, 1), chunk_q) * len(chunks)
     side = _merge_stream(q.device, steps)
-    if side is not None:
-        main = torch.cuda.current_stream(q.device)
-        side.wait_stream(main)  # (joins a graph capture too)
-        # Two logits buffers taken in turn: a step's logits wait for the merge that read its
-        # buffer two steps before, so the memory stays two chunks whatever the host's lead.
-        ring = [_layout.new_logits(min(s_q, chunk_q), min(s_k, chunk_k), logits_dtype, q.device) for _ in range(2)]
-        merged: list = [None, None]
-        step = 0
+    ring = None if side is None else _SideMerges(side, min(s_q, chunk_q), min(s_k, chunk_k), logits_dtype, q.device)
     with deferred():  # a chunk's errors surface at the next call, not the next chunk
         for r0 in range(0, max(s_q, 1), chunk_q):
             r1 = min(r0 + chunk_q, s_q)
@@ -520,28 +546,17 @@ def _run_mqa_topk(
                 else:  # (raw, a window starting before the chunk would be reported negative)
                     ks_c = (ks_r - lo).clamp(0, width)
                     ke_c = torch.maximum((ke_r - lo).clamp(0, width), ks_c)
-                buffer = None
-                if side is not None:
-                    slot, step = step % 2, step + 1
-                    if merged[slot] is not None:
-                        main.wait_event(merged[slot])
-                    buffer = ring[slot][: r1 - r0, :width]
+                buffer = None if ring is None else ring.buffer(r1 - r0, width)
                 logits = tilefuse.fp8_fp4_mqa_logits(q_rows, (_span(k, lo, hi), _span(k_scale, lo, hi)), w_r, ks_c,
                                                      ke_c, clean_logits=False, logits_dtype=logits_dtype, config=cfg,
                                                      out=buffer)
                 if r1 == r0:
                     continue
-                if side is not None:
-                    # The merge of this chunk on the side stream, beside the next chunk's logits
-                    # (the merges keep their order there).
-                    side.wait_stream(main)
-                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                with contextlib.nullcontext() if ring is None else ring.merging():
                     _merge(logits, bars, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out_r, val_r,
                            topk, kern.WIN_PREFILL, first=c == 0, final=c == len(chunks) - 1)
-                if side is not None:
-                    merged[slot] = side.record_event()
-    if side is not None:
-        main.wait_stream(side)
+    if ring is not None:
+        ring.join()
 
 
 class _PrefillPlan(NamedTuple):
@@ -774,36 +789,23 @@ def _run_paged_mqa_topk(
     chunks = _chunks(covered, chunk_k)
     bars, candidates, counts = _workspace(b * next_n, topk, len(chunks), q.device)
     side = _merge_stream(q.device, len(chunks) if b and _OVERLAP_DECODE_MERGES else 1)
-    if side is not None:  # as the prefill op's: merges beside the next chunk's logits, two buffers in turn
-        main = torch.cuda.current_stream(q.device)
-        side.wait_stream(main)
-        ring = [_layout.new_logits(b * next_n, min(covered, chunk_k), logits_dtype, q.device) for _ in range(2)]
-        merged: list = [None, None]
+    ring = None if side is None else _SideMerges(side, b * next_n, min(covered, chunk_k), logits_dtype, q.device)
     with deferred():  # a chunk's errors surface at the next call, not the next chunk
         for c, (lo, hi) in enumerate(chunks):
             width = hi - lo
             lens_c = (ends - lo).clamp(0, width).contiguous()
             table_c = block_table[:, lo // block_kv: cdiv(hi, block_kv)]
             meta_c = tilefuse.get_paged_mqa_logits_metadata(lens_c, block_kv, schedule_meta.shape[0] - 1)
-            buffer = None
-            if side is not None:
-                slot = c % 2
-                if merged[slot] is not None:
-                    main.wait_event(merged[slot])
-                buffer = ring[slot][:, :width]
+            buffer = None if ring is None else ring.buffer(b * next_n, width)
             logits = tilefuse.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, lens_c, table_c, meta_c, width,
                                                        False, logits_dtype, indices, out=buffer, config=cfg)
             if b:
-                if side is not None:
-                    side.wait_stream(main)
-                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                with contextlib.nullcontext() if ring is None else ring.merging():
                     _merge(logits, bars, candidates, counts, lo, width, context_lens, context_lens, max_context_len,
                            covered, next_n, ctx_stride, 0, out, values, topk, mode, first=c == 0,
                            final=c == len(chunks) - 1)
-                if side is not None:
-                    merged[slot] = side.record_event()
-    if side is not None:
-        main.wait_stream(side)
+    if ring is not None:
+        ring.join()
 
 
 @torch.library.custom_op("tilefuse::paged_mqa_topk", mutates_args=("out", "values"))
