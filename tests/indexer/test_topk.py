@@ -132,9 +132,12 @@ def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k):
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("k_top,segments", [(5, 2), (130, 5), (130, 8)])
-@pytest.mark.parametrize("rows_a_program", ["interpreter", "gpu"])
-@pytest.mark.parametrize("maxima", [0, 1])
+@pytest.mark.parametrize(
+    "k_top,segments,rows_a_program,maxima",
+    [(k, s, r, 0) for k, s in [(5, 2), (130, 5), (130, 8)] for r in ["interpreter", "gpu"]]
+    # over maxima: 130 / 5 programs holds fewer than 2 W groups (5 x 64 columns), so keys again
+    + [(5, 2, "gpu", 1), (130, 5, "gpu", 1), (130, 8, "gpu", 1), (130, 8, "interpreter", 1)],
+)
 def test_rows_across_programs(pattern, k_top, segments, rows_a_program, maxima, monkeypatch):
     """The radix select across a row's programs: random windows (empty, shorter than topk, past
     the row's end), every tie pattern, blocks of 64 keys dealt over the programs; index for
