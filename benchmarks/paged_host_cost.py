@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import random
 import statistics
 import sys
@@ -25,10 +26,13 @@ import time
 
 import torch
 
-import tilefuse
-from tilefuse import formats as F
-from tilefuse.indexer import _paged_kernel as kern
-from tilefuse.indexer import paged
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import tilefuse  # noqa: E402
+from tilefuse import formats as F  # noqa: E402
+from tilefuse.indexer import _paged_kernel as kern  # noqa: E402
+from tilefuse.indexer import paged  # noqa: E402
 
 H, D, BLOCK_KV = 64, 128, 64
 
