@@ -111,7 +111,7 @@ _MERGE_MAXNREG_WIDTH = 2048
 # one step; benchmarks/NOTES.md, round (19)), or after them on the caller's stream (0).
 _OVERLAP_MERGES = 1
 # The same for decode key chunks (1), or not (0: the default until timed; NOTES round (20)).
-_OVERLAP_DECODE_MERGES = 0
+_OVERLAP_DECODE_MERGES = 1
 # A merge of a first chunk raises each row's bar before its scan to what at least topk of the
 # chunk's 2 W group maxima reach (``_topk_kernel._groups_bar``; 1), or scans from an empty bar (0).
 # 1: 1.07x -> 1.16x the sorted pair at 2048 x 32768, 1.10x -> 1.31x at 512 x 8192, decode B256
@@ -319,7 +319,7 @@ _PASS_OPTIONS = {"num_warps": 4}
 # row, so a row takes at least 2 W / _ACROSS_BLOCK programs) instead of every key (0): a
 # histogram of a program's BLOCK maxima once, not of each block it reads. 0 until timed
 # (benchmarks/NOTES.md, round (20)).
-_ACROSS_GROUP_MAXIMA = 0
+_ACROSS_GROUP_MAXIMA = 1
 
 
 # Histograms and counts of the passes across programs: RADIX_LEVELS x 2^RADIX_BITS int32 and one
