@@ -1121,6 +1121,12 @@ def test_bytes_moved_and_default_chunks(groups_bar, monkeypatch):
     assert topk.state_width(2048) == 2048 and topk.state_width(3) == 16
 
 
+def test_decode_chunk_follows_its_setting(monkeypatch):
+    """The decode chunk reads its setting per call (a benchmark's A/B sets it after import)."""
+    monkeypatch.setattr(topk, "_DECODE_CHUNK_STATES", 32)
+    assert topk.default_chunk_k(2048, 256) == 65536
+
+
 def _prefill_args():
     qq, kk, w = prefill_inputs(8, 300, 4, 32, "fp8", seed=17)
     ks, ke = W.causal_tail(8, 300, DEVICE)

@@ -142,9 +142,11 @@ def _groups_bar(w: int, rows_per_program: int) -> bool:
     return bool(_FIRST_CHUNK_BAR) and 2 * w * rows_per_program <= kern.SELECT_HELD_KEYS
 
 
-def default_chunk_k(topk: int, align: int, states: int = _DECODE_CHUNK_STATES) -> int:
-    """Key columns per chunk: ``states * W`` within [2048, 65536], rounded up to ``align`` (each
-    chunk is one logits launch and one merge launch)."""
+def default_chunk_k(topk: int, align: int, states: int | None = None) -> int:
+    """Key columns per chunk: ``states * W`` (decode: ``_DECODE_CHUNK_STATES``, read per call)
+    within [2048, 65536], rounded up to ``align`` (each chunk is one logits launch and one merge
+    launch)."""
+    states = _DECODE_CHUNK_STATES if states is None else states
     chunk = min(_MAX_CHUNK, max(_MIN_CHUNK, states * state_width(topk)))
     return cdiv(chunk, align) * align
 
