@@ -27,9 +27,8 @@
 #   PART=topk-profile: Nsight Compute on the merge kernel's launches (stall reasons, hottest lines);
 #   PART=topk-open: the top-k GPU tests (DeepGEMM building meanwhile), the eager cost, then top-k
 #     speed beside DeepGEMM (the README's table);
-#   PART=topk-decode-paths: the decode top-k's paths side by side (whole rows with the passes over
-#     keys or group maxima, chunks of 8 W or 32 W), decode merges beside the next chunk's logits
-#     off / on, then their GPU tests;
+#   PART=topk-next: round (21)'s top-k A/Bs (last-step warps, prefill workspace, decode chunk), the
+#     kernel times of the fused calls, the across-programs tests
 #   PART=topk-check: the top-k GPU tests, warm-up count and contract sweep side by side (DeepGEMM builds meanwhile);
 #     PART=topk-across: the top-k of few rows across programs against torch.topk
 #   PART=prefill-sweep: the whole prefill contract product, $SWEEP_PROCS processes
@@ -383,16 +382,18 @@ case "$part" in
     step bench-topk "${TOPK_S:-150}" python3 -m tilefuse.cli bench topk -o "$OUT/topk.json" --samples 10 \
       --shapes ${TOPK_SHAPES:-2048x32768 4096x65536 2048x131072 64x1x32768 256x2x65536}
     ;;
-  topk-decode-paths)  # round (20)'s settings, untimed when written (benchmarks/NOTES.md)
-    wr=_WHOLE_ROWS_BYTES
-    step ab-decode-paths 130 python3 benchmarks/topk_setting_ab.py --samples 10 --variants \
-      $wr=100663296,_ACROSS_GROUP_MAXIMA=0 $wr=100663296,_ACROSS_GROUP_MAXIMA=1 \
-      $wr=0,_DECODE_CHUNK_STATES=8 $wr=0,_DECODE_CHUNK_STATES=32 \
-      --shapes 64x1x32768 8x1x65536 128x1x16384 1x1x32768 256x2x65536 --output "$OUT/topk-decode-paths.json"
-    step ab-decode-overlap 60 python3 benchmarks/topk_setting_ab.py --samples 10 --setting _OVERLAP_DECODE_MERGES \
-      --values 0 1 --shapes 256x2x65536 64x1x32768 --fix _WHOLE_ROWS_BYTES=0 --output "$OUT/topk-decode-overlap.json"
-    step topk-decode-tests 200 python3 -m pytest -q -p no:cacheprovider -n 8 tests/indexer/test_topk.py \
-      -k "across or whole_rows or beside_logits or decode"
+  topk-next)  # round (21)'s A/Bs (benchmarks/NOTES.md), then where the fused calls' time goes
+    step ab-last-step-warps 100 python3 benchmarks/topk_setting_ab.py --samples 10 --setting _ACROSS_LAST_STEP_WARPS \
+      --values 8 16 --shapes 64x1x32768 128x1x16384 8x1x65536 1x1x32768 --output "$OUT/topk-last-step-warps.json"
+    step ab-workspace 120 python3 benchmarks/topk_setting_ab.py --samples 10 --setting _WORKSPACE_BYTES \
+      --values 67108864 33554432 --shapes 2048x32768 4096x65536 2048x131072 --output "$OUT/topk-workspace.json"
+    step ab-decode-chunk 90 python3 benchmarks/topk_setting_ab.py --samples 10 --variants \
+      _WHOLE_ROWS_BYTES=0,_DECODE_CHUNK_STATES=8 _WHOLE_ROWS_BYTES=0,_DECODE_CHUNK_STATES=32 \
+      --shapes 64x1x32768 256x2x65536 --output "$OUT/topk-decode-chunk.json"
+    step topk-kernel-times 90 python3 benchmarks/topk_kernel_times.py --output "$OUT/topk-kernel-times.json" \
+      --shapes 64x1x32768 128x1x16384 8x1x65536 256x2x65536 2048x32768
+    step topk-last-step-tests 150 python3 -m pytest -q -p no:cacheprovider -n 8 tests/indexer/test_topk.py \
+      -k "across or whole_rows"
     ;;
   topk-profile)  # Nsight Compute on the merge's launches (first, first + last, a middle chunk's
     # scan; 512 rows): where its warps stall, the issue rate, the hottest lines

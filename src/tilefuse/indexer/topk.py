@@ -285,6 +285,8 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     if hist is None:
         hist = counts  # (not read without RESET)
     warps = max(1, min(8, rows_per_program * w // 256))
+    if hist is not None and warps == 8 and rows_per_program == 1:
+        warps = _ACROSS_LAST_STEP_WARPS
     key = (consts, warps, logits.dtype, vals.dtype, win_a.dtype, win_b.dtype,
            _aligned(logits, bars, candidates, counts, hist, win_a, win_b, out, vals, err))
     grid = cdiv(rows, rows_per_program)
@@ -318,6 +320,10 @@ _ACROSS_PROGRAMS = 4 * 132
 _ACROSS_MIN_SEGMENT = 2048
 _ACROSS_BLOCK = 1024
 _PASS_OPTIONS = {"num_warps": 4}
+# Warps of the last step after the passes (one program a row, W >= 2048): 8, the merge's, or 16,
+# which halves each thread's share of the row's select and sort where the rows leave SMs idle
+# (8 until timed: benchmarks/NOTES.md, round (21)).
+_ACROSS_LAST_STEP_WARPS = 8
 # The digit passes over the largest key of each program's columns (1; at least 2 W groups a
 # row, so a row takes at least 2 W / _ACROSS_BLOCK programs) instead of every key (0): a
 # histogram of a program's BLOCK maxima once, not of each block it reads (B64 ctx 32K 1.03x ->

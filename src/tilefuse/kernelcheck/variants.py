@@ -817,17 +817,22 @@ def topk_merge_variants() -> list[Variant]:
     # The last step after the passes across programs: the select starts from the passes'
     # histograms (RESET).
     passes = f"{topk.kern.__name__}:topk_rows_pass_kernel"
-    for k, mode, dtype, values, maxima in ((2048, topk.kern.WIN_DECODE_1D, torch.float32, False, 0),
-                                           (2048, topk.kern.WIN_DECODE_2D, torch.float32, True, 0),
-                                           (2048, topk.kern.WIN_DECODE_1D, torch.bfloat16, True, 0),
-                                           (16, topk.kern.WIN_DECODE_1D, torch.float32, False, 0),
-                                           (2048, topk.kern.WIN_DECODE_1D, torch.float32, False, 1),
-                                           (2048, topk.kern.WIN_DECODE_2D, torch.float32, True, 1)):
+    # (and with 16 warps, ``_ACROSS_LAST_STEP_WARPS``)
+    f32, f16 = torch.float32, torch.bfloat16
+    for k, mode, dtype, values, maxima, warps in ((2048, topk.kern.WIN_DECODE_1D, f32, False, 0, 8),
+                                                  (2048, topk.kern.WIN_DECODE_2D, f32, True, 0, 8),
+                                                  (2048, topk.kern.WIN_DECODE_1D, f16, True, 0, 8),
+                                                  (16, topk.kern.WIN_DECODE_1D, f32, False, 0, 8),
+                                                  (2048, topk.kern.WIN_DECODE_1D, f32, False, 1, 8),
+                                                  (2048, topk.kern.WIN_DECODE_2D, f32, True, 1, 8),
+                                                  (2048, topk.kern.WIN_DECODE_1D, f32, False, 1, 16),
+                                                  (2048, topk.kern.WIN_DECODE_2D, f32, True, 1, 16)):
         rows, next_n = 4, 2
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
         logits = torch.empty(rows, 5000, dtype=dtype)
         with (tracing(path, passes) as launches, mock.patch.object(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0),
-              mock.patch.object(topk, "_ACROSS_GROUP_MAXIMA", maxima)):
+              mock.patch.object(topk, "_ACROSS_GROUP_MAXIMA", maxima),
+              mock.patch.object(topk, "_ACROSS_LAST_STEP_WARPS", warps)):
             topk._topk_rows_across_programs(logits, win, win, k, mode, next_n,
                                             win.stride(0) if win.dim() == 2 else 1, values=values)
         (launch,) = [x for x in launches if x.function == path]
