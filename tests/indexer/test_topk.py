@@ -1294,3 +1294,14 @@ def test_specialisation_keys_after_warmup_cover_random_calls(fmt, monkeypatch):
                      topk.fp8_fp4_paged_mqa_topk(q, cache, w, lens, table, meta, max_len, k, chunk_k=chunk))
     seen = _traced_keys(calls)
     assert seen and seen <= warmed, seen - warmed
+
+
+def test_last_step_warps_only_after_the_passes(monkeypatch):
+    """``_ACROSS_LAST_STEP_WARPS`` reaches the last step after the passes across programs, not
+    the chunk merges (their registry variants, traced with it at 16)."""
+    from tilefuse.kernelcheck import variants
+
+    monkeypatch.setattr(topk, "_ACROSS_LAST_STEP_WARPS", 16)
+    names = [v.name for v in variants.topk_merge_variants()]
+    assert [n for n in names if " w16" in n and "after-passes" not in n] == []
+    assert any(" w16" in n for n in names)

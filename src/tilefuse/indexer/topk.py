@@ -282,11 +282,11 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     err = error_record(out.device)
     consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, piece,
               0 if hist is None else 2 if maxima else 1, first and _groups_bar(w, rows_per_program))
+    warps = max(1, min(8, rows_per_program * w // 256))
+    if hist is not None and warps == 8 and rows_per_program == 1:  # the last step after the passes
+        warps = _ACROSS_LAST_STEP_WARPS
     if hist is None:
         hist = counts  # (not read without RESET)
-    warps = max(1, min(8, rows_per_program * w // 256))
-    if hist is not None and warps == 8 and rows_per_program == 1:
-        warps = _ACROSS_LAST_STEP_WARPS
     key = (consts, warps, logits.dtype, vals.dtype, win_a.dtype, win_b.dtype,
            _aligned(logits, bars, candidates, counts, hist, win_a, win_b, out, vals, err))
     grid = cdiv(rows, rows_per_program)
