@@ -841,7 +841,8 @@ def topk_merge_variants() -> list[Variant]:
                                   ("maxima", maxima)) if on]
         name = (f"k{k} W{c['W']} rows{c['ROWS']} {modes[mode]} after-passes w{launch.options['num_warps']}"
                 + "".join(" " + x for x in extras))
-        out.append(variant_of(launch, "indexer.topk_merge", name))
+        # (16 warps: an option for Hopper's idle SMs, compiled for it alone)
+        out.append(variant_of(launch, "indexer.topk_merge", name, targets=("sm_90a",) if warps == 16 else TARGETS_ALL))
     return _unique(out)
 
 
