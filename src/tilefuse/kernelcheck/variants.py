@@ -772,7 +772,10 @@ def topk_merge_variants() -> list[Variant]:
     topk 2048 (DeepSeek-V3.2's) at the first, middle, last and only chunk of prefill windows,
     the first and only chunk of both decode windows, the last chunk with values from fp32 and
     bf16 logits; smaller top-k values (16, 40, 100, 512) at first/middle/last/only chunk. The
-    rows a program holds are the GPU's (the interpreter's larger row blocks turned off)."""
+    rows a program holds are the GPU's (the interpreter's larger row blocks turned off). For
+    sm_100a a subset (topk 2048 and 16 over prefill windows, the 1-D last steps from fp32 logits
+    at 8 warps): the other configurations differ from those in their window loads, widths and
+    values alone, compiled for sm_90a."""
     from unittest import mock
 
     import torch
@@ -801,7 +804,8 @@ def topk_merge_variants() -> list[Variant]:
                                   ("values", values)) if on]
         name = (f"k{k} W{c['W']} rows{c['ROWS']} {modes[mode]} {chunk} w{launch.options['num_warps']}"
                 + "".join(" " + x for x in extras))
-        out.append(variant_of(launch, "indexer.topk_merge", name))
+        both = k in (16, 2048) and mode == topk.kern.WIN_PREFILL
+        out.append(variant_of(launch, "indexer.topk_merge", name, targets=TARGETS_ALL if both else ("sm_90a",)))
 
     for first, final, chunk in chunks:
         one(2048, 64, topk.kern.WIN_PREFILL, first, final, chunk)
@@ -841,8 +845,8 @@ def topk_merge_variants() -> list[Variant]:
                                   ("maxima", maxima)) if on]
         name = (f"k{k} W{c['W']} rows{c['ROWS']} {modes[mode]} after-passes w{launch.options['num_warps']}"
                 + "".join(" " + x for x in extras))
-        # (16 warps: an option for Hopper's idle SMs, compiled for it alone)
-        out.append(variant_of(launch, "indexer.topk_merge", name, targets=("sm_90a",) if warps == 16 else TARGETS_ALL))
+        both = k == 2048 and mode == topk.kern.WIN_DECODE_1D and dtype == f32 and warps == 8
+        out.append(variant_of(launch, "indexer.topk_merge", name, targets=TARGETS_ALL if both else ("sm_90a",)))
     return _unique(out)
 
 
