@@ -70,8 +70,16 @@ def test_targets_follow_the_dispatch_table(registry):
             assert v.targets == ("sm_100a",)
         elif v.kernel in ("indexer.prefill_gluon", "indexer.paged_gluon", "indexer.paged_persistent", "tp.rs_gluon"):
             assert v.targets == ("sm_90a",)
+        elif v.kernel == "indexer.topk_merge":
+            assert v.targets in (V.TARGETS_ALL, ("sm_90a",)), v.name
         else:
             assert v.targets == V.TARGETS_ALL
+    # The top-k merge's sm_100a subset: every chunk position, values from both logits dtypes and
+    # the last step after each kind of pass.
+    blackwell = [v.name for v in registry if v.kernel == "indexer.topk_merge" and "sm_100a" in v.targets]
+    for part in (" first ", " middle ", " last ", " only ", "logits=bf16 values", "after-passes w8 maxima"):
+        assert any(part in n + " " for n in blackwell), part
+    assert any(n.endswith("after-passes w8") for n in blackwell)
 
 
 def test_tp_variants_use_the_gpu_timer(registry):

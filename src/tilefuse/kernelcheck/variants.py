@@ -49,7 +49,9 @@ class Variant:
     the kernel; function: ``"package.module:jit_function"``; signature: runtime argument ->
     Triton type (``"*fp32"``, ``"i32"``, ``"tensordesc<fp8e4nv[64, 128]>"``); constexprs:
     constant argument -> value; aligned: arguments compiled with 16-divisibility;
-    targets: the targets the kernel runs on; origin: ``"default"`` or ``"option"``.
+    targets: the targets it is compiled and checked for: those the kernel runs on, or a subset
+    where a configuration differs from others checked for the missing target only in loads,
+    widths or stores (the top-k merge on sm_100a); origin: ``"default"`` or ``"option"``.
     """
 
     kernel: str
