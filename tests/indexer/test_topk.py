@@ -647,7 +647,7 @@ def _log_side_stream(monkeypatch, logits_op: str):
     ``(log, outs, real_op)``; the caller puts ``real_op`` back before computing references."""
     log, outs = [], []
     main, side = _LoggedStream("main", log), _LoggedStream("side", log)
-    monkeypatch.setattr(topk, "_merge_stream", lambda device, steps: side if steps > 1 else None)
+    monkeypatch.setattr(topk, "_merge_stream", lambda device, steps, enabled: side if enabled and steps > 1 else None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: stream)
     real_op = getattr(tilefuse, logits_op)

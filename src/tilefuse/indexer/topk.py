@@ -110,8 +110,8 @@ _MERGE_MAXNREG_WIDTH = 2048
 # the next chunk's logits (1: 5-8% faster at 2048 x 32768 .. 4096 x 65536 on an H100, level at
 # one step; benchmarks/NOTES.md, round (19)), or after them on the caller's stream (0).
 _OVERLAP_MERGES = 1
-# The same for decode key chunks (1: B256 next_n 2 ctx 64K 1.30x -> 1.37x the sorted pair on an
-# H100; benchmarks/NOTES.md, round (20)), or not (0).
+# Decode calls of several key chunks, the same way (1: B256 next_n 2 ctx 64K 1.30x -> 1.37x the
+# sorted pair on an H100; benchmarks/NOTES.md, round (20)), or not (0); each op has its own.
 _OVERLAP_DECODE_MERGES = 1
 # A merge of a first chunk raises each row's bar before its scan to what at least topk of the
 # chunk's 2 W group maxima reach (``_topk_kernel._groups_bar``; 1), or scans from an empty bar (0).
@@ -439,10 +439,11 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
 _merge_streams: dict[int, torch.cuda.Stream] = {}
 
 
-def _merge_stream(device: torch.device, steps: int) -> torch.cuda.Stream | None:
+def _merge_stream(device: torch.device, steps: int, enabled: int) -> torch.cuda.Stream | None:
     """The side stream a device's merges run on (made once a device; calls from several streams
-    at once serialise their merges there), or None: the setting off, one step, not CUDA."""
-    if not (_OVERLAP_MERGES and steps > 1 and device.type == "cuda"):
+    at once serialise their merges there), or None: the op's setting (``enabled``) off, one
+    step, not CUDA."""
+    if not (enabled and steps > 1 and device.type == "cuda"):
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = _merge_streams.get(index)
@@ -538,7 +539,7 @@ def _run_mqa_topk(
     chunks = _chunks(s_k, chunk_k)
     bars, candidates, counts = _workspace(min(s_q, chunk_q), topk, len(chunks), q.device)
     steps = cdiv(max(s_q, 1), chunk_q) * len(chunks)
-    side = _merge_stream(q.device, steps)
+    side = _merge_stream(q.device, steps, _OVERLAP_MERGES)
     ring = None if side is None else _SideMerges(side, min(s_q, chunk_q), min(s_k, chunk_k), logits_dtype, q.device)
     with deferred():  # a chunk's errors surface at the next call, not the next chunk
         for r0 in range(0, max(s_q, 1), chunk_q):
@@ -797,7 +798,7 @@ def _run_paged_mqa_topk(
     ends = ends.clamp(min=0).to(torch.int32)
     chunks = _chunks(covered, chunk_k)
     bars, candidates, counts = _workspace(b * next_n, topk, len(chunks), q.device)
-    side = _merge_stream(q.device, len(chunks) if b and _OVERLAP_DECODE_MERGES else 1)
+    side = _merge_stream(q.device, len(chunks) if b else 1, _OVERLAP_DECODE_MERGES)
     ring = None if side is None else _SideMerges(side, b * next_n, min(covered, chunk_k), logits_dtype, q.device)
     with deferred():  # a chunk's errors surface at the next call, not the next chunk
         for c, (lo, hi) in enumerate(chunks):
