@@ -3,7 +3,7 @@
 Prints, per call shape, the wall time per call and the functions with the most time of their
 own (cProfile inflates every Python frame, so read the shares, not the absolute numbers).
 
-    python benchmarks/host_profile.py [--calls 500] [--top 18]
+    python benchmarks/host_profile.py [--calls 500] [--top 18] [--only TEXT]
 """
 
 from __future__ import annotations
@@ -28,13 +28,16 @@ import tilefuse  # noqa: E402
 _SMS = 0
 
 
-def _cases(device: str) -> dict:
+def _cases(device: str, calls_a_case: int) -> dict:
     global _SMS
     _SMS = torch.cuda.get_device_properties(0).multi_processor_count
     cases = {}
     for fmt, s_q in (("fp8", 128), ("fp8", 16), ("mxfp8", 128), ("mxfp4", 128)):
         calls = prefill_host_cost._calls(fmt, s_q, 4096, device)
         cases[f"prefill {fmt} {s_q}/4096"] = calls["new output"]
+    for fmt in ("fp8", "mxfp8", "mxfp4"):  # a chunked prefill: S_q and S_k new every call
+        calls = prefill_host_cost._new_size_calls(fmt, 128, 4096, device, 40 + 2 * calls_a_case)
+        cases[f"prefill {fmt} 128/4096 new sizes"] = calls["new sizes, new output"]
     for fmt in ("fp8", "mxfp4"):
         qq, cache, w, lens, table = paged_host_cost.inputs(fmt, 32, 4096, 1, device)
         lens2 = lens.view(-1, 1).contiguous()
@@ -51,9 +54,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=500)
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--only", default="", help="the cases whose name holds this text")
     a = ap.parse_args()
     device = "cuda"
-    for name, fn in _cases(device).items():
+    for name, fn in _cases(device, a.calls).items():
+        if a.only not in name:
+            continue
         for _ in range(20):
             fn()
         torch.cuda.synchronize()

@@ -1113,7 +1113,7 @@ def test_bytes_moved_and_default_chunks(groups_bar, monkeypatch):
     assert topk.topk_bytes_moved(4, 100, 128, 256)["candidates_random"] == 4 * 100 * 16
     assert moved["chunked_hbm_if_l2_resident"] < moved["unfused"] / 4
     assert topk.topk_bytes_moved(4, 100, 8, 256)["chunked_hbm_if_l2_resident"] == 4 * 8 * 4
-    assert topk.default_chunk_k(2048, 256) == 16384 and topk.default_chunk_k(8, 256) == 2048
+    assert topk.default_chunk_k(2048, 256) == 65536 and topk.default_chunk_k(8, 256) == 2048
     assert topk.default_chunk_k(64, 48) == 2064  # whole pages of 48 tokens
     assert topk.default_prefill_chunk_k(2048) == 32768 and topk.default_prefill_chunk_k(5) == 2048
     assert topk.default_chunk_q(32768, torch.float32) == 512
@@ -1123,8 +1123,8 @@ def test_bytes_moved_and_default_chunks(groups_bar, monkeypatch):
 
 def test_decode_chunk_follows_its_setting(monkeypatch):
     """The decode chunk reads its setting per call (a benchmark's A/B sets it after import)."""
-    monkeypatch.setattr(topk, "_DECODE_CHUNK_STATES", 32)
-    assert topk.default_chunk_k(2048, 256) == 65536
+    monkeypatch.setattr(topk, "_DECODE_CHUNK_STATES", 8)
+    assert topk.default_chunk_k(2048, 256) == 16384
 
 
 def _prefill_args():

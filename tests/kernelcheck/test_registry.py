@@ -75,9 +75,9 @@ def test_targets_follow_the_dispatch_table(registry):
         else:
             assert v.targets == V.TARGETS_ALL
     # The top-k merge's sm_100a subset: every chunk position, values from both logits dtypes and
-    # the last step after each kind of pass.
+    # the last step after each kind of pass (at its default warps).
     blackwell = [v.name for v in registry if v.kernel == "indexer.topk_merge" and "sm_100a" in v.targets]
-    for part in (" first ", " middle ", " last ", " only ", "logits=bf16 values", "after-passes w8 maxima"):
+    for part in (" first ", " middle ", " last ", " only ", "logits=bf16 values", "after-passes w16 maxima"):
         assert any(part in n + " " for n in blackwell), part
     assert any(n.endswith("after-passes w8") for n in blackwell)
 

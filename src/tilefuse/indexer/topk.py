@@ -77,10 +77,12 @@ _WORKSPACE_BYTES = 64 << 20
 # the candidate buffers beside them. Memory held, not traffic: the logits op writes and the
 # passes read only the columns within each row's length.
 _WHOLE_ROWS_BYTES = 96 << 20
-# Key columns a chunk, in state widths W: decode 8 W; prefill 16 W (with the first chunk's bar
-# from its group maxima a wider chunk takes about as many keys into its buffer: ~1.4 W on random
-# logits, whatever the width).
-_DECODE_CHUNK_STATES = 8
+# Key columns a chunk, in state widths W: decode 32 W (against 8 W, rows not taken whole: B256
+# next_n 2 ctx 64K 1.38x -> 1.49x the sorted pair, B64 ctx 32K 1.09x -> 1.15x on an H100;
+# benchmarks/NOTES.md, round (21)); prefill 16 W (with the first chunk's bar from its group
+# maxima a wider chunk takes about as many keys into its buffer: ~1.4 W on random logits,
+# whatever the width).
+_DECODE_CHUNK_STATES = 32
 _PREFILL_CHUNK_STATES = 16
 _MIN_CHUNK, _MAX_CHUNK = 2048, 65536
 # Prefill row blocks are whole multiples of this (the query tiles of every prefill kernel, so
@@ -320,10 +322,11 @@ _ACROSS_PROGRAMS = 4 * 132
 _ACROSS_MIN_SEGMENT = 2048
 _ACROSS_BLOCK = 1024
 _PASS_OPTIONS = {"num_warps": 4}
-# Warps of the last step after the passes (one program a row, W >= 2048): 8, the merge's, or 16,
-# which halves each thread's share of the row's select and sort where the rows leave SMs idle
-# (8 until timed: benchmarks/NOTES.md, round (21)).
-_ACROSS_LAST_STEP_WARPS = 8
+# Warps of the last step after the passes (one program a row, W >= 2048): 16 halves each
+# thread's share of the row's select and sort where the rows leave SMs idle (against 8, the
+# merge's: B8 ctx 64K 1.25x -> 1.51x the sorted pair, B64 ctx 32K 1.18x -> 1.25x, level at one
+# row on an H100; benchmarks/NOTES.md, round (21)).
+_ACROSS_LAST_STEP_WARPS = 16
 # The digit passes over the largest key of each program's columns (1; at least 2 W groups a
 # row, so a row takes at least 2 W / _ACROSS_BLOCK programs) instead of every key (0): a
 # histogram of a program's BLOCK maxima once, not of each block it reads (B64 ctx 32K 1.03x ->

@@ -66,6 +66,7 @@ _ENTRIES = [
     ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * last w8*", 288, _MERGE_FINAL, "3.8*"),
     ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * only w8", 436, _MERGE_FINAL, "3.8*"),
     ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * after-passes w8*", 344, _MERGE_FINAL, "3.8*"),
+    ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * after-passes w16*", 24, _MERGE_FINAL, "3.8*"),
     ("indexer.topk_merge", "*", "k2048 W2048 rows1 * first w8", 64, _MERGE_BAR, "3.6*"),
     ("indexer.topk_merge", "*", "k2048 W2048 rows1 * last w8*", 248, _MERGE_FINAL, "3.6*"),
     ("indexer.topk_merge", "*", "k2048 W2048 rows1 * only w8", 356, _MERGE_FINAL, "3.6*"),
