@@ -8,7 +8,8 @@ works, DeepGEMM's logits + ``torch.topk``. Then ``--profile``: the host function
 the fused decode and prefill calls' time (cProfile, by own time) and, on a GPU, the CUDA
 runtime calls and kernels of 20 calls (torch.profiler).
 
-    python benchmarks/topk_host_cost.py [--output f.json] [--profile]
+    python benchmarks/topk_host_cost.py [--output f.json] [--profile] [--decode BxCTX ...]
+        [--setting NAME --values V ...] [--no-prefill]
 
 Without a GPU it runs a few calls through the interpreter (the numbers then say nothing).
 """
@@ -28,7 +29,7 @@ from paged_host_cost import graph_gpu_us, host_setup, per_call_us  # (sibling sc
 import tilefuse
 from tilefuse import formats as F
 from tilefuse.bench import env
-from tilefuse.indexer import paged
+from tilefuse.indexer import paged, topk
 
 H, D, BLOCK_KV, TOPK = 64, 128, 64, 2048
 
@@ -59,6 +60,12 @@ def main(argv=None) -> int:
     ap.add_argument("--output", default=None)
     ap.add_argument("--calls", type=int, default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--decode", nargs="+", default=None, metavar="BxCTX",
+                    help="decode cases (default on a GPU: 1x4096 32x4096 1x32768)")
+    ap.add_argument("--setting", default=None, help="a module-level int of tilefuse.indexer.topk: the fused "
+                    "calls timed at each of --values in turn (a row each)")
+    ap.add_argument("--values", type=int, nargs="+", default=[])
+    ap.add_argument("--no-prefill", action="store_true")
     args = ap.parse_args(argv)
     gpu, device, sync, num_sms, deep_gemm = host_setup()
     calls = args.calls or (200 if gpu else 1)
@@ -93,6 +100,29 @@ def main(argv=None) -> int:
             print(f"{case}, fused, 20 calls:\n"
                   f"{tp.key_averages().table(sort_by='self_cpu_time_total', row_limit=25)}", flush=True)
 
+    def record_fused(case, fn, result=None):
+        """The fused call's row, or one a value of ``--setting`` (each value's first call
+        outside the timing: a setting may make other kernels); ``result()``: the call's output,
+        which must be the first value's bit for bit."""
+        if not args.setting:
+            record(case, "tilefuse fused", fn)
+            return
+        saved = getattr(topk, args.setting)
+        first = None
+        try:
+            for value in args.values:
+                setattr(topk, args.setting, value)
+                fn()
+                if result is not None:
+                    sync()
+                    now = result().clone()
+                    first = now if first is None else first
+                    if not torch.equal(now, first):
+                        raise SystemExit(f"{case}: {args.setting}={value} differs from {args.values[0]}")
+                record(case, f"tilefuse fused {args.setting}={value}", fn)
+        finally:
+            setattr(topk, args.setting, saved)
+
     def decode(batch: int, ctx: int) -> None:
         qq, cache, w, lens, table = decode_inputs(batch, ctx, device)
         meta = tilefuse.get_paged_mqa_logits_metadata(lens, BLOCK_KV, num_sms)
@@ -103,7 +133,7 @@ def main(argv=None) -> int:
         def fused():
             tilefuse.fp8_fp4_paged_mqa_topk(qq, cache, w, lens, table, meta, ctx, k, out=out)
 
-        record(case, "tilefuse fused", fused)
+        record_fused(case, fused, lambda: out)
         record(case, "tilefuse + torch.topk", lambda: torch.topk(tilefuse.fp8_fp4_paged_mqa_logits(
             qq, cache, w, lens, table, meta, ctx), k, dim=1))
         if deep_gemm is not None:
@@ -113,13 +143,17 @@ def main(argv=None) -> int:
         if args.profile and batch == 1 and ctx == 4096:
             profile(fused, case)
 
-    for batch, ctx in ((1, 4096), (32, 4096), (1, 32768)) if gpu else ((1, 96),):
+    cases = [tuple(map(int, c.split("x"))) for c in args.decode] if args.decode else (
+        ((1, 4096), (32, 4096), (1, 32768)) if gpu else ((1, 96),))
+    for batch, ctx in cases:
         decode(batch, ctx)
+    if args.no_prefill:
+        return write(args.output, calls, rows)
     s_q, s_k = (128, 4096) if gpu else (4, 96)
     qq, kk, w, ks, ke = prefill_inputs(s_q, s_k, device)
     k = min(TOPK, s_k)
     case = f"prefill {s_q}/{s_k}"
-    record(case, "tilefuse fused", lambda: tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k))
+    record_fused(case, lambda: tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k))
     if args.profile:
         profile(lambda: tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k), case)
     record(case, "tilefuse + torch.topk", lambda: torch.topk(tilefuse.fp8_fp4_mqa_logits(
@@ -127,8 +161,12 @@ def main(argv=None) -> int:
     if deep_gemm is not None:
         record(case, "deep_gemm + torch.topk", lambda: torch.topk(deep_gemm.fp8_mqa_logits(
             qq[0], kk, w, ks, ke, clean_logits=True), k, dim=1))
-    if args.output:
-        with open(args.output, "w") as f:
+    return write(args.output, calls, rows)
+
+
+def write(output, calls: int, rows: list) -> int:
+    if output:
+        with open(output, "w") as f:
             json.dump({"environment": env.environment("eager"), "calls": calls, "rows": rows}, f, indent=1)
     return 0
 

@@ -846,6 +846,38 @@ def test_decode_whole_rows(fmt, ctx_2d, logits_dtype, record_launches, monkeypat
     assert torch.equal(idx, case.check(48, chunk_k=None, logits_dtype=logits_dtype))  # chunks agree
 
 
+@pytest.mark.parametrize("fmt,ctx_2d,logits_dtype", [("fp8", False, torch.float32), ("mxfp4", True, torch.bfloat16)])
+def test_decode_short_rows_one_merge_eagerly(fmt, ctx_2d, logits_dtype, record_launches, monkeypatch):
+    """Eager calls over whole rows of at most ``_EAGER_ONE_MERGE_KEYS`` keys: the logits, then
+    one merge a row over the whole row (no passes), through the checked path and the layout's
+    plan alike; ties, a zero-length request, lengths past topk and below it; the bits the
+    passes give. A call being captured keeps the passes; longer rows too."""
+    monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
+    monkeypatch.setattr(topk, "_ACROSS_MIN_SEGMENT", 128)
+    monkeypatch.setattr(topk, "_decode_plans", {})
+    case = PagedCase(fmt, lens=(700, 0, 129, 33), next_n=2, ctx_2d=ctx_2d, seed=60 + len(fmt) + ctx_2d,
+                     extra_cols=64, distinct_keys=40)
+    monkeypatch.setattr(topk, "_EAGER_ONE_MERGE_KEYS", 0)
+    across = case.check(48, chunk_k=None, logits_dtype=logits_dtype)
+    monkeypatch.setattr(topk, "_EAGER_ONE_MERGE_KEYS", case.max_context_len)
+    passes = record_launches(kern, "topk_rows_pass_kernel")
+    merges = record_launches(kern, "topk_merge_chunk_kernel")
+    for _ in range(2):  # the checked call, then the plan's
+        out = torch.full_like(across, 12345)
+        idx = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 48, logits_dtype, out=out)
+        tilefuse.check_errors()
+        assert idx is out and torch.equal(idx, across)
+    assert passes == [] and len(merges) == 2
+    assert torch.equal(case.check(48, chunk_k=None, logits_dtype=logits_dtype), across)
+    monkeypatch.setattr(topk.prefill, "_stream_and_capture", lambda index: (0, True))
+    assert torch.equal(tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 48, logits_dtype), across)
+    assert len(passes) == kern.RADIX_LEVELS + 1
+    monkeypatch.setattr(topk.prefill, "_stream_and_capture", lambda index: (0, False))
+    monkeypatch.setattr(topk, "_EAGER_ONE_MERGE_KEYS", case.max_context_len - 1)
+    assert torch.equal(tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 48, logits_dtype), across)
+    assert len(passes) == 2 * (kern.RADIX_LEVELS + 1)
+
+
 def test_decode_merges_beside_logits_order(monkeypatch, record_launches):
     """Decode chunks on the side-stream path (the setting on), with logged stand-ins for the
     streams: each merge on the side stream after it waited for the caller's, each chunk's

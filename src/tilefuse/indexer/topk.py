@@ -439,6 +439,30 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     return out, out_values
 
 
+# Eager decode calls over whole rows of at most this many keys (``max_context_len``): one merge
+# program a row over the whole row (the logits and one launch) instead of the passes across
+# programs and their last step (five launches), since launches, not GPU time, bound such calls
+# eagerly. Captured into a CUDA graph a call keeps the passes (less GPU time). 0: never.
+_EAGER_ONE_MERGE_KEYS = 0
+
+
+def _decode_rows_topk(logits, context_lens, topk: int, mode: int, next_n: int, ctx_stride: int, out, values,
+                      partials: dict | None = None) -> None:
+    """The top-k of decode rows taken whole (``logits [R, max_context_len]``) into ``out`` /
+    ``values``: one merge a row for short rows of an eager call (``_EAGER_ONE_MERGE_KEYS``),
+    else :func:`_topk_rows_across_programs`. Both give the same bits."""
+    rows, n_keys = logits.shape
+    dev = logits.device
+    if rows and n_keys <= _EAGER_ONE_MERGE_KEYS and not prefill._stream_and_capture(
+            dev.index if dev.type == "cuda" else -1)[1]:
+        bars, candidates, counts = _workspace(rows, topk, 1, dev)
+        _merge(logits, bars, candidates, counts, 0, n_keys, context_lens, context_lens, n_keys, n_keys, next_n,
+               ctx_stride, 0, out, values, topk, mode, first=True, final=True, partials=partials)
+        return
+    _topk_rows_across_programs(logits, context_lens, context_lens, topk, mode, next_n, ctx_stride, out=out,
+                               out_values=values, partials=partials)
+
+
 _merge_streams: dict[int, torch.cuda.Stream] = {}
 
 
@@ -788,8 +812,7 @@ def _run_paged_mqa_topk(
             logits = tilefuse.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, context_lens, block_table,
                                                        schedule_meta, max_context_len, False, logits_dtype, indices,
                                                        config=cfg)
-            _topk_rows_across_programs(logits, context_lens, context_lens, topk, mode, next_n, ctx_stride,
-                                       out=out, out_values=values)
+            _decode_rows_topk(logits, context_lens, topk, mode, next_n, ctx_stride, out, values)
         return
     # Keys a row may have: the output's width, and what the block table can address.
     covered = min(max_context_len, block_table.shape[1] * block_kv)
@@ -900,8 +923,8 @@ def _run_decode_plan(plan: _DecodePlan, q_values, q_sf, kv_cache, weights, conte
     logits = paged.new_logits(q_values.shape[0] * plan.next_n, max_context_len, logits_dtype, plan.device)
     paged._launch(plan.paged_plan, q_values, q_sf, kv_cache, weights, context_lens, block_table, indices, logits,
                   max_context_len)
-    _topk_rows_across_programs(logits, context_lens, context_lens, topk, plan.mode, plan.next_n, plan.ctx_stride,
-                               out=out, out_values=values, partials=plan.partials)
+    _decode_rows_topk(logits, context_lens, topk, plan.mode, plan.next_n, plan.ctx_stride, out, values,
+                      plan.partials)
 
 
 def _decode_by_plan(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
