@@ -442,8 +442,10 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
 # Eager decode calls over whole rows of at most this many keys (``max_context_len``): one merge
 # program a row over the whole row (the logits and one launch) instead of the passes across
 # programs and their last step (five launches), since launches, not GPU time, bound such calls
-# eagerly. Captured into a CUDA graph a call keeps the passes (less GPU time). 0: never.
-_EAGER_ONE_MERGE_KEYS = 0
+# eagerly (one H100: B1 ctx 4096 77.9 -> 47.0 us a call, B32 ctx 8192 77.7 -> 64.8, B1 ctx 32K
+# 90.6 -> 64.5; benchmarks/NOTES.md, round (22)). Captured into a CUDA graph a call keeps the
+# passes (less GPU time). 0: never.
+_EAGER_ONE_MERGE_KEYS = 32768
 
 
 def _decode_rows_topk(logits, context_lens, topk: int, mode: int, next_n: int, ctx_stride: int, out, values,
