@@ -830,6 +830,7 @@ def test_decode_whole_rows(fmt, ctx_2d, logits_dtype, record_launches, monkeypat
     row's programs (four passes over every row, blocks of 64 keys dealt over 6 programs a row)
     and one final merge; ties (repeated keys), a zero-length request, lengths past topk and
     below it."""
+    monkeypatch.setattr(topk, "_EAGER_ONE_MERGE_KEYS", 0)  # the passes (a captured call's, or longer rows')
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
     monkeypatch.setattr(topk, "_ACROSS_MIN_SEGMENT", 128)
     case = PagedCase(fmt, lens=(700, 0, 129, 33), next_n=2, ctx_2d=ctx_2d, seed=50 + len(fmt) + ctx_2d,
@@ -952,6 +953,7 @@ def test_decode_whole_rows_plan_over_changing_sizes(fmt, ctx_2d, monkeypatch):
     directly, the passes and the merge as partial launches), each bit for bit the unfused op's
     top-k. Checked mode takes the checked path to the same result; another output layout makes
     a plan of its own."""
+    monkeypatch.setattr(topk, "_EAGER_ONE_MERGE_KEYS", 0)  # the passes (a captured call's, or longer rows')
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 32)
     monkeypatch.setattr(topk, "_ACROSS_MIN_SEGMENT", 64)
     monkeypatch.setattr(topk, "_decode_plans", {})
@@ -1023,6 +1025,7 @@ def test_decode_whole_rows_leave_the_kept_histograms_zero(fmt, ctx_2d, monkeypat
     its own and leaves the kept one."""
     from tilefuse import _jit
 
+    monkeypatch.setattr(topk, "_EAGER_ONE_MERGE_KEYS", 0)  # the passes (a captured call's, or longer rows')
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 32)
     monkeypatch.setattr(topk, "_ACROSS_MIN_SEGMENT", 64)
     monkeypatch.setattr(topk, "_KEPT_ROWS", 8)
@@ -1054,6 +1057,7 @@ def test_decode_whole_rows_failure_between_launches(failing, monkeypatch):
     right."""
     from tilefuse import _jit
 
+    monkeypatch.setattr(topk, "_EAGER_ONE_MERGE_KEYS", 0)  # the passes (a captured call's, or longer rows')
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
     monkeypatch.setattr(topk, "_kept_histograms", {})
     case = PagedCase("fp8", lens=(200, 0, 17), next_n=2, seed=73)

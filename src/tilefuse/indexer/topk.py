@@ -1060,8 +1060,9 @@ def warmup_calls(fmt: str, num_heads: int, head_dim: int, topk: int, weights_dty
     kernels (prefill: one call of each size class whose config no smaller call has; decode:
     1-D and 2-D lengths, and ``indices`` at next_n 1), every merge variant (one chunk, and
     first / middle / last chunks, each with and without values) and, for decode, whole rows
-    (their logits launch, the passes of the top-k across programs and both last steps: the rank
-    step and the final merge). After them, any sizes, windows,
+    (their logits launch, the passes of the top-k across programs and their last step, as a
+    captured call or rows past ``_EAGER_ONE_MERGE_KEYS`` take them; shorter rows of an eager
+    call take the one-chunk merge). After them, any sizes, windows,
     lengths and chunk counts compile nothing.
 
     Raises:
@@ -1098,10 +1099,28 @@ def _prefill_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype,
     return calls
 
 
+@contextlib.contextmanager
+def _whole_rows_by_the_passes():
+    """Decode rows taken whole go through the passes across programs whatever their length, as
+    a call being captured into a CUDA graph does (the warm-up's eager calls compile them so)."""
+    global _EAGER_ONE_MERGE_KEYS
+    saved, _EAGER_ONE_MERGE_KEYS = _EAGER_ONE_MERGE_KEYS, 0
+    try:
+        yield
+    finally:
+        _EAGER_ONE_MERGE_KEYS = saved
+
+
 def _decode_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype, device, block_kv, next_n) -> list:
     def call(ctx_2d: bool, chunks: int, return_values: bool = False, with_indices: bool = False,
              whole: bool = False, batch: int = 2):
         def run() -> None:
+            # whole rows by the passes and their last step, as a captured call or longer rows take
+            # them (an eager call of short rows takes one merge a row: the one-chunk merge's kernel)
+            with _whole_rows_by_the_passes() if whole else contextlib.nullcontext():
+                launch()
+
+        def launch() -> None:
             length = (chunks - 1) * block_kv + 1
             pages = cdiv(length, block_kv)
             cache = paged.new_paged_kv_cache(batch * pages, block_kv, head_dim, fmt, device=device)
