@@ -27,8 +27,7 @@
 #   PART=topk-profile: Nsight Compute on the merge kernel's launches (stall reasons, hottest lines);
 #   PART=topk-open: the top-k GPU tests (DeepGEMM building meanwhile), the eager cost, then top-k
 #     speed beside DeepGEMM (the README's table);
-#   PART=topk-next: round (21)'s top-k A/Bs (last-step warps, prefill workspace, decode chunk), the
-#     kernel times of the fused calls, the across-programs tests
+#   PART=topk-verify: round (22)'s top-k changes on a GPU (tests, eager cost, two A/Bs, top-k speed)
 #   PART=topk-check: the top-k GPU tests, warm-up count and contract sweep side by side (DeepGEMM builds meanwhile);
 #     PART=topk-across: the top-k of few rows across programs against torch.topk
 #   PART=prefill-sweep: the whole prefill contract product, $SWEEP_PROCS processes
@@ -139,7 +138,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|decode-ab|decode-profile|persistent|persistent-contract|table|host|topk|topk-check|topk-open|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|decode-ab|decode-profile|persistent|persistent-contract|table|host|topk|topk-check|topk-open|topk-verify|eager|serving|host-calls|dgtests|small|bf16|pick)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   if [ -f "$PEERS/build.sh" ]; then
     touch "$LOGS/.deepgemm-building"
@@ -382,18 +381,20 @@ case "$part" in
     step bench-topk "${TOPK_S:-150}" python3 -m tilefuse.cli bench topk -o "$OUT/topk.json" --samples 10 \
       --shapes ${TOPK_SHAPES:-2048x32768 4096x65536 2048x131072 64x1x32768 256x2x65536}
     ;;
-  topk-next)  # round (21)'s A/Bs (benchmarks/NOTES.md), then where the fused calls' time goes
-    step ab-last-step-warps 100 python3 benchmarks/topk_setting_ab.py --samples 10 --setting _ACROSS_LAST_STEP_WARPS \
-      --values 8 16 --shapes 64x1x32768 128x1x16384 8x1x65536 1x1x32768 --output "$OUT/topk-last-step-warps.json"
-    step ab-workspace 120 python3 benchmarks/topk_setting_ab.py --samples 10 --setting _WORKSPACE_BYTES \
-      --values 67108864 33554432 --shapes 2048x32768 4096x65536 2048x131072 --output "$OUT/topk-workspace.json"
-    step ab-decode-chunk 90 python3 benchmarks/topk_setting_ab.py --samples 10 --variants \
-      _WHOLE_ROWS_BYTES=0,_DECODE_CHUNK_STATES=8 _WHOLE_ROWS_BYTES=0,_DECODE_CHUNK_STATES=32 \
-      --shapes 64x1x32768 256x2x65536 --output "$OUT/topk-decode-chunk.json"
-    step topk-kernel-times 90 python3 benchmarks/topk_kernel_times.py --output "$OUT/topk-kernel-times.json" \
-      --shapes 64x1x32768 128x1x16384 8x1x65536 256x2x65536 2048x32768
-    step topk-last-step-tests 150 python3 -m pytest -q -p no:cacheprovider -n 8 tests/indexer/test_topk.py \
-      -k "across or whole_rows"
+  topk-verify)  # round (22)'s changes on a GPU: the top-k and warm-up tests (the no-compile test
+    # after the warm-up's whole rows through the passes), the eager cost at the defaults beside
+    # both pairs, top-k speed (the README's table), then the one-merge bound past 32768 keys and
+    # the 128 MiB prefill workspace (~10 minutes: DEADLINE=590)
+    step topk-tests "${TOPK_TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -n 8 tests/indexer/test_topk.py \
+      tests/indexer/test_warmup.py
+    wait_deepgemm
+    step topk-host 45 python3 benchmarks/topk_host_cost.py --output "$OUT/topk-host-cost.json"
+    step bench-topk "${TOPK_S:-150}" python3 -m tilefuse.cli bench topk -o "$OUT/topk.json" --samples 10 \
+      --shapes 2048x32768 4096x65536 2048x131072 64x1x32768 256x2x65536 8x1x65536 128x1x16384
+    step ab-one-merge 60 python3 benchmarks/topk_host_cost.py --no-prefill --decode 1x65536 8x65536 64x32768 \
+      --setting _EAGER_ONE_MERGE_KEYS --values 0 65536 --output "$OUT/topk-host-one-merge-65536.json"
+    step ab-workspace 80 python3 benchmarks/topk_setting_ab.py --samples 10 --setting _WORKSPACE_BYTES \
+      --values 67108864 134217728 --shapes 2048x32768 4096x65536 --output "$OUT/topk-workspace-128.json"
     ;;
   topk-profile)  # Nsight Compute on the merge's launches (first, first + last, a middle chunk's
     # scan; 512 rows): where its warps stall, the issue rate, the hottest lines
