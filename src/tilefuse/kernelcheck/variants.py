@@ -847,7 +847,8 @@ def topk_merge_variants() -> list[Variant]:
                                   ("maxima", maxima)) if on]
         name = (f"k{k} W{c['W']} rows{c['ROWS']} {modes[mode]} after-passes w{launch.options['num_warps']}"
                 + "".join(" " + x for x in extras))
-        # both targets at each kind of pass's default warps (8 after the passes over every key)
+        # both targets at the default (16 warps after the passes over group maxima) and at 8
+        # warps after the passes over every key
         both = k == 2048 and mode == topk.kern.WIN_DECODE_1D and dtype == f32 and warps == (16 if maxima else 8)
         out.append(variant_of(launch, "indexer.topk_merge", name, targets=TARGETS_ALL if both else ("sm_90a",)))
     return _unique(out)
