@@ -1157,6 +1157,17 @@ def test_bytes_moved_and_default_chunks(groups_bar, monkeypatch):
     assert topk.state_width(2048) == 2048 and topk.state_width(3) == 16
 
 
+def test_workspace_of_one_chunk_allocates_its_candidates_alone():
+    """One chunk's merge reads no bar or count (``merge_chunks`` poisons them): every such call
+    on a device shares one pair of one-element stand-ins; more chunks get a bar and a count a row."""
+    bars, candidates, counts = topk._workspace(3, 40, 1, torch.device(DEVICE))
+    again = topk._workspace(5, 16, 1, torch.device(DEVICE))
+    assert again[0] is bars and again[2] is counts and bars.numel() == counts.numel() == 1
+    assert candidates.shape == (3, 128) and again[1].shape == (5, 32) and candidates.dtype == torch.int64
+    bars, candidates, counts = topk._workspace(3, 40, 2, torch.device(DEVICE))
+    assert bars.shape == (3,) and counts.shape == (3,) and (bars.dtype, counts.dtype) == (torch.int64, torch.int32)
+
+
 def test_decode_chunk_follows_its_setting(monkeypatch):
     """The decode chunk reads its setting per call (a benchmark's A/B sets it after import)."""
     monkeypatch.setattr(topk, "_DECODE_CHUNK_STATES", 8)

@@ -526,15 +526,25 @@ def _span(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
     return t[lo:hi]
 
 
+# One chunk's merge (FIRST and FINAL, no passes before it) neither reads nor writes a bar or a
+# count: one pair of one-element tensors a device stands in for them, so such a call allocates
+# its candidate buffer alone.
+_unread_bar_and_count: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def _workspace(rows: int, topk: int, n_chunks: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(bars, candidates, counts)``: a row's int64 bar, its buffer of ``2 W`` int64 keys and
     its int32 count, carried between chunks. One chunk goes straight from empty to the result:
-    no bar or count needed then."""
-    w = state_width(topk)
-    kept = rows if n_chunks > 1 else 1
-    bars = torch.empty(kept, dtype=torch.int64, device=device)
-    counts = torch.empty(kept, dtype=torch.int32, device=device)
-    return bars, torch.empty((rows, 2 * w), dtype=torch.int64, device=device), counts
+    no bar or count needed then (``_unread_bar_and_count``)."""
+    candidates = torch.empty((rows, 2 * state_width(topk)), dtype=torch.int64, device=device)
+    if n_chunks > 1:
+        return (torch.empty(rows, dtype=torch.int64, device=device), candidates,
+                torch.empty(rows, dtype=torch.int32, device=device))
+    unread = _unread_bar_and_count.get(device)
+    if unread is None:
+        unread = _unread_bar_and_count[device] = (torch.empty(1, dtype=torch.int64, device=device),
+                                                  torch.empty(1, dtype=torch.int32, device=device))
+    return unread[0], candidates, unread[1]
 
 
 # ---------------------------------------------------------------------------------------
