@@ -1112,7 +1112,8 @@ def _prefill_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype,
 @contextlib.contextmanager
 def _whole_rows_by_the_passes():
     """Decode rows taken whole go through the passes across programs whatever their length, as
-    a call being captured into a CUDA graph does (the warm-up's eager calls compile them so)."""
+    a call being captured into a CUDA graph does (the warm-up's eager calls compile them so).
+    It sets a module setting for the block: for the warm-up at start-up, not beside other calls."""
     global _EAGER_ONE_MERGE_KEYS
     saved, _EAGER_ONE_MERGE_KEYS = _EAGER_ONE_MERGE_KEYS, 0
     try:
