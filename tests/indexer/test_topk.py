@@ -1309,8 +1309,10 @@ def _traced_keys(calls) -> set:
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_specialisation_keys_after_warmup_cover_random_calls(fmt, monkeypatch):
     """Every merge and logits launch of fused calls at random sizes (prefill S_q, S_k, windows,
-    chunk counts; decode batch, 1-D / 2-D lengths, max_context_len, table widths) has the key of
-    a launch the warm-up made: no compile after warm-up. (The GPU's one row a merge program.)"""
+    chunk counts; decode batch, 1-D / 2-D lengths, max_context_len, table widths; decode rows
+    taken whole by an eager call, one merge a row, and by a call being captured, the passes and
+    their last step, with and without values) has the key of a launch the warm-up made: no
+    compile after warm-up. (The GPU's one row a merge program.)"""
     from tilefuse.indexer import prefill
     from tilefuse.indexer import warmup as warmup_mod
 
@@ -1339,6 +1341,12 @@ def test_specialisation_keys_after_warmup_cover_random_calls(fmt, monkeypatch):
         meta = paged.get_paged_mqa_logits_metadata(lens, block_kv, 4)
         calls.append(lambda q=q, cache=cache, w=w, lens=lens, table=table, meta=meta, max_len=max_len, chunk=chunk:
                      topk.fp8_fp4_paged_mqa_topk(q, cache, w, lens, table, meta, max_len, k, chunk_k=chunk))
+        if chunk is None:  # whole rows: the same call being captured into a CUDA graph, with values
+            def captured(q=q, cache=cache, w=w, lens=lens, table=table, meta=meta, max_len=max_len):
+                with monkeypatch.context() as m:
+                    m.setattr(prefill, "_stream_and_capture", lambda index: (0, True))
+                    topk.fp8_fp4_paged_mqa_topk(q, cache, w, lens, table, meta, max_len, k, return_values=True)
+            calls.append(captured)
     seen = _traced_keys(calls)
     assert seen and seen <= warmed, seen - warmed
 

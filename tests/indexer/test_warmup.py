@@ -8,7 +8,6 @@ import torch
 
 import tilefuse
 from tilefuse import _jit
-from tilefuse import formats as F
 from tilefuse.indexer import paged, prefill
 from tilefuse.indexer import warmup as warmup_mod
 from tilefuse.indexer import windows as W
@@ -144,64 +143,6 @@ def test_topk_warmup_runs_the_last_step_of_whole_rows(next_n, monkeypatch):
     modes = (kern.WIN_DECODE_1D, kern.WIN_DECODE_2D)
     reset = 2 if topk_op._ACROSS_GROUP_MAXIMA else 1  # the passes over group maxima, or over the keys
     assert {("merge", m, v, reset) for m in modes for v in (False, True)} <= seen
-
-
-class _KeyedLaunches:
-    """A stand-in for a ``tilefuse._jit.Launcher`` that records the caller's launch keys (one
-    compile each: the CPU tests audit that) and forwards every launch."""
-
-    def __init__(self, real):
-        self.real, self.keys = real, set()
-
-    def __call__(self, key, *args, **kwargs):
-        self.keys.add(key)
-        return self.real(key, *args, **kwargs)
-
-    def partial(self, key, *args, **kwargs):
-        self.keys.add(key)
-        return self.real.partial(key, *args, **kwargs)
-
-
-@pytest.mark.parametrize("next_n", [1, 2])
-def test_topk_warmup_covers_whole_rows_eager_and_captured(next_n, monkeypatch):
-    """After the top-k warm-up, decode calls over whole rows of new sizes launch only merge and
-    pass variants it launched: eager calls of short rows (one merge a row), of rows past
-    ``_EAGER_ONE_MERGE_KEYS`` and calls being captured (the passes and their last step); both
-    length layouts, with and without values; the GPU's rows a program."""
-    from tilefuse.indexer import topk as topk_op
-
-    monkeypatch.setattr(topk_op, "_INTERPRETER_KEYS_PER_PROGRAM", 0)
-    monkeypatch.setattr(topk_op, "_decode_plans", {})  # (partial launches of earlier plans go around the stand-ins)
-    launchers = {name: _KeyedLaunches(getattr(topk_op, name)) for name in ("_merge_launch", "_pass_launch")}
-    for name, launcher in launchers.items():
-        monkeypatch.setattr(topk_op, name, launcher)
-    h, d, block_kv, k_top = 8, 64, 32, 48
-    for call in topk_op.warmup_calls("fp8", h, d, k_top, torch.float32, torch.float32, DEVICE, block_kv, next_n,
-                                     prefill_calls=False)["decode_topk"]:
-        call()
-    warmed = {name: set(launcher.keys) for name, launcher in launchers.items()}
-    assert all(warmed.values())
-    g = torch.Generator().manual_seed(90 + next_n)
-    for capturing, limit in ((False, topk_op._EAGER_ONE_MERGE_KEYS), (False, 0), (True, topk_op._EAGER_ONE_MERGE_KEYS)):
-        monkeypatch.setattr(topk_op, "_EAGER_ONE_MERGE_KEYS", limit)
-        monkeypatch.setattr(topk_op.prefill, "_stream_and_capture", lambda index, c=capturing: (0, c))
-        for ctx_2d, values in ((False, False), (True, True)):
-            b = int(torch.randint(1, 4, (1,), generator=g))
-            max_len = int(torch.randint(40, 200, (1,), generator=g))
-            lens = torch.randint(0, max_len + 1, (b,), generator=g).int()
-            pages = -(-max_len // block_kv)
-            keys = torch.randn(b, max_len, d, generator=g).to(DEVICE)
-            cache, table = paged.make_paged_kv_cache(keys, lens.to(DEVICE), block_kv, "fp8", num_blocks=b * pages + 2,
-                                                     generator=g)
-            ctx = ((lens[:, None] - torch.arange(next_n - 1, -1, -1)).clamp(min=0).int() if ctx_2d else lens).to(DEVICE)
-            qq = tuple(None if t is None else t.to(DEVICE)
-                       for t in F.quantize_q(torch.randn(b, next_n, h, d, generator=g), "fp8"))
-            w = torch.randn(b * next_n, h, generator=g).to(DEVICE)
-            meta = tilefuse.get_paged_mqa_logits_metadata(ctx, block_kv, 4)
-            tilefuse.fp8_fp4_paged_mqa_topk(qq, cache, w, ctx, table, meta, max_len, k_top, return_values=values)
-    tilefuse.check_errors()
-    for name, launcher in launchers.items():
-        assert launcher.keys <= warmed[name], name
 
 
 @pytest.mark.gpu

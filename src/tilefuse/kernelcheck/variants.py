@@ -776,7 +776,8 @@ def topk_merge_variants() -> list[Variant]:
     bf16 logits; smaller top-k values (16, 40, 100, 512) at first/middle/last/only chunk. The
     rows a program holds are the GPU's (the interpreter's larger row blocks turned off). For
     sm_100a a subset (topk 2048 and 16 over prefill windows, the 1-D last steps from fp32 logits
-    at 8 warps): the other configurations differ from those in their window loads, widths and
+    after each kind of pass: 8 warps after the passes over every key, 16, the default, after
+    those over group maxima): the other configurations differ from those in their window loads, widths and
     values alone, compiled for sm_90a."""
     from unittest import mock
 
@@ -821,9 +822,8 @@ def topk_merge_variants() -> list[Variant]:
             one(k, 300, topk.kern.WIN_PREFILL, first, final, chunk, values=final)
 
     # The last step after the passes across programs: the select starts from the passes'
-    # histograms (RESET).
+    # histograms (RESET); at 8 and 16 warps (``_ACROSS_LAST_STEP_WARPS``).
     passes = f"{topk.kern.__name__}:topk_rows_pass_kernel"
-    # (and with 16 warps, ``_ACROSS_LAST_STEP_WARPS``)
     f32, f16 = torch.float32, torch.bfloat16
     for k, mode, dtype, values, maxima, warps in ((2048, topk.kern.WIN_DECODE_1D, f32, False, 0, 8),
                                                   (2048, topk.kern.WIN_DECODE_2D, f32, True, 0, 8),
