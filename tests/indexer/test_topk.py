@@ -934,6 +934,103 @@ def test_decode_merges_beside_logits_in_a_graph(overlap, monkeypatch):
         assert torch.equal(out, ref_idx) and _equal(vals, ref_val), seed
 
 
+def test_decode_whole_rows_in_parts_beside_logits_order(monkeypatch, record_launches):
+    """Whole rows by the passes in three parts of requests (``_WHOLE_ROWS_PARTS``), with logged
+    stand-ins for the streams: each part's logits on the caller's stream into its rows of one
+    buffer, then its passes and last step on the side stream after it waited for the caller's,
+    the caller joined to the side stream at the end; through the layout's plan and the custom
+    op's path; ties, an empty request, 2-D lengths; the unfused op's top-k and values. Checked
+    mode runs one part (the logits op compares ``schedule_meta`` with the whole batch)."""
+    monkeypatch.setattr(topk, "_EAGER_ONE_MERGE_KEYS", 0)  # the passes (a captured call's, or longer rows')
+    monkeypatch.setattr(topk, "_ACROSS_BLOCK", 32)
+    monkeypatch.setattr(topk, "_ACROSS_MIN_SEGMENT", 64)
+    monkeypatch.setattr(topk, "_WHOLE_ROWS_PARTS", 3)
+    monkeypatch.setattr(topk, "_WHOLE_ROWS_PART_ROWS", 2)
+    monkeypatch.setattr(topk, "_decode_plans", {})
+    passes = record_launches(kern, "topk_rows_pass_kernel")
+    case = PagedCase("fp8", lens=(150, 0, 97, 40, 130), next_n=2, block_kv=16, ctx_2d=True, seed=81,
+                     distinct_keys=40)
+    rows, k_top = case.w.shape[0], 24
+    assert topk.whole_rows_parts(5, 2) == 3 and topk.whole_rows_parts(5, 2, one_part=True) == 1
+    ref_idx, ref_val = case.expected(k_top)
+    log, bases = [], []
+    main, side = _LoggedStream("main", log), _LoggedStream("side", log)
+    monkeypatch.setattr(topk, "_merge_stream", lambda device, steps, enabled: side if enabled and steps > 1 else None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: stream)
+    real_launch = paged._launch
+
+    def logged_launch(plan, q, *args):
+        log.append(("logits", q.shape[0]))
+        bases.append(args[-2].untyped_storage().data_ptr())  # (its out)
+        return real_launch(plan, q, *args)
+
+    monkeypatch.setattr(paged, "_launch", logged_launch)
+    qq = case.qq
+    for call in range(2):  # the layout's plan, then the custom op's path
+        out = torch.full((rows, k_top), 12345, dtype=torch.int32, device=DEVICE)
+        values = torch.full((rows, k_top), 7.0, device=DEVICE)
+        if call == 0:
+            tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), k_top, out=out)
+            idx, val = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), k_top, return_values=True, out=out)
+            del log[:len(log) // 2], bases[:len(bases) // 2]  # the same launches twice
+        else:
+            topk._run_paged_mqa_topk(qq[0], qq[1], case.cache, case.w, case.ctx, case.table, case.meta,
+                                     case.max_context_len, torch.float32, None, k_top, 0, out, values)
+            idx, val = out, values
+        tilefuse.check_errors()
+        part = [("wait", "side", "main"), ("enter", "side"), ("exit", "side")]
+        assert log == [("logits", 1), *part, ("logits", 2), *part, ("logits", 2), *part, ("wait", "main", "side")]
+        assert len(set(bases)) == 1, "the parts' logits are rows of one buffer"
+        assert torch.equal(idx, ref_idx) and _equal(val, ref_val), call
+        log.clear()
+        bases.clear()
+    segments = topk.cdiv(case.max_context_len, 64)
+    assert passes == [(r, segments) for r in (2, 4, 4) for _ in range(kern.RADIX_LEVELS + 1)] * 3
+    with tilefuse.checked_mode():
+        assert torch.equal(tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), k_top), ref_idx)
+    assert log[0] == ("logits", 5) and passes[-1] == (rows, segments)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="streams and graphs: the GPU only")
+@pytest.mark.parametrize("parts", [1, 2])
+def test_decode_whole_rows_in_parts_in_a_graph(parts, monkeypatch):
+    """Whole rows by the passes in one and in two parts of requests: eager on a stream of the
+    caller's, captured in a CUDA graph and replayed over new queries, weights and lengths;
+    every result the unfused op's, bit for bit, with poisoned outputs."""
+    monkeypatch.setattr(topk, "_EAGER_ONE_MERGE_KEYS", 0)
+    monkeypatch.setattr(topk, "_WHOLE_ROWS_PARTS", parts)
+    monkeypatch.setattr(topk, "_WHOLE_ROWS_PART_ROWS", 1)
+    lens = (3000, 0, 97, 2500)
+    case = PagedCase("fp8", lens=lens, next_n=2, block_kv=64, seed=82)
+    rows, k_top = case.w.shape[0], 256
+    assert topk.decode_whole_rows(rows, case.max_context_len, torch.float32)
+    out = torch.full((rows, k_top), 12345, dtype=torch.int32, device=DEVICE)
+    vals = torch.full((rows, k_top), 7.0, device=DEVICE)
+
+    def call():
+        idx, val = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), k_top, return_values=True)
+        out.copy_(idx)
+        vals.copy_(val)
+
+    def check():
+        ref_idx, ref_val = case.expected(k_top)
+        assert torch.equal(out, ref_idx) and _equal(vals, ref_val)
+
+    graph = _eager_on_a_caller_stream_then_captured(call, check)
+    for seed in (83, 84):
+        new = PagedCase("fp8", lens=lens, next_n=2, block_kv=64, seed=seed)
+        case.qq[0].copy_(new.qq[0])
+        case.w.copy_(new.w)
+        case.ctx.copy_(torch.tensor((2000, 0, 61, 2500), dtype=torch.int32, device=DEVICE) if seed == 83 else new.ctx)
+        out.fill_(12345)
+        vals.fill_(7.0)
+        graph.replay()
+        tilefuse.check_errors()
+        ref_idx, ref_val = case.expected(k_top)
+        assert torch.equal(out, ref_idx) and _equal(vals, ref_val), seed
+
+
 def test_decode_whole_rows_limit():
     """Whole rows while their logits and candidates fit the limit, chunks past it."""
     limit = topk._WHOLE_ROWS_BYTES
