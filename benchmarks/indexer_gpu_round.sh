@@ -28,7 +28,6 @@
 #   PART=topk-open: the top-k GPU tests (DeepGEMM building meanwhile), the eager cost, then top-k
 #     speed beside DeepGEMM (the README's table);
 #   PART=topk-verify: round (22)'s top-k changes on a GPU (tests, eager cost, two A/Bs, top-k speed)
-#   PART=topk-row-parts: whole decode rows in parts beside the next part's logits (tests, A/B)
 #   PART=topk-check: the top-k GPU tests, warm-up count and contract sweep side by side (DeepGEMM builds meanwhile);
 #     PART=topk-across: the top-k of few rows across programs against torch.topk
 #   PART=prefill-sweep: the whole prefill contract product, $SWEEP_PROCS processes
@@ -396,18 +395,6 @@ case "$part" in
       --setting _EAGER_ONE_MERGE_KEYS --values 0 65536 --output "$OUT/topk-host-one-merge-65536.json"
     step ab-workspace 80 python3 benchmarks/topk_setting_ab.py --samples 10 --setting _WORKSPACE_BYTES \
       --values 67108864 134217728 --shapes 2048x32768 4096x65536 --output "$OUT/topk-workspace-128.json"
-    ;;
-  topk-row-parts)  # whole decode rows in parts of requests, each part's top-k beside the next part's
-    # logits: the eager cost at the defaults and the one-merge bound (first: no test run before
-    # them), the whole-row tests, then the A/B (graph mode; eager outputs through the passes)
-    step topk-host 45 python3 benchmarks/topk_host_cost.py --output "$OUT/topk-host-cost.json"
-    step ab-one-merge 60 python3 benchmarks/topk_host_cost.py --no-prefill --decode 1x65536 2x65536 8x65536 \
-      --setting _EAGER_ONE_MERGE_KEYS --values 0 65536 --output "$OUT/topk-host-one-merge-65536.json"
-    step parts-tests 120 python3 -m pytest -q -p no:cacheprovider -n 8 tests/indexer/test_topk.py -k "whole_rows"
-    step ab-parts 240 python3 benchmarks/topk_setting_ab.py --samples 10 --fix _EAGER_ONE_MERGE_KEYS=0 \
-      --variants _WHOLE_ROWS_PARTS=1 _WHOLE_ROWS_PARTS=2 _WHOLE_ROWS_PARTS=3 _WHOLE_ROWS_PARTS=2,_WHOLE_ROWS_PART_ROWS=4 \
-      --shapes 64x1x32768 128x1x16384 8x1x65536 32x1x32768 256x1x8192 32x2x32768 \
-      --output "$OUT/topk-whole-rows-parts-ab.json"
     ;;
   topk-profile)  # Nsight Compute on the merge's launches (first, first + last, a middle chunk's
     # scan; 512 rows): where its warps stall, the issue rate, the hottest lines

@@ -43,7 +43,9 @@ def ab(case, variants: list[dict[str, int]], samples: int) -> dict:
     impls = {i.name: i for i in case.build()}
     fused, pair = impls["tilefuse"], impls["tilefuse+torch.topk"]
     before = {n: getattr(T, n) for v in variants for n in v}
-    fns = {_label(v): _with(fused.fn, v) for v in variants}
+    # every setting any variant names, at its value before the run where a variant leaves it out
+    # (else a variant would run with whatever the variant before it left)
+    fns = {_label(v): _with(fused.fn, {**before, **v}) for v in variants}
     fns["tilefuse+torch.topk"] = pair.fn
     outs = {n: f() for n, f in fns.items() if n.startswith("fused")}
     torch.cuda.synchronize()

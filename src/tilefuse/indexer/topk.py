@@ -382,7 +382,7 @@ def _put_back_histograms(kept: _KeptHistograms | None) -> None:
 def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern.WIN_PREFILL, next_n: int = 1,
                                ctx_stride: int = 1, segments: int | None = None, values: bool = False,
                                out: torch.Tensor | None = None, out_values: torch.Tensor | None = None,
-                               partials: dict | None = None, candidates: torch.Tensor | None = None):
+                               partials: dict | None = None):
     """The top-k of each row of ``logits [R, N]`` (columns are positions; windows as the merge
     kernel reads them) by a radix select across ``segments`` programs a row: the histograms of
     the keys' top three 8-bit digits (each among the keys sharing the digits above it with the
@@ -395,8 +395,7 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     (:func:`decode_whole_rows`), where one program a row leaves most of the GPU idle. Writes
     ``out`` / ``out_values`` when given; ``partials``: the launches as partial launches by
     launch key, for a caller whose ``next_n``, ``ctx_stride`` and ``topk`` never change (taken
-    and kept there); ``candidates``: int64 ``[R, >= N]`` scratch for the call (else allocated
-    on the current stream). Returns ``(indices, values or None)``."""
+    and kept there). Returns ``(indices, values or None)``."""
     rows, n_keys = logits.shape
     dev = logits.device
     groups = 2 * state_width(topk)
@@ -411,8 +410,7 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
         out_values = torch.empty((rows, topk), dtype=logits.dtype, device=dev)
     if rows == 0:
         return out, out_values
-    if candidates is None:
-        candidates = torch.empty((rows, max(n_keys, 1)), dtype=torch.int64, device=dev)
+    candidates = torch.empty((rows, max(n_keys, 1)), dtype=torch.int64, device=dev)
     kept, hist, counts = _take_histograms(rows, dev)
     aligned = _aligned(logits, win_a, win_b, hist, candidates, counts)
     stride_l, stride_c = logits.stride(0), candidates.stride(0)
@@ -450,65 +448,21 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
 _EAGER_ONE_MERGE_KEYS = 32768
 
 
-# Decode rows taken whole by the passes (a call being captured, or rows past
-# _EAGER_ONE_MERGE_KEYS): the batch in this many parts of whole requests, each part's top-k on
-# the side stream (:func:`_merge_stream`) beside the next part's logits, which read the cache at
-# the memory's rate while the passes and the last step work from L2. Parts of fewer than
-# _WHOLE_ROWS_PART_ROWS rows are not made (the last step is one program a row: its time does not
-# shrink with the rows). 1: the logits of all rows, then their top-k.
-_WHOLE_ROWS_PARTS = 1
-_WHOLE_ROWS_PART_ROWS = 32
-
-
-def whole_rows_parts(b: int, next_n: int, one_part: bool = False) -> int:
-    """The parts of requests a decode batch taken whole by the passes runs in
-    (``_WHOLE_ROWS_PARTS``); ``one_part``: varlen batches (``indices`` name rows of other
-    parts) and checked mode (the logits op compares ``schedule_meta`` with the whole batch)."""
-    if one_part:
-        return 1
-    return max(1, min(_WHOLE_ROWS_PARTS, b * next_n // max(1, _WHOLE_ROWS_PART_ROWS), b))
-
-
-def _decode_rows_topk(launch_logits, b: int, logits, context_lens, topk: int, mode: int, next_n: int,
-                      ctx_stride: int, out, values, one_part: bool, partials: dict | None = None) -> None:
-    """The logits of ``b`` requests' rows taken whole into ``logits [b * next_n,
-    max_context_len]`` (``launch_logits(b0, b1)``: those of requests ``[b0, b1)`` into their
-    rows), and their top-k into ``out`` / ``values``: one merge a row for short rows of an
-    eager call (``_EAGER_ONE_MERGE_KEYS``), else :func:`_topk_rows_across_programs`, in
-    :func:`whole_rows_parts` parts each beside the next part's logits. The same bits either
-    way."""
+def _decode_rows_topk(logits, context_lens, topk: int, mode: int, next_n: int, ctx_stride: int, out, values,
+                      partials: dict | None = None) -> None:
+    """The top-k of decode rows taken whole (``logits [R, max_context_len]``) into ``out`` /
+    ``values``: one merge a row for short rows of an eager call (``_EAGER_ONE_MERGE_KEYS``),
+    else :func:`_topk_rows_across_programs`. Both give the same bits."""
     rows, n_keys = logits.shape
     dev = logits.device
     if rows and n_keys <= _EAGER_ONE_MERGE_KEYS and not prefill._stream_and_capture(
             dev.index if dev.type == "cuda" else -1)[1]:
-        launch_logits(0, b)
         bars, candidates, counts = _workspace(rows, topk, 1, dev)
         _merge(logits, bars, candidates, counts, 0, n_keys, context_lens, context_lens, n_keys, n_keys, next_n,
                ctx_stride, 0, out, values, topk, mode, first=True, final=True, partials=partials)
         return
-    parts = whole_rows_parts(b, next_n, one_part)
-    if parts == 1:
-        launch_logits(0, b)
-        _topk_rows_across_programs(logits, context_lens, context_lens, topk, mode, next_n, ctx_stride, out=out,
-                                   out_values=values, partials=partials)
-        return
-    side = _merge_stream(dev, parts, 1)
-    main = None if side is None else torch.cuda.current_stream(dev)
-    # on the caller's stream, which waits for the side stream before either is freed
-    candidates = torch.empty((rows, max(n_keys, 1)), dtype=torch.int64, device=dev)
-    for part in range(parts):
-        b0, b1 = b * part // parts, b * (part + 1) // parts
-        launch_logits(b0, b1)
-        r0, r1 = b0 * next_n, b1 * next_n
-        lens = context_lens[b0:b1]
-        if side is not None:
-            side.wait_stream(main)  # (joins a graph capture too)
-        with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
-            _topk_rows_across_programs(logits[r0:r1], lens, lens, topk, mode, next_n, ctx_stride, out=out[r0:r1],
-                                       out_values=None if values is None else values[r0:r1], partials=partials,
-                                       candidates=candidates[r0:r1])
-    if side is not None:
-        main.wait_stream(side)
+    _topk_rows_across_programs(logits, context_lens, context_lens, topk, mode, next_n, ctx_stride, out=out,
+                               out_values=values, partials=partials)
 
 
 _merge_streams: dict[int, torch.cuda.Stream] = {}
@@ -866,17 +820,11 @@ def _run_paged_mqa_topk(
     mode = kern.WIN_DECODE_1D if context_lens.dim() == 1 else kern.WIN_DECODE_2D
     ctx_stride = context_lens.stride(0) if context_lens.dim() == 2 else 1
     if chunk_k == 0:  # whole rows: one logits launch (its checks see the lengths), the top-k across programs
-        logits = paged.new_logits(b * next_n, max_context_len, logits_dtype, q.device)
-
-        def launch_logits(b0: int, b1: int) -> None:
-            tilefuse.fp8_fp4_paged_mqa_logits(
-                (_span(q, b0, b1), _span(q_sf, b0, b1)), kv_cache, _span(weights, b0 * next_n, b1 * next_n),
-                _span(context_lens, b0, b1), _span(block_table, b0, b1), schedule_meta, max_context_len, False,
-                logits_dtype, indices, config=cfg, out=_span(logits, b0 * next_n, b1 * next_n))
-
         with deferred():
-            _decode_rows_topk(launch_logits, b, logits, context_lens, topk, mode, next_n, ctx_stride, out, values,
-                              indices is not None or checked())
+            logits = tilefuse.fp8_fp4_paged_mqa_logits((q, q_sf), kv_cache, weights, context_lens, block_table,
+                                                       schedule_meta, max_context_len, False, logits_dtype, indices,
+                                                       config=cfg)
+            _decode_rows_topk(logits, context_lens, topk, mode, next_n, ctx_stride, out, values)
         return
     # Keys a row may have: the output's width, and what the block table can address.
     covered = min(max_context_len, block_table.shape[1] * block_kv)
@@ -984,16 +932,11 @@ def _make_decode_plan(key, q_values, q_sf, kv_cache, weights, context_lens, bloc
 def _run_decode_plan(plan: _DecodePlan, q_values, q_sf, kv_cache, weights, context_lens, block_table,
                      max_context_len: int, logits_dtype, indices, topk: int, out, values) -> None:
     """The whole rows' logits (one launch of the logits op's plan), then their top-k."""
-    b, next_n = q_values.shape[0], plan.next_n
-    logits = paged.new_logits(b * next_n, max_context_len, logits_dtype, plan.device)
-
-    def launch_logits(b0: int, b1: int) -> None:
-        paged._launch(plan.paged_plan, _span(q_values, b0, b1), _span(q_sf, b0, b1), kv_cache,
-                      _span(weights, b0 * next_n, b1 * next_n), _span(context_lens, b0, b1),
-                      _span(block_table, b0, b1), indices, _span(logits, b0 * next_n, b1 * next_n), max_context_len)
-
-    _decode_rows_topk(launch_logits, b, logits, context_lens, topk, plan.mode, next_n, plan.ctx_stride, out, values,
-                      indices is not None, plan.partials)
+    logits = paged.new_logits(q_values.shape[0] * plan.next_n, max_context_len, logits_dtype, plan.device)
+    paged._launch(plan.paged_plan, q_values, q_sf, kv_cache, weights, context_lens, block_table, indices, logits,
+                  max_context_len)
+    _decode_rows_topk(logits, context_lens, topk, plan.mode, plan.next_n, plan.ctx_stride, out, values,
+                      plan.partials)
 
 
 def _decode_by_plan(q_values, q_sf, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
