@@ -592,7 +592,10 @@ def topk_rows_pass_kernel(
     the passes find). The keys at or above those digits are then topk and a few more where the
     row has at least 2 topk groups (``segments * BLOCK >= 2 W``: each key its own group in
     rows shorter than that), and the histograms count the maxima, not the keys
-    (``RESET == 2``: the last step's select starts from the top)."""
+    (``RESET == 2``: the last step's select starts from the top). PASS 0 keeps its maxima in
+    the row's candidate slots ``[seg * BLOCK, (seg + 1) * BLOCK)`` (``stride_c >= segments *
+    BLOCK``; the appends of the last pass come after), and the later digit passes read those
+    instead of the keys."""
     row = tl.program_id(0)
     seg = tl.program_id(1)
     start, end = _row_window(win_a_ptr, win_b_ptr, row, 0, n_keys, n_keys, next_n, ctx_stride, count_ptr, MODE,
@@ -606,30 +609,35 @@ def topk_rows_pass_kernel(
         prefix, _ = _rows_prefix_and_need(hist_row + tl.zeros([1, 1], tl.int64), topk, PASS)
         prefix = tl.sum(prefix, axis=0)  # (one row)
     local = tl.zeros([_RADIX_BINS], tl.int32)
-    if MAXIMA and PASS < _RADIX_LEVELS:
+    kept_maxima = cand_row + seg.to(tl.int64) * BLOCK + col
+    if MAXIMA and PASS == 0:
         best = tl.full([BLOCK], EMPTY_KEY, tl.int64)  # (valid keys lie above it)
+    elif MAXIMA and PASS < _RADIX_LEVELS:
+        best = tl.load(kept_maxima)  # PASS 0's
     # Counted in blocks from the window's start, positions in int64: no bound passes int32.
-    for i in range(seg, tl.cdiv(end - start, BLOCK), segments):
-        pos = start.to(tl.int64) + i * BLOCK + col
-        inside = pos < end
-        v = tl.load(row_logits + pos, mask=inside, other=0.0).to(tl.float32)
-        keys = _order_keys(v, pos.to(tl.int32))
-        if MAXIMA and PASS < _RADIX_LEVELS:
-            best = tl.maximum(best, tl.where(inside, keys, EMPTY_KEY))
-        elif PASS == 0:
-            digit = ((keys >> SHIFT) + _RADIX_BINS // 2).to(tl.int32)
-            local += tl.histogram(digit, _RADIX_BINS, mask=inside)
-        elif PASS < _RADIX_LEVELS:
-            digit = ((keys >> SHIFT) & (_RADIX_BINS - 1)).to(tl.int32)
-            local += tl.histogram(digit, _RADIX_BINS, mask=inside & ((keys >> (SHIFT + _RADIX_BITS)) == prefix))
-        else:
-            keep = inside & (keys >= (prefix << (64 - _RADIX_LEVELS * _RADIX_BITS)))
-            taken = keep.to(tl.int32)
-            first_slot = tl.atomic_add(count_ptr + row, tl.sum(taken, axis=0), sem="relaxed")
-            tl.store(cand_row + (first_slot + tl.cumsum(taken, 0) - 1), keys, mask=keep)
+    if (not MAXIMA) or PASS == 0 or PASS == _RADIX_LEVELS:  # (MAXIMA's later digit passes read no keys)
+        for i in range(seg, tl.cdiv(end - start, BLOCK), segments):
+            pos = start.to(tl.int64) + i * BLOCK + col
+            inside = pos < end
+            v = tl.load(row_logits + pos, mask=inside, other=0.0).to(tl.float32)
+            keys = _order_keys(v, pos.to(tl.int32))
+            if MAXIMA and PASS < _RADIX_LEVELS:
+                best = tl.maximum(best, tl.where(inside, keys, EMPTY_KEY))
+            elif PASS == 0:
+                digit = ((keys >> SHIFT) + _RADIX_BINS // 2).to(tl.int32)
+                local += tl.histogram(digit, _RADIX_BINS, mask=inside)
+            elif PASS < _RADIX_LEVELS:
+                digit = ((keys >> SHIFT) & (_RADIX_BINS - 1)).to(tl.int32)
+                local += tl.histogram(digit, _RADIX_BINS, mask=inside & ((keys >> (SHIFT + _RADIX_BITS)) == prefix))
+            else:
+                keep = inside & (keys >= (prefix << (64 - _RADIX_LEVELS * _RADIX_BITS)))
+                taken = keep.to(tl.int32)
+                first_slot = tl.atomic_add(count_ptr + row, tl.sum(taken, axis=0), sem="relaxed")
+                tl.store(cand_row + (first_slot + tl.cumsum(taken, 0) - 1), keys, mask=keep)
     if MAXIMA and PASS < _RADIX_LEVELS:  # one histogram of the program's column maxima
         held = best != EMPTY_KEY
         if PASS == 0:
+            tl.store(kept_maxima, best)
             local = tl.histogram(((best >> SHIFT) + _RADIX_BINS // 2).to(tl.int32), _RADIX_BINS, mask=held)
         else:
             local = tl.histogram(((best >> SHIFT) & (_RADIX_BINS - 1)).to(tl.int32), _RADIX_BINS,

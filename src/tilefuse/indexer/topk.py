@@ -410,7 +410,9 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
         out_values = torch.empty((rows, topk), dtype=logits.dtype, device=dev)
     if rows == 0:
         return out, out_values
-    candidates = torch.empty((rows, max(n_keys, 1)), dtype=torch.int64, device=dev)
+    # (over maxima, the first pass keeps each program's BLOCK maxima there for the next two)
+    width = max(n_keys, 1, segments * _ACROSS_BLOCK if maxima else 1)
+    candidates = torch.empty((rows, width), dtype=torch.int64, device=dev)
     kept, hist, counts = _take_histograms(rows, dev)
     aligned = _aligned(logits, win_a, win_b, hist, candidates, counts)
     stride_l, stride_c = logits.stride(0), candidates.stride(0)
