@@ -130,6 +130,12 @@ def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k):
     assert _equal(val, ref_val)
 
 
+def _pass_launches(rows: int, n_keys: int, k_top: int) -> int:
+    """The launches of the passes across programs at the defaults: the digit passes (two over
+    group maxima, three over the keys) and the compaction."""
+    return kern.pass_levels(topk._across_segments(rows, n_keys, k_top)[1]) + 1
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize(
@@ -138,7 +144,7 @@ def test_merge_orders_ties_and_flushes(pattern, k_top, chunk_k):
     # over maxima: 130 / 5 programs holds fewer than 2 W groups (5 x 64 columns), so keys again
     + [(5, 2, "gpu", 1), (130, 5, "gpu", 1), (130, 8, "gpu", 1), (130, 8, "interpreter", 1)],
 )
-def test_rows_across_programs(pattern, k_top, segments, rows_a_program, maxima, monkeypatch):
+def test_rows_across_programs(pattern, k_top, segments, rows_a_program, maxima, monkeypatch, record_launches):
     """The radix select across a row's programs: random windows (empty, shorter than topk, past
     the row's end), every tie pattern, blocks of 64 keys dealt over the programs; index for
     index and value for value with the reference. The digit passes over every key (the last
@@ -148,6 +154,7 @@ def test_rows_across_programs(pattern, k_top, segments, rows_a_program, maxima, 
     topk 5: a select from the top)."""
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
     monkeypatch.setattr(topk, "_ACROSS_GROUP_MAXIMA", maxima)
+    passes = record_launches(kern, "topk_rows_pass_kernel")
     last_steps, real_merge = [], topk._merge
     monkeypatch.setattr(topk, "_merge", lambda *a, **kw: last_steps.append(kw["maxima"]) or real_merge(*a, **kw))
     if rows_a_program == "gpu":
@@ -164,6 +171,7 @@ def test_rows_across_programs(pattern, k_top, segments, rows_a_program, maxima, 
     assert _equal(val, ref_val)
     on = bool(maxima) and segments * 64 >= 2 * topk.state_width(k_top)
     assert last_steps == [on]
+    assert len(passes) == (kern.RADIX_LEVELS if on else kern.RADIX_LEVELS + 1)  # two digits over maxima
 
 
 def test_rows_across_programs_over_ties_past_their_buffer(monkeypatch):
@@ -841,7 +849,7 @@ def test_decode_whole_rows(fmt, ctx_2d, logits_dtype, record_launches, monkeypat
     merges = record_launches(kern, "topk_merge_chunk_kernel")
     case.check(48, chunk_k=None, logits_dtype=logits_dtype)
     segments = topk.cdiv(case.max_context_len, 128)
-    assert segments == 6 and passes == [(rows, segments)] * (kern.RADIX_LEVELS + 1)
+    assert segments == 6 and passes == [(rows, segments)] * _pass_launches(rows, case.max_context_len, 48)
     assert len(merges) == 1
     idx = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 48, logits_dtype, chunk_k=case.block_kv)
     assert torch.equal(idx, case.check(48, chunk_k=None, logits_dtype=logits_dtype))  # chunks agree
@@ -872,11 +880,12 @@ def test_decode_short_rows_one_merge_eagerly(fmt, ctx_2d, logits_dtype, record_l
     assert torch.equal(case.check(48, chunk_k=None, logits_dtype=logits_dtype), across)
     monkeypatch.setattr(topk.prefill, "_stream_and_capture", lambda index: (0, True))
     assert torch.equal(tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 48, logits_dtype), across)
-    assert len(passes) == kern.RADIX_LEVELS + 1
+    launches = _pass_launches(case.w.shape[0], case.max_context_len, 48)
+    assert len(passes) == launches
     monkeypatch.setattr(topk.prefill, "_stream_and_capture", lambda index: (0, False))
     monkeypatch.setattr(topk, "_EAGER_ONE_MERGE_KEYS", case.max_context_len - 1)
     assert torch.equal(tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 48, logits_dtype), across)
-    assert len(passes) == 2 * (kern.RADIX_LEVELS + 1)
+    assert len(passes) == 2 * launches
 
 
 def test_decode_merges_beside_logits_order(monkeypatch, record_launches):
@@ -990,12 +999,12 @@ def test_decode_whole_rows_plan_over_changing_sizes(fmt, ctx_2d, monkeypatch):
     assert len(topk._decode_plans) == 1 and len(checked_calls) == 1
     (plan,) = topk._decode_plans.values()
     passes = {key for key in plan.partials if len(key[0]) == 4}  # (PASS, MODE, BLOCK, MAXIMA)
-    assert len(passes) == kern.RADIX_LEVELS + 1 and len(plan.partials) > len(passes)  # and the merges
+    assert len(passes) == _pass_launches(b * next_n, max_len, k_top) and len(plan.partials) > len(passes)
     declined = []
     for key in plan.partials:  # partial launches that decline (a launch hook, another device): each step launches
         plan.partials[key] = lambda *values, key=key: declined.append(key) and False
     idx, val = tilefuse.fp8_fp4_paged_mqa_topk(*args, k_top, return_values=True, out=torch.empty_like(out))
-    assert torch.equal(idx, ref_idx) and _equal(val, ref_val) and len(declined) == kern.RADIX_LEVELS + 2
+    assert torch.equal(idx, ref_idx) and _equal(val, ref_val) and len(declined) == len(passes) + 1  # and the merge
     with tilefuse.checked_mode():
         assert torch.equal(tilefuse.fp8_fp4_paged_mqa_topk(*args, k_top), ref_idx)
     assert len(topk._decode_plans) == 1 and len(checked_calls) == 2

@@ -57,6 +57,14 @@ _WIN_DECODE_1D = tl.constexpr(WIN_DECODE_1D)
 RADIX_BITS = 8
 RADIX_LEVELS = 3
 _RADIX_BITS = tl.constexpr(RADIX_BITS)
+
+
+def pass_levels(maxima: bool) -> int:
+    """The digit passes of ``topk_rows_pass_kernel`` before its compaction (PASS of that
+    number): RADIX_LEVELS over the keys; over group maxima one fewer, since the last step then
+    selects from the top and the bar needs only to lie at or below the topk-th key (the top 16
+    bits of the topk-th largest maximum keep about 1/128 of a bin's keys more than 24 would)."""
+    return RADIX_LEVELS - 1 if maxima else RADIX_LEVELS
 _RADIX_LEVELS = tl.constexpr(RADIX_LEVELS)
 _RADIX_BINS = tl.constexpr(1 << RADIX_BITS)
 # A select holds its buffer's high words in registers up to this many a program (16 a thread
@@ -579,9 +587,9 @@ def topk_rows_pass_kernel(
 ):
     """One pass of program (row, s) over the row's window, BLOCK keys at a time: blocks s, s +
     segments, s + 2 segments ... (block-cyclic, so a row shorter than the logits' width still
-    spreads over all its programs). PASS d < RADIX_LEVELS: the histogram of the keys' d-th
-    digit among the keys that share the digits above it with the row's topk-th key (read from
-    the levels above); PASS RADIX_LEVELS: every key at or above those digits appended to the
+    spreads over all its programs). PASS d < LEVELS (:func:`pass_levels`): the histogram of the
+    keys' d-th digit among the keys that share the digits above it with the row's topk-th key
+    (read from the levels above); PASS LEVELS: every key at or above those digits appended to the
     row's candidates (a slot range reserved by an atomic add on its count: topk keys plus the
     others sharing all the digits with the topk-th). Histograms are summed into ``hist_ptr``
     (RADIX_LEVELS x 2^RADIX_BITS int32 a row) and the appended keys counted in ``count_ptr``,
@@ -594,8 +602,9 @@ def topk_rows_pass_kernel(
     rows shorter than that), and the histograms count the maxima, not the keys
     (``RESET == 2``: the last step's select starts from the top). PASS 0 keeps its maxima in
     the row's candidate slots ``[seg * BLOCK, (seg + 1) * BLOCK)`` (``stride_c >= segments *
-    BLOCK``; the appends of the last pass come after), and the later digit passes read those
-    instead of the keys."""
+    BLOCK``; the appends of the last pass come after), the next digit pass reads those instead
+    of the keys, and there are two digit passes, not three (the last step's select starts from
+    the top)."""
     row = tl.program_id(0)
     seg = tl.program_id(1)
     start, end = _row_window(win_a_ptr, win_b_ptr, row, 0, n_keys, n_keys, next_n, ctx_stride, count_ptr, MODE,
@@ -604,7 +613,8 @@ def topk_rows_pass_kernel(
     row_logits = logits_ptr + row.to(tl.int64) * stride_l
     cand_row = cand_ptr + row.to(tl.int64) * stride_c
     col = tl.arange(0, BLOCK)
-    SHIFT: tl.constexpr = 64 - (PASS + 1) * _RADIX_BITS  # this pass's digit (PASS < RADIX_LEVELS)
+    LEVELS: tl.constexpr = _RADIX_LEVELS - MAXIMA  # (pass_levels)
+    SHIFT: tl.constexpr = 64 - (PASS + 1) * _RADIX_BITS  # this pass's digit (PASS < LEVELS)
     if PASS > 0:
         prefix, _ = _rows_prefix_and_need(hist_row + tl.zeros([1, 1], tl.int64), topk, PASS)
         prefix = tl.sum(prefix, axis=0)  # (one row)
@@ -612,29 +622,29 @@ def topk_rows_pass_kernel(
     kept_maxima = cand_row + seg.to(tl.int64) * BLOCK + col
     if MAXIMA and PASS == 0:
         best = tl.full([BLOCK], EMPTY_KEY, tl.int64)  # (valid keys lie above it)
-    elif MAXIMA and PASS < _RADIX_LEVELS:
+    elif MAXIMA and PASS < LEVELS:
         best = tl.load(kept_maxima)  # PASS 0's
     # Counted in blocks from the window's start, positions in int64: no bound passes int32.
-    if (not MAXIMA) or PASS == 0 or PASS == _RADIX_LEVELS:  # (MAXIMA's later digit passes read no keys)
+    if (not MAXIMA) or PASS == 0 or PASS == LEVELS:  # (MAXIMA's later digit passes read no keys)
         for i in range(seg, tl.cdiv(end - start, BLOCK), segments):
             pos = start.to(tl.int64) + i * BLOCK + col
             inside = pos < end
             v = tl.load(row_logits + pos, mask=inside, other=0.0).to(tl.float32)
             keys = _order_keys(v, pos.to(tl.int32))
-            if MAXIMA and PASS < _RADIX_LEVELS:
+            if MAXIMA and PASS < LEVELS:
                 best = tl.maximum(best, tl.where(inside, keys, EMPTY_KEY))
             elif PASS == 0:
                 digit = ((keys >> SHIFT) + _RADIX_BINS // 2).to(tl.int32)
                 local += tl.histogram(digit, _RADIX_BINS, mask=inside)
-            elif PASS < _RADIX_LEVELS:
+            elif PASS < LEVELS:
                 digit = ((keys >> SHIFT) & (_RADIX_BINS - 1)).to(tl.int32)
                 local += tl.histogram(digit, _RADIX_BINS, mask=inside & ((keys >> (SHIFT + _RADIX_BITS)) == prefix))
             else:
-                keep = inside & (keys >= (prefix << (64 - _RADIX_LEVELS * _RADIX_BITS)))
+                keep = inside & (keys >= (prefix << (64 - LEVELS * _RADIX_BITS)))
                 taken = keep.to(tl.int32)
                 first_slot = tl.atomic_add(count_ptr + row, tl.sum(taken, axis=0), sem="relaxed")
                 tl.store(cand_row + (first_slot + tl.cumsum(taken, 0) - 1), keys, mask=keep)
-    if MAXIMA and PASS < _RADIX_LEVELS:  # one histogram of the program's column maxima
+    if MAXIMA and PASS < LEVELS:  # one histogram of the program's column maxima
         held = best != EMPTY_KEY
         if PASS == 0:
             tl.store(kept_maxima, best)
@@ -642,6 +652,6 @@ def topk_rows_pass_kernel(
         else:
             local = tl.histogram(((best >> SHIFT) & (_RADIX_BINS - 1)).to(tl.int32), _RADIX_BINS,
                                  mask=held & ((best >> (SHIFT + _RADIX_BITS)) == prefix))
-    if PASS < _RADIX_LEVELS:
+    if PASS < LEVELS:
         bins = tl.arange(0, _RADIX_BINS)
         tl.atomic_add(hist_row + PASS * _RADIX_BINS + bins, local, mask=local > 0, sem="relaxed")

@@ -198,6 +198,9 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
     logits = rows * n_keys * logits_bytes
     indices = rows * topk * 4
     chunks = max(1, cdiv(n_keys, chunk_k))
+    segments, maxima = _across_segments(rows, n_keys, topk)
+    key_passes = 2 if maxima else kern.RADIX_LEVELS + 1
+    maxima_bytes = rows * segments * _ACROSS_BLOCK * 8 if maxima else 0
     state = rows * 12 * 2 * (chunks - 1)
     block = rows if chunk_q is None else min(rows, chunk_q)
     first = min(chunk_k, n_keys)
@@ -213,10 +216,12 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
         per_row = topk * (1 + math.log(n_keys / topk))
     return {
         "unfused": 2 * logits + indices,
-        # decode_whole_rows: the logits written once and read by each pass across programs (in
-        # L2 when they fit), a histogram of 3 x 256 int32 a row, the candidates (about topk a row)
-        "whole_rows_total": (2 + kern.RADIX_LEVELS) * logits + rows * (kern.RADIX_LEVELS << kern.RADIX_BITS) * 4
-        + rows * min(topk, n_keys) * 16 + indices,
+        # decode_whole_rows: the logits written once and read by the passes across programs
+        # that read keys (in L2 when they fit; over group maxima the first and the compaction,
+        # the first writing its maxima and the second digit pass reading them), a histogram of
+        # 3 x 256 int32 a row, the candidates (about topk a row)
+        "whole_rows_total": (1 + key_passes) * logits + 2 * maxima_bytes
+        + rows * (kern.RADIX_LEVELS << kern.RADIX_BITS) * 4 + rows * min(topk, n_keys) * 16 + indices,
         "whole_rows_workspace_bytes": rows * max(n_keys, 1) * (logits_bytes + 8),
         "chunked_total": 2 * logits + groups_bar + state + indices,
         "chunked_workspace_bytes": block * (min(chunk_k, max(n_keys, 1)) * logits_bytes + 2 * w * 8
@@ -379,6 +384,18 @@ def _put_back_histograms(kept: _KeptHistograms | None) -> None:
         _kept_histograms[kept.key] = kept
 
 
+def _across_segments(rows: int, n_keys: int, topk: int, segments: int | None = None) -> tuple[int, bool]:
+    """``(segments, maxima)`` of :func:`_topk_rows_across_programs`: the programs a row (given,
+    or as many as fill ``_ACROSS_PROGRAMS`` with at least ``_ACROSS_MIN_SEGMENT`` keys each,
+    and 2 W groups where ``_ACROSS_GROUP_MAXIMA``), and whether the passes go over group maxima."""
+    groups = 2 * state_width(topk)
+    if segments is None:
+        segments = max(1, min(cdiv(_ACROSS_PROGRAMS, max(rows, 1)), cdiv(n_keys, _ACROSS_MIN_SEGMENT)))
+        if _ACROSS_GROUP_MAXIMA:
+            segments = max(segments, cdiv(groups, _ACROSS_BLOCK))
+    return segments, bool(_ACROSS_GROUP_MAXIMA) and segments * _ACROSS_BLOCK >= groups
+
+
 def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern.WIN_PREFILL, next_n: int = 1,
                                ctx_stride: int = 1, segments: int | None = None, values: bool = False,
                                out: torch.Tensor | None = None, out_values: torch.Tensor | None = None,
@@ -389,21 +406,16 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     row's topk-th key), then every key at or above those 24 bits appended to the row's
     candidates, then the merge kernel's last step (a select from those 24 bits on, a sort, the
     writes), which zeroes the histograms and counts (:func:`_take_histograms`). With
-    ``_ACROSS_GROUP_MAXIMA`` (where ``segments`` x ``_ACROSS_BLOCK`` >= 2 W) the digits are those
-    of the topk-th largest group maximum (``topk_rows_pass_kernel``'s MAXIMA), a bound below the
-    row's topk-th key, and the last step selects from the top. For the decode rows taken whole
+    ``_ACROSS_GROUP_MAXIMA`` (where ``segments`` x ``_ACROSS_BLOCK`` >= 2 W) the digits are the
+    top two of the topk-th largest group maximum (``topk_rows_pass_kernel``'s MAXIMA), a bound
+    below the row's topk-th key, and the last step selects from the top. For the decode rows taken whole
     (:func:`decode_whole_rows`), where one program a row leaves most of the GPU idle. Writes
     ``out`` / ``out_values`` when given; ``partials``: the launches as partial launches by
     launch key, for a caller whose ``next_n``, ``ctx_stride`` and ``topk`` never change (taken
     and kept there). Returns ``(indices, values or None)``."""
     rows, n_keys = logits.shape
     dev = logits.device
-    groups = 2 * state_width(topk)
-    if segments is None:
-        segments = max(1, min(cdiv(_ACROSS_PROGRAMS, max(rows, 1)), cdiv(n_keys, _ACROSS_MIN_SEGMENT)))
-        if _ACROSS_GROUP_MAXIMA:
-            segments = max(segments, cdiv(groups, _ACROSS_BLOCK))
-    maxima = bool(_ACROSS_GROUP_MAXIMA) and segments * _ACROSS_BLOCK >= groups
+    segments, maxima = _across_segments(rows, n_keys, topk, segments)
     if out is None:
         out = torch.empty((rows, topk), dtype=torch.int32, device=dev)
     if out_values is None and values:
@@ -416,7 +428,7 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     kept, hist, counts = _take_histograms(rows, dev)
     aligned = _aligned(logits, win_a, win_b, hist, candidates, counts)
     stride_l, stride_c = logits.stride(0), candidates.stride(0)
-    for p in range(kern.RADIX_LEVELS + 1):
+    for p in range(kern.pass_levels(maxima) + 1):
         consts = (p, mode, _ACROSS_BLOCK, maxima)
         key = (consts, logits.dtype, win_a.dtype, win_b.dtype, aligned)
         fast = partials.get(key) if partials is not None else None

@@ -856,10 +856,11 @@ def topk_merge_variants() -> list[Variant]:
 
 def topk_rows_pass_variants() -> list[Variant]:
     """``topk_rows_pass_kernel`` as the decode top-k over whole rows launches it
-    (``topk._topk_rows_across_programs``): its four passes (three digit histograms, the
-    compaction) over 1-D decode lengths from fp32 logits, the compaction over 2-D lengths (the
-    window load differs), the first pass from bf16 logits (the logits load differs) and the
-    three digit passes over group maxima (``_ACROSS_GROUP_MAXIMA``)."""
+    (``topk._topk_rows_across_programs``): its four passes over the keys (three digit
+    histograms, the compaction) over 1-D decode lengths from fp32 logits, the compaction over
+    2-D lengths (the window load differs), the first pass from bf16 logits (the logits load
+    differs), and the three passes over group maxima (``_ACROSS_GROUP_MAXIMA``: two digit
+    histograms, the compaction)."""
     from unittest import mock
 
     import torch
@@ -873,7 +874,7 @@ def topk_rows_pass_variants() -> list[Variant]:
     for mode, dtype, passes, maxima in ((topk.kern.WIN_DECODE_1D, torch.float32, range(last + 1), 0),
                                         (topk.kern.WIN_DECODE_2D, torch.float32, (last,), 0),
                                         (topk.kern.WIN_DECODE_1D, torch.bfloat16, (0,), 0),
-                                        (topk.kern.WIN_DECODE_1D, torch.float32, range(last), 1)):
+                                        (topk.kern.WIN_DECODE_1D, torch.float32, range(last + 1), 1)):
         rows, next_n = 4, 2
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
         logits = torch.empty(rows, 5000, dtype=dtype)
