@@ -257,7 +257,7 @@ def _outputs(rows: int, topk: int, logits_dtype, device, out, return_values: boo
 
 
 # The kernels' launches by a key computed here (``tilefuse._jit.Launcher``): Triton's binder
-# costs more host time than a launch, and the decode op over whole rows makes six of them.
+# costs more host time than a launch, and the decode op over whole rows makes five of them.
 _merge_launch = Launcher(kern.topk_merge_chunk_kernel)
 _pass_launch = Launcher(kern.topk_rows_pass_kernel)
 
@@ -455,9 +455,9 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
 
 # Eager decode calls over whole rows of at most this many keys (``max_context_len``): one merge
 # program a row over the whole row (the logits and one launch) instead of the passes across
-# programs and their last step (five launches), since launches, not GPU time, bound such calls
-# eagerly (one H100: B1 ctx 4096 77.9 -> 47.0 us a call, B32 ctx 8192 77.7 -> 64.8, B1 ctx 32K
-# 90.6 -> 64.5; benchmarks/NOTES.md, round (22)). Captured into a CUDA graph a call keeps the
+# programs and their last step (four launches over group maxima), since launches, not GPU time,
+# bound such calls eagerly (benchmarks/NOTES.md, rounds (22) and (23): one merge is ahead to
+# 32768 keys, and at 64K keys only for one row). Captured into a CUDA graph a call keeps the
 # passes (less GPU time). 0: never.
 _EAGER_ONE_MERGE_KEYS = 32768
 
