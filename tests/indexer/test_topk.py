@@ -943,6 +943,55 @@ def test_decode_merges_beside_logits_in_a_graph(overlap, monkeypatch):
         assert torch.equal(out, ref_idx) and _equal(vals, ref_val), seed
 
 
+@pytest.mark.skipif(not ON_GPU, reason="streams and graphs: the GPU only")
+@pytest.mark.parametrize("pdl", [0, 1])
+def test_decode_whole_rows_in_a_graph(pdl, monkeypatch):
+    """Whole rows by the passes and the last step, as ordinary launches and as programmatic
+    dependent launches (``_ACROSS_PDL``): eager on a stream of the caller's, captured in a CUDA
+    graph and replayed over new queries, weights and lengths; every result the unfused op's,
+    bit for bit, with poisoned outputs."""
+    monkeypatch.setattr(topk, "_EAGER_ONE_MERGE_KEYS", 0)
+    monkeypatch.setattr(topk, "_ACROSS_PDL", pdl)
+    lens = (3000, 0, 97, 2500)
+    case = PagedCase("fp8", lens=lens, next_n=2, block_kv=64, seed=82)
+    rows, k_top = case.w.shape[0], 256
+    assert topk.decode_whole_rows(rows, case.max_context_len, torch.float32)
+    out = torch.full((rows, k_top), 12345, dtype=torch.int32, device=DEVICE)
+    vals = torch.full((rows, k_top), 7.0, device=DEVICE)
+
+    def call():
+        idx, val = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), k_top, return_values=True)
+        out.copy_(idx)
+        vals.copy_(val)
+
+    def check():
+        ref_idx, ref_val = case.expected(k_top)
+        assert torch.equal(out, ref_idx) and _equal(vals, ref_val)
+
+    graph = _eager_on_a_caller_stream_then_captured(call, check)
+    for seed in (83, 84):
+        new = PagedCase("fp8", lens=lens, next_n=2, block_kv=64, seed=seed)
+        case.qq[0].copy_(new.qq[0])
+        case.w.copy_(new.w)
+        case.ctx.copy_(torch.tensor((2000, 0, 61, 2500), dtype=torch.int32, device=DEVICE) if seed == 83 else new.ctx)
+        out.fill_(12345)
+        vals.fill_(7.0)
+        graph.replay()
+        tilefuse.check_errors()
+        ref_idx, ref_val = case.expected(k_top)
+        assert torch.equal(out, ref_idx) and _equal(vals, ref_val), seed
+
+
+def test_across_pdl_only_on_cuda(monkeypatch):
+    """``_ACROSS_PDL`` asks for programmatic dependent launches on CUDA devices only (the
+    interpreter has no grid dependency control)."""
+    monkeypatch.setattr(topk, "_ACROSS_PDL", 1)
+    assert not topk._across_pdl(torch.device("cpu"))
+    assert topk._across_pdl(torch.device("cuda", 0))
+    monkeypatch.setattr(topk, "_ACROSS_PDL", 0)
+    assert not topk._across_pdl(torch.device("cuda", 0))
+
+
 def test_decode_whole_rows_limit():
     """Whole rows while their logits and candidates fit the limit, chunks past it."""
     limit = topk._WHOLE_ROWS_BYTES
@@ -998,7 +1047,7 @@ def test_decode_whole_rows_plan_over_changing_sizes(fmt, ctx_2d, monkeypatch):
         assert idx is out and torch.equal(idx, ref_idx) and _equal(val, ref_val), (b, max_len)
     assert len(topk._decode_plans) == 1 and len(checked_calls) == 1
     (plan,) = topk._decode_plans.values()
-    passes = {key for key in plan.partials if len(key[0]) == 4}  # (PASS, MODE, BLOCK, MAXIMA)
+    passes = {key for key in plan.partials if len(key[0]) == 5}  # (PASS, MODE, BLOCK, MAXIMA, PDL)
     assert len(passes) == _pass_launches(b * next_n, max_len, k_top) and len(plan.partials) > len(passes)
     declined = []
     for key in plan.partials:  # partial launches that decline (a launch hook, another device): each step launches

@@ -822,29 +822,33 @@ def topk_merge_variants() -> list[Variant]:
             one(k, 300, topk.kern.WIN_PREFILL, first, final, chunk, values=final)
 
     # The last step after the passes across programs: the select starts from the passes'
-    # histograms (RESET); at 8 and 16 warps (``_ACROSS_LAST_STEP_WARPS``).
+    # histograms (RESET); at 8 and 16 warps (``_ACROSS_LAST_STEP_WARPS``); as a programmatic
+    # dependent launch (``_ACROSS_PDL``).
     passes = f"{topk.kern.__name__}:topk_rows_pass_kernel"
     f32, f16 = torch.float32, torch.bfloat16
-    for k, mode, dtype, values, maxima, warps in ((2048, topk.kern.WIN_DECODE_1D, f32, False, 0, 8),
-                                                  (2048, topk.kern.WIN_DECODE_2D, f32, True, 0, 8),
-                                                  (2048, topk.kern.WIN_DECODE_1D, f16, True, 0, 8),
-                                                  (16, topk.kern.WIN_DECODE_1D, f32, False, 0, 8),
-                                                  (2048, topk.kern.WIN_DECODE_1D, f32, False, 1, 8),
-                                                  (2048, topk.kern.WIN_DECODE_2D, f32, True, 1, 8),
-                                                  (2048, topk.kern.WIN_DECODE_1D, f32, False, 1, 16),
-                                                  (2048, topk.kern.WIN_DECODE_2D, f32, True, 1, 16)):
+    one_d, two_d = topk.kern.WIN_DECODE_1D, topk.kern.WIN_DECODE_2D
+    for k, mode, dtype, values, maxima, warps, pdl in ((2048, one_d, f32, False, 0, 8, False),
+                                                       (2048, two_d, f32, True, 0, 8, False),
+                                                       (2048, one_d, f16, True, 0, 8, False),
+                                                       (16, one_d, f32, False, 0, 8, False),
+                                                       (2048, one_d, f32, False, 1, 8, False),
+                                                       (2048, two_d, f32, True, 1, 8, False),
+                                                       (2048, one_d, f32, False, 1, 16, False),
+                                                       (2048, two_d, f32, True, 1, 16, False),
+                                                       (2048, one_d, f32, False, 1, 16, True)):
         rows, next_n = 4, 2
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
         logits = torch.empty(rows, 5000, dtype=dtype)
         with (tracing(path, passes) as launches, mock.patch.object(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0),
               mock.patch.object(topk, "_ACROSS_GROUP_MAXIMA", maxima),
-              mock.patch.object(topk, "_ACROSS_LAST_STEP_WARPS", warps)):
+              mock.patch.object(topk, "_ACROSS_LAST_STEP_WARPS", warps),
+              mock.patch.object(topk, "_across_pdl", lambda device, pdl=pdl: pdl)):
             topk._topk_rows_across_programs(logits, win, win, k, mode, next_n,
                                             win.stride(0) if win.dim() == 2 else 1, values=values)
         (launch,) = [x for x in launches if x.function == path]
         c = launch.arguments
         extras = [x for x, on in ((f"logits={_short(dtype)}", dtype != torch.float32), ("values", values),
-                                  ("maxima", maxima)) if on]
+                                  ("maxima", maxima), ("pdl", pdl)) if on]
         name = (f"k{k} W{c['W']} rows{c['ROWS']} {modes[mode]} after-passes w{launch.options['num_warps']}"
                 + "".join(" " + x for x in extras))
         # both targets at the default (16 warps after the passes over group maxima) and at 8
@@ -860,7 +864,7 @@ def topk_rows_pass_variants() -> list[Variant]:
     histograms, the compaction) over 1-D decode lengths from fp32 logits, the compaction over
     2-D lengths (the window load differs), the first pass from bf16 logits (the logits load
     differs), and the three passes over group maxima (``_ACROSS_GROUP_MAXIMA``: two digit
-    histograms, the compaction)."""
+    histograms, the compaction), also as programmatic dependent launches (``_ACROSS_PDL``)."""
     from unittest import mock
 
     import torch
@@ -871,22 +875,24 @@ def topk_rows_pass_variants() -> list[Variant]:
     merge = f"{topk.kern.__name__}:topk_merge_chunk_kernel"  # its variants are topk_merge's
     last = topk.kern.RADIX_LEVELS
     out = []
-    for mode, dtype, passes, maxima in ((topk.kern.WIN_DECODE_1D, torch.float32, range(last + 1), 0),
-                                        (topk.kern.WIN_DECODE_2D, torch.float32, (last,), 0),
-                                        (topk.kern.WIN_DECODE_1D, torch.bfloat16, (0,), 0),
-                                        (topk.kern.WIN_DECODE_1D, torch.float32, range(last + 1), 1)):
+    for mode, dtype, passes, maxima, pdl in ((topk.kern.WIN_DECODE_1D, torch.float32, range(last + 1), 0, False),
+                                             (topk.kern.WIN_DECODE_2D, torch.float32, (last,), 0, False),
+                                             (topk.kern.WIN_DECODE_1D, torch.bfloat16, (0,), 0, False),
+                                             (topk.kern.WIN_DECODE_1D, torch.float32, range(last + 1), 1, False),
+                                             (topk.kern.WIN_DECODE_1D, torch.float32, range(last + 1), 1, True)):
         rows, next_n = 4, 2
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
         logits = torch.empty(rows, 5000, dtype=dtype)
         # traced launches are recorded, not run
-        with tracing(path, merge) as launches, mock.patch.object(topk, "_ACROSS_GROUP_MAXIMA", maxima):
+        with (tracing(path, merge) as launches, mock.patch.object(topk, "_ACROSS_GROUP_MAXIMA", maxima),
+              mock.patch.object(topk, "_across_pdl", lambda device, pdl=pdl: pdl)):
             topk._topk_rows_across_programs(logits, win, win, 2048, mode, next_n,
                                             win.stride(0) if win.dim() == 2 else 1)
         for launch in (x for x in launches if x.function == path and x.arguments["PASS"] in passes):
             name = "decode2d" if mode == topk.kern.WIN_DECODE_2D else "decode1d"
             out.append(variant_of(launch, "indexer.topk_rows_pass",
                                   f"pass{launch.arguments['PASS']} {name} logits={_short(dtype)}"
-                                  + (" maxima" if maxima else "")))
+                                  + (" maxima" if maxima else "") + (" pdl" if pdl else "")))
     return _unique(out)
 
 
