@@ -39,13 +39,17 @@ def _label(settings: dict[str, int]) -> str:
     return "fused " + ",".join(f"{n}={v}" for n, v in settings.items())
 
 
+def full_settings(variants: list[dict[str, int]], before: dict[str, int]) -> list[dict[str, int]]:
+    """Each variant's value of every setting any variant names: its own, else the value
+    ``before`` the run (else a variant would run with whatever the variant before it left)."""
+    return [{**before, **v} for v in variants]
+
+
 def ab(case, variants: list[dict[str, int]], samples: int) -> dict:
     impls = {i.name: i for i in case.build()}
     fused, pair = impls["tilefuse"], impls["tilefuse+torch.topk"]
     before = {n: getattr(T, n) for v in variants for n in v}
-    # every setting any variant names, at its value before the run where a variant leaves it out
-    # (else a variant would run with whatever the variant before it left)
-    fns = {_label(v): _with(fused.fn, {**before, **v}) for v in variants}
+    fns = {_label(v): _with(fused.fn, full) for v, full in zip(variants, full_settings(variants, before))}
     fns["tilefuse+torch.topk"] = pair.fn
     outs = {n: f() for n, f in fns.items() if n.startswith("fused")}
     torch.cuda.synchronize()
