@@ -908,20 +908,20 @@ def test_decode_merges_beside_logits_order(monkeypatch, record_launches):
     _check_side_stream_log(log, logits_out, steps)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="streams and graphs: the GPU only")
-@pytest.mark.parametrize("overlap", [0, 1])
-def test_decode_merges_beside_logits_in_a_graph(overlap, monkeypatch):
-    """Decode in five key chunks with the merges on the side stream (and without): eager on a
-    stream of the caller's, captured in a CUDA graph and replayed over new queries, weights and
-    lengths; every result the unfused op's, bit for bit, with poisoned outputs."""
-    monkeypatch.setattr(topk, "_OVERLAP_DECODE_MERGES", overlap)
-    case = PagedCase("fp8", lens=(150, 0, 97), next_n=2, block_kv=16, seed=77)
-    rows, k_top = case.w.shape[0], 24
+def _check_decode_in_a_graph(lens, block_kv: int, seeds, shorter, k_top: int, chunk_k: int | None = None,
+                             whole_rows: bool = False) -> None:
+    """A decode top-k call (FP8, next_n 2, requests of ``lens`` tokens) eager on a stream of the
+    caller's, then captured in a CUDA graph and replayed over new queries and weights, first
+    with the lengths ``shorter``, then with a new case's; every result the unfused op's, bit for
+    bit, with poisoned outputs."""
+    case = PagedCase("fp8", lens=lens, next_n=2, block_kv=block_kv, seed=seeds[0])
+    rows = case.w.shape[0]
+    assert topk.decode_whole_rows(rows, case.max_context_len, torch.float32) or not whole_rows
     out = torch.full((rows, k_top), 12345, dtype=torch.int32, device=DEVICE)
     vals = torch.full((rows, k_top), 7.0, device=DEVICE)
 
     def call():
-        idx, val = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), k_top, return_values=True, chunk_k=32)
+        idx, val = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), k_top, return_values=True, chunk_k=chunk_k)
         out.copy_(idx)
         vals.copy_(val)
 
@@ -930,56 +930,36 @@ def test_decode_merges_beside_logits_in_a_graph(overlap, monkeypatch):
         assert torch.equal(out, ref_idx) and _equal(vals, ref_val)
 
     graph = _eager_on_a_caller_stream_then_captured(call, check)
-    for seed in (78, 79):
-        new = PagedCase("fp8", lens=(150, 0, 97), next_n=2, block_kv=16, seed=seed)
+    for seed in seeds[1:]:
+        new = PagedCase("fp8", lens=lens, next_n=2, block_kv=block_kv, seed=seed)
         case.qq[0].copy_(new.qq[0])
         case.w.copy_(new.w)
-        case.ctx.copy_(torch.tensor((120, 0, 61), dtype=torch.int32, device=DEVICE) if seed == 78 else new.ctx)
+        case.ctx.copy_(torch.tensor(shorter, dtype=torch.int32, device=DEVICE) if seed == seeds[1] else new.ctx)
         out.fill_(12345)
         vals.fill_(7.0)
         graph.replay()
         tilefuse.check_errors()
-        ref_idx, ref_val = case.expected(k_top)
-        assert torch.equal(out, ref_idx) and _equal(vals, ref_val), seed
+        check()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="streams and graphs: the GPU only")
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_decode_merges_beside_logits_in_a_graph(overlap, monkeypatch):
+    """Decode in five key chunks with the merges on the side stream (and without), eager then
+    in a replayed CUDA graph (:func:`_check_decode_in_a_graph`)."""
+    monkeypatch.setattr(topk, "_OVERLAP_DECODE_MERGES", overlap)
+    _check_decode_in_a_graph((150, 0, 97), 16, (77, 78, 79), (120, 0, 61), 24, chunk_k=32)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="streams and graphs: the GPU only")
 @pytest.mark.parametrize("pdl", [0, 1])
 def test_decode_whole_rows_in_a_graph(pdl, monkeypatch):
     """Whole rows by the passes and the last step, as ordinary launches and as programmatic
-    dependent launches (``_ACROSS_PDL``): eager on a stream of the caller's, captured in a CUDA
-    graph and replayed over new queries, weights and lengths; every result the unfused op's,
-    bit for bit, with poisoned outputs."""
+    dependent launches (``_ACROSS_PDL``), eager then in a replayed CUDA graph
+    (:func:`_check_decode_in_a_graph`)."""
     monkeypatch.setattr(topk, "_EAGER_ONE_MERGE_KEYS", 0)
     monkeypatch.setattr(topk, "_ACROSS_PDL", pdl)
-    lens = (3000, 0, 97, 2500)
-    case = PagedCase("fp8", lens=lens, next_n=2, block_kv=64, seed=82)
-    rows, k_top = case.w.shape[0], 256
-    assert topk.decode_whole_rows(rows, case.max_context_len, torch.float32)
-    out = torch.full((rows, k_top), 12345, dtype=torch.int32, device=DEVICE)
-    vals = torch.full((rows, k_top), 7.0, device=DEVICE)
-
-    def call():
-        idx, val = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), k_top, return_values=True)
-        out.copy_(idx)
-        vals.copy_(val)
-
-    def check():
-        ref_idx, ref_val = case.expected(k_top)
-        assert torch.equal(out, ref_idx) and _equal(vals, ref_val)
-
-    graph = _eager_on_a_caller_stream_then_captured(call, check)
-    for seed in (83, 84):
-        new = PagedCase("fp8", lens=lens, next_n=2, block_kv=64, seed=seed)
-        case.qq[0].copy_(new.qq[0])
-        case.w.copy_(new.w)
-        case.ctx.copy_(torch.tensor((2000, 0, 61, 2500), dtype=torch.int32, device=DEVICE) if seed == 83 else new.ctx)
-        out.fill_(12345)
-        vals.fill_(7.0)
-        graph.replay()
-        tilefuse.check_errors()
-        ref_idx, ref_val = case.expected(k_top)
-        assert torch.equal(out, ref_idx) and _equal(vals, ref_val), seed
+    _check_decode_in_a_graph((3000, 0, 97, 2500), 64, (82, 83, 84), (2000, 0, 61, 2500), 256, whole_rows=True)
 
 
 def test_across_pdl_only_on_cuda(monkeypatch):
