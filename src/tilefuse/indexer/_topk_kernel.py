@@ -58,16 +58,18 @@ _WIN_DECODE_1D = tl.constexpr(WIN_DECODE_1D)
 RADIX_BITS = 8
 RADIX_LEVELS = 3
 _RADIX_BITS = tl.constexpr(RADIX_BITS)
+_RADIX_LEVELS = tl.constexpr(RADIX_LEVELS)
+_RADIX_BINS = tl.constexpr(1 << RADIX_BITS)
 
 
 def pass_levels(maxima: bool) -> int:
-    """The digit passes of ``topk_rows_pass_kernel`` before its compaction (PASS of that
+    """The digit passes of ``topk_rows_pass_kernel`` before its compaction (the PASS of that
     number): RADIX_LEVELS over the keys; over group maxima one fewer, since the last step then
-    selects from the top and the bar needs only to lie at or below the topk-th key (the top 16
-    bits of the topk-th largest maximum keep about 1/128 of a bin's keys more than 24 would)."""
+    selects from the top and the bar need only lie at or below the row's topk-th key: a 16-bit
+    bar keeps the keys of one 16-bit bin more than a 24-bit bar would, a small share of a row."""
     return RADIX_LEVELS - 1 if maxima else RADIX_LEVELS
-_RADIX_LEVELS = tl.constexpr(RADIX_LEVELS)
-_RADIX_BINS = tl.constexpr(1 << RADIX_BITS)
+
+
 # A select holds its buffer's high words in registers up to this many a program (16 a thread
 # at topk 2048's 8 warps; larger buffers would spill them, so they are counted from memory).
 # The first chunk's group maxima (``_groups_bar``) are held the same way, so the merge's launch

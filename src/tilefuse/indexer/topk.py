@@ -421,8 +421,8 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     writes), which zeroes the histograms and counts (:func:`_take_histograms`). With
     ``_ACROSS_GROUP_MAXIMA`` (where ``segments`` x ``_ACROSS_BLOCK`` >= 2 W) the digits are the
     top two of the topk-th largest group maximum (``topk_rows_pass_kernel``'s MAXIMA), a bound
-    below the row's topk-th key, and the last step selects from the top. For the decode rows taken whole
-    (:func:`decode_whole_rows`), where one program a row leaves most of the GPU idle. Writes
+    below the row's topk-th key, and the last step selects from the top. For the decode rows
+    taken whole (:func:`decode_whole_rows`), where one program a row leaves most of the GPU idle. Writes
     ``out`` / ``out_values`` when given; ``partials``: the launches as partial launches by
     launch key, for a caller whose ``next_n``, ``ctx_stride`` and ``topk`` never change (taken
     and kept there). Returns ``(indices, values or None)``."""
