@@ -835,9 +835,9 @@ def test_decode_bf16_logits_and_rerun():
 @pytest.mark.parametrize("fmt,ctx_2d,logits_dtype", [("fp8", False, torch.float32), ("mxfp4", True, torch.bfloat16)])
 def test_decode_whole_rows(fmt, ctx_2d, logits_dtype, record_launches, monkeypatch):
     """The default for few rows: one logits launch over whole rows, then the top-k across each
-    row's programs (four passes over every row, blocks of 64 keys dealt over 6 programs a row)
-    and one final merge; ties (repeated keys), a zero-length request, lengths past topk and
-    below it."""
+    row's programs (the passes: over group maxima, two digit histograms and the compaction;
+    blocks of 64 keys dealt over 6 programs a row) and one final merge; ties (repeated keys), a
+    zero-length request, lengths past topk and below it."""
     monkeypatch.setattr(topk, "_EAGER_ONE_MERGE_KEYS", 0)  # the passes (a captured call's, or longer rows')
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
     monkeypatch.setattr(topk, "_ACROSS_MIN_SEGMENT", 128)
