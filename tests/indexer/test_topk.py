@@ -141,8 +141,9 @@ def _pass_launches(rows: int, n_keys: int, k_top: int) -> int:
 @pytest.mark.parametrize(
     "k_top,segments,rows_a_program,maxima",
     [(k, s, r, 0) for k, s in [(5, 2), (130, 5), (130, 8)] for r in ["interpreter", "gpu"]]
-    # over maxima: 130 / 5 programs holds fewer than 2 W groups (5 x 64 columns), so keys again
-    + [(5, 2, "gpu", 1), (130, 5, "gpu", 1), (130, 8, "gpu", 1), (130, 8, "interpreter", 1)],
+    # over maxima: 130 / 5 programs holds fewer than 2 W groups (5 x 64 columns), so keys again;
+    # 130 / 12 programs hold more maxima (12 x 64) than a row has keys, so none are kept
+    + [(5, 2, "gpu", 1), (130, 5, "gpu", 1), (130, 8, "gpu", 1), (130, 8, "interpreter", 1), (130, 12, "gpu", 1)],
 )
 def test_rows_across_programs(pattern, k_top, segments, rows_a_program, maxima, monkeypatch, record_launches):
     """The radix select across a row's programs: random windows (empty, shorter than topk, past
@@ -150,7 +151,8 @@ def test_rows_across_programs(pattern, k_top, segments, rows_a_program, maxima, 
     index and value for value with the reference. The digit passes over every key (the last
     step's select starts from their three digits) or over group maxima where the row's
     programs hold at least 2 W groups (topk 130: 8 programs of 64 columns, not 5; the select
-    from the top); with the GPU's rows a program and digit widths too (narrower digits at
+    from the top; the maxima kept between the passes where the row's keys outnumber them, not
+    at 12 programs); with the GPU's rows a program and digit widths too (narrower digits at
     topk 5: a select from the top)."""
     monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
     monkeypatch.setattr(topk, "_ACROSS_GROUP_MAXIMA", maxima)
@@ -1027,7 +1029,7 @@ def test_decode_whole_rows_plan_over_changing_sizes(fmt, ctx_2d, monkeypatch):
         assert idx is out and torch.equal(idx, ref_idx) and _equal(val, ref_val), (b, max_len)
     assert len(topk._decode_plans) == 1 and len(checked_calls) == 1
     (plan,) = topk._decode_plans.values()
-    passes = {key for key in plan.partials if len(key[0]) == 5}  # (PASS, MODE, BLOCK, MAXIMA, PDL)
+    passes = {key for key in plan.partials if len(key[0]) == 6}  # (PASS, MODE, BLOCK, MAXIMA, KEEP, PDL)
     assert len(passes) == _pass_launches(b * next_n, max_len, k_top) and len(plan.partials) > len(passes)
     declined = []
     for key in plan.partials:  # partial launches that decline (a launch hook, another device): each step launches

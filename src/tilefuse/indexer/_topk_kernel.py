@@ -598,7 +598,8 @@ def topk_merge_chunk_kernel(
 def topk_rows_pass_kernel(
     logits_ptr, stride_l, win_a_ptr, win_b_ptr, n_keys, next_n, ctx_stride, segments,
     hist_ptr, cand_ptr, stride_c, count_ptr, topk,
-    PASS: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, MAXIMA: tl.constexpr, PDL: tl.constexpr = False,
+    PASS: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, MAXIMA: tl.constexpr, KEEP: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """One pass of program (row, s) over the row's window, BLOCK keys at a time: blocks s, s +
     segments, s + 2 segments ... (block-cyclic, so a row shorter than the logits' width still
@@ -615,11 +616,11 @@ def topk_rows_pass_kernel(
     the passes find). The keys at or above those digits are then topk and a few more where the
     row has at least 2 topk groups (``segments * BLOCK >= 2 W``: each key its own group in
     rows shorter than that), and the histograms count the maxima, not the keys
-    (``RESET == 2``: the last step's select starts from the top). PASS 0 keeps its maxima in
-    the row's candidate slots ``[seg * BLOCK, (seg + 1) * BLOCK)`` (``stride_c >= segments *
-    BLOCK``; the appends of the last pass come after), the next digit pass reads those instead
-    of the keys, and there are two digit passes, not three (the last step's select starts from
-    the top). PDL: launched as a programmatic dependent launch (``_pdl_start``)."""
+    (``RESET == 2``: the last step's select starts from the top), two digit passes, not three
+    (:func:`pass_levels`). KEEP (with MAXIMA, where the row's candidate slots hold ``segments *
+    BLOCK`` keys): PASS 0 keeps its maxima in the slots ``[seg * BLOCK, (seg + 1) * BLOCK)``
+    (the appends of the last pass come after) and the next digit pass reads those instead of
+    the keys. PDL: launched as a programmatic dependent launch (``_pdl_start``)."""
     if PDL:
         _pdl_start()
     row = tl.program_id(0)
@@ -640,9 +641,12 @@ def topk_rows_pass_kernel(
     if MAXIMA and PASS == 0:
         best = tl.full([BLOCK], EMPTY_KEY, tl.int64)  # (valid keys lie above it)
     elif MAXIMA and PASS < LEVELS:
-        best = tl.load(kept_maxima)  # PASS 0's
+        if KEEP:
+            best = tl.load(kept_maxima)  # PASS 0's
+        else:
+            best = tl.full([BLOCK], EMPTY_KEY, tl.int64)
     # Counted in blocks from the window's start, positions in int64: no bound passes int32.
-    if (not MAXIMA) or PASS == 0 or PASS == LEVELS:  # (MAXIMA's later digit passes read no keys)
+    if (not MAXIMA) or (not KEEP) or PASS == 0 or PASS == LEVELS:  # (kept maxima: no keys to read)
         for i in range(seg, tl.cdiv(end - start, BLOCK), segments):
             pos = start.to(tl.int64) + i * BLOCK + col
             inside = pos < end
@@ -664,7 +668,8 @@ def topk_rows_pass_kernel(
     if MAXIMA and PASS < LEVELS:  # one histogram of the program's column maxima
         held = best != EMPTY_KEY
         if PASS == 0:
-            tl.store(kept_maxima, best)
+            if KEEP:
+                tl.store(kept_maxima, best)
             local = tl.histogram(((best >> SHIFT) + _RADIX_BINS // 2).to(tl.int32), _RADIX_BINS, mask=held)
         else:
             local = tl.histogram(((best >> SHIFT) & (_RADIX_BINS - 1)).to(tl.int32), _RADIX_BINS,

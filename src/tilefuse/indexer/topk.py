@@ -199,8 +199,9 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
     indices = rows * topk * 4
     chunks = max(1, cdiv(n_keys, chunk_k))
     segments, maxima = _across_segments(rows, n_keys, topk)
-    key_passes = 2 if maxima else kern.RADIX_LEVELS + 1
-    maxima_bytes = rows * segments * _ACROSS_BLOCK * 8 if maxima else 0
+    keep = maxima and segments * _ACROSS_BLOCK <= n_keys
+    key_passes = 2 if keep else kern.pass_levels(maxima) + 1
+    maxima_bytes = rows * segments * _ACROSS_BLOCK * 8 if keep else 0
     state = rows * 12 * 2 * (chunks - 1)
     block = rows if chunk_q is None else min(rows, chunk_q)
     first = min(chunk_k, n_keys)
@@ -217,9 +218,9 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
     return {
         "unfused": 2 * logits + indices,
         # decode_whole_rows: the logits written once and read by the passes across programs
-        # that read keys (in L2 when they fit; over group maxima the first and the compaction,
-        # the first writing its maxima and the second digit pass reading them), a histogram of
-        # 3 x 256 int32 a row, the candidates (about topk a row)
+        # that read keys (in L2 when they fit; over group maxima kept between the passes the
+        # first and the compaction, the first writing the maxima and the second digit pass
+        # reading them), a histogram of 3 x 256 int32 a row, the candidates (about topk a row)
         "whole_rows_total": (1 + key_passes) * logits + 2 * maxima_bytes
         + rows * (kern.RADIX_LEVELS << kern.RADIX_BITS) * 4 + rows * min(topk, n_keys) * 16 + indices,
         "whole_rows_workspace_bytes": rows * max(n_keys, 1) * (logits_bytes + 8),
@@ -435,16 +436,17 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
         out_values = torch.empty((rows, topk), dtype=logits.dtype, device=dev)
     if rows == 0:
         return out, out_values
-    # (over maxima, the first pass keeps each program's BLOCK maxima there for the next one)
-    width = max(n_keys, 1, segments * _ACROSS_BLOCK if maxima else 1)
-    candidates = torch.empty((rows, width), dtype=torch.int64, device=dev)
+    candidates = torch.empty((rows, max(n_keys, 1)), dtype=torch.int64, device=dev)
+    # over maxima, where a row's candidate slots hold each program's BLOCK maxima, the first
+    # pass keeps them there for the next one (else that one reads the keys again)
+    keep = maxima and segments * _ACROSS_BLOCK <= n_keys
     kept, hist, counts = _take_histograms(rows, dev)
     aligned = _aligned(logits, win_a, win_b, hist, candidates, counts)
     stride_l, stride_c = logits.stride(0), candidates.stride(0)
     pdl = _across_pdl(dev)
     options = {**_PASS_OPTIONS, "launch_pdl": True} if pdl else _PASS_OPTIONS
     for p in range(kern.pass_levels(maxima) + 1):
-        consts = (p, mode, _ACROSS_BLOCK, maxima, pdl)
+        consts = (p, mode, _ACROSS_BLOCK, maxima, keep, pdl)
         key = (consts, logits.dtype, win_a.dtype, win_b.dtype, aligned)
         fast = partials.get(key) if partials is not None else None
         if fast is not None and fast(logits, stride_l, win_a, win_b, n_keys, segments, hist, candidates, stride_c,

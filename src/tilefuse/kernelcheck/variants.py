@@ -864,7 +864,8 @@ def topk_rows_pass_variants() -> list[Variant]:
     histograms, the compaction) over 1-D decode lengths from fp32 logits, the compaction over
     2-D lengths (the window load differs), the first pass from bf16 logits (the logits load
     differs), and the three passes over group maxima (``_ACROSS_GROUP_MAXIMA``: two digit
-    histograms, the compaction), also as programmatic dependent launches (``_ACROSS_PDL``)."""
+    histograms, the compaction), also as programmatic dependent launches (``_ACROSS_PDL``), and
+    the second digit pass of rows too short to hold the maxima between the passes."""
     from unittest import mock
 
     import torch
@@ -875,14 +876,17 @@ def topk_rows_pass_variants() -> list[Variant]:
     merge = f"{topk.kern.__name__}:topk_merge_chunk_kernel"  # its variants are topk_merge's
     last = topk.kern.RADIX_LEVELS
     out = []
-    for mode, dtype, passes, maxima, pdl in ((topk.kern.WIN_DECODE_1D, torch.float32, range(last + 1), 0, False),
-                                             (topk.kern.WIN_DECODE_2D, torch.float32, (last,), 0, False),
-                                             (topk.kern.WIN_DECODE_1D, torch.bfloat16, (0,), 0, False),
-                                             (topk.kern.WIN_DECODE_1D, torch.float32, range(last + 1), 1, False),
-                                             (topk.kern.WIN_DECODE_1D, torch.float32, range(last + 1), 1, True)):
+    one_d, f32 = topk.kern.WIN_DECODE_1D, torch.float32
+    # (rows of 5000 keys hold their 4 programs' 4096 maxima between the passes, of 3000 not)
+    for mode, dtype, passes, maxima, pdl, width in ((one_d, f32, range(last + 1), 0, False, 5000),
+                                                    (topk.kern.WIN_DECODE_2D, f32, (last,), 0, False, 5000),
+                                                    (one_d, torch.bfloat16, (0,), 0, False, 5000),
+                                                    (one_d, f32, range(last + 1), 1, False, 5000),
+                                                    (one_d, f32, range(last + 1), 1, True, 5000),
+                                                    (one_d, f32, (0, 1), 1, False, 3000)):
         rows, next_n = 4, 2
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
-        logits = torch.empty(rows, 5000, dtype=dtype)
+        logits = torch.empty(rows, width, dtype=dtype)
         # traced launches are recorded, not run
         with (tracing(path, merge) as launches, mock.patch.object(topk, "_ACROSS_GROUP_MAXIMA", maxima),
               mock.patch.object(topk, "_across_pdl", lambda device, pdl=pdl: pdl)):
@@ -890,9 +894,11 @@ def topk_rows_pass_variants() -> list[Variant]:
                                             win.stride(0) if win.dim() == 2 else 1)
         for launch in (x for x in launches if x.function == path and x.arguments["PASS"] in passes):
             name = "decode2d" if mode == topk.kern.WIN_DECODE_2D else "decode1d"
+            extras = [x for x, on in (("maxima", maxima), ("unkept", maxima and not launch.arguments["KEEP"]),
+                                      ("pdl", pdl)) if on]
             out.append(variant_of(launch, "indexer.topk_rows_pass",
                                   f"pass{launch.arguments['PASS']} {name} logits={_short(dtype)}"
-                                  + (" maxima" if maxima else "") + (" pdl" if pdl else "")))
+                                  + "".join(" " + x for x in extras)))
     return _unique(out)
 
 
