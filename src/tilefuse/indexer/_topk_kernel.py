@@ -638,13 +638,11 @@ def topk_rows_pass_kernel(
         prefix = tl.sum(prefix, axis=0)  # (one row)
     local = tl.zeros([_RADIX_BINS], tl.int32)
     kept_maxima = cand_row + seg.to(tl.int64) * BLOCK + col
-    if MAXIMA and PASS == 0:
-        best = tl.full([BLOCK], EMPTY_KEY, tl.int64)  # (valid keys lie above it)
-    elif MAXIMA and PASS < LEVELS:
-        if KEEP:
+    if MAXIMA and PASS < LEVELS:
+        if KEEP and PASS > 0:
             best = tl.load(kept_maxima)  # PASS 0's
         else:
-            best = tl.full([BLOCK], EMPTY_KEY, tl.int64)
+            best = tl.full([BLOCK], EMPTY_KEY, tl.int64)  # (valid keys lie above it)
     # Counted in blocks from the window's start, positions in int64: no bound passes int32.
     if (not MAXIMA) or (not KEEP) or PASS == 0 or PASS == LEVELS:  # (kept maxima: no keys to read)
         for i in range(seg, tl.cdiv(end - start, BLOCK), segments):
