@@ -174,6 +174,8 @@ def test_rows_across_programs(pattern, k_top, segments, rows_a_program, maxima, 
     on = bool(maxima) and segments * 64 >= 2 * topk.state_width(k_top)
     assert last_steps == [on]
     assert len(passes) == (kern.RADIX_LEVELS if on else kern.RADIX_LEVELS + 1)  # two digits over maxima
+    kept = topk._across_segments(rows, n, k_top, segments)[2]
+    assert kept == (on and segments != 12)  # (the case of 12 programs reads its keys again)
 
 
 def test_rows_across_programs_over_ties_past_their_buffer(monkeypatch):

@@ -198,8 +198,7 @@ def topk_bytes_moved(rows: int, n_keys: int, topk: int, chunk_k: int, logits_byt
     logits = rows * n_keys * logits_bytes
     indices = rows * topk * 4
     chunks = max(1, cdiv(n_keys, chunk_k))
-    segments, maxima = _across_segments(rows, n_keys, topk)
-    keep = maxima and segments * _ACROSS_BLOCK <= n_keys
+    segments, maxima, keep = _across_segments(rows, n_keys, topk)
     key_passes = 2 if keep else kern.pass_levels(maxima) + 1
     maxima_bytes = rows * segments * _ACROSS_BLOCK * 8 if keep else 0
     state = rows * 12 * 2 * (chunks - 1)
@@ -341,6 +340,7 @@ def _across_pdl(device: torch.device) -> bool:
     """Whether the passes across programs on ``device`` go as programmatic dependent launches."""
     return bool(_ACROSS_PDL) and device.type == "cuda"
 
+
 # Warps of the last step after the passes (one program a row, W >= 2048): 16 halves each
 # thread's share of the row's select and sort where the rows leave SMs idle (against 8, the
 # merge's: B8 ctx 64K 1.25x -> 1.51x the sorted pair, B64 ctx 32K 1.18x -> 1.25x, level at one
@@ -398,16 +398,21 @@ def _put_back_histograms(kept: _KeptHistograms | None) -> None:
         _kept_histograms[kept.key] = kept
 
 
-def _across_segments(rows: int, n_keys: int, topk: int, segments: int | None = None) -> tuple[int, bool]:
-    """``(segments, maxima)`` of :func:`_topk_rows_across_programs`: the programs a row (given,
-    or as many as fill ``_ACROSS_PROGRAMS`` with at least ``_ACROSS_MIN_SEGMENT`` keys each,
-    and 2 W groups where ``_ACROSS_GROUP_MAXIMA``), and whether the passes go over group maxima."""
+def _across_segments(rows: int, n_keys: int, topk: int,
+                     segments: int | None = None) -> tuple[int, bool, bool]:
+    """``(segments, maxima, keep)`` of :func:`_topk_rows_across_programs`: the programs a row
+    (given, or as many as fill ``_ACROSS_PROGRAMS`` with at least ``_ACROSS_MIN_SEGMENT`` keys
+    each, and 2 W groups where ``_ACROSS_GROUP_MAXIMA``), whether the passes go over group
+    maxima, and whether those are kept between the passes (a row's ``n_keys`` candidate slots
+    hold its programs' ``segments x _ACROSS_BLOCK`` maxima; else the second digit pass reads
+    the keys again)."""
     groups = 2 * state_width(topk)
     if segments is None:
         segments = max(1, min(cdiv(_ACROSS_PROGRAMS, max(rows, 1)), cdiv(n_keys, _ACROSS_MIN_SEGMENT)))
         if _ACROSS_GROUP_MAXIMA:
             segments = max(segments, cdiv(groups, _ACROSS_BLOCK))
-    return segments, bool(_ACROSS_GROUP_MAXIMA) and segments * _ACROSS_BLOCK >= groups
+    maxima = bool(_ACROSS_GROUP_MAXIMA) and segments * _ACROSS_BLOCK >= groups
+    return segments, maxima, maxima and segments * _ACROSS_BLOCK <= n_keys
 
 
 def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern.WIN_PREFILL, next_n: int = 1,
@@ -429,7 +434,7 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     and kept there). Returns ``(indices, values or None)``."""
     rows, n_keys = logits.shape
     dev = logits.device
-    segments, maxima = _across_segments(rows, n_keys, topk, segments)
+    segments, maxima, keep = _across_segments(rows, n_keys, topk, segments)
     if out is None:
         out = torch.empty((rows, topk), dtype=torch.int32, device=dev)
     if out_values is None and values:
@@ -437,9 +442,6 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     if rows == 0:
         return out, out_values
     candidates = torch.empty((rows, max(n_keys, 1)), dtype=torch.int64, device=dev)
-    # over maxima, where a row's candidate slots hold each program's BLOCK maxima, the first
-    # pass keeps them there for the next one (else that one reads the keys again)
-    keep = maxima and segments * _ACROSS_BLOCK <= n_keys
     kept, hist, counts = _take_histograms(rows, dev)
     aligned = _aligned(logits, win_a, win_b, hist, candidates, counts)
     stride_l, stride_c = logits.stride(0), candidates.stride(0)
