@@ -587,32 +587,6 @@ def test_prefill_row_blocks(fmt, record_launches):
         tilefuse.check_errors()
 
 
-@pytest.mark.parametrize("fmt,logits_dtype", [("fp8", torch.float32), ("mxfp4", torch.bfloat16)])
-def test_prefill_row_blocks_across_programs(fmt, logits_dtype, monkeypatch, record_launches):
-    """Row blocks whose rows are one key chunk through the passes across programs
-    (``_PREFILL_ACROSS_KEYS``): random windows (empty, past S_k, fewer keys than topk), ties from
-    repeated key rows; the unfused pair's bits with a poisoned output, and a bad window named by
-    its row in the whole call (the third block's)."""
-    monkeypatch.setattr(topk, "_ACROSS_BLOCK", 64)
-    monkeypatch.setattr(topk, "_PREFILL_ACROSS_KEYS", 1)
-    passes = record_launches(kern, "topk_rows_pass_kernel")
-    s_q, s_k, k_top = 300, 700, 24
-    qq, kk, w = prefill_inputs(s_q, s_k, 4, 64, fmt, seed=90, distinct_keys=11)
-    ks, ke = W.random_windows(s_q, s_k, torch.Generator().manual_seed(90), DEVICE, empty_fraction=0.1, overhang=30)
-    ks[3], ke[3] = 5, 5 + k_top - 2
-    ref_idx, ref_val = expected_prefill(qq, kk, w, ks, ke, k_top, logits_dtype)
-    out = torch.full((s_q, k_top), 12345, dtype=torch.int32, device=DEVICE)
-    idx, val = tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k_top, logits_dtype, return_values=True, out=out,
-                                         chunk_k=768, chunk_q=128)
-    tilefuse.check_errors()
-    assert idx is out and torch.equal(idx, ref_idx) and _equal(val, ref_val)
-    assert len(passes) == 3 * (kern.pass_levels(True) + 1)  # three row blocks of one chunk each
-    ks[261] = ke[261] + 1
-    tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k_top, logits_dtype, chunk_k=768, chunk_q=128)
-    with pytest.raises(tilefuse.DeviceValueError, match="row 261"):
-        tilefuse.check_errors()
-
-
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_prefill_plan_over_changing_sizes(fmt, monkeypatch):
     """Eager one-step calls of one argument layout with new S_q and S_k (one size class), new
@@ -750,15 +724,12 @@ def _eager_on_a_caller_stream_then_captured(call, check):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="streams and graphs: the GPU only")
-@pytest.mark.parametrize("overlap,across", [(0, 0), (1, 0), (1, 1)])
-def test_prefill_merges_beside_logits_in_a_graph(overlap, across, monkeypatch):
-    """Three row blocks by three key chunks with the merges on the side stream (and without),
-    or by one chunk through the passes across programs (``across``): eager on a stream of the
-    caller's, captured in a CUDA graph and replayed over new inputs and windows; every result
-    the unfused pair's, bit for bit, with poisoned outputs."""
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_prefill_merges_beside_logits_in_a_graph(overlap, monkeypatch):
+    """Three row blocks by three key chunks with the merges on the side stream (and without):
+    eager on a stream of the caller's, captured in a CUDA graph and replayed over new inputs and
+    windows; every result the unfused pair's, bit for bit, with poisoned outputs."""
     monkeypatch.setattr(topk, "_OVERLAP_MERGES", overlap)
-    monkeypatch.setattr(topk, "_PREFILL_ACROSS_KEYS", across)
-    chunk_k = 768 if across else 256
     s_q, s_k, k_top = 300, 700, 24
     qq, kk, w = prefill_inputs(s_q, s_k, 4, 64, "fp8", seed=70)
     ks, ke = W.random_windows(s_q, s_k, torch.Generator().manual_seed(70), DEVICE, empty_fraction=0.1)
@@ -766,8 +737,7 @@ def test_prefill_merges_beside_logits_in_a_graph(overlap, across, monkeypatch):
     vals = torch.full((s_q, k_top), 7.0, device=DEVICE)
 
     def call():
-        idx, val = tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k_top, return_values=True, chunk_k=chunk_k,
-                                             chunk_q=128)
+        idx, val = tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k_top, return_values=True, chunk_k=256, chunk_q=128)
         out.copy_(idx)
         vals.copy_(val)
 

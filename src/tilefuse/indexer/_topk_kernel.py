@@ -508,8 +508,7 @@ def topk_merge_chunk_kernel(
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
     a row; ``count_ptr`` / ``bar_ptr``: its count and bar between launches). FIRST starts empty
-    (and checks the rows' windows, as the last step after the passes does), FINAL writes the
-    first TOPK indices (and values).
+    (and checks the rows' windows), FINAL writes the first TOPK indices (and values).
     RESET (with FINAL, after ``topk_rows_pass_kernel``'s passes; 1: over the keys, 2: over
     group maxima): each row's count and its histograms (``hist_ptr``: RADIX_LEVELS x
     2^RADIX_BITS int32 a row) stored back as zeros, ready for the next call's passes; no launch
@@ -530,7 +529,7 @@ def topk_merge_chunk_kernel(
     live = row < n_rows
     row = tl.where(live, row, 0)  # dead rows reread row 0 and store nothing
     start, end = _row_window(win_a_ptr, win_b_ptr, row, row_base, n_keys, key_limit, next_n, ctx_stride, err_ptr, MODE,
-                             FIRST or RESET != 0)
+                             FIRST)
     lo = tl.maximum(start, chunk_lo)
     hi = tl.where(live, tl.minimum(end, chunk_lo + chunk_width), lo)
     cand_rows = cand_ptr + row[:, None] * stride_c

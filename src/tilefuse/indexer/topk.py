@@ -112,11 +112,6 @@ _MERGE_MAXNREG_WIDTH = 2048
 # the next chunk's logits (1: 5-8% faster at 2048 x 32768 .. 4096 x 65536 on an H100, level at
 # one step; benchmarks/NOTES.md, round (19)), or after them on the caller's stream (0).
 _OVERLAP_MERGES = 1
-# Prefill row blocks whose rows are one key chunk, of at least this many keys (rows x columns),
-# go through the passes across programs (``_topk_rows_across_programs``) instead of one merge
-# program a row; 0: never. Their candidate buffer is a row wide (int64: twice the block's fp32
-# logits).
-_PREFILL_ACROSS_KEYS = 0
 # Decode calls of several key chunks, the same way (1: B256 next_n 2 ctx 64K 1.30x -> 1.37x the
 # sorted pair on an H100; benchmarks/NOTES.md, round (20)), or not (0); each op has its own.
 _OVERLAP_DECODE_MERGES = 1
@@ -423,7 +418,7 @@ def _across_segments(rows: int, n_keys: int, topk: int,
 def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern.WIN_PREFILL, next_n: int = 1,
                                ctx_stride: int = 1, segments: int | None = None, values: bool = False,
                                out: torch.Tensor | None = None, out_values: torch.Tensor | None = None,
-                               partials: dict | None = None, row_base: int = 0):
+                               partials: dict | None = None):
     """The top-k of each row of ``logits [R, N]`` (columns are positions; windows as the merge
     kernel reads them) by a radix select across ``segments`` programs a row: the histograms of
     the keys' top three 8-bit digits (each among the keys sharing the digits above it with the
@@ -436,8 +431,7 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     taken whole (:func:`decode_whole_rows`), where one program a row leaves most of the GPU idle. Writes
     ``out`` / ``out_values`` when given; ``partials``: the launches as partial launches by
     launch key, for a caller whose ``next_n``, ``ctx_stride`` and ``topk`` never change (taken
-    and kept there); ``row_base``: the first row's index in the op's output (error messages).
-    Returns ``(indices, values or None)``."""
+    and kept there). Returns ``(indices, values or None)``."""
     rows, n_keys = logits.shape
     dev = logits.device
     segments, maxima, keep = _across_segments(rows, n_keys, topk, segments)
@@ -472,7 +466,7 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     # The last step reads a bar a row and uses it only after a scan, which it has none of here:
     # any int64 memory of a row each does (no allocation on the call's path).
     bars = candidates
-    _merge(logits, bars, candidates, counts, 0, 0, win_a, win_b, n_keys, n_keys, next_n, ctx_stride, row_base, out,
+    _merge(logits, bars, candidates, counts, 0, 0, win_a, win_b, n_keys, n_keys, next_n, ctx_stride, 0, out,
            out_values, topk, mode, first=False, final=True, hist=hist, partials=partials, maxima=maxima, pdl=pdl)
     _put_back_histograms(kept)
     return out, out_values
@@ -615,8 +609,7 @@ def _run_mqa_topk(
     s_q, s_k = q.shape[0], k.shape[0]
     cfg = _prefill_config(q, q_sf, k, logits_dtype)  # pinned for every slice
     chunks = _chunks(s_k, chunk_k)
-    across = len(chunks) == 1 and 0 < _PREFILL_ACROSS_KEYS <= min(s_q, chunk_q) * s_k
-    bars, candidates, counts = (None,) * 3 if across else _workspace(min(s_q, chunk_q), topk, len(chunks), q.device)
+    bars, candidates, counts = _workspace(min(s_q, chunk_q), topk, len(chunks), q.device)
     steps = cdiv(max(s_q, 1), chunk_q) * len(chunks)
     side = _merge_stream(q.device, steps, _OVERLAP_MERGES)
     ring = None if side is None else _SideMerges(side, min(s_q, chunk_q), min(s_k, chunk_k), logits_dtype, q.device)
@@ -642,12 +635,8 @@ def _run_mqa_topk(
                 if r1 == r0:
                     continue
                 with contextlib.nullcontext() if ring is None else ring.merging():
-                    if across:
-                        _topk_rows_across_programs(logits, ks_r, ke_r, topk, kern.WIN_PREFILL, out=out_r,
-                                                   out_values=val_r, row_base=r0)
-                    else:
-                        _merge(logits, bars, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out_r,
-                               val_r, topk, kern.WIN_PREFILL, first=c == 0, final=c == len(chunks) - 1)
+                    _merge(logits, bars, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out_r, val_r,
+                           topk, kern.WIN_PREFILL, first=c == 0, final=c == len(chunks) - 1)
     if ring is not None:
         ring.join()
 
