@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 import tilefuse
+from tilefuse import _jit
 from tilefuse import formats as F
 from tilefuse import reference as R
 from tilefuse.bench.suites import topk as suite
@@ -592,7 +593,8 @@ def test_prefill_plan_over_changing_sizes(fmt, monkeypatch):
     """Eager one-step calls of one argument layout with new S_q and S_k (one size class), new
     windows (empty, past the end) and fresh random inputs each: the first call is checked and
     makes the layout's plan, the others reuse it without the checks, each bit for bit the
-    unfused pair's. A bad window found by the kernels still surfaces at the next call; a wrong
+    unfused pair's (FP8: the first call's launches replayed). A bad window found by the kernels
+    still surfaces at the next call; a wrong
     argument of the same layout but other sizes (weights rows), checked mode, another output
     layout and a call of two chunks each take the checked path."""
     monkeypatch.setattr(topk, "_prefill_plans", {})
@@ -610,6 +612,9 @@ def test_prefill_plan_over_changing_sizes(fmt, monkeypatch):
         tilefuse.check_errors()
         assert idx is out and torch.equal(idx, ref_idx) and _equal(val, ref_val), (s_q, s_k)
     assert len(topk._prefill_plans) == 1 and len(checked_calls) == 1
+    # FP8: the first call's launches recorded, the next two replayed at their own sizes
+    (plan,) = topk._prefill_plans.values()
+    assert callable(plan.replay) if fmt == "fp8" else plan.replay == _jit.NOT_REPLAYABLE
     bad_ks = ks.clone()
     bad_ks[5] = ke[5] + 1
     tilefuse.fp8_fp4_mqa_topk(qq, kk, w, bad_ks, ke, k_top, return_values=True, out=out)

@@ -58,7 +58,7 @@ from typing import NamedTuple
 import torch
 
 import tilefuse
-from tilefuse import _config, _validate
+from tilefuse import _config, _jit, _validate
 from tilefuse._device import capability_major
 from tilefuse._errors import checked, deferred, error_record, raise_pending, raise_pending_fast
 from tilefuse._jit import Launcher, cdiv, next_power_of_2
@@ -270,7 +270,7 @@ def _aligned(*tensors) -> tuple:
 def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, n_keys: int, key_limit: int,
            next_n: int, ctx_stride: int, row_base: int, out, values, topk: int, mode: int, first: bool,
            final: bool, hist: torch.Tensor | None = None, partials: dict | None = None,
-           maxima: bool = False, pdl: bool = False) -> None:
+           maxima: bool = False, pdl: bool = False, sized: bool = False) -> None:
     """Merge logits columns ``[0, width)`` (positions ``lo + c``) of every row of ``out`` into
     its candidates (``candidates``: one buffer a row; ``counts``, ``bars``: its count and bar
     between chunks); ``row_base`` is the first row's index in the op's output (for error
@@ -278,7 +278,8 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     group maxima with ``maxima``) the rows' counts and histograms are zeroed after use; ``pdl``:
     a programmatic dependent launch (:func:`_across_pdl`). ``partials``: partial launches by
     launch key, for callers whose ``next_n``, ``ctx_stride`` and ``row_base`` never change
-    (taken and kept there)."""
+    (taken and kept there); ``sized``: the launch of a recorded one-chunk call follows its
+    sizes (:func:`_plan_merge_sized`)."""
     rows, w = out.shape[0], state_width(topk)
     rows_per_program = _gpu_rows_per_program(w)
     # The interpreter: row blocks (the kernel registry sets the row cap to 0 to compile the
@@ -313,7 +314,7 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
         options["maxnreg"] = _MERGE_MAXNREG
     if pdl:
         options["launch_pdl"] = True
-    _merge_launch(key, (grid,), args, options)
+    _merge_launch(key, (grid,), args, options, sized=_plan_merge_sized(rows_per_program) if sized else None)
     if partials is not None and fast is None:
         # every argument but next_n, ctx_stride, row_base, the error record and the constexprs
         fast = _merge_launch.partial(key, (grid,), args, options,
@@ -641,16 +642,22 @@ def _run_mqa_topk(
         ring.join()
 
 
-class _PrefillPlan(NamedTuple):
+class _PrefillPlan:
     """An eager prefill call of one row block and one key chunk, by its layout: its checks
     passed, the logits launch configuration of its size class, a bar and a count that a
-    one-chunk merge never reads nor writes, and the merge's pre-bound launches by launch key."""
+    one-chunk merge never reads nor writes, the merge's pre-bound launches by launch key, and
+    ``replay``: the call's launches recorded once and replayed with each later call's tensors
+    and sizes (``tilefuse._jit.replay``), or the tries to record them so far (an int), or
+    ``_jit.NOT_REPLAYABLE`` (MX formats: their tile counters follow the stream)."""
 
-    cfg: prefill.PrefillConfig
-    device: torch.device
-    bars: torch.Tensor
-    counts: torch.Tensor
-    partials: dict
+    __slots__ = ("cfg", "device", "bars", "counts", "partials", "replay")
+
+    def __init__(self, cfg: prefill.PrefillConfig, device: torch.device, fp8: bool):
+        self.cfg, self.device = cfg, device
+        self.bars = torch.empty(1, dtype=torch.int64, device=device)
+        self.counts = torch.empty(1, dtype=torch.int32, device=device)
+        self.partials: dict = {}
+        self.replay = 0 if fp8 else _jit.NOT_REPLAYABLE
 
 
 # Plans by layout: what the op's checks read but S_q and S_k (the logits op's signature, the
@@ -682,22 +689,62 @@ def _one_step(s_q: int, s_k: int, topk: int, logits_dtype) -> bool:
     return 1 <= s_q <= default_chunk_q(chunk_k, logits_dtype) and 1 <= s_k <= chunk_k
 
 
+# A plan's launches are recorded at most this many times before it gives up on replaying them
+# (a launch's first calls are not yet direct).
+_PLAN_REPLAY_TRIES = 4
+
+
+def _plan_merge_sized(rows_per_program: int) -> tuple:
+    """The one-chunk merge's grid and size arguments (logits row stride, rows, n_keys, key_limit,
+    the chunk's width) from the plan's sizes ``(S_q, S_k, S_k, logits row stride)``
+    (``tilefuse._jit.replay``)."""
+    def sized(s_q, s_k, n_cols, stride_l):
+        return (-(-s_q // rows_per_program),), (stride_l, s_q, s_k, s_k, n_cols), ()
+
+    return sized, (1, 7, 11, 12, 16), ()
+
+
+def _prefill_plan_launches(plan: _PrefillPlan, q_values, q_sf, k, k_scale, weights, ks, ke, logits, out, values,
+                           topk: int, partials: dict | None) -> None:
+    """The plan's two launches (the logits of the call's inputs, checked when the plan was
+    made, into ``logits``, then one merge over them), the merge's buffer as scratch of a
+    replayable call; the merge by the plan's partial launches where given (a recorded call has
+    none: a partial launch is not recorded)."""
+    s_q, s_k = q_values.shape[0], k.shape[0]
+    w = state_width(topk)
+    candidates = _jit.scratch(s_q, 2 * w, dtype=torch.int64, device=plan.device,
+                              sized=lambda s_q, *_: (s_q, 2 * w))
+    prefill._run(q_values, q_sf, k, k_scale, weights, ks, ke, False, 0, plan.cfg, logits)
+    _merge(logits, plan.bars, candidates, plan.counts, 0, s_k, ks, ke, s_k, s_k, 1, 0, 0, out, values, topk,
+           kern.WIN_PREFILL, first=True, final=True, partials=partials, sized=True)
+
+
 def _run_prefill_plan(plan: _PrefillPlan, q_values, q_sf, k, k_scale, weights, ks, ke, logits_dtype, topk: int,
                       out, values) -> None:
     s_q, s_k = q_values.shape[0], k.shape[0]
-    candidates = torch.empty((s_q, 2 * state_width(topk)), dtype=torch.int64, device=plan.device)
-    logits = tilefuse.fp8_fp4_mqa_logits((q_values, q_sf), (k, k_scale), weights, ks, ke, clean_logits=False,
-                                         logits_dtype=logits_dtype, config=plan.cfg)
-    _merge(logits, plan.bars, candidates, plan.counts, 0, s_k, ks, ke, s_k, s_k, 1, 0, 0, out, values, topk,
-           kern.WIN_PREFILL, first=True, final=True, partials=plan.partials)
+    # (rows padded as the logits op's own output: its kernels store whole 16-element rows)
+    logits = _layout.new_logits(s_q, s_k, logits_dtype, plan.device)
+    args = (q_values, q_sf, k, k_scale, weights, ks, ke, logits, out, values)
+    replay = plan.replay
+    if replay.__class__ is int:  # record this call's launches
+        with _jit.recorded_launches() as recording:
+            _prefill_plan_launches(plan, *args, topk, None if recording is not None else plan.partials)
+        if recording is not None:  # (None: another thread is recording; next time)
+            replayed = _jit.replay(recording, args, keep=(plan.bars, plan.counts, error_record(plan.device)))
+            if replayed is None:
+                replayed = replay + 1 if replay + 1 < _PLAN_REPLAY_TRIES else _jit.NOT_REPLAYABLE
+            plan.replay = replayed
+        return
+    # (False: a launch declined, nothing launched from it on: the ordinary launches)
+    if replay is _jit.NOT_REPLAYABLE or not replay((s_q, s_k, s_k, logits.stride(0)), *args):
+        _prefill_plan_launches(plan, *args, topk, plan.partials)
 
 
-def _make_prefill_plan(key, q_values, q_sf, k, logits_dtype) -> _PrefillPlan:
-    """A one-step call's plan (its arguments checked by the op already)."""
-    device = q_values.device
-    plan = _PrefillPlan(_prefill_config(q_values, q_sf, k, logits_dtype), device,
-                        torch.empty(1, dtype=torch.int64, device=device),
-                        torch.empty(1, dtype=torch.int32, device=device), {})
+def _make_prefill_plan(key, q_values, q_sf, k, k_scale, weights, ks, ke, logits_dtype) -> _PrefillPlan:
+    """A one-step call's plan (its arguments checked by the op already, but for what the logits
+    op checks: checked here, as the plan's launches skip that op's wrapper)."""
+    prefill._check_inputs(q_values, q_sf, k, k_scale, weights, ks, ke, 0, logits_dtype)
+    plan = _PrefillPlan(_prefill_config(q_values, q_sf, k, logits_dtype), q_values.device, q_sf is None)
     if len(_prefill_plans) >= _MAX_PREFILL_PLANS:
         _prefill_plans.clear()
     _prefill_plans[key] = plan
@@ -815,7 +862,8 @@ def fp8_fp4_mqa_topk(
     out, values = _outputs(s_q, topk, logits_dtype, q_values.device, out, return_values)
     if plan_key is not None and _one_step(s_q, k.shape[0], topk, logits_dtype):
         # eager, one step: the next calls of this layout skip the checks
-        plan = _make_prefill_plan(plan_key, q_values, q_sf, k, logits_dtype)
+        plan = _make_prefill_plan(plan_key, q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start,
+                                  cu_seq_len_k_end, logits_dtype)
         _run_prefill_plan(plan, q_values, q_sf, k, k_scale, weights, cu_seq_len_k_start, cu_seq_len_k_end,
                           logits_dtype, topk, out, values)
         return (out, values) if return_values else out
