@@ -107,7 +107,7 @@ def test_topk_warmup_runs_every_merge_variant(monkeypatch):
         report = tilefuse.warmup(model, device=DEVICE)
     assert report.calls["prefill_topk"] == len(prefill.warmup_sizes("fp8", 8, 64, torch.float32,
                                                                       torch.device(DEVICE))) + 4
-    assert report.calls["decode_topk"] == 14  # 8 chunked, 4 whole rows, 2 with indices
+    assert report.calls["decode_topk"] == 18  # 8 chunked, 8 whole rows (short and long), 2 with indices
     stages = {(True, True), (True, False), (False, False), (False, True)}
     want = {(mode, first, final, values) for mode in (kern.WIN_PREFILL, kern.WIN_DECODE_1D, kern.WIN_DECODE_2D)
             for first, final in stages for values in (False, True)}
@@ -119,7 +119,8 @@ def test_topk_warmup_runs_every_merge_variant(monkeypatch):
 @pytest.mark.parametrize("next_n", [1, 3])
 def test_topk_warmup_runs_the_last_step_of_whole_rows(next_n, monkeypatch):
     """Decode rows taken whole end in the final merge (after the passes over group maxima): the
-    warm-up runs it with and without values, over both length layouts."""
+    warm-up runs it with and without values, over both length layouts, after passes that keep
+    their maxima (long rows) and passes that read the keys again (short rows)."""
     from tilefuse import _jit
     from tilefuse.indexer import _topk_kernel as kern
     from tilefuse.indexer import topk as topk_op
@@ -135,14 +136,16 @@ def test_topk_warmup_runs_the_last_step_of_whole_rows(next_n, monkeypatch):
                 return launch
         return Spy()
 
-    merge = kern.topk_merge_chunk_kernel
-    with _jit.redirected(merge, spy_of(merge, lambda kw: ("merge", kw["MODE"], kw["WRITE_VALUES"], kw["RESET"]))):
+    merge, passes = kern.topk_merge_chunk_kernel, kern.topk_rows_pass_kernel
+    with (_jit.redirected(merge, spy_of(merge, lambda kw: ("merge", kw["MODE"], kw["WRITE_VALUES"], kw["RESET"]))),
+          _jit.redirected(passes, spy_of(passes, lambda kw: ("pass", kw["MODE"], kw["KEEP"])))):
         for call in topk_op.warmup_calls("fp8", 8, 64, 48, torch.float32, torch.float32, DEVICE, 32, next_n,
                                          prefill_calls=False)["decode_topk"]:
             call()
     modes = (kern.WIN_DECODE_1D, kern.WIN_DECODE_2D)
     reset = 2 if topk_op._ACROSS_GROUP_MAXIMA else 1  # the passes over group maxima, or over the keys
     assert {("merge", m, v, reset) for m in modes for v in (False, True)} <= seen
+    assert {("pass", m, keep) for m in modes for keep in (False, True)} <= seen
 
 
 @pytest.mark.gpu

@@ -1205,7 +1205,10 @@ def _whole_rows_by_the_passes():
 
 def _decode_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype, device, block_kv, next_n) -> list:
     def call(ctx_2d: bool, chunks: int, return_values: bool = False, with_indices: bool = False,
-             whole: bool = False, batch: int = 2):
+             whole: bool = False, batch: int = 2, length: int | None = None):
+        if length is None:
+            length = (chunks - 1) * block_kv + 1
+
         def run() -> None:
             # whole rows by the passes and their last step, as a captured call or longer rows take
             # them (an eager call of short rows takes one merge a row: the one-chunk merge's kernel)
@@ -1213,7 +1216,6 @@ def _decode_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype, 
                 launch()
 
         def launch() -> None:
-            length = (chunks - 1) * block_kv + 1
             pages = cdiv(length, block_kv)
             cache = paged.new_paged_kv_cache(batch * pages, block_kv, head_dim, fmt, device=device)
             table = torch.arange(batch * pages, dtype=torch.int32, device=device).view(batch, pages)
@@ -1229,7 +1231,11 @@ def _decode_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype, 
         return run
 
     calls = [call(ctx_2d, chunks, values) for ctx_2d in (False, True) for chunks in (1, 3) for values in (False, True)]
-    calls += [call(ctx_2d, 3, values, whole=True, batch=2) for ctx_2d in (False, True) for values in (False, True)]
+    # whole rows of 129 keys read theirs again in the second digit pass; rows of 8 W keep their
+    # programs' maxima between the passes (_across_segments' KEEP)
+    long_rows = max(8 * state_width(topk), 4 * _ACROSS_BLOCK)
+    calls += [call(ctx_2d, 3, values, whole=True, batch=2, length=length) for ctx_2d in (False, True)
+              for values in (False, True) for length in (None, long_rows)]
     if next_n == 1:
         calls += [call(False, 1, with_indices=True), call(False, 3, with_indices=True, whole=True)]
     return calls
