@@ -28,7 +28,6 @@
 #   PART=topk-open: the top-k GPU tests (DeepGEMM building meanwhile), the eager cost, then top-k
 #     speed beside DeepGEMM (the README's table);
 #   PART=topk-verify: round (22)'s top-k changes on a GPU (tests, eager cost, two A/Bs, top-k speed)
-#   PART=topk-pdl: the passes across programs as programmatic dependent launches (tests, A/B)
 #   PART=topk-check: the top-k GPU tests, warm-up count and contract sweep side by side (DeepGEMM builds meanwhile);
 #     PART=topk-across: the top-k of few rows across programs against torch.topk
 #   PART=prefill-sweep: the whole prefill contract product, $SWEEP_PROCS processes
@@ -396,14 +395,6 @@ case "$part" in
       --setting _EAGER_ONE_MERGE_KEYS --values 0 65536 --output "$OUT/topk-host-one-merge-65536.json"
     step ab-workspace 80 python3 benchmarks/topk_setting_ab.py --samples 10 --setting _WORKSPACE_BYTES \
       --values 67108864 134217728 --shapes 2048x32768 4096x65536 --output "$OUT/topk-workspace-128.json"
-    ;;
-  topk-pdl)  # the passes and the last step as programmatic dependent launches (_ACROSS_PDL):
-    # their graph tests, then the A/B in one process (graph mode; eager outputs by the passes)
-    step pdl-tests 150 python3 -m pytest -q -p no:cacheprovider -n 8 tests/indexer/test_topk.py \
-      -k "whole_rows or across or in_a_graph or pdl"
-    step ab-pdl 150 python3 benchmarks/topk_setting_ab.py --samples 10 --fix _EAGER_ONE_MERGE_KEYS=0 \
-      --setting _ACROSS_PDL --values 0 1 --shapes 64x1x32768 128x1x16384 8x1x65536 1x1x32768 256x1x8192 \
-      --output "$OUT/topk-pdl-ab.json"
     ;;
   topk-profile)  # Nsight Compute on the merge's launches (first, first + last, a middle chunk's
     # scan; 512 rows): where its warps stall, the issue rate, the hottest lines

@@ -961,24 +961,11 @@ def test_decode_merges_beside_logits_in_a_graph(overlap, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="streams and graphs: the GPU only")
-@pytest.mark.parametrize("pdl", [0, 1])
-def test_decode_whole_rows_in_a_graph(pdl, monkeypatch):
-    """Whole rows by the passes and the last step, as ordinary launches and as programmatic
-    dependent launches (``_ACROSS_PDL``), eager then in a replayed CUDA graph
+def test_decode_whole_rows_in_a_graph(monkeypatch):
+    """Whole rows by the passes and the last step, eager then in a replayed CUDA graph
     (:func:`_check_decode_in_a_graph`)."""
     monkeypatch.setattr(topk, "_EAGER_ONE_MERGE_KEYS", 0)
-    monkeypatch.setattr(topk, "_ACROSS_PDL", pdl)
     _check_decode_in_a_graph((3000, 0, 97, 2500), 64, (82, 83, 84), (2000, 0, 61, 2500), 256, whole_rows=True)
-
-
-def test_across_pdl_only_on_cuda(monkeypatch):
-    """``_ACROSS_PDL`` asks for programmatic dependent launches on CUDA devices only (the
-    interpreter has no grid dependency control)."""
-    monkeypatch.setattr(topk, "_ACROSS_PDL", 1)
-    assert not topk._across_pdl(torch.device("cpu"))
-    assert topk._across_pdl(torch.device("cuda", 0))
-    monkeypatch.setattr(topk, "_ACROSS_PDL", 0)
-    assert not topk._across_pdl(torch.device("cuda", 0))
 
 
 def test_decode_whole_rows_limit():
@@ -1036,7 +1023,7 @@ def test_decode_whole_rows_plan_over_changing_sizes(fmt, ctx_2d, monkeypatch):
         assert idx is out and torch.equal(idx, ref_idx) and _equal(val, ref_val), (b, max_len)
     assert len(topk._decode_plans) == 1 and len(checked_calls) == 1
     (plan,) = topk._decode_plans.values()
-    passes = {key for key in plan.partials if len(key[0]) == 6}  # (PASS, MODE, BLOCK, MAXIMA, KEEP, PDL)
+    passes = {key for key in plan.partials if len(key[0]) == 5}  # (PASS, MODE, BLOCK, MAXIMA, KEEP)
     assert len(passes) == _pass_launches(b * next_n, max_len, k_top) and len(plan.partials) > len(passes)
     declined = []
     for key in plan.partials:  # partial launches that decline (a launch hook, another device): each step launches

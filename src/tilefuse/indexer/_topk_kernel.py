@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tilefuse import _errors
 from tilefuse._errors_kernel import report_error
@@ -481,16 +480,6 @@ def _write_sorted(cand_rows, count, live, idx_rows, val_rows, TOPK: tl.constexpr
     _write_keys(idx_rows, val_rows, state, w_slot[None, :], live[:, None] & (w_slot[None, :] < TOPK), WRITE_VALUES)
 
 
-@triton.jit
-def _pdl_start():
-    """The start of a kernel launched as a programmatic dependent launch (``launch_pdl``, which
-    may start before the launch ahead of it in the stream has finished): wait until it has
-    (its writes visible; nothing of this kernel reads or writes memory before), then let the
-    launch after this one start its programs, which wait alike."""
-    gdc_wait()
-    gdc_launch_dependents()
-
-
 # Runtime ints that change with the shape or the chunk: not specialised, so no recompiles.
 @triton.jit(do_not_specialize=["n_rows", "row_base", "stride_l", "stride_c", "n_keys", "key_limit",
                                "next_n", "ctx_stride", "chunk_lo", "chunk_width", "stride_i", "stride_v"])
@@ -503,7 +492,7 @@ def topk_merge_chunk_kernel(
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, PIECE: tl.constexpr,
-    RESET: tl.constexpr, GROUPS_BAR: tl.constexpr, PDL: tl.constexpr = False,
+    RESET: tl.constexpr, GROUPS_BAR: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
@@ -514,15 +503,13 @@ def topk_merge_chunk_kernel(
     2^RADIX_BITS int32 a row) stored back as zeros, ready for the next call's passes; no launch
     of the call reads them after this one.
     GROUPS_BAR (with FIRST): the rows' bars raised from the chunk's group maxima before the scan
-    (``_groups_bar``). PDL: launched as a programmatic dependent launch (``_pdl_start``).
+    (``_groups_bar``).
 
     The rows walk the union of their windows in blocks of W / 2 columns (rows of one program
     have near windows in the usual layouts: causal, zig-zag, decode), each row masked to its
     own; the buffers of all rows are cut (``_select``) when any could overflow."""
     tl.static_assert(W >= TOPK)
     tl.static_assert(W == 1 << LOG_W)
-    if PDL:
-        _pdl_start()
     CAP: tl.constexpr = 2 * W
     BLOCK: tl.constexpr = W // 2
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -599,7 +586,6 @@ def topk_rows_pass_kernel(
     logits_ptr, stride_l, win_a_ptr, win_b_ptr, n_keys, next_n, ctx_stride, segments,
     hist_ptr, cand_ptr, stride_c, count_ptr, topk,
     PASS: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr, MAXIMA: tl.constexpr, KEEP: tl.constexpr = False,
-    PDL: tl.constexpr = False,
 ):
     """One pass of program (row, s) over the row's window, BLOCK keys at a time: blocks s, s +
     segments, s + 2 segments ... (block-cyclic, so a row shorter than the logits' width still
@@ -620,9 +606,7 @@ def topk_rows_pass_kernel(
     (:func:`pass_levels`). KEEP (with MAXIMA, where the row's candidate slots hold ``segments *
     BLOCK`` keys): PASS 0 keeps its maxima in the slots ``[seg * BLOCK, (seg + 1) * BLOCK)``
     (the appends of the last pass come after) and the next digit pass reads those instead of
-    the keys. PDL: launched as a programmatic dependent launch (``_pdl_start``)."""
-    if PDL:
-        _pdl_start()
+    the keys."""
     row = tl.program_id(0)
     seg = tl.program_id(1)
     start, end = _row_window(win_a_ptr, win_b_ptr, row, 0, n_keys, n_keys, next_n, ctx_stride, count_ptr, MODE,

@@ -270,16 +270,15 @@ def _aligned(*tensors) -> tuple:
 def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, n_keys: int, key_limit: int,
            next_n: int, ctx_stride: int, row_base: int, out, values, topk: int, mode: int, first: bool,
            final: bool, hist: torch.Tensor | None = None, partials: dict | None = None,
-           maxima: bool = False, pdl: bool = False, sized: bool = False) -> None:
+           maxima: bool = False, sized: bool = False) -> None:
     """Merge logits columns ``[0, width)`` (positions ``lo + c``) of every row of ``out`` into
     its candidates (``candidates``: one buffer a row; ``counts``, ``bars``: its count and bar
     between chunks); ``row_base`` is the first row's index in the op's output (for error
     messages). With ``hist`` (a final merge after ``_topk_rows_across_programs``' passes; over
-    group maxima with ``maxima``) the rows' counts and histograms are zeroed after use; ``pdl``:
-    a programmatic dependent launch (:func:`_across_pdl`). ``partials``: partial launches by
-    launch key, for callers whose ``next_n``, ``ctx_stride`` and ``row_base`` never change
-    (taken and kept there); ``sized``: the launch of a recorded one-chunk call follows its
-    sizes (:func:`_plan_merge_sized`)."""
+    group maxima with ``maxima``) the rows' counts and histograms are zeroed after use.
+    ``partials``: partial launches by launch key, for callers whose ``next_n``, ``ctx_stride``
+    and ``row_base`` never change (taken and kept there); ``sized``: the launch of a recorded
+    one-chunk call follows its sizes (:func:`_plan_merge_sized`)."""
     rows, w = out.shape[0], state_width(topk)
     rows_per_program = _gpu_rows_per_program(w)
     # The interpreter: row blocks (the kernel registry sets the row cap to 0 to compile the
@@ -290,7 +289,7 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     vals = out if values is None else values
     err = error_record(out.device)
     consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, piece,
-              0 if hist is None else 2 if maxima else 1, first and _groups_bar(w, rows_per_program), pdl)
+              0 if hist is None else 2 if maxima else 1, first and _groups_bar(w, rows_per_program))
     warps = max(1, min(8, rows_per_program * w // 256))
     if hist is not None and warps == 8 and rows_per_program == 1:  # the last step after the passes
         warps = _ACROSS_LAST_STEP_WARPS
@@ -312,8 +311,6 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     options = {"num_warps": warps}
     if w == _MERGE_MAXNREG_WIDTH:
         options["maxnreg"] = _MERGE_MAXNREG
-    if pdl:
-        options["launch_pdl"] = True
     _merge_launch(key, (grid,), args, options, sized=_plan_merge_sized(rows_per_program) if sized else None)
     if partials is not None and fast is None:
         # every argument but next_n, ctx_stride, row_base, the error record and the constexprs
@@ -331,16 +328,6 @@ _ACROSS_PROGRAMS = 4 * 132
 _ACROSS_MIN_SEGMENT = 2048
 _ACROSS_BLOCK = 1024
 _PASS_OPTIONS = {"num_warps": 4}
-# The passes and the last step after them as programmatic dependent launches (1): each may start
-# its programs while the launch ahead of it finishes, and waits for it before touching memory
-# (``_topk_kernel._pdl_start``), so the launches' gaps overlap the tails. CUDA devices only.
-_ACROSS_PDL = 0
-
-
-def _across_pdl(device: torch.device) -> bool:
-    """Whether the passes across programs on ``device`` go as programmatic dependent launches."""
-    return bool(_ACROSS_PDL) and device.type == "cuda"
-
 
 # Warps of the last step after the passes (one program a row, W >= 2048): 16 halves each
 # thread's share of the row's select and sort where the rows leave SMs idle (against 8, the
@@ -446,10 +433,8 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     kept, hist, counts = _take_histograms(rows, dev)
     aligned = _aligned(logits, win_a, win_b, hist, candidates, counts)
     stride_l, stride_c = logits.stride(0), candidates.stride(0)
-    pdl = _across_pdl(dev)
-    options = {**_PASS_OPTIONS, "launch_pdl": True} if pdl else _PASS_OPTIONS
     for p in range(kern.pass_levels(maxima) + 1):
-        consts = (p, mode, _ACROSS_BLOCK, maxima, keep, pdl)
+        consts = (p, mode, _ACROSS_BLOCK, maxima, keep)
         key = (consts, logits.dtype, win_a.dtype, win_b.dtype, aligned)
         fast = partials.get(key) if partials is not None else None
         if fast is not None and fast(logits, stride_l, win_a, win_b, n_keys, segments, hist, candidates, stride_c,
@@ -457,10 +442,10 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
             continue
         args = (logits, stride_l, win_a, win_b, n_keys, next_n, ctx_stride, segments,
                 hist, candidates, stride_c, counts, topk, *consts)
-        _pass_launch(key, (rows, segments), args, options)
+        _pass_launch(key, (rows, segments), args, _PASS_OPTIONS)
         if partials is not None and fast is None:
             # every argument but next_n, ctx_stride, topk and the constexprs; the grid (rows, segments)
-            fast = _pass_launch.partial(key, (rows, segments), args, options,
+            fast = _pass_launch.partial(key, (rows, segments), args, _PASS_OPTIONS,
                                         live=(0, 1, 2, 3, 4, 7, 8, 9, 10, 11), live_grid=(10, 5))
             if fast is not None:
                 partials[key] = fast
@@ -468,7 +453,7 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     # any int64 memory of a row each does (no allocation on the call's path).
     bars = candidates
     _merge(logits, bars, candidates, counts, 0, 0, win_a, win_b, n_keys, n_keys, next_n, ctx_stride, 0, out,
-           out_values, topk, mode, first=False, final=True, hist=hist, partials=partials, maxima=maxima, pdl=pdl)
+           out_values, topk, mode, first=False, final=True, hist=hist, partials=partials, maxima=maxima)
     _put_back_histograms(kept)
     return out, out_values
 

@@ -822,33 +822,30 @@ def topk_merge_variants() -> list[Variant]:
             one(k, 300, topk.kern.WIN_PREFILL, first, final, chunk, values=final)
 
     # The last step after the passes across programs: the select starts from the passes'
-    # histograms (RESET); at 8 and 16 warps (``_ACROSS_LAST_STEP_WARPS``); as a programmatic
-    # dependent launch (``_ACROSS_PDL``).
+    # histograms (RESET); at 8 and 16 warps (``_ACROSS_LAST_STEP_WARPS``).
     passes = f"{topk.kern.__name__}:topk_rows_pass_kernel"
     f32, f16 = torch.float32, torch.bfloat16
     one_d, two_d = topk.kern.WIN_DECODE_1D, topk.kern.WIN_DECODE_2D
-    for k, mode, dtype, values, maxima, warps, pdl in ((2048, one_d, f32, False, 0, 8, False),
-                                                       (2048, two_d, f32, True, 0, 8, False),
-                                                       (2048, one_d, f16, True, 0, 8, False),
-                                                       (16, one_d, f32, False, 0, 8, False),
-                                                       (2048, one_d, f32, False, 1, 8, False),
-                                                       (2048, two_d, f32, True, 1, 8, False),
-                                                       (2048, one_d, f32, False, 1, 16, False),
-                                                       (2048, two_d, f32, True, 1, 16, False),
-                                                       (2048, one_d, f32, False, 1, 16, True)):
+    for k, mode, dtype, values, maxima, warps in ((2048, one_d, f32, False, 0, 8),
+                                                  (2048, two_d, f32, True, 0, 8),
+                                                  (2048, one_d, f16, True, 0, 8),
+                                                  (16, one_d, f32, False, 0, 8),
+                                                  (2048, one_d, f32, False, 1, 8),
+                                                  (2048, two_d, f32, True, 1, 8),
+                                                  (2048, one_d, f32, False, 1, 16),
+                                                  (2048, two_d, f32, True, 1, 16)):
         rows, next_n = 4, 2
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
         logits = torch.empty(rows, 5000, dtype=dtype)
         with (tracing(path, passes) as launches, mock.patch.object(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0),
               mock.patch.object(topk, "_ACROSS_GROUP_MAXIMA", maxima),
-              mock.patch.object(topk, "_ACROSS_LAST_STEP_WARPS", warps),
-              mock.patch.object(topk, "_across_pdl", lambda device, pdl=pdl: pdl)):
+              mock.patch.object(topk, "_ACROSS_LAST_STEP_WARPS", warps)):
             topk._topk_rows_across_programs(logits, win, win, k, mode, next_n,
                                             win.stride(0) if win.dim() == 2 else 1, values=values)
         (launch,) = [x for x in launches if x.function == path]
         c = launch.arguments
         extras = [x for x, on in ((f"logits={_short(dtype)}", dtype != torch.float32), ("values", values),
-                                  ("maxima", maxima), ("pdl", pdl)) if on]
+                                  ("maxima", maxima)) if on]
         name = (f"k{k} W{c['W']} rows{c['ROWS']} {modes[mode]} after-passes w{launch.options['num_warps']}"
                 + "".join(" " + x for x in extras))
         # both targets at the default (16 warps after the passes over group maxima) and at 8
@@ -864,8 +861,7 @@ def topk_rows_pass_variants() -> list[Variant]:
     histograms, the compaction) over 1-D decode lengths from fp32 logits, the compaction over
     2-D lengths (the window load differs), the first pass from bf16 logits (the logits load
     differs), and the three passes over group maxima (``_ACROSS_GROUP_MAXIMA``: two digit
-    histograms, the compaction), also as programmatic dependent launches (``_ACROSS_PDL``), and
-    the second digit pass of rows too short to hold the maxima between the passes."""
+    histograms, the compaction), and the second digit pass of rows too short to hold the maxima between the passes."""
     from unittest import mock
 
     import torch
@@ -878,24 +874,22 @@ def topk_rows_pass_variants() -> list[Variant]:
     out = []
     one_d, f32 = topk.kern.WIN_DECODE_1D, torch.float32
     # (rows of 5000 keys hold their 4 programs' 4096 maxima between the passes, of 3000 not)
-    for mode, dtype, passes, maxima, pdl, width in ((one_d, f32, range(last + 1), 0, False, 5000),
-                                                    (topk.kern.WIN_DECODE_2D, f32, (last,), 0, False, 5000),
-                                                    (one_d, torch.bfloat16, (0,), 0, False, 5000),
-                                                    (one_d, f32, range(last + 1), 1, False, 5000),
-                                                    (one_d, f32, range(last + 1), 1, True, 5000),
-                                                    (one_d, f32, (0, 1), 1, False, 3000)):
+    for mode, dtype, passes, maxima, width in ((one_d, f32, range(last + 1), 0, 5000),
+                                               (topk.kern.WIN_DECODE_2D, f32, (last,), 0, 5000),
+                                               (one_d, torch.bfloat16, (0,), 0, 5000),
+                                               (one_d, f32, range(last + 1), 1, 5000),
+                                               (one_d, f32, (0, 1), 1, 3000)):
         rows, next_n = 4, 2
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
         logits = torch.empty(rows, width, dtype=dtype)
         # traced launches are recorded, not run
-        with (tracing(path, merge) as launches, mock.patch.object(topk, "_ACROSS_GROUP_MAXIMA", maxima),
-              mock.patch.object(topk, "_across_pdl", lambda device, pdl=pdl: pdl)):
+        with tracing(path, merge) as launches, mock.patch.object(topk, "_ACROSS_GROUP_MAXIMA", maxima):
             topk._topk_rows_across_programs(logits, win, win, 2048, mode, next_n,
                                             win.stride(0) if win.dim() == 2 else 1)
         for launch in (x for x in launches if x.function == path and x.arguments["PASS"] in passes):
             name = "decode2d" if mode == topk.kern.WIN_DECODE_2D else "decode1d"
-            extras = [x for x, on in (("maxima", maxima), ("unkept", maxima and not launch.arguments["KEEP"]),
-                                      ("pdl", pdl)) if on]
+            extras = [x for x, on in (("maxima", maxima), ("unkept", maxima and not launch.arguments["KEEP"]))
+                      if on]
             out.append(variant_of(launch, "indexer.topk_rows_pass",
                                   f"pass{launch.arguments['PASS']} {name} logits={_short(dtype)}"
                                   + "".join(" " + x for x in extras)))
