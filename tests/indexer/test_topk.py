@@ -615,6 +615,16 @@ def test_prefill_plan_over_changing_sizes(fmt, monkeypatch):
     # FP8: the first call's launches recorded, the next two replayed at their own sizes
     (plan,) = topk._prefill_plans.values()
     assert callable(plan.replay) if fmt == "fp8" else plan.replay == _jit.NOT_REPLAYABLE
+    # windows and an output 4 bytes past 16-byte alignment (slices of larger buffers): a plan of
+    # their own (the merge's replayed launch was compiled for aligned pointers)
+    ks_off, ke_off = (torch.cat([t[:1], t])[1:] for t in (ks, ke))
+    out_off = torch.full((s_q * k_top + 1,), 12345, dtype=torch.int32, device=DEVICE)[1:].view(s_q, k_top)
+    idx, val = tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks_off, ke_off, k_top, return_values=True, out=out_off)
+    assert idx is out_off and torch.equal(idx, ref_idx) and _equal(val, ref_val)
+    assert len(topk._prefill_plans) == 2 and len(checked_calls) == 2
+    checked_calls.clear()
+    topk._prefill_plans.clear()
+    tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k_top, return_values=True, out=out)
     bad_ks = ks.clone()
     bad_ks[5] = ke[5] + 1
     tilefuse.fp8_fp4_mqa_topk(qq, kk, w, bad_ks, ke, k_top, return_values=True, out=out)

@@ -646,7 +646,8 @@ class _PrefillPlan:
 
 
 # Plans by layout: what the op's checks read but S_q and S_k (the logits op's signature, the
-# size class its config follows), plus topk, return_values, out's and schedule_meta's layout.
+# size class its config follows), plus topk, return_values, out's and schedule_meta's layout,
+# and the alignment of the windows and out (the merge's replayed launch specialises on it).
 _prefill_plans: dict[tuple, _PrefillPlan] = {}
 _MAX_PREFILL_PLANS = 4096
 
@@ -660,9 +661,11 @@ def _prefill_plan_key(q_values, q_sf, k, k_scale, weights, ks, ke, topk, logits_
     return (prefill._signature(q_values, q_sf, k, k_scale, weights, ks, ke, 0, logits_dtype),
             prefill.size_class(q_values.shape[0], k.shape[0]), topk.__class__, topk,
             return_values.__class__, return_values,
-            None if out is None else (out.shape[1:], out.stride(), out.dtype, out.get_device()),
+            None if out is None else (out.shape[1:], out.stride(), out.dtype, out.get_device(), out.data_ptr() & 15),
             None if schedule_meta is None else (schedule_meta.__class__, schedule_meta.dtype, schedule_meta.dim()),
             tuple(sorted(overrides.items())) if overrides else None,
+            # (the merge kernel specialises on these pointers' alignment; the plan replays its launch)
+            ks.data_ptr() & 15, ke.data_ptr() & 15,
             # on the CPU, whether a kernel runs at all follows the interpreter (and which, the
             # architecture the tests pose as)
             device.type == "cuda" or (_validate.interpreter_enabled(), capability_major(device)))
