@@ -593,10 +593,10 @@ def test_prefill_plan_over_changing_sizes(fmt, monkeypatch):
     """Eager one-step calls of one argument layout with new S_q and S_k (one size class), new
     windows (empty, past the end) and fresh random inputs each: the first call is checked and
     makes the layout's plan, the others reuse it without the checks, each bit for bit the
-    unfused pair's (FP8: the first call's launches replayed). A bad window found by the kernels
-    still surfaces at the next call; a wrong
-    argument of the same layout but other sizes (weights rows), checked mode, another output
-    layout and a call of two chunks each take the checked path."""
+    unfused pair's (FP8: the first call's launches replayed). Windows and an output off 16-byte
+    alignment make a plan of their own. A bad window found by the kernels still surfaces at the
+    next call; a wrong argument of the same layout but other sizes (weights rows), checked mode,
+    another output layout and a call of two chunks each take the checked path."""
     monkeypatch.setattr(topk, "_prefill_plans", {})
     checked_calls = []
     real_checks = topk._check_topk_args
