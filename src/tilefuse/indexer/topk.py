@@ -416,10 +416,10 @@ def _topk_rows_across_programs(logits, win_a, win_b, topk: int, mode: int = kern
     ``_ACROSS_GROUP_MAXIMA`` (where ``segments`` x ``_ACROSS_BLOCK`` >= 2 W) the digits are the
     top two of the topk-th largest group maximum (``topk_rows_pass_kernel``'s MAXIMA), a bound
     below the row's topk-th key, and the last step selects from the top. For the decode rows
-    taken whole (:func:`decode_whole_rows`), where one program a row leaves most of the GPU idle. Writes
-    ``out`` / ``out_values`` when given; ``partials``: the launches as partial launches by
-    launch key, for a caller whose ``next_n``, ``ctx_stride`` and ``topk`` never change (taken
-    and kept there). Returns ``(indices, values or None)``."""
+    taken whole (:func:`decode_whole_rows`), where one program a row leaves most of the GPU
+    idle. Writes ``out`` / ``out_values`` when given; ``partials``: the launches as partial
+    launches by launch key, for a caller whose ``next_n``, ``ctx_stride`` and ``topk`` never
+    change (taken and kept there). Returns ``(indices, values or None)``."""
     rows, n_keys = logits.shape
     dev = logits.device
     segments, maxima, keep = _across_segments(rows, n_keys, topk, segments)
@@ -677,11 +677,6 @@ def _one_step(s_q: int, s_k: int, topk: int, logits_dtype) -> bool:
     return 1 <= s_q <= default_chunk_q(chunk_k, logits_dtype) and 1 <= s_k <= chunk_k
 
 
-# A plan's launches are recorded at most this many times before it gives up on replaying them
-# (a launch's first calls are not yet direct).
-_PLAN_REPLAY_TRIES = 4
-
-
 def _plan_merge_sized(rows_per_program: int) -> tuple:
     """The one-chunk merge's grid and size arguments (logits row stride, rows, n_keys, key_limit,
     the chunk's width) from the plan's sizes ``(S_q, S_k, S_k, logits row stride)``
@@ -720,7 +715,8 @@ def _run_prefill_plan(plan: _PrefillPlan, q_values, q_sf, k, k_scale, weights, k
         if recording is not None:  # (None: another thread is recording; next time)
             replayed = _jit.replay(recording, args, keep=(plan.bars, plan.counts, error_record(plan.device)))
             if replayed is None:
-                replayed = replay + 1 if replay + 1 < _PLAN_REPLAY_TRIES else _jit.NOT_REPLAYABLE
+                # (the logits op's bound on recordings: a launch's first calls are not yet direct)
+                replayed = replay + 1 if replay + 1 < prefill._REPLAY_TRIES else _jit.NOT_REPLAYABLE
             plan.replay = replayed
         return
     # (False: a launch declined, nothing launched from it on: the ordinary launches)

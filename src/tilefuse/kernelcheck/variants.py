@@ -825,15 +825,14 @@ def topk_merge_variants() -> list[Variant]:
     # histograms (RESET); at 8 and 16 warps (``_ACROSS_LAST_STEP_WARPS``).
     passes = f"{topk.kern.__name__}:topk_rows_pass_kernel"
     f32, f16 = torch.float32, torch.bfloat16
-    one_d, two_d = topk.kern.WIN_DECODE_1D, topk.kern.WIN_DECODE_2D
-    for k, mode, dtype, values, maxima, warps in ((2048, one_d, f32, False, 0, 8),
-                                                  (2048, two_d, f32, True, 0, 8),
-                                                  (2048, one_d, f16, True, 0, 8),
-                                                  (16, one_d, f32, False, 0, 8),
-                                                  (2048, one_d, f32, False, 1, 8),
-                                                  (2048, two_d, f32, True, 1, 8),
-                                                  (2048, one_d, f32, False, 1, 16),
-                                                  (2048, two_d, f32, True, 1, 16)):
+    for k, mode, dtype, values, maxima, warps in ((2048, topk.kern.WIN_DECODE_1D, f32, False, 0, 8),
+                                                  (2048, topk.kern.WIN_DECODE_2D, f32, True, 0, 8),
+                                                  (2048, topk.kern.WIN_DECODE_1D, f16, True, 0, 8),
+                                                  (16, topk.kern.WIN_DECODE_1D, f32, False, 0, 8),
+                                                  (2048, topk.kern.WIN_DECODE_1D, f32, False, 1, 8),
+                                                  (2048, topk.kern.WIN_DECODE_2D, f32, True, 1, 8),
+                                                  (2048, topk.kern.WIN_DECODE_1D, f32, False, 1, 16),
+                                                  (2048, topk.kern.WIN_DECODE_2D, f32, True, 1, 16)):
         rows, next_n = 4, 2
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
         logits = torch.empty(rows, 5000, dtype=dtype)
@@ -860,8 +859,9 @@ def topk_rows_pass_variants() -> list[Variant]:
     (``topk._topk_rows_across_programs``): its four passes over the keys (three digit
     histograms, the compaction) over 1-D decode lengths from fp32 logits, the compaction over
     2-D lengths (the window load differs), the first pass from bf16 logits (the logits load
-    differs), and the three passes over group maxima (``_ACROSS_GROUP_MAXIMA``: two digit
-    histograms, the compaction), and the second digit pass of rows too short to hold the maxima between the passes."""
+    differs), the three passes over group maxima (``_ACROSS_GROUP_MAXIMA``: two digit
+    histograms, the compaction), and the second digit pass of rows too short to hold the
+    maxima between the passes."""
     from unittest import mock
 
     import torch
