@@ -115,6 +115,10 @@ _OVERLAP_MERGES = 1
 # Decode calls of several key chunks, the same way (1: B256 next_n 2 ctx 64K 1.30x -> 1.37x the
 # sorted pair on an H100; benchmarks/NOTES.md, round (20)), or not (0); each op has its own.
 _OVERLAP_DECODE_MERGES = 1
+# The side stream's priority (torch's: 0 the default, -1 higher). A merge launched beside the
+# next chunk's logits at a higher priority takes the SMs' free slots before the logits' pending
+# programs do (CUDA graphs keep a node's priority from the stream it was captured on).
+_MERGE_STREAM_PRIORITY = 0
 # A merge of a first chunk raises each row's bar before its scan to what at least topk of the
 # chunk's 2 W group maxima reach (``_topk_kernel._groups_bar``; 1), or scans from an empty bar (0).
 # 1: 1.07x -> 1.16x the sorted pair at 2048 x 32768, 1.10x -> 1.31x at 512 x 8192, decode B256
@@ -484,19 +488,20 @@ def _decode_rows_topk(logits, context_lens, topk: int, mode: int, next_n: int, c
                                out_values=values, partials=partials)
 
 
-_merge_streams: dict[int, torch.cuda.Stream] = {}
+_merge_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 
 
 def _merge_stream(device: torch.device, steps: int, enabled: int) -> torch.cuda.Stream | None:
-    """The side stream a device's merges run on (made once a device; calls from several streams
+    """The side stream a device's merges run on (made once a device and priority; calls from several streams
     at once serialise their merges there), or None: the op's setting (``enabled``) off, one
     step, not CUDA."""
     if not (enabled and steps > 1 and device.type == "cuda"):
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _merge_streams.get(index)
+    key = (index, _MERGE_STREAM_PRIORITY)
+    stream = _merge_streams.get(key)
     if stream is None:
-        stream = _merge_streams[index] = torch.cuda.Stream(device=index)
+        stream = _merge_streams[key] = torch.cuda.Stream(device=index, priority=_MERGE_STREAM_PRIORITY)
     return stream
 
 
