@@ -333,7 +333,11 @@ def test_replay_passes_the_inputs_and_a_new_scratch_buffer(fake_driver, monkeypa
     assert _jit.replay(recording, (x, out)) is _jit.NOT_REPLAYABLE  # err is neither input nor kept
     entry = launcher._compiled.pop(("k",))
     assert _jit.replay(recording, (x, out), keep=(err,)) is None  # (no direct call for the key yet)
+    # an op records again at its next calls, up to REPLAY_TRIES recordings, then gives up
+    tries = [_jit.replay_or_try_again(recording, (x, out), (err,), n) for n in range(_jit.REPLAY_TRIES)]
+    assert tries == [*range(1, _jit.REPLAY_TRIES), _jit.NOT_REPLAYABLE]
     launcher._compiled[("k",)] = entry
+    assert callable(_jit.replay_or_try_again(recording, (x, out), (err,), 0))
     replayed = _jit.replay(recording, (x, out), keep=(err,))
     y, o = torch.randn(8, 8), torch.zeros(4)
     assert replayed((), y, o)

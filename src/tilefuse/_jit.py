@@ -370,6 +370,21 @@ def replay(recording: _Recording, inputs: tuple, keep: tuple = ()):
     return run
 
 
+# Recordings a replaying op tries per layout before it gives up: a launch is direct from its
+# key's second launch on a GPU, so a first recording may come too early.
+REPLAY_TRIES = 4
+
+
+def replay_or_try_again(recording: _Recording, inputs: tuple, keep: tuple, tries: int):
+    """:func:`replay` for an op that records a layout's launches up to :data:`REPLAY_TRIES`
+    times: its ``run``, :data:`NOT_REPLAYABLE`, or (no direct call yet) the tries so far as an
+    int, to record again at the next call."""
+    replayed = replay(recording, inputs, keep)
+    if replayed is None:
+        return tries + 1 if tries + 1 < REPLAY_TRIES else NOT_REPLAYABLE
+    return replayed
+
+
 def _live_slots(live: tuple) -> list:
     """``(position, value index)`` of each position :meth:`Launcher.partial`'s ``live`` names."""
     return [(p, i) for i, ps in enumerate(live) for p in (ps if isinstance(ps, tuple) else (ps,))]

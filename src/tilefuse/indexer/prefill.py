@@ -942,7 +942,6 @@ def fp8_fp4_mqa_logits(
 # a GPU). A layout with a launch that cannot follow the sizes is not replayed.
 _REPLAYS: dict[tuple, object] = {}
 _REPLAYS_MAX = 4096
-_REPLAY_TRIES = 4
 _MAX_SIZE = 2**31  # sizes passed as 32-bit ints (larger ones take the ordinary path)
 
 
@@ -952,11 +951,10 @@ def _run_recorded(replay_key, tries: int, inputs: tuple, clean: bool, max_seqlen
         _run(*inputs[:7], clean, max_seqlen_k, cfg, inputs[7])
     if recording is None:  # another thread is recording: next time
         return
-    replayed = _jit.replay(recording, inputs, keep=(_ERR_RECORDS.get(q.device),
-                                                    _TILE_COUNTERS.get((q.device, _current_stream(q.device)))))
-    if replayed is None:
-        replayed = tries + 1 if tries + 1 < _REPLAY_TRIES else _jit.NOT_REPLAYABLE
-    elif replayed is not _jit.NOT_REPLAYABLE:
+    replayed = _jit.replay_or_try_again(
+        recording, inputs, (_ERR_RECORDS.get(q.device), _TILE_COUNTERS.get((q.device, _current_stream(q.device)))),
+        tries)
+    if callable(replayed):
         replayed = (replayed, q.device)
     _remember_replay(replay_key, replayed)
 

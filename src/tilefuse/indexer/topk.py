@@ -718,11 +718,8 @@ def _run_prefill_plan(plan: _PrefillPlan, q_values, q_sf, k, k_scale, weights, k
         with _jit.recorded_launches() as recording:
             _prefill_plan_launches(plan, *args, topk, None if recording is not None else plan.partials)
         if recording is not None:  # (None: another thread is recording; next time)
-            replayed = _jit.replay(recording, args, keep=(plan.bars, plan.counts, error_record(plan.device)))
-            if replayed is None:
-                # (the logits op's bound on recordings: a launch's first calls are not yet direct)
-                replayed = replay + 1 if replay + 1 < prefill._REPLAY_TRIES else _jit.NOT_REPLAYABLE
-            plan.replay = replayed
+            plan.replay = _jit.replay_or_try_again(recording, args,
+                                                   (plan.bars, plan.counts, error_record(plan.device)), replay)
         return
     # (False: a launch declined, nothing launched from it on: the ordinary launches)
     if replay is _jit.NOT_REPLAYABLE or not replay((s_q, s_k, s_k, logits.stride(0)), *args):
