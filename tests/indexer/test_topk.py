@@ -1195,9 +1195,9 @@ def test_bytes_moved_and_default_chunks(groups_bar, monkeypatch):
     assert topk.topk_bytes_moved(4, 100, 8, 256)["chunked_hbm_if_l2_resident"] == 4 * 8 * 4
     assert topk.default_chunk_k(2048, 256) == 65536 and topk.default_chunk_k(8, 256) == 2048
     assert topk.default_chunk_k(64, 48) == 2064  # whole pages of 48 tokens
-    assert topk.default_prefill_chunk_k(2048) == 32768 and topk.default_prefill_chunk_k(5) == 2048
-    assert topk.default_chunk_q(32768, torch.float32) == 512
-    assert topk.default_chunk_q(65536, torch.float32) == 256
+    assert topk.default_prefill_chunk_k(2048) == 65536 and topk.default_prefill_chunk_k(5) == 2048
+    assert topk.default_chunk_q(65536, torch.float32) == 512 and topk.default_chunk_q(65536, torch.bfloat16) == 1024
+    assert topk.default_chunk_q(131072, torch.float32) == 256
     assert topk.state_width(2048) == 2048 and topk.state_width(3) == 16
 
 
@@ -1302,7 +1302,7 @@ def test_bench_suite_rows_and_checks():
         suite.parse_shapes(["64x"])
     rows = suite.cases(on_gpu=True, device="cpu", shapes=([(2048, 32768)], [(64, 2, 8192)]))
     assert [c.params["api"] for c in rows] == ["prefill", "decode"]
-    assert rows[0].params["chunk_k_used"] == 32768 and rows[0].params["bytes_moved"]["unfused"] > 0
+    assert rows[0].params["chunk_k_used"] == 65536 and rows[0].params["bytes_moved"]["unfused"] > 0
     chunk_k, chunk_q = suite.parse_chunks("8192,16384", "chunk-k"), suite.parse_chunks("256", "chunk-q")
     sweep = suite.cases(on_gpu=True, device="cpu", shapes=([(2048, 32768)], []), chunk_k=chunk_k, chunk_q=chunk_q)
     assert [(c.params["chunk_k_used"], c.params["chunk_q_used"]) for c in sweep] == [(8192, 256), (16384, 256)]

@@ -68,22 +68,22 @@ from tilefuse.indexer import _layout, paged, prefill
 from tilefuse.indexer import _topk_kernel as kern
 
 _INDEX_DTYPE = torch.int32
-# Logits bytes one prefill chunk may take: 512 rows of 32768 fp32 logits (64 MiB; more than an
-# H100's or H200's 50 MB L2, so part of the chunk's three passes goes to HBM). At topk 2048,
-# 32768 keys x 512 rows measured 1.31x the sorted pair at 2048 x 32768 against 1.15x for 16384 x
-# 512 and 1.09x for 32768 x 256 (benchmarks/NOTES.md, round (19)).
-_WORKSPACE_BYTES = 64 << 20
+# Logits bytes one prefill chunk may take: 512 rows of 65536 fp32 logits (128 MiB; past an
+# H100's or H200's 50 MB L2, as 64 MiB already was). At topk 2048, 512-row blocks measured
+# 1.31x the sorted pair at 2048 x 32768 against 1.09x for 256 (benchmarks/NOTES.md, round (19)).
+_WORKSPACE_BYTES = 128 << 20
 # Decode rows taken whole (``decode_whole_rows``): their logits (32 MiB of fp32 at most) and
 # the candidate buffers beside them. Memory held, not traffic: the logits op writes and the
 # passes read only the columns within each row's length.
 _WHOLE_ROWS_BYTES = 96 << 20
 # Key columns a chunk, in state widths W: decode 32 W (against 8 W, rows not taken whole: B256
 # next_n 2 ctx 64K 1.38x -> 1.49x the sorted pair, B64 ctx 32K 1.09x -> 1.15x on an H100;
-# benchmarks/NOTES.md, round (21)); prefill 16 W (with the first chunk's bar from its group
-# maxima a wider chunk takes about as many keys into its buffer: ~1.4 W on random logits,
-# whatever the width).
+# benchmarks/NOTES.md, round (21)); prefill 32 W (with the first chunk's bar from its group
+# maxima a wider chunk takes about as many keys into its buffer, ~1.4 W on random logits, and
+# one chunk a row drops a second chunk's selects: 4096 x 65536 1.25x -> 1.30x the sorted pair,
+# 2048 x 131072 1.29x -> 1.33x against 16 W on an H100, round (25)).
 _DECODE_CHUNK_STATES = 32
-_PREFILL_CHUNK_STATES = 16
+_PREFILL_CHUNK_STATES = 32
 _MIN_CHUNK, _MAX_CHUNK = 2048, 65536
 # Prefill row blocks are whole multiples of this (the query tiles of every prefill kernel, so
 # the MX paths' per-tile recompute flags match the unfused op's).
@@ -115,10 +115,6 @@ _OVERLAP_MERGES = 1
 # Decode calls of several key chunks, the same way (1: B256 next_n 2 ctx 64K 1.30x -> 1.37x the
 # sorted pair on an H100; benchmarks/NOTES.md, round (20)), or not (0); each op has its own.
 _OVERLAP_DECODE_MERGES = 1
-# The side stream's priority (torch's: 0 the default, -1 higher). A merge launched beside the
-# next chunk's logits at a higher priority takes the SMs' free slots before the logits' pending
-# programs do (CUDA graphs keep a node's priority from the stream it was captured on).
-_MERGE_STREAM_PRIORITY = 0
 # A merge of a first chunk raises each row's bar before its scan to what at least topk of the
 # chunk's 2 W group maxima reach (``_topk_kernel._groups_bar``; 1), or scans from an empty bar (0).
 # 1: 1.07x -> 1.16x the sorted pair at 2048 x 32768, 1.10x -> 1.31x at 512 x 8192, decode B256
@@ -159,7 +155,7 @@ def default_chunk_k(topk: int, align: int, states: int | None = None) -> int:
 
 
 def default_prefill_chunk_k(topk: int) -> int:
-    """The prefill op's key columns per chunk: ``16 W`` (32768 at topk 2048) on whole key tiles."""
+    """The prefill op's key columns per chunk: ``32 W`` (65536 at topk 2048) on whole key tiles."""
     return default_chunk_k(topk, _PREFILL_KEY_TILE, _PREFILL_CHUNK_STATES)
 
 
@@ -488,20 +484,19 @@ def _decode_rows_topk(logits, context_lens, topk: int, mode: int, next_n: int, c
                                out_values=values, partials=partials)
 
 
-_merge_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+_merge_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def _merge_stream(device: torch.device, steps: int, enabled: int) -> torch.cuda.Stream | None:
-    """The side stream a device's merges run on (made once a device and priority; calls from several streams
+    """The side stream a device's merges run on (made once a device; calls from several streams
     at once serialise their merges there), or None: the op's setting (``enabled``) off, one
     step, not CUDA."""
     if not (enabled and steps > 1 and device.type == "cuda"):
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, _MERGE_STREAM_PRIORITY)
-    stream = _merge_streams.get(key)
+    stream = _merge_streams.get(index)
     if stream is None:
-        stream = _merge_streams[key] = torch.cuda.Stream(device=index, priority=_MERGE_STREAM_PRIORITY)
+        stream = _merge_streams[index] = torch.cuda.Stream(device=index)
     return stream
 
 
@@ -802,7 +797,7 @@ def fp8_fp4_mqa_topk(
         out: int32 ``[S_q, topk]`` to write the indices into (last stride 1).
         chunk_k: key columns per chunk, a multiple of 256 (default: :func:`default_prefill_chunk_k`).
         chunk_q: query rows per block, a multiple of 128 (default: :func:`default_chunk_q`,
-            about 64 MiB of logits a chunk).
+            about 128 MiB of logits a chunk).
 
     Returns:
         int32 ``[S_q, topk]``: key positions (indices into ``kv``) by (logit descending,
