@@ -1217,8 +1217,12 @@ def _prefill_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype,
         calls += [call(s_q, _PREFILL_KEY_TILE, _PREFILL_KEY_TILE, values),
                   call(s_q, 2 * _PREFILL_KEY_TILE + 1, _PREFILL_KEY_TILE, values)]
     # A whole first chunk of the default ones: the logits with group maxima (the large calls'
-    # config: any call of more than one default chunk is one) and the merge that reads them.
-    calls.append(call(sizes[-1][0], default_prefill_chunk_k(topk) + 1))
+    # config: any call of more than one default chunk, or of more rows than a block, is one) and
+    # the merges that read them: a first chunk, and an only chunk with and without values (the
+    # chunks named, so not one-step plans, as a call of several row blocks runs them).
+    chunk = default_prefill_chunk_k(topk)
+    calls.append(call(sizes[-1][0], chunk + 1))
+    calls += [call(sizes[-1][0], chunk, chunk, values) for values in (False, True)]
     return calls
 
 
