@@ -365,98 +365,6 @@ def test_merge_one_row_a_program(pattern, groups_bar, monkeypatch):
             assert torch.equal(idx, ref_idx) and _equal(val, ref_val), (r, chunk_k)
 
 
-def _group_maxima(logits, ks, ke, group: int, cols: int):
-    """What the logits kernel's group maxima hold: per row, the largest order word of each run of
-    ``group`` columns within the row's window (-0.0 as +0.0; NaN and no key INT32_MIN), ``cols``
-    words a row (INT32_MIN past the runs)."""
-    rows, n = logits.shape
-    x = logits.float().cpu()
-    bits = x.view(torch.int32).clone()
-    bits[bits == -(2**31)] = 0
-    words = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    inside = R.window_mask(ks.cpu(), ke.cpu(), n)
-    words = torch.where(inside & ~x.isnan(), words, torch.full_like(words, -(2**31)))
-    runs = -(-n // group)
-    words = torch.nn.functional.pad(words, (0, runs * group - n), value=-(2**31))
-    out = torch.full((rows, cols), -(2**31), dtype=torch.int32)
-    out[:, :runs] = words.view(rows, runs, group).amax(dim=2)
-    return out
-
-
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
-@pytest.mark.parametrize("pattern", ["random", "specials", "few-values", "ascending", "all-neg-inf"])
-def test_first_chunk_bar_from_the_logits_kernels_group_maxima(pattern):
-    """A first chunk's merge reading group maxima (runs of 8 columns, 2 W of them a row) instead
-    of the chunk: the same bits as the merge that reads the chunk, and the reference's, over
-    NaN, +-inf, signed zeros, ties and random windows (empty, past the row), as the only chunk
-    and as the first of two."""
-    rows, n, k_top, group = 6, 512, 24, 8  # W 32: 64 runs of 8 columns
-    g = torch.Generator().manual_seed(190 + len(pattern))
-    logits = _pattern(pattern, rows, n, g).to(DEVICE)
-    ks, ke = W.random_windows(rows, n, g, DEVICE, empty_fraction=0.2, overhang=10)
-    ks[0], ke[0] = 0, n
-    maxima = _group_maxima(logits, ks, ke, group, 64).to(DEVICE)
-    ref_idx, ref_val = R.topk_of_logits(logits, R.window_mask(ks, ke, n), k_top)
-    for chunks in ([(0, n)], [(0, n), (n, n + 100)]):
-        wide = torch.cat([logits, _pattern("random", rows, 100, g).to(DEVICE)], dim=1) if len(chunks) > 1 else logits
-        width = chunks[-1][1]
-        results = []
-        for with_maxima in (False, True):
-            bars, candidates, counts = topk._workspace(rows, k_top, len(chunks), logits.device)
-            candidates.fill_(7)
-            out = torch.full((rows, k_top), 12345, dtype=torch.int32, device=DEVICE)
-            values = torch.empty((rows, k_top), device=DEVICE)
-            for c, (lo, hi) in enumerate(chunks):
-                topk._merge(wide[:, lo:hi].contiguous(), bars, candidates, counts, lo, hi - lo, ks, ke, width, width,
-                            1, 1, 0, out, values, k_top, kern.WIN_PREFILL, first=c == 0, final=c == len(chunks) - 1,
-                            group_maxima=maxima if with_maxima and c == 0 else None, group=group)
-            tilefuse.check_errors()
-            results.append((out, values))
-        assert torch.equal(results[0][0], results[1][0]) and _equal(results[0][1], results[1][1])
-        if len(chunks) == 1:
-            assert torch.equal(results[1][0], ref_idx) and _equal(results[1][1], ref_val)
-        else:
-            wide_ref = R.topk_of_logits(wide, R.window_mask(ks, ke, width), k_top)
-            assert torch.equal(results[1][0], wide_ref[0]) and _equal(results[1][1], wide_ref[1])
-
-
-def _large_call_config(logits_dtype):
-    """The FP8 prefill launch configuration of large calls on this device (on Hopper the Gluon
-    kernel's), whose launches write group maxima."""
-    from tilefuse.indexer import _dispatch
-
-    return topk.prefill.resolve_config("fp8", 4, 64, 4096, None, logits_dtype,
-                                       _dispatch.capability_major(torch.device(DEVICE)), 1 << 20)
-
-
-@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
-def test_logits_kernel_writes_the_group_maxima_of_its_stored_values(logits_dtype):
-    """The prefill logits kernel's group maxima (runs of 16 keys) are those of the logits it
-    stores, in their dtype, within each row's window: random windows (empty, inverted, negative
-    start, past S_k), a partial last key tile, rows past a tile's; the logits themselves the
-    same as without them."""
-    s_q, s_k, h, d, group = 70, 1000, 4, 64, 16
-    qq, kk, w = prefill_inputs(s_q, s_k, h, d, "fp8", seed=191)
-    g = torch.Generator().manual_seed(191)
-    ks, ke = W.random_windows(s_q, s_k, g, DEVICE, empty_fraction=0.2, overhang=30)
-    ks[1], ke[1] = 50, 20  # inverted: no key
-    cfg = _large_call_config(logits_dtype)
-    cols = 64
-    maxima = torch.full((s_q, cols), 99, dtype=torch.int32, device=DEVICE)
-    plain = torch.full((s_q, s_k), 7.0, dtype=logits_dtype, device=DEVICE)  # (tiles no row sees: not stored)
-    logits = plain.clone()
-    topk.prefill._run(qq[0], qq[1], kk[0], kk[1], w, ks, ke, False, 0, cfg, plain)
-    assert topk.prefill._run(qq[0], qq[1], kk[0], kk[1], w, ks, ke, False, 0, cfg, logits, maxima, group)
-    with pytest.raises(tilefuse.DeviceValueError, match="ks <= ke"):  # (row 1's window, reported as before)
-        tilefuse.check_errors()
-    assert torch.equal(plain, logits)
-    ks_c, ke_c = ks.clamp(0, s_k), torch.maximum(ke.clamp(0, s_k), ks.clamp(0, s_k))
-    runs = -(-s_k // group)
-    want = _group_maxima(logits, ks_c, ke_c, group, cols)
-    assert torch.equal(maxima[:, :runs].cpu(), want[:, :runs])
-    assert (maxima[:, runs:] == 99).all()  # nothing past the last run
-
-
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN in the interpreter
 @pytest.mark.parametrize("pattern", ["random", "specials", "equal", "all-neg-inf"])
 def test_first_chunk_bar_from_group_maxima(pattern, monkeypatch):
@@ -537,46 +445,6 @@ def check_prefill(qq, kk, w, ks, ke, k_top, chunk_k, logits_dtype=torch.float32)
     assert torch.equal(idx, ref_idx), "indices differ from the unfused logits' top-k"
     assert _equal(val, ref_val), "values differ from the unfused logits"
     return idx
-
-
-@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
-def test_prefill_default_chunks_with_the_logits_kernels_group_maxima(logits_dtype, monkeypatch):
-    """At the default chunks (topk 16: 2048 keys, runs of 64), a call of two chunks takes its
-    first chunk's bar from the logits kernel's group maxima, the bits those of the unfused pair
-    at the same launch configuration (a large call's: pinned here for this small one; random
-    windows, empty rows, ke past S_k); over two row blocks, and with the merge reading the chunk
-    instead, the same bits."""
-    monkeypatch.setattr(topk, "_OVERLAP_MERGES", 0)  # (the side stream has tests of its own)
-    s_q, s_k, k_top = 130, 2100, 16
-    qq, kk, w = prefill_inputs(s_q, s_k, 4, 32, "fp8", seed=193)
-    g = torch.Generator().manual_seed(193)
-    ks, ke = W.random_windows(s_q, s_k, g, DEVICE, empty_fraction=0.2, overhang=40)
-    ks[0], ke[0] = 0, s_k
-    assert topk._maxima_group(s_k, topk.default_prefill_chunk_k(k_top), k_top) == 64
-    cfg = _large_call_config(logits_dtype)
-    monkeypatch.setattr(topk, "_prefill_config", lambda *args: cfg)
-    logits = tilefuse.fp8_fp4_mqa_logits(qq, kk, w, ks, ke, clean_logits=True, logits_dtype=logits_dtype, config=cfg)
-    ref_idx, ref_val = R.topk_of_logits(logits, R.window_mask(ks, ke, s_k), k_top)
-    seen = []
-    real_merge = topk._merge
-
-    def merge(*args, **kwargs):
-        seen.append(kwargs.get("group_maxima") is not None)
-        return real_merge(*args, **kwargs)
-
-    monkeypatch.setattr(topk, "_merge", merge)
-    idx, val = tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k_top, logits_dtype, return_values=True)
-    tilefuse.check_errors()
-    assert torch.equal(idx, ref_idx) and _equal(val, ref_val)
-    assert seen == [True, False]
-    if logits_dtype == torch.bfloat16:
-        return
-    for setting, block_rows, want in ((1, 128, [True, False] * 2), (0, 512, [False] * 2)):
-        monkeypatch.setattr(topk, "_LOGITS_GROUP_MAXIMA", setting)
-        monkeypatch.setattr(topk, "_WORKSPACE_BYTES", block_rows * 2048 * 4)
-        seen.clear()
-        assert torch.equal(tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k_top), idx)
-        assert seen == want
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
@@ -800,24 +668,23 @@ class _LoggedStream:
         self.log.append(("exit", self.name))
 
 
-def _log_side_stream(monkeypatch, owner, logits_op: str, out_of):
+def _log_side_stream(monkeypatch, logits_op: str):
     """The side-stream path under logged stand-ins: the caller's and the side stream, and the
-    logits launch ``owner.<logits_op>`` logging each call and its logits buffer (``out_of(args,
-    kwargs)``). Returns ``(log, outs, real_op)``; the caller puts ``real_op`` back before
-    computing references."""
+    logits op ``tilefuse.<logits_op>`` logging each call and its ``out`` buffer. Returns
+    ``(log, outs, real_op)``; the caller puts ``real_op`` back before computing references."""
     log, outs = [], []
     main, side = _LoggedStream("main", log), _LoggedStream("side", log)
     monkeypatch.setattr(topk, "_merge_stream", lambda device, steps, enabled: side if enabled and steps > 1 else None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: stream)
-    real_op = getattr(owner, logits_op)
+    real_op = getattr(tilefuse, logits_op)
 
     def logged(*args, **kwargs):
         log.append(("logits",))
-        outs.append(out_of(args, kwargs))
+        outs.append(kwargs["out"])
         return real_op(*args, **kwargs)
 
-    monkeypatch.setattr(owner, logits_op, logged)
+    monkeypatch.setattr(tilefuse, logits_op, logged)
     return log, outs, real_op
 
 
@@ -841,14 +708,14 @@ def test_prefill_merges_beside_logits_order(monkeypatch, record_launches):
     three chunks, each merge on the side stream after it waited for the caller's stream, each
     step's logits (into one of two buffers) after the caller waited for the merge two steps
     before, the caller joined to the side stream at the end; the result the unfused pair's."""
-    log, logits_out, real_logits = _log_side_stream(monkeypatch, topk.prefill, "_run", lambda args, kwargs: args[10])
+    log, logits_out, real_logits = _log_side_stream(monkeypatch, "fp8_fp4_mqa_logits")
     merges = record_launches(kern, "topk_merge_chunk_kernel")
     s_q, s_k, k_top = 300, 700, 24
     qq, kk, w = prefill_inputs(s_q, s_k, 4, 64, "fp8", seed=75)
     ks, ke = W.random_windows(s_q, s_k, torch.Generator().manual_seed(75), DEVICE, empty_fraction=0.1)
     idx, val = tilefuse.fp8_fp4_mqa_topk(qq, kk, w, ks, ke, k_top, return_values=True, chunk_k=256, chunk_q=128)
     tilefuse.check_errors()
-    monkeypatch.setattr(topk.prefill, "_run", real_logits)
+    monkeypatch.setattr(tilefuse, "fp8_fp4_mqa_logits", real_logits)
     ref_idx, ref_val = expected_prefill(qq, kk, w, ks, ke, k_top)
     assert torch.equal(idx, ref_idx) and _equal(val, ref_val)
     steps = 9
@@ -1050,8 +917,7 @@ def test_decode_merges_beside_logits_order(monkeypatch, record_launches):
     merges = record_launches(kern, "topk_merge_chunk_kernel")
     case = PagedCase("fp8", lens=(150, 0, 97), next_n=2, block_kv=16, seed=76, distinct_keys=40)
     ref_idx, ref_val = case.expected(24)
-    log, logits_out, real_logits = _log_side_stream(monkeypatch, tilefuse, "fp8_fp4_paged_mqa_logits",
-                                                    lambda args, kwargs: kwargs["out"])
+    log, logits_out, real_logits = _log_side_stream(monkeypatch, "fp8_fp4_paged_mqa_logits")
     idx, val = tilefuse.fp8_fp4_paged_mqa_topk(*case.args(), 24, return_values=True, chunk_k=32)
     monkeypatch.setattr(tilefuse, "fp8_fp4_paged_mqa_logits", real_logits)
     tilefuse.check_errors()

@@ -148,24 +148,6 @@ def _store_logits(val, out_rows, key, ks, valid, row_ok, S_k, full, CLEAN: tl.co
 
 
 @triton.jit
-def store_group_maxima(val, valid, rows, row_ok, n0, out_ptr, max_ptr, stride_max, S_k, BLOCK_Q: tl.constexpr,
-                       BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    """For the fused top-k (``topk.py``): the largest of each run of GROUP keys of a [rows, keys]
-    tile, over the values as stored in ``out_ptr``'s dtype and the keys in their row's window
-    (``valid``), as the top-k's int32 order words (``_topk_kernel._order_words``: -0.0 as +0.0,
-    NaN and no key as INT32_MIN), at ``max_ptr + row * stride_max + key // GROUP``."""
-    v = val.to(out_ptr.dtype.element_ty).to(tl.float32)
-    bits = v.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == -(2**31), 0, bits)
-    words = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    words = tl.where(valid & (v == v), words, -(2**31))
-    best = tl.max(tl.reshape(words, [BLOCK_Q, BLOCK_N // GROUP, GROUP]), axis=2)
-    group = n0 // GROUP + tl.arange(0, BLOCK_N // GROUP)
-    tl.store(max_ptr + rows.to(tl.int64)[:, None] * stride_max + group[None, :], best,
-             mask=row_ok[:, None] & (group[None, :] < tl.cdiv(S_k, GROUP)))
-
-
-@triton.jit
 def _row_stride(stride, ptr):
     """The row stride of ``ptr``'s tensor, whose rows the wrappers check are 16-byte aligned,
     with that alignment made visible to the compiler. Strides are not specialised (no compile
@@ -185,7 +167,7 @@ def fill_skipped_tile(out_rows, cols, n0, row_ok, S_k, CLEAN: tl.constexpr, COMP
                       False)
 
 
-@triton.jit(do_not_specialize=_DYNAMIC + ["stride_max"], do_not_specialize_on_alignment=_SLICEABLE)
+@triton.jit(do_not_specialize=_DYNAMIC, do_not_specialize_on_alignment=_SLICEABLE)
 def prefill_logits_kernel(
     q_desc, q_sf_ptr, stride_qsf, k_desc, k_scale_ptr, w_ptr, stride_w, ks_ptr, ke_ptr, out_ptr, stride_out,
     S_q, S_k, n_cols, err_ptr,
@@ -193,10 +175,7 @@ def prefill_logits_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_UNROLL: tl.constexpr,
     fix_q_ptr=None, fix_k_ptr=None, FIXUP: tl.constexpr = False,
     lin_desc=None, half_scale_ptr=None, LIN_PARTS: tl.constexpr = 0,
-    max_ptr=None, stride_max=0, GROUP: tl.constexpr = 0,
 ):
-    """GROUP > 0 (full layout, no FIXUP): also the group maxima of every tile
-    (``store_group_maxima``; a tile no row sees stores INT32_MIN)."""
     pid_n = tl.program_id(0)
     pid_q = tl.program_id(1)
     if FIXUP:
@@ -216,9 +195,6 @@ def prefill_logits_kernel(
 
     if tile_sees_no_keys(ks, ke, row_ok, n0, S_k, BLOCK_N):
         fill_skipped_tile(out_rows, cols, n0, row_ok, S_k, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N)
-        if GROUP > 0:
-            store_group_maxima(tl.zeros((BLOCK_Q, BLOCK_N), tl.float32), valid, rows, row_ok, n0, out_ptr, max_ptr,
-                               stride_max, S_k, BLOCK_Q, BLOCK_N, GROUP)
         return
 
     w_rows = w_ptr + rows.to(tl.int64) * stride_w
@@ -250,8 +226,6 @@ def prefill_logits_kernel(
         acc = acc * tl.load(half_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
     _store_logits(acc, out_rows, cols[None, :], ks[:, None], valid, row_ok[:, None], S_k, n0 + BLOCK_N <= S_k,
                   CLEAN, COMPRESSED)
-    if GROUP > 0:
-        store_group_maxima(acc, valid, rows, row_ok, n0, out_ptr, max_ptr, stride_max, S_k, BLOCK_Q, BLOCK_N, GROUP)
 
 
 @triton.jit

@@ -163,32 +163,6 @@ def _store_tile(val, rows, ks, ke, q0, n0, out_ptr, stride_out, S_q, S_k, CLEAN:
 
 
 @gluon.jit
-def _store_group_maxima(val, rows, ks, ke, n0, out_ptr, max_ptr, stride_max, S_q, S_k, GROUP: gl.constexpr,
-                        num_warps: gl.constexpr, mma: gl.constexpr):
-    """``_prefill_kernel.store_group_maxima`` for the MMA layout: the largest of each run of
-    GROUP keys of the tile, as the top-k's order words of the values as stored (INT32_MIN for
-    NaN and keys outside the row's window), at ``max_ptr + row * stride_max + key // GROUP``."""
-    BLOCK_Q: gl.constexpr = val.shape[0]
-    BLOCK_N: gl.constexpr = val.shape[1]
-    N_GROUPS: gl.constexpr = BLOCK_N // GROUP
-    cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-    valid = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
-    v = val.to(out_ptr.dtype.element_ty).to(gl.float32)
-    bits = v.to(gl.int32, bitcast=True)
-    bits = gl.where(bits == -(2**31), 0, bits)
-    words = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    words = gl.where(valid & (v == v), words, -(2**31))
-    best = gl.max(gl.reshape(words, [BLOCK_Q, N_GROUPS, GROUP]), axis=2)
-    # (a plain layout for the store: N_GROUPS groups of a row across a warp's lanes)
-    store_l: gl.constexpr = gl.BlockedLayout([1, 1], [32 // N_GROUPS, N_GROUPS], [num_warps, 1], [1, 0])
-    best = gl.convert_layout(best, store_l)
-    r = gl.convert_layout(rows, gl.SliceLayout(1, store_l))
-    group = n0 // GROUP + gl.arange(0, N_GROUPS, layout=gl.SliceLayout(0, store_l))
-    gl.store(max_ptr + r.to(gl.int64)[:, None] * stride_max + group[None, :], best,
-             mask=(r < S_q)[:, None] & (group[None, :] < gl.cdiv(S_k, GROUP)))
-
-
-@gluon.jit
 def _report(err_ptr, CODE: gl.constexpr, bad, rows):
     """``_errors_kernel.report_error`` for Gluon: mark error ``CODE`` with a row where ``bad``."""
     zero = rows * 0
@@ -238,7 +212,7 @@ def _load_first_queries(q_desc, q_smem, q_bars, q0, D: gl.constexpr, NUM_BUF: gl
         tma.async_copy_global_to_shared(q_desc, [q0, i * D], q_bars.index(i), q_smem.index(i))
 
 
-@gluon.jit(do_not_specialize=_DYNAMIC + ["stride_max"], do_not_specialize_on_alignment=_SLICEABLE)
+@gluon.jit(do_not_specialize=_DYNAMIC, do_not_specialize_on_alignment=_SLICEABLE)
 def prefill_logits_gluon_kernel(
     q_desc, k_desc, k_scale_ptr,
     w_ptr, stride_w,
@@ -248,10 +222,7 @@ def prefill_logits_gluon_kernel(
     H: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr, NUM_BUF: gl.constexpr,
     num_warps: gl.constexpr, REFILL_EVERY: gl.constexpr = 1,
     lin_desc=None, half_scale_ptr=None, LIN_PARTS: gl.constexpr = 0,
-    max_ptr=None, stride_max=0, GROUP: gl.constexpr = 0,
 ):
-    """GROUP > 0 (full layout): also the tile's group maxima for the fused top-k
-    (``_store_group_maxima``; a tile no row sees stores INT32_MIN)."""
     BLOCK_Q: gl.constexpr = q_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -275,9 +246,6 @@ def prefill_logits_gluon_kernel(
     if empty:
         _fill_skipped(rows, ks, ke, q0, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, BLOCK_Q, BLOCK_N,
                       mma)
-        if GROUP > 0:
-            _store_group_maxima(gl.zeros((BLOCK_Q, BLOCK_N), gl.float32, layout=mma), rows, ks, ke, n0, out_ptr,
-                                max_ptr, stride_max, S_q, S_k, GROUP, num_warps, mma)
     else:
         k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_BUF, BLOCK_Q, D], q_desc.layout)
@@ -313,9 +281,6 @@ def prefill_logits_gluon_kernel(
         if LIN_PARTS > 0:
             acc = acc * gl.load(half_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
         _store_tile(acc, rows, ks, ke, q0, n0, out_ptr, stride_out, S_q, S_k, CLEAN, COMPRESSED, mma)
-        if GROUP > 0:
-            _store_group_maxima(acc, rows, ks, ke, n0, out_ptr, max_ptr, stride_max, S_q, S_k, GROUP, num_warps,
-                                mma)
 
 
 @functools.cache
@@ -346,21 +311,17 @@ def _checked_layouts(key, d: int, h: int, dtype, block_q: int, block_n: int, num
 
 
 def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, err, block_q: int, block_n: int,
-           num_warps: int, num_buf: int, refill_every: int = 1, lin_parts=None, half_scale=None,
-           maxima=None, group: int = 0) -> None:
+           num_warps: int, num_buf: int, refill_every: int = 1, lin_parts=None, half_scale=None) -> None:
     """q [S_q, H, D] and k [S_k, D] in E4M3 or f16, the rest as the Triton kernel takes them.
     ``refill_every``: query buffers refilled after every head (1) or two at a time (2, needs
     num_buf >= 3). ``lin_parts`` (E4M3 ``[S_q, P * D]``) and ``half_scale`` (fp32 ``[S_q]``):
     the linear term of ``relu_via_abs`` from ``linear_term_parts_kernel``, whose ``w / c`` is
-    then ``weights``. ``err``: the device's error record. ``maxima`` (int32 ``[S_q, >= S_k /
-    group]``, unit last stride) and ``group`` (a power of two dividing ``block_n``, full layout):
-    the group maxima of ``_store_group_maxima`` too."""
+    then ``weights``. ``err``: the device's error record."""
     s_q, h, d = q.shape
     s_k = k.shape[0]
     n_parts = 0 if lin_parts is None else lin_parts.shape[1] // d
-    group = group if maxima is not None else 0
     key = (d, h, q.dtype, block_q, block_n, num_warps, num_buf, refill_every, clean, compressed, n_parts,
-           weights.dtype, out.dtype, group)
+           weights.dtype, out.dtype)
     layouts = _layouts.get(key)
     if layouts is None:
         layouts = _checked_layouts(key, d, h, q.dtype, block_q, block_n, num_warps, num_buf, refill_every, n_parts,
@@ -379,7 +340,7 @@ def launch(q, k, k_scale, weights, ks, ke, out, clean: bool, compressed: bool, e
         q_desc, k_desc, k_scale, weights, weights.stride(0), ks, ke, out, out.stride(0), s_q, s_k, out.shape[1], err,
         h, clean, compressed, num_buf, num_warps, refill_every, lin_desc,
         half_scale if n_parts else err,  # (unused without the linear term: our own buffer, always aligned)
-        n_parts, maxima, 0 if maxima is None else maxima.stride(0), group), sized=_sized(block_q, block_n))
+        n_parts), sized=_sized(block_q, block_n))
 
 
 @functools.cache

@@ -431,23 +431,6 @@ def _groups_bar(row_logits, walk_lo, walk_hi, lo, hi, chunk_lo, bar, TOPK: tl.co
         inside = (pos >= lo[:, None]) & (pos < hi[:, None])
         v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
         best = tl.maximum(best, tl.where(inside, _order_words(v), _INT32_MIN))
-    return _bar_of_group_words(best, bar, TOPK, ROWS)
-
-
-@triton.jit
-def _groups_bar_of_maxima(row_maxima, n_groups, live, bar, TOPK: tl.constexpr, ROWS: tl.constexpr, CAP: tl.constexpr):
-    """``_groups_bar`` from group maxima the logits kernel wrote beside the chunk
-    (``_prefill_kernel.store_group_maxima``: runs of keys, their largest order word within the
-    row's window, INT32_MIN for none): the chunk is not read again."""
-    col = tl.arange(0, CAP)[None, :]
-    best = tl.load(row_maxima + col, mask=live[:, None] & (col < n_groups), other=_INT32_MIN)
-    return _bar_of_group_words(best, bar, TOPK, ROWS)
-
-
-@triton.jit
-def _bar_of_group_words(best, bar, TOPK: tl.constexpr, ROWS: tl.constexpr):
-    """The bar of ``_groups_bar`` from each row's group maxima ``best [ROWS, CAP]`` (order words,
-    INT32_MIN for a group without a number)."""
     valid = best > _INT32_MIN  # (a NaN's word is INT32_MIN too: such a group counts for nothing)
     n_valid = tl.sum(valid.to(tl.int32), axis=1)
     enough = n_valid >= TOPK
@@ -509,7 +492,7 @@ def topk_merge_chunk_kernel(
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, PIECE: tl.constexpr,
-    RESET: tl.constexpr, GROUPS_BAR: tl.constexpr, MAXIMA_GROUP: tl.constexpr = 0,
+    RESET: tl.constexpr, GROUPS_BAR: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
@@ -520,8 +503,7 @@ def topk_merge_chunk_kernel(
     2^RADIX_BITS int32 a row) stored back as zeros, ready for the next call's passes; no launch
     of the call reads them after this one.
     GROUPS_BAR (with FIRST): the rows' bars raised from the chunk's group maxima before the scan
-    (``_groups_bar``); with MAXIMA_GROUP > 0 from those of the chunk's runs of MAXIMA_GROUP keys
-    that the logits kernel wrote at ``hist_ptr`` (``CAP`` int32 a row; not read otherwise then).
+    (``_groups_bar``).
 
     The rows walk the union of their windows in blocks of W / 2 columns (rows of one program
     have near windows in the usual layouts: causal, zig-zag, decode), each row masked to its
@@ -548,11 +530,7 @@ def topk_merge_chunk_kernel(
     walk_hi = tl.max(tl.where(lo < hi, hi, 0), axis=0)
     row_logits = logits_ptr + row[:, None] * stride_l
     if GROUPS_BAR:
-        if MAXIMA_GROUP > 0:
-            bar = _groups_bar_of_maxima(hist_ptr + row[:, None] * CAP, tl.cdiv(chunk_width, MAXIMA_GROUP), live, bar,
-                                        TOPK, ROWS, CAP)
-        else:
-            bar = _groups_bar(row_logits, walk_lo, walk_hi, lo, hi, chunk_lo, bar, TOPK, ROWS, CAP)
+        bar = _groups_bar(row_logits, walk_lo, walk_hi, lo, hi, chunk_lo, bar, TOPK, ROWS, CAP)
     quarter = tl.arange(0, BLOCK // 4)
     # Counted from the span, so that no loop bound passes the int32 range.
     n_blocks = tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), BLOCK)

@@ -442,17 +442,14 @@ def _resolved_key(fmt: str, h: int, d: int, s_q: int, s_k: int, config: PrefillC
 # The implementation, and the custom ops torch.compile sees
 # ---------------------------------------------------------------------------------------
 def _run(q, q_sf, k, k_scale, weights, ks, ke, clean_logits: bool, max_seqlen_k: int, cfg: PrefillConfig,
-         out: torch.Tensor, maxima: torch.Tensor | None = None, group: int = 0) -> bool:
-    """Write the logits of validated inputs into ``out`` ([S_q, S_k or max_seqlen_k]). With
-    ``maxima`` (int32 ``[S_q, >= S_k / group]``, full layout, ``group`` a power of two from 4 to
-    128): also the group maxima of ``_prefill_kernel.store_group_maxima`` where one launch of
-    the main kernels writes the logits; returns whether it wrote them."""
+         out: torch.Tensor) -> None:
+    """Write the logits of validated inputs into ``out`` ([S_q, S_k or max_seqlen_k])."""
     fmt = format_of(q, q_sf)
     s_q, h, dq = q.shape
     d = dq * 2 if fmt == "mxfp4" else dq
     s_k = k.shape[0]
     if s_q == 0:
-        return False
+        return
     err = _ERR_RECORDS.get(q.device)
     if err is None:
         err = _ERR_RECORDS[q.device] = error_record(q.device)
@@ -460,11 +457,10 @@ def _run(q, q_sf, k, k_scale, weights, ks, ke, clean_logits: bool, max_seqlen_k:
     if compressed and clean_logits:
         _fill_outside_windows(out, ks, ke, s_k, compressed=True)
     if s_k == 0:
-        return False
+        return
     # The -inf of the full layout: inside the logits kernel, or in a store-only pass after it.
     separate_clean = clean_logits and cfg.clean_pass and not compressed
     clean = clean_logits and not separate_clean
-    wrote_maxima = False
     # Blackwell (10.x): MX formats run the native block-scaled kernel with its own tile; the
     # table of which kernel runs where is _dispatch.PREFILL_KERNELS.
     if _dispatch.prefill_kernel_path(_arch(q.device), fmt) == _dispatch.SM100_MX_DOT_SCALED:
@@ -474,13 +470,9 @@ def _run(q, q_sf, k, k_scale, weights, ks, ke, clean_logits: bool, max_seqlen_k:
     elif (fmt == "mxfp4" and cfg.fp4_via_fp8) or (fmt == "mxfp8" and cfg.mxfp8_via_f16):
         _mx_via_renormalised_rows(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, clean, compressed, d, cfg, err)
     else:
-        if maxima is not None and not compressed and not (cfg.heads_on_n and fmt == "fp8"):
-            wrote_maxima = True
-        _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg, err,
-                maxima=maxima if wrote_maxima else None, group=group)
+        _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg, err)
     if separate_clean:
         _fill_outside_windows(out, ks, ke, s_k, compressed=False)
-    return wrote_maxima
 
 
 def _check_pointers(q, k, out=None) -> None:
@@ -529,10 +521,9 @@ _fill = Launcher(kern.fill_outside_windows_kernel)
 
 
 def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed, cfg: PrefillConfig, err,
-            fix_q=None, fix_k=None, maxima=None, group: int = 0) -> None:
+            fix_q=None, fix_k=None) -> None:
     """One launch of the prefill kernel; ``fix_q``/``fix_k`` (int32 per query/key block) restrict
-    it to the flagged tiles; ``err`` is the device's error record; ``maxima``/``group``: the
-    group maxima too (:func:`_run`; not with ``heads_on_n``)."""
+    it to the flagged tiles; ``err`` is the device's error record."""
     s_q, h, dq = q.shape
     s_k = k.shape[0]
     options = cfg.launch_options
@@ -556,7 +547,7 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
 
         _prefill_kernel_gluon.launch(q, k, k_scale, weights, ks, ke, out, clean, compressed, err, cfg.block_q,
                                      cfg.block_n, cfg.num_warps, cfg.num_stages, refill_every=cfg.gluon_refill,
-                                     lin_parts=lin_parts, half_scale=half_scale, maxima=maxima, group=group)
+                                     lin_parts=lin_parts, half_scale=half_scale)
         return
     q_desc = host_descriptor(TensorDescriptor, q, [s_q, h * dq], [q.stride(0), 1], [cfg.block_q, dq])
     k_desc = host_descriptor(TensorDescriptor, k, [s_k, dq], [k.stride(0), 1], [cfg.block_n, dq])
@@ -564,9 +555,8 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
         TensorDescriptor, lin_parts, [s_q, lin_parts.shape[1]], [lin_parts.stride(0), 1], [cfg.block_q, dq])
     fixup = fix_q is not None
     lin = 0 if lin_parts is None else cfg.relu_via_abs
-    group = group if maxima is not None else 0
     key = (fmt, d, h, clean, compressed, fixup, lin, cfg.block_q, cfg.block_n, cfg.head_unroll, cfg.num_warps,
-           cfg.num_stages, q.dtype, weights.dtype, out.dtype, k_scale.dtype, group)
+           cfg.num_stages, q.dtype, weights.dtype, out.dtype, k_scale.dtype)
     _logits(key, (cdiv(s_k, cfg.block_n), cdiv(s_q, cfg.block_q)), (
         q_desc, q_sf if q_sf is not None else ks, q_sf.stride(0) if q_sf is not None else 0,  # q_sf unused for FP8
         k_desc, k_scale,
@@ -575,7 +565,7 @@ def _launch(q, q_sf, k, k_scale, weights, ks, ke, out, fmt, d, clean, compressed
         out, out.stride(0),
         s_q, s_k, out.shape[1], err,
         h, d, FORMAT_CODE[fmt], clean, compressed, cfg.block_q, cfg.block_n, cfg.head_unroll,
-        fix_q, fix_k, fixup, lin_desc, half_scale, lin, maxima, 0 if maxima is None else maxima.stride(0), group,
+        fix_q, fix_k, fixup, lin_desc, half_scale, lin,
     ), options, sized=_sized_tile(cfg.block_q, cfg.block_n, (10, 11, 12, 13), *(
         ((0, 3), (0, 1)) if lin_desc is None else ((0, 3, 26), (0, 1, 0)))))
 

@@ -60,7 +60,7 @@ import torch
 import tilefuse
 from tilefuse import _config, _jit, _validate
 from tilefuse._device import capability_major
-from tilefuse._errors import checked, deferred, error_record, host_reads_possible, raise_pending, raise_pending_fast
+from tilefuse._errors import checked, deferred, error_record, raise_pending, raise_pending_fast
 from tilefuse._jit import Launcher, cdiv, next_power_of_2
 from tilefuse._validate import check_kernel_device, expect, expect_int, expect_tensor
 from tilefuse.formats import format_of
@@ -120,10 +120,6 @@ _OVERLAP_DECODE_MERGES = 1
 # 1: 1.07x -> 1.16x the sorted pair at 2048 x 32768, 1.10x -> 1.31x at 512 x 8192, decode B256
 # next_n 2 ctx 64K 1.25x -> 1.30x on an H100 (benchmarks/NOTES.md, round (19)).
 _FIRST_CHUNK_BAR = 1
-# A prefill call's first-chunk bar from group maxima the logits kernel writes beside the logits
-# (runs of chunk_k / 2 W keys, where that is a power of two from 4 to 128: one int32 a run), so
-# the merge reads no column before its scan (1), or from the chunk's columns read by the merge (0).
-_LOGITS_GROUP_MAXIMA = 1
 # The last chunk sorts W keys in one program's registers: compiled for sm_90a in 25 s at topk
 # 16384, 104 s with 21.7 KB of spills at 32768, not within 400 s at 65536 (benchmarks/NOTES.md):
 # larger values get a clear error, not a compile that does not end.
@@ -147,21 +143,6 @@ def _groups_bar(w: int, rows_per_program: int) -> bool:
     where a program's 2 W words a row fit in registers as a select holds its buffer (topk up to
     2048 on a GPU; above it the maxima would spill, and the chunk is scanned from an empty bar)."""
     return bool(_FIRST_CHUNK_BAR) and 2 * w * rows_per_program <= kern.SELECT_HELD_KEYS
-
-
-def _maxima_group(n_keys: int, chunk_k: int, topk: int) -> int:
-    """Keys a group maximum of the logits kernel covers in a prefill call over ``n_keys`` keys in
-    ``chunk_k``-key chunks (``_LOGITS_GROUP_MAXIMA``): ``chunk_k / 2 W`` where the chunks are the
-    default ones (one such group a call's config compiles, so the warm-up covers it), the first
-    is whole (its 2 W groups as tight as the merge's own), its merge raises its bar from group
-    maxima and that is a power of two from 4 to 128 (within a key tile of the logits kernels),
-    else 0 (the merge reads the chunk for them)."""
-    w = state_width(topk)
-    group = chunk_k // (2 * w)
-    if not (_LOGITS_GROUP_MAXIMA and n_keys >= chunk_k == default_prefill_chunk_k(topk) and group * 2 * w == chunk_k
-            and 4 <= group <= 128 and group & (group - 1) == 0 and _groups_bar(w, _gpu_rows_per_program(w))):
-        return 0
-    return group
 
 
 def default_chunk_k(topk: int, align: int, states: int | None = None) -> int:
@@ -289,8 +270,7 @@ def _aligned(*tensors) -> tuple:
 def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, n_keys: int, key_limit: int,
            next_n: int, ctx_stride: int, row_base: int, out, values, topk: int, mode: int, first: bool,
            final: bool, hist: torch.Tensor | None = None, partials: dict | None = None,
-           maxima: bool = False, sized: bool = False, group_maxima: torch.Tensor | None = None,
-           group: int = 0) -> None:
+           maxima: bool = False, sized: bool = False) -> None:
     """Merge logits columns ``[0, width)`` (positions ``lo + c``) of every row of ``out`` into
     its candidates (``candidates``: one buffer a row; ``counts``, ``bars``: its count and bar
     between chunks); ``row_base`` is the first row's index in the op's output (for error
@@ -298,9 +278,7 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     group maxima with ``maxima``) the rows' counts and histograms are zeroed after use.
     ``partials``: partial launches by launch key, for callers whose ``next_n``, ``ctx_stride``
     and ``row_base`` never change (taken and kept there); ``sized``: the launch of a recorded
-    one-chunk call follows its sizes (:func:`_plan_merge_sized`); ``group_maxima`` (int32 ``[rows,
-    2 W]``) and ``group``: a first chunk's group maxima from the logits kernel
-    (:func:`_maxima_group`), read instead of the chunk where the merge raises its bar from them."""
+    one-chunk call follows its sizes (:func:`_plan_merge_sized`)."""
     rows, w = out.shape[0], state_width(topk)
     rows_per_program = _gpu_rows_per_program(w)
     # The interpreter: row blocks (the kernel registry sets the row cap to 0 to compile the
@@ -310,16 +288,12 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     piece = min(2 * w, max(16, _SELECT_PIECE_KEYS // rows_per_program))
     vals = out if values is None else values
     err = error_record(out.device)
-    groups_bar = first and _groups_bar(w, rows_per_program)
-    group = group if groups_bar and group_maxima is not None else 0
     consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, piece,
-              0 if hist is None else 2 if maxima else 1, groups_bar, group)
+              0 if hist is None else 2 if maxima else 1, first and _groups_bar(w, rows_per_program))
     warps = max(1, min(8, rows_per_program * w // 256))
     if hist is not None and warps == 8 and rows_per_program == 1:  # the last step after the passes
         warps = _ACROSS_LAST_STEP_WARPS
-    if group:
-        hist = group_maxima  # (a first chunk after no passes: the histograms' place is free)
-    elif hist is None:
+    if hist is None:
         hist = counts  # (not read without RESET)
     key = (consts, warps, logits.dtype, vals.dtype, win_a.dtype, win_b.dtype,
            _aligned(logits, bars, candidates, counts, hist, win_a, win_b, out, vals, err))
@@ -529,22 +503,17 @@ def _merge_stream(device: torch.device, steps: int, enabled: int) -> torch.cuda.
 class _SideMerges:
     """A call's merges on the side stream of :func:`_merge_stream`, each beside the next step's
     logits. Two logits buffers taken in turn: a step's logits wait for the merge that read its
-    buffer two steps before, so the memory stays two chunks whatever the host's lead (and, with
-    ``maxima_cols``, two buffers of group maxima taken with them)."""
+    buffer two steps before, so the memory stays two chunks whatever the host's lead."""
 
-    def __init__(self, side: torch.cuda.Stream, rows: int, cols: int, logits_dtype, device: torch.device,
-                 maxima_cols: int = 0):
+    def __init__(self, side: torch.cuda.Stream, rows: int, cols: int, logits_dtype, device: torch.device):
         self.side, self.main = side, torch.cuda.current_stream(device)
         side.wait_stream(self.main)  # (joins a graph capture too)
         self.ring = [_layout.new_logits(rows, cols, logits_dtype, device) for _ in range(2)]
-        self.maxima = [torch.empty(rows, maxima_cols, dtype=torch.int32, device=device) if maxima_cols else None
-                       for _ in range(2)]
         self.merged: list = [None, None]
         self.step = self.slot = 0
 
     def buffer(self, rows: int, cols: int) -> torch.Tensor:
-        """The next step's logits buffer, once the merge that last read it is done (its group
-        maxima buffer is then ``maxima[slot]``)."""
+        """The next step's logits buffer, once the merge that last read it is done."""
         self.slot, self.step = self.step % 2, self.step + 1
         if self.merged[self.slot] is not None:
             self.main.wait_event(self.merged[self.slot])
@@ -624,28 +593,17 @@ def _run_mqa_topk(
     values: torch.Tensor | None,
 ) -> None:
     s_q, s_k = q.shape[0], k.shape[0]
-    # The logits op's checks once for the whole call (the chunks' launches skip its wrapper);
-    # checked mode: its host check of the window values too.
-    prefill._check_inputs(q, q_sf, k, k_scale, weights, ks, ke, 0, logits_dtype)
-    if checked() and host_reads_possible(q.device):
-        prefill._check_windows(ks, ke, s_k, 0)
     cfg = _prefill_config(q, q_sf, k, logits_dtype)  # pinned for every slice
     chunks = _chunks(s_k, chunk_k)
     bars, candidates, counts = _workspace(min(s_q, chunk_q), topk, len(chunks), q.device)
     steps = cdiv(max(s_q, 1), chunk_q) * len(chunks)
-    group = _maxima_group(s_k, chunk_k, topk)
-    maxima_cols = 2 * state_width(topk) if group else 0
     side = _merge_stream(q.device, steps, _OVERLAP_MERGES)
-    ring = None if side is None else _SideMerges(side, min(s_q, chunk_q), min(s_k, chunk_k), logits_dtype, q.device,
-                                                 maxima_cols)
-    maxima = None
-    if group and ring is None:
-        maxima = torch.empty(min(s_q, chunk_q), maxima_cols, dtype=torch.int32, device=q.device)
+    ring = None if side is None else _SideMerges(side, min(s_q, chunk_q), min(s_k, chunk_k), logits_dtype, q.device)
     with deferred():  # a chunk's errors surface at the next call, not the next chunk
         for r0 in range(0, max(s_q, 1), chunk_q):
             r1 = min(r0 + chunk_q, s_q)
             ks_r, ke_r, out_r, val_r = (_span(t, r0, r1) for t in (ks, ke, out, values))
-            q_rows, sf_rows = _span(q, r0, r1), _span(q_sf, r0, r1)
+            q_rows = (_span(q, r0, r1), _span(q_sf, r0, r1))
             w_r = _span(weights, r0, r1)
             for c, (lo, hi) in enumerate(chunks):
                 width = hi - lo
@@ -656,21 +614,15 @@ def _run_mqa_topk(
                 else:  # (raw, a window starting before the chunk would be reported negative)
                     ks_c = (ks_r - lo).clamp(0, width)
                     ke_c = torch.maximum((ke_r - lo).clamp(0, width), ks_c)
-                if ring is None:
-                    logits = _layout.new_logits(r1 - r0, width, logits_dtype, q.device)
-                else:
-                    logits = ring.buffer(r1 - r0, width)
-                    maxima = ring.maxima[ring.slot]
-                # (the first chunk's group maxima where the launch writes them)
-                first_maxima = maxima if c == 0 and group else None
-                wrote = prefill._run(q_rows, sf_rows, _span(k, lo, hi), _span(k_scale, lo, hi), w_r, ks_c, ke_c,
-                                     False, 0, cfg, logits, first_maxima, group)
+                buffer = None if ring is None else ring.buffer(r1 - r0, width)
+                logits = tilefuse.fp8_fp4_mqa_logits(q_rows, (_span(k, lo, hi), _span(k_scale, lo, hi)), w_r, ks_c,
+                                                     ke_c, clean_logits=False, logits_dtype=logits_dtype, config=cfg,
+                                                     out=buffer)
                 if r1 == r0:
                     continue
                 with contextlib.nullcontext() if ring is None else ring.merging():
                     _merge(logits, bars, candidates, counts, lo, width, ks_r, ke_r, s_k, s_k, 1, 0, r0, out_r, val_r,
-                           topk, kern.WIN_PREFILL, first=c == 0, final=c == len(chunks) - 1,
-                           group_maxima=maxima if wrote else None, group=group)
+                           topk, kern.WIN_PREFILL, first=c == 0, final=c == len(chunks) - 1)
     if ring is not None:
         ring.join()
 
@@ -1216,13 +1168,6 @@ def _prefill_warmup(fmt, num_heads, head_dim, topk, weights_dtype, logits_dtype,
     for values in (False, True):
         calls += [call(s_q, _PREFILL_KEY_TILE, _PREFILL_KEY_TILE, values),
                   call(s_q, 2 * _PREFILL_KEY_TILE + 1, _PREFILL_KEY_TILE, values)]
-    # A whole first chunk of the default ones: the logits with group maxima (the large calls'
-    # config: any call of more than one default chunk, or of more rows than a block, is one) and
-    # the merges that read them: a first chunk, and an only chunk with and without values (the
-    # chunks named, so not one-step plans, as a call of several row blocks runs them).
-    chunk = default_prefill_chunk_k(topk)
-    calls.append(call(sizes[-1][0], chunk + 1))
-    calls += [call(sizes[-1][0], chunk, chunk, values) for values in (False, True)]
     return calls
 
 

@@ -420,33 +420,7 @@ def prefill_variants() -> list[Variant]:
     of a run-time loop, so the code does not depend on it otherwise); at D = 128 also bf16
     weights and logits. Options: each non-tile ``PrefillConfig`` field flipped, at D = 128.
     """
-    return _unique([*(v for v in _trace_prefill() if v.kernel == "indexer.prefill"), *_prefill_group_maxima()])
-
-
-def _prefill_group_maxima() -> list[Variant]:
-    """The fused top-k's first chunks through ``prefill_logits_kernel`` (where the Gluon kernel
-    does not run them): FP8 D = 128 H = 64 at the large-call config, the raw full layout with
-    the group maxima of runs of 16 keys, fp32 and bf16 logits, for both targets."""
-    import torch
-
-    from tilefuse.indexer import _dispatch, prefill
-
-    main = f"{prefill.kern.__name__}:prefill_logits_kernel"
-    cfg = prefill.default_config("fp8", 64, 128, 4096)
-    group = topk_default_group()
-    q, k, ks, ke = _prefill_inputs("fp8", 128, 64)
-    targets = tuple(t for t in TARGETS_ALL if _dispatch.KERNEL_OF_PATH[
-        _dispatch.prefill_kernel_path(TARGET_MAJOR[t], "fp8")] == main)
-    out = []
-    for out_dtype in (torch.float32, torch.bfloat16):
-        logits = torch.zeros(_S_Q, _S_K + (-_S_K) % 16, dtype=out_dtype)
-        with tracing(main) as launches:
-            prefill._run(q[0], q[1], k[0], k[1], _weights(_S_Q, 64, torch.float32), ks, ke, False, 0, cfg, logits,
-                         torch.zeros(_S_Q, 4096, dtype=torch.int32), group)
-        name = (f"fp8 D128 H64 full {_config_label(cfg, cfg)} maxima{group}".replace("  ", " ")
-                + ("" if out_dtype == torch.float32 else f" out={_short(out_dtype)}"))
-        out += [variant_of(launch, "indexer.prefill", name, "default", targets) for launch in launches]
-    return out
+    return _unique(v for v in _trace_prefill() if v.kernel == "indexer.prefill")
 
 
 def prefill_gluon_variants() -> list[Variant]:
@@ -499,34 +473,7 @@ def prefill_gluon_variants() -> list[Variant]:
                         + (f" refill{refill}" if refill != 1 else "") + (f" abs{parts}" if parts else "")
                         + ("" if out_dtype == torch.float32 else f" out={_short(out_dtype)}"))
                 out += [variant_of(launch, "indexer.prefill_gluon", name, origin, ("sm_90a",)) for launch in launches]
-    # The fused top-k's first chunks at its default chunk (topk 2048): the raw full layout with
-    # the group maxima of runs of 16 keys, from fp32 and bf16 logits, at the default tile.
-    group = topk_default_group()
-    q = torch.zeros(_S_Q, h, d, dtype=torch.float8_e4m3fn)
-    k = torch.zeros(_S_K, d, dtype=torch.float8_e4m3fn)
-    parts = default.relu_via_abs
-    for out_dtype in (torch.float32, torch.bfloat16):
-        logits = torch.zeros(_S_Q, _S_K + (-_S_K) % 16, dtype=out_dtype)
-        maxima = torch.zeros(_S_Q, 4096, dtype=torch.int32)
-        with tracing(path) as launches:
-            gk.launch(q, k, torch.ones(_S_K), _weights(_S_Q, h, torch.float32), ks, ke, logits, False, False,
-                      _error_record(), default.block_q, default.block_n, w, nb, refill_every=default.gluon_refill,
-                      lin_parts=torch.zeros(_S_Q, parts * d, dtype=q.dtype) if parts else None,
-                      half_scale=torch.ones(_S_Q) if parts else None, maxima=maxima, group=group)
-        name = (f"{_dtype_name(q.dtype)} D{d} H{h} full {default.block_q}x{default.block_n} w{w} buf{nb}"
-                + (f" abs{parts}" if parts else "") + f" maxima{group}"
-                + ("" if out_dtype == torch.float32 else f" out={_short(out_dtype)}"))
-        out += [variant_of(launch, "indexer.prefill_gluon", name, "default", ("sm_90a",)) for launch in launches]
     return _unique(out)
-
-
-def topk_default_group() -> int:
-    """The keys a group maximum of the logits kernels covers in the fused top-k's calls at topk
-    2048 (DeepSeek-V3.2's) over whole default chunks."""
-    from tilefuse.indexer import topk
-
-    chunk = topk.default_prefill_chunk_k(2048)
-    return topk._maxima_group(chunk, chunk, 2048)
 
 
 def linear_parts_variants() -> list[Variant]:
@@ -844,22 +791,20 @@ def topk_merge_variants() -> list[Variant]:
     chunks = ((True, False, "first"), (False, False, "middle"), (False, True, "last"), (True, True, "only"))
     out = []
 
-    def one(k, rows, mode, first, final, chunk, logits_dtype=torch.float32, values=False, group=0):
+    def one(k, rows, mode, first, final, chunk, logits_dtype=torch.float32, values=False):
         width, next_n = 301, 2 if mode != topk.kern.WIN_PREFILL else 1
         logits = torch.empty(rows, width, dtype=logits_dtype)
         bars, candidates, counts = topk._workspace(rows, k, 2, "cpu")
         win = torch.zeros((rows // next_n, next_n) if mode == topk.kern.WIN_DECODE_2D else rows, dtype=torch.int32)
         idx = torch.empty(rows, k, dtype=torch.int32)
         vals = torch.empty(rows, k, dtype=logits_dtype) if values else None
-        maxima = torch.empty(rows, 2 * topk.state_width(k), dtype=torch.int32) if group else None
         with tracing(path) as launches, mock.patch.object(topk, "_INTERPRETER_KEYS_PER_PROGRAM", 0):
             topk._merge(logits, bars, candidates, counts, 37, width, win, win, 5000, 5000, next_n,
-                        win.stride(0) if win.dim() == 2 else 1, 0, idx, vals, k, mode, first, final,
-                        group_maxima=maxima, group=group)
+                        win.stride(0) if win.dim() == 2 else 1, 0, idx, vals, k, mode, first, final)
         (launch,) = launches
         c = launch.arguments
         extras = [x for x, on in ((f"logits={_short(logits_dtype)}", logits_dtype != torch.float32),
-                                  ("values", values), (f"maxima{group}", group)) if on]
+                                  ("values", values)) if on]
         name = (f"k{k} W{c['W']} rows{c['ROWS']} {modes[mode]} {chunk} w{launch.options['num_warps']}"
                 + "".join(" " + x for x in extras))
         both = k in (16, 2048) and mode == topk.kern.WIN_PREFILL
@@ -867,8 +812,6 @@ def topk_merge_variants() -> list[Variant]:
 
     for first, final, chunk in chunks:
         one(2048, 64, topk.kern.WIN_PREFILL, first, final, chunk)
-    for first, final, chunk in (chunks[0], chunks[3]):  # a first chunk's bar from the logits kernel's maxima
-        one(2048, 64, topk.kern.WIN_PREFILL, first, final, chunk, group=topk_default_group(), values=final)
     for mode in (topk.kern.WIN_DECODE_1D, topk.kern.WIN_DECODE_2D):  # the window loads differ
         for first, final, chunk in (chunks[0], chunks[3]):
             one(2048, 64, mode, first, final, chunk)
