@@ -499,7 +499,7 @@ def topk_merge_chunk_kernel(
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, PIECE: tl.constexpr,
-    RESET: tl.constexpr, GROUPS_BAR: tl.constexpr, SCAN_PREFETCH: tl.constexpr,
+    RESET: tl.constexpr, GROUPS_BAR: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
@@ -541,39 +541,27 @@ def topk_merge_chunk_kernel(
     quarter = tl.arange(0, BLOCK // 4)
     # Counted from the span, so that no loop bound passes the int32 range.
     n_blocks = tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), BLOCK)
-    # SCAN_PREFETCH: the next block's four loads are issued before this block's keys are
-    # compacted, so their latency hides behind the prefix sum and the stores (past the walk
-    # they read nothing). Without it, ptxas (at 64 registers) waits for each load before the
-    # next, in whatever order the loads are written: one load a warp in flight.
-    if SCAN_PREFETCH:
-        v0 = _load_columns(row_logits, walk_lo, quarter, lo, hi, chunk_lo)
-        v1 = _load_columns(row_logits, walk_lo + BLOCK // 4, quarter, lo, hi, chunk_lo)
-        v2 = _load_columns(row_logits, walk_lo + BLOCK // 2, quarter, lo, hi, chunk_lo)
-        v3 = _load_columns(row_logits, walk_lo + 3 * (BLOCK // 4), quarter, lo, hi, chunk_lo)
-    else:
-        v0 = tl.zeros([ROWS, BLOCK // 4], tl.float32)
-        v1 = v0
-        v2 = v0
-        v3 = v0
+    # The next block's four loads are issued before this block's keys are compacted, so their
+    # latency hides behind the prefix sum and the stores (past the walk they read nothing).
+    # Loaded in their own iteration, ptxas (at 64 registers) waits for each load before the
+    # next, whatever order they are written in: one load a warp in flight.
+    v0 = _load_columns(row_logits, walk_lo, quarter, lo, hi, chunk_lo)
+    v1 = _load_columns(row_logits, walk_lo + BLOCK // 4, quarter, lo, hi, chunk_lo)
+    v2 = _load_columns(row_logits, walk_lo + BLOCK // 2, quarter, lo, hi, chunk_lo)
+    v3 = _load_columns(row_logits, walk_lo + 3 * (BLOCK // 4), quarter, lo, hi, chunk_lo)
     for i in range(0, n_blocks):
         # Four coalesced quarters a block, one key each a thread: one prefix sum of the threads'
         # totals instead of one over each thread's four keys; the buffer's order is the threads'
         # (never read: keys are unique, the final sort orders them).
         base = walk_lo + i * BLOCK
-        if not SCAN_PREFETCH:
-            v0 = _load_columns(row_logits, base, quarter, lo, hi, chunk_lo)
-            v1 = _load_columns(row_logits, base + BLOCK // 4, quarter, lo, hi, chunk_lo)
-            v2 = _load_columns(row_logits, base + BLOCK // 2, quarter, lo, hi, chunk_lo)
-            v3 = _load_columns(row_logits, base + 3 * (BLOCK // 4), quarter, lo, hi, chunk_lo)
         k0, a0, t0 = _keys_above(v0, base, quarter, lo, hi, bar)
         k1, a1, t1 = _keys_above(v1, base + BLOCK // 4, quarter, lo, hi, bar)
         k2, a2, t2 = _keys_above(v2, base + BLOCK // 2, quarter, lo, hi, bar)
         k3, a3, t3 = _keys_above(v3, base + 3 * (BLOCK // 4), quarter, lo, hi, bar)
-        if SCAN_PREFETCH:
-            v0 = _load_columns(row_logits, base + BLOCK, quarter, lo, hi, chunk_lo)
-            v1 = _load_columns(row_logits, base + BLOCK + BLOCK // 4, quarter, lo, hi, chunk_lo)
-            v2 = _load_columns(row_logits, base + BLOCK + BLOCK // 2, quarter, lo, hi, chunk_lo)
-            v3 = _load_columns(row_logits, base + BLOCK + 3 * (BLOCK // 4), quarter, lo, hi, chunk_lo)
+        v0 = _load_columns(row_logits, base + BLOCK, quarter, lo, hi, chunk_lo)
+        v1 = _load_columns(row_logits, base + BLOCK + BLOCK // 4, quarter, lo, hi, chunk_lo)
+        v2 = _load_columns(row_logits, base + BLOCK + BLOCK // 2, quarter, lo, hi, chunk_lo)
+        v3 = _load_columns(row_logits, base + BLOCK + 3 * (BLOCK // 4), quarter, lo, hi, chunk_lo)
         # Slots count[r] .. count[r] + BLOCK - 1 < CAP: in the buffer whatever the values.
         s0, s1, s2, s3, taken = _quarter_slots(count, t0, t1, t2, t3)
         tl.store(cand_rows + s0, k0, mask=a0)
