@@ -124,21 +124,29 @@ def _row_window(win_a_ptr, win_b_ptr, row, row_base, n_keys, key_limit, next_n, 
 
 
 @triton.jit
-def _half_clean(x, ROWS: tl.constexpr, W: tl.constexpr, HALF: tl.constexpr, flip):
+def _half_clean(x, ROWS: tl.constexpr, W: tl.constexpr, HALF: tl.constexpr, flip, FOLDED: tl.constexpr = True):
     """Compare-and-swap of every pair ``(i, i + HALF)`` inside blocks of ``2 * HALF`` along each
     row of ``x [ROWS, W]``: the smaller first, or the larger where ``flip`` (per block or a
     scalar) is 1. Pairs are split out with reshapes, so no cross-lane reductions are needed."""
     n: tl.constexpr = ROWS * W // (2 * HALF)
     a, b = tl.split(tl.permute(tl.reshape(x, [n, 2, HALF]), (0, 2, 1)))
-    lo = tl.minimum(a, b)
-    hi = tl.maximum(a, b)
-    swap = flip != 0
-    pairs = tl.join(tl.where(swap, hi, lo), tl.where(swap, lo, hi))
+    # One compare a pair and two selects a word, the direction folded into the compare's
+    # predicate (a minimum, a maximum and a choice between them took twice the instructions).
+    # Equal keys (only empty slots) may swap: the result is the same.
+    if FOLDED:
+        swap = (a > b) != (flip != 0)
+        pairs = tl.join(tl.where(swap, b, a), tl.where(swap, a, b))
+    else:
+        lo = tl.minimum(a, b)
+        hi = tl.maximum(a, b)
+        swap = flip != 0
+        pairs = tl.join(tl.where(swap, hi, lo), tl.where(swap, lo, hi))
     return tl.reshape(tl.permute(pairs, (0, 2, 1)), [ROWS, W])
 
 
 @triton.jit
-def _sort_rows(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, DESCENDING: tl.constexpr):
+def _sort_rows(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, DESCENDING: tl.constexpr,
+               FOLDED: tl.constexpr = True):
     """Bitonic sort of each row of ``x [ROWS, W]``."""
     for k in tl.static_range(1, LOG_W):
         for i in tl.static_range(k):
@@ -146,16 +154,17 @@ def _sort_rows(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, DESC
             # flipped when descending); a row's length is a multiple of 2^(k+1), so the parity is
             # the same counted per row.
             block = (tl.arange(0, ROWS * W >> (k - i)) << (k - i)) >> k
-            x = _half_clean(x, ROWS, W, 1 << (k - 1 - i), ((block & 1) ^ DESCENDING)[:, None])
-    return _merge_bitonic(x, ROWS, W, LOG_W, DESCENDING)
+            x = _half_clean(x, ROWS, W, 1 << (k - 1 - i), ((block & 1) ^ DESCENDING)[:, None], FOLDED)
+    return _merge_bitonic(x, ROWS, W, LOG_W, DESCENDING, FOLDED)
 
 
 @triton.jit
-def _merge_bitonic(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, DESCENDING: tl.constexpr):
+def _merge_bitonic(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, DESCENDING: tl.constexpr,
+                   FOLDED: tl.constexpr = True):
     """Sort each row of ``x [ROWS, W]``, a bitonic sequence: LOG_W half-cleaner stages instead
     of a full sort's LOG_W * (LOG_W + 1) / 2."""
     for i in tl.static_range(LOG_W):
-        x = _half_clean(x, ROWS, W, W >> (i + 1), DESCENDING)
+        x = _half_clean(x, ROWS, W, W >> (i + 1), DESCENDING, FOLDED)
     return x
 
 
@@ -477,13 +486,13 @@ def _write_keys(idx_rows, val_rows, keys, slot, mask, WRITE_VALUES: tl.constexpr
 
 @triton.jit
 def _write_sorted(cand_rows, count, live, idx_rows, val_rows, TOPK: tl.constexpr, W: tl.constexpr,
-                  LOG_W: tl.constexpr, ROWS: tl.constexpr, WRITE_VALUES: tl.constexpr):
+                  LOG_W: tl.constexpr, ROWS: tl.constexpr, WRITE_VALUES: tl.constexpr, FOLDED: tl.constexpr = True):
     """The first ``count`` keys of each row's buffer (at most W: after a select) sorted and
     written as the row's first TOPK results (-1 past ``count``)."""
     tl.debug_barrier()  # the buffer was compacted by other threads of the program
     w_slot = tl.arange(0, W)
     x = tl.load(cand_rows + w_slot[None, :], mask=w_slot[None, :] < count[:, None], other=EMPTY_KEY)
-    state = _sort_rows(x, ROWS, W, LOG_W, 1)
+    state = _sort_rows(x, ROWS, W, LOG_W, 1, FOLDED)
     _write_keys(idx_rows, val_rows, state, w_slot[None, :], live[:, None] & (w_slot[None, :] < TOPK), WRITE_VALUES)
 
 
@@ -499,7 +508,7 @@ def topk_merge_chunk_kernel(
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, PIECE: tl.constexpr,
-    RESET: tl.constexpr, GROUPS_BAR: tl.constexpr,
+    RESET: tl.constexpr, GROUPS_BAR: tl.constexpr, SORT_FOLDED: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
@@ -582,7 +591,7 @@ def topk_merge_chunk_kernel(
         else:
             count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, False)
         _write_sorted(cand_rows, count, live, idx_ptr + row[:, None] * stride_i, val_ptr + row[:, None] * stride_v,
-                      TOPK, W, LOG_W, ROWS, WRITE_VALUES)
+                      TOPK, W, LOG_W, ROWS, WRITE_VALUES, SORT_FOLDED)
         if RESET:
             tl.debug_barrier()  # every thread has loaded the counts
             tl.store(count_ptr + row, tl.zeros([ROWS], tl.int32), mask=live)

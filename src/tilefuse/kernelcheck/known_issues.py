@@ -61,7 +61,7 @@ _ENTRIES = [
     ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * last w8*", 260, _MERGE_FINAL, "3.8*"),
     ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * only w8", 340, _MERGE_FINAL, "3.8*"),
     ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * after-passes w8*", 128, _MERGE_FINAL, "3.8*"),
-    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * after-passes w16*", 12, _MERGE_FINAL, "3.8*"),
+    ("indexer.topk_merge", "sm_90a", "k2048 W2048 rows1 * after-passes w16*", 16, _MERGE_FINAL, "3.8*"),
     ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * first w8", 200, _MERGE_BAR, "3.8*"),
     ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 prefill middle w8", 84, _MERGE_SCAN, "3.8*"),
     ("indexer.topk_merge", "sm_100a", "k2048 W2048 rows1 * last w8*", 296, _MERGE_FINAL, "3.8*"),
