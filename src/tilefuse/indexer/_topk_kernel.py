@@ -425,7 +425,7 @@ def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.
 
 @triton.jit
 def _groups_bar(row_logits, walk_lo, walk_hi, lo, hi, chunk_lo, bar, TOPK: tl.constexpr, ROWS: tl.constexpr,
-                CAP: tl.constexpr):
+                CAP: tl.constexpr, PREFETCH: tl.constexpr):
     """Each row's bar raised before its first chunk is scanned: the chunk's columns cut into CAP
     groups (group g: columns ``walk_lo + g + j CAP``), the largest high word ``t`` that at least
     TOPK groups' largest keys reach. Those keys are TOPK distinct keys of the row at or above
@@ -433,13 +433,24 @@ def _groups_bar(row_logits, walk_lo, walk_hi, lo, hi, chunk_lo, bar, TOPK: tl.co
     One read of the chunk (from L2) and one search over CAP words held in registers, against
     the selects of a scan from an empty bar (one per ~W / 2 keys taken). Rows with fewer than
     TOPK groups holding a number keep their bar."""
-    col = tl.arange(0, CAP)[None, :]
+    cols = tl.arange(0, CAP)
+    col = cols[None, :]
     best = tl.full([ROWS, CAP], _INT32_MIN, tl.int32)
+    # PREFETCH: the next CAP columns are loaded before this iteration's maxima are taken (as
+    # the scan's blocks), all of a thread's loads in flight at once.
+    if PREFETCH:
+        v = _load_columns(row_logits, walk_lo, cols, lo, hi, chunk_lo)
+    else:
+        v = tl.zeros([ROWS, CAP], tl.float32)
     for j in range(0, tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), CAP)):
         pos = walk_lo + j * CAP + col
         inside = (pos >= lo[:, None]) & (pos < hi[:, None])
-        v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
-        best = tl.maximum(best, tl.where(inside, _order_words(v), _INT32_MIN))
+        if not PREFETCH:
+            v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
+        words = tl.where(inside, _order_words(v), _INT32_MIN)
+        if PREFETCH:
+            v = _load_columns(row_logits, walk_lo + (j + 1) * CAP, cols, lo, hi, chunk_lo)
+        best = tl.maximum(best, words)
     valid = best > _INT32_MIN  # (a NaN's word is INT32_MIN too: such a group counts for nothing)
     n_valid = tl.sum(valid.to(tl.int32), axis=1)
     enough = n_valid >= TOPK
@@ -509,6 +520,7 @@ def topk_merge_chunk_kernel(
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, PIECE: tl.constexpr,
     RESET: tl.constexpr, GROUPS_BAR: tl.constexpr, SORT_FOLDED: tl.constexpr,
+    GROUPS_PREFETCH: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
@@ -546,7 +558,7 @@ def topk_merge_chunk_kernel(
     walk_hi = tl.max(tl.where(lo < hi, hi, 0), axis=0)
     row_logits = logits_ptr + row[:, None] * stride_l
     if GROUPS_BAR:
-        bar = _groups_bar(row_logits, walk_lo, walk_hi, lo, hi, chunk_lo, bar, TOPK, ROWS, CAP)
+        bar = _groups_bar(row_logits, walk_lo, walk_hi, lo, hi, chunk_lo, bar, TOPK, ROWS, CAP, GROUPS_PREFETCH)
     quarter = tl.arange(0, BLOCK // 4)
     # Counted from the span, so that no loop bound passes the int32 range.
     n_blocks = tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), BLOCK)
