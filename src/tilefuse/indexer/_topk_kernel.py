@@ -124,7 +124,7 @@ def _row_window(win_a_ptr, win_b_ptr, row, row_base, n_keys, key_limit, next_n, 
 
 
 @triton.jit
-def _half_clean(x, ROWS: tl.constexpr, W: tl.constexpr, HALF: tl.constexpr, flip, FOLDED: tl.constexpr = True):
+def _half_clean(x, ROWS: tl.constexpr, W: tl.constexpr, HALF: tl.constexpr, flip):
     """Compare-and-swap of every pair ``(i, i + HALF)`` inside blocks of ``2 * HALF`` along each
     row of ``x [ROWS, W]``: the smaller first, or the larger where ``flip`` (per block or a
     scalar) is 1. Pairs are split out with reshapes, so no cross-lane reductions are needed."""
@@ -133,20 +133,13 @@ def _half_clean(x, ROWS: tl.constexpr, W: tl.constexpr, HALF: tl.constexpr, flip
     # One compare a pair and two selects a word, the direction folded into the compare's
     # predicate (a minimum, a maximum and a choice between them took twice the instructions).
     # Equal keys (only empty slots) may swap: the result is the same.
-    if FOLDED:
-        swap = (a > b) != (flip != 0)
-        pairs = tl.join(tl.where(swap, b, a), tl.where(swap, a, b))
-    else:
-        lo = tl.minimum(a, b)
-        hi = tl.maximum(a, b)
-        swap = flip != 0
-        pairs = tl.join(tl.where(swap, hi, lo), tl.where(swap, lo, hi))
+    swap = (a > b) != (flip != 0)
+    pairs = tl.join(tl.where(swap, b, a), tl.where(swap, a, b))
     return tl.reshape(tl.permute(pairs, (0, 2, 1)), [ROWS, W])
 
 
 @triton.jit
-def _sort_rows(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, DESCENDING: tl.constexpr,
-               FOLDED: tl.constexpr = True):
+def _sort_rows(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, DESCENDING: tl.constexpr):
     """Bitonic sort of each row of ``x [ROWS, W]``."""
     for k in tl.static_range(1, LOG_W):
         for i in tl.static_range(k):
@@ -154,17 +147,16 @@ def _sort_rows(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, DESC
             # flipped when descending); a row's length is a multiple of 2^(k+1), so the parity is
             # the same counted per row.
             block = (tl.arange(0, ROWS * W >> (k - i)) << (k - i)) >> k
-            x = _half_clean(x, ROWS, W, 1 << (k - 1 - i), ((block & 1) ^ DESCENDING)[:, None], FOLDED)
-    return _merge_bitonic(x, ROWS, W, LOG_W, DESCENDING, FOLDED)
+            x = _half_clean(x, ROWS, W, 1 << (k - 1 - i), ((block & 1) ^ DESCENDING)[:, None])
+    return _merge_bitonic(x, ROWS, W, LOG_W, DESCENDING)
 
 
 @triton.jit
-def _merge_bitonic(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, DESCENDING: tl.constexpr,
-                   FOLDED: tl.constexpr = True):
+def _merge_bitonic(x, ROWS: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, DESCENDING: tl.constexpr):
     """Sort each row of ``x [ROWS, W]``, a bitonic sequence: LOG_W half-cleaner stages instead
     of a full sort's LOG_W * (LOG_W + 1) / 2."""
     for i in tl.static_range(LOG_W):
-        x = _half_clean(x, ROWS, W, W >> (i + 1), DESCENDING, FOLDED)
+        x = _half_clean(x, ROWS, W, W >> (i + 1), DESCENDING)
     return x
 
 
@@ -425,7 +417,7 @@ def _select(cand_rows, count, bar, prefix0, need0, TOPK: tl.constexpr, ROWS: tl.
 
 @triton.jit
 def _groups_bar(row_logits, walk_lo, walk_hi, lo, hi, chunk_lo, bar, TOPK: tl.constexpr, ROWS: tl.constexpr,
-                CAP: tl.constexpr, PREFETCH: tl.constexpr):
+                CAP: tl.constexpr):
     """Each row's bar raised before its first chunk is scanned: the chunk's columns cut into CAP
     groups (group g: columns ``walk_lo + g + j CAP``), the largest high word ``t`` that at least
     TOPK groups' largest keys reach. Those keys are TOPK distinct keys of the row at or above
@@ -433,24 +425,13 @@ def _groups_bar(row_logits, walk_lo, walk_hi, lo, hi, chunk_lo, bar, TOPK: tl.co
     One read of the chunk (from L2) and one search over CAP words held in registers, against
     the selects of a scan from an empty bar (one per ~W / 2 keys taken). Rows with fewer than
     TOPK groups holding a number keep their bar."""
-    cols = tl.arange(0, CAP)
-    col = cols[None, :]
+    col = tl.arange(0, CAP)[None, :]
     best = tl.full([ROWS, CAP], _INT32_MIN, tl.int32)
-    # PREFETCH: the next CAP columns are loaded before this iteration's maxima are taken (as
-    # the scan's blocks), all of a thread's loads in flight at once.
-    if PREFETCH:
-        v = _load_columns(row_logits, walk_lo, cols, lo, hi, chunk_lo)
-    else:
-        v = tl.zeros([ROWS, CAP], tl.float32)
     for j in range(0, tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), CAP)):
         pos = walk_lo + j * CAP + col
         inside = (pos >= lo[:, None]) & (pos < hi[:, None])
-        if not PREFETCH:
-            v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
-        words = tl.where(inside, _order_words(v), _INT32_MIN)
-        if PREFETCH:
-            v = _load_columns(row_logits, walk_lo + (j + 1) * CAP, cols, lo, hi, chunk_lo)
-        best = tl.maximum(best, words)
+        v = tl.load(row_logits + (pos - chunk_lo), mask=inside, other=0.0).to(tl.float32)
+        best = tl.maximum(best, tl.where(inside, _order_words(v), _INT32_MIN))
     valid = best > _INT32_MIN  # (a NaN's word is INT32_MIN too: such a group counts for nothing)
     n_valid = tl.sum(valid.to(tl.int32), axis=1)
     enough = n_valid >= TOPK
@@ -497,13 +478,13 @@ def _write_keys(idx_rows, val_rows, keys, slot, mask, WRITE_VALUES: tl.constexpr
 
 @triton.jit
 def _write_sorted(cand_rows, count, live, idx_rows, val_rows, TOPK: tl.constexpr, W: tl.constexpr,
-                  LOG_W: tl.constexpr, ROWS: tl.constexpr, WRITE_VALUES: tl.constexpr, FOLDED: tl.constexpr = True):
+                  LOG_W: tl.constexpr, ROWS: tl.constexpr, WRITE_VALUES: tl.constexpr):
     """The first ``count`` keys of each row's buffer (at most W: after a select) sorted and
     written as the row's first TOPK results (-1 past ``count``)."""
     tl.debug_barrier()  # the buffer was compacted by other threads of the program
     w_slot = tl.arange(0, W)
     x = tl.load(cand_rows + w_slot[None, :], mask=w_slot[None, :] < count[:, None], other=EMPTY_KEY)
-    state = _sort_rows(x, ROWS, W, LOG_W, 1, FOLDED)
+    state = _sort_rows(x, ROWS, W, LOG_W, 1)
     _write_keys(idx_rows, val_rows, state, w_slot[None, :], live[:, None] & (w_slot[None, :] < TOPK), WRITE_VALUES)
 
 
@@ -519,8 +500,7 @@ def topk_merge_chunk_kernel(
     err_ptr,
     TOPK: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr, ROWS: tl.constexpr, MODE: tl.constexpr,
     FIRST: tl.constexpr, FINAL: tl.constexpr, WRITE_VALUES: tl.constexpr, PIECE: tl.constexpr,
-    RESET: tl.constexpr, GROUPS_BAR: tl.constexpr, SORT_FOLDED: tl.constexpr,
-    GROUPS_PREFETCH: tl.constexpr,
+    RESET: tl.constexpr, GROUPS_BAR: tl.constexpr,
 ):
     """ROWS rows a program: collect each row's valid keys of logits columns ``[0, chunk_width)``
     (positions ``chunk_lo + c``) above its bar into its candidate buffer (``cand_ptr``: 2 W keys
@@ -558,7 +538,7 @@ def topk_merge_chunk_kernel(
     walk_hi = tl.max(tl.where(lo < hi, hi, 0), axis=0)
     row_logits = logits_ptr + row[:, None] * stride_l
     if GROUPS_BAR:
-        bar = _groups_bar(row_logits, walk_lo, walk_hi, lo, hi, chunk_lo, bar, TOPK, ROWS, CAP, GROUPS_PREFETCH)
+        bar = _groups_bar(row_logits, walk_lo, walk_hi, lo, hi, chunk_lo, bar, TOPK, ROWS, CAP)
     quarter = tl.arange(0, BLOCK // 4)
     # Counted from the span, so that no loop bound passes the int32 range.
     n_blocks = tl.cdiv(tl.maximum(walk_hi - walk_lo, 0), BLOCK)
@@ -603,7 +583,7 @@ def topk_merge_chunk_kernel(
         else:
             count, bar = _select(cand_rows, count, bar, bar, count, TOPK, ROWS, CAP, PIECE, 0, False)
         _write_sorted(cand_rows, count, live, idx_ptr + row[:, None] * stride_i, val_ptr + row[:, None] * stride_v,
-                      TOPK, W, LOG_W, ROWS, WRITE_VALUES, SORT_FOLDED)
+                      TOPK, W, LOG_W, ROWS, WRITE_VALUES)
         if RESET:
             tl.debug_barrier()  # every thread has loaded the counts
             tl.store(count_ptr + row, tl.zeros([ROWS], tl.int32), mask=live)

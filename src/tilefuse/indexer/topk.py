@@ -120,12 +120,6 @@ _OVERLAP_DECODE_MERGES = 1
 # 1: 1.07x -> 1.16x the sorted pair at 2048 x 32768, 1.10x -> 1.31x at 512 x 8192, decode B256
 # next_n 2 ctx 64K 1.25x -> 1.30x on an H100 (benchmarks/NOTES.md, round (19)).
 _FIRST_CHUNK_BAR = 1
-# The final sort's compare-exchange: one compare with the direction folded into it (1), or a
-# minimum, a maximum and a choice between them (0).
-_SORT_FOLDED = 1
-# The first chunk's group maxima read with the next CAP columns' loads issued before this
-# iteration's maxima (1), or each iteration's loads in it (0).
-_GROUPS_PREFETCH = 1
 # The last chunk sorts W keys in one program's registers: compiled for sm_90a in 25 s at topk
 # 16384, 104 s with 21.7 KB of spills at 32768, not within 400 s at 65536 (benchmarks/NOTES.md):
 # larger values get a clear error, not a compile that does not end.
@@ -295,8 +289,7 @@ def _merge(logits, bars, candidates, counts, lo: int, width: int, win_a, win_b, 
     vals = out if values is None else values
     err = error_record(out.device)
     consts = (topk, w, w.bit_length() - 1, rows_per_program, mode, first, final, values is not None, piece,
-              0 if hist is None else 2 if maxima else 1, first and _groups_bar(w, rows_per_program),
-              bool(_SORT_FOLDED), bool(_GROUPS_PREFETCH))
+              0 if hist is None else 2 if maxima else 1, first and _groups_bar(w, rows_per_program))
     warps = max(1, min(8, rows_per_program * w // 256))
     if hist is not None and warps == 8 and rows_per_program == 1:  # the last step after the passes
         warps = _ACROSS_LAST_STEP_WARPS
