@@ -985,7 +985,8 @@ def test_decode_whole_rows_limit():
     assert topk.decode_whole_rows(limit // 12, 1, torch.float32)
     assert not topk.decode_whole_rows(limit // 12 + 1, 1, torch.float32)
     assert topk.decode_whole_rows(limit // 10, 1, torch.bfloat16)
-    assert not topk.decode_whole_rows(64, 163840, torch.float32)
+    assert topk.decode_whole_rows(136, 163840, torch.float32)
+    assert not topk.decode_whole_rows(137, 163840, torch.float32)
 
 
 @pytest.mark.parametrize("fmt,ctx_2d", [("fp8", False), ("mxfp4", True)])

@@ -29,7 +29,7 @@ count and a bar per row of the block, independent of S_k; :func:`topk_bytes_move
 traffic beside the unfused pair's.
 
 Decode rows few and short enough (:func:`decode_whole_rows`: their logits and candidates
-within 96 MiB) are taken whole instead: one logits launch over the rows' lengths, then each
+within 256 MiB) are taken whole instead: one logits launch over the rows' lengths, then each
 row's top-k split over several programs (``_topk_rows_across_programs``: digit histograms summed
 by atomics, the keys at or above the topk-th key's top 24 bits appended to the row's
 candidates; then the merge kernel's select, from those 24 bits on, and sort), so that a batch of
@@ -72,10 +72,12 @@ _INDEX_DTYPE = torch.int32
 # H100's or H200's 50 MB L2, as 64 MiB already was). At topk 2048, 512-row blocks measured
 # 1.31x the sorted pair at 2048 x 32768 against 1.09x for 256 (benchmarks/NOTES.md, round (19)).
 _WORKSPACE_BYTES = 128 << 20
-# Decode rows taken whole (``decode_whole_rows``): their logits (32 MiB of fp32 at most) and
-# the candidate buffers beside them. Memory held, not traffic: the logits op writes and the
-# passes read only the columns within each row's length.
-_WHOLE_ROWS_BYTES = 96 << 20
+# Decode rows taken whole (``decode_whole_rows``): their logits and the candidate buffers
+# beside them (12 B a column at fp32). Memory held, not traffic: the logits op writes and the
+# passes read only the columns within each row's length. 256 MiB (against 96: B64 ctx 128K
+# 1.28x -> 1.38x the sorted pair, next_n 2 1.49x -> 1.67x on an H100; benchmarks/NOTES.md,
+# round (26)).
+_WHOLE_ROWS_BYTES = 256 << 20
 # Key columns a chunk, in state widths W: decode 32 W (against 8 W, rows not taken whole: B256
 # next_n 2 ctx 64K 1.38x -> 1.49x the sorted pair, B64 ctx 32K 1.09x -> 1.15x on an H100;
 # benchmarks/NOTES.md, round (21)); prefill 32 W (with the first chunk's bar from its group
