@@ -452,6 +452,15 @@ def _load_columns(row_logits, start, cols, lo, hi, chunk_lo):
 
 
 @triton.jit
+def _load_block(row_logits, start, quarter, lo, hi, chunk_lo, BLOCK: tl.constexpr):
+    """The four quarters of the block of BLOCK columns at ``start`` (``_load_columns``)."""
+    return (_load_columns(row_logits, start, quarter, lo, hi, chunk_lo),
+            _load_columns(row_logits, start + BLOCK // 4, quarter, lo, hi, chunk_lo),
+            _load_columns(row_logits, start + BLOCK // 2, quarter, lo, hi, chunk_lo),
+            _load_columns(row_logits, start + 3 * (BLOCK // 4), quarter, lo, hi, chunk_lo))
+
+
+@triton.jit
 def _keys_above(v, start, cols, lo, hi, bar):
     """The keys of ``v`` (columns ``start + cols``, masked to each row's window) above the row's
     bar: ``(keys, above, taken)``, ``taken`` the same as int32 ones and zeros."""
@@ -546,10 +555,7 @@ def topk_merge_chunk_kernel(
     # latency hides behind the prefix sum and the stores (past the walk they read nothing).
     # Loaded in their own iteration, ptxas (at 64 registers) waits for each load before the
     # next, whatever order they are written in: one load a warp in flight.
-    v0 = _load_columns(row_logits, walk_lo, quarter, lo, hi, chunk_lo)
-    v1 = _load_columns(row_logits, walk_lo + BLOCK // 4, quarter, lo, hi, chunk_lo)
-    v2 = _load_columns(row_logits, walk_lo + BLOCK // 2, quarter, lo, hi, chunk_lo)
-    v3 = _load_columns(row_logits, walk_lo + 3 * (BLOCK // 4), quarter, lo, hi, chunk_lo)
+    v0, v1, v2, v3 = _load_block(row_logits, walk_lo, quarter, lo, hi, chunk_lo, BLOCK)
     for i in range(0, n_blocks):
         # Four coalesced quarters a block, one key each a thread: one prefix sum of the threads'
         # totals instead of one over each thread's four keys; the buffer's order is the threads'
@@ -559,10 +565,7 @@ def topk_merge_chunk_kernel(
         k1, a1, t1 = _keys_above(v1, base + BLOCK // 4, quarter, lo, hi, bar)
         k2, a2, t2 = _keys_above(v2, base + BLOCK // 2, quarter, lo, hi, bar)
         k3, a3, t3 = _keys_above(v3, base + 3 * (BLOCK // 4), quarter, lo, hi, bar)
-        v0 = _load_columns(row_logits, base + BLOCK, quarter, lo, hi, chunk_lo)
-        v1 = _load_columns(row_logits, base + BLOCK + BLOCK // 4, quarter, lo, hi, chunk_lo)
-        v2 = _load_columns(row_logits, base + BLOCK + BLOCK // 2, quarter, lo, hi, chunk_lo)
-        v3 = _load_columns(row_logits, base + BLOCK + 3 * (BLOCK // 4), quarter, lo, hi, chunk_lo)
+        v0, v1, v2, v3 = _load_block(row_logits, base + BLOCK, quarter, lo, hi, chunk_lo, BLOCK)
         # Slots count[r] .. count[r] + BLOCK - 1 < CAP: in the buffer whatever the values.
         s0, s1, s2, s3, taken = _quarter_slots(count, t0, t1, t2, t3)
         tl.store(cand_rows + s0, k0, mask=a0)
