@@ -537,6 +537,18 @@ def test_cache_helpers_reject_bad_arguments():
         paged.make_paged_kv_cache(torch.randn(2, 10, 64), torch.tensor([3, 11]), 32)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8", "mxfp4"])
+def test_make_paged_kv_cache_writes_in_slices(monkeypatch, fmt):
+    # Long batches are quantised a slice of tokens at a time: slices that split pages and requests
+    # give the same bytes and table as one write.
+    keys, lens = torch.randn(3, 50, 64), torch.tensor([50, 0, 37])
+    whole = paged.make_paged_kv_cache(keys, lens, 16, fmt, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(paged, "_FILL_CHUNK_TOKENS", 7)
+    sliced = paged.make_paged_kv_cache(keys, lens, 16, fmt, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(whole[0], sliced[0]) and torch.equal(whole[1], sliced[1])
+    assert whole[0].any()
+
+
 # ---------------------------------------------------------------------------------------
 # Plumbing: DeepGEMM names, the custom op, torch.compile, the kernel really runs
 # ---------------------------------------------------------------------------------------

@@ -355,6 +355,10 @@ def write_paged_kv_cache(kv_cache: torch.Tensor, keys: torch.Tensor, slot_mappin
     sf_view[page, off] = scales.view(torch.int32)
 
 
+# Tokens quantised and written per step of make_paged_kv_cache (bf16 D 128: 256 MiB of keys).
+_FILL_CHUNK_TOKENS = 1 << 20
+
+
 def make_paged_kv_cache(keys: torch.Tensor, context_lens: torch.Tensor, block_kv: int, fmt: str = "fp8", *,
                         num_blocks: int | None = None, page_stride: int | None = None, shuffle: bool = True,
                         generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,7 +409,12 @@ def make_paged_kv_cache(keys: torch.Tensor, context_lens: torch.Tensor, block_kv
         req = torch.repeat_interleave(torch.arange(b), lens)
         tok = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
         slots = table[req, tok // block_kv].long() * block_kv + tok % block_kv
-        write_paged_kv_cache(cache, keys[req.to(keys.device), tok.to(keys.device)], slots.to(keys.device), fmt)
+        # Tokens written a slice at a time: the gathered keys and the quantiser's fp32 temporaries
+        # of a whole long batch (B256 x 128K keys: ~8 GB of bf16 keys) would not fit beside them.
+        for lo in range(0, req.numel(), _FILL_CHUNK_TOKENS):
+            part = slice(lo, lo + _FILL_CHUNK_TOKENS)
+            write_paged_kv_cache(cache, keys[req[part].to(keys.device), tok[part].to(keys.device)],
+                                 slots[part].to(keys.device), fmt)
     return cache, table.to(keys.device)
 
 
