@@ -24,6 +24,7 @@ def test_sweep_grid():
     big = [s for s in specs if not s.references]
     assert big and all(s.batch * s.mean_ctx >= 2**20 for s in big)
     assert len({s.name for s in specs}) == len(specs)
+    assert not any(s.eager for s in specs)  # the sweep is tilefuse beside DeepGEMM: no torch eager row
     only = suite.sweep_specs(shapes=[(64, 2, 8192)])
     assert len(only) == 8 and {s.logits_dtype for s in only} == {"float32", "bfloat16"}
 
@@ -39,3 +40,4 @@ def test_sweep_runs_tiny_on_cpu(tmp_path, capsys):
     assert len(mine) == 4 and all(r["status"] == "ok" for r in mine)
     assert {r["params"]["logits_dtype"] for r in mine} == {"float32", "bfloat16"}
     assert {r["params"]["block_kv"] for r in mine} == {32, 64}
+    assert {r["impl"] for r in res["rows"]} <= {"tilefuse", "deep_gemm"}

@@ -69,6 +69,7 @@ class Spec:
     block_kv: int = BLOCK_KV
     logits_dtype: str = "float32"
     references: bool = True
+    eager: bool = True  # the torch eager row (where the references fit)
 
     @property
     def shape(self) -> str:
@@ -230,7 +231,7 @@ def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) 
                                                      False, logits_dtype)
 
             impls.append(Impl("deep_gemm", peer_call, check, out_bytes=out_bytes))
-        if not spec.references:
+        if not (spec.references and spec.eager):
             return impls
         pages_bytes = spec.batch * table.shape[1] * spec.block_kv
         eager_bytes = pages_bytes * spec.head_dim * 6 + pages_bytes * spec.next_n * spec.heads * 2
@@ -269,7 +270,8 @@ def sweep_specs(fmts=("fp8",), shapes=None) -> list[Spec]:
                         for bkv in SWEEP_BLOCK_KV:
                             for dt in SWEEP_LOGITS:
                                 refs = b * int(c * SPREAD[1]) * h * n <= SWEEP_REFERENCE_KEYS
-                                out.append(Spec(f, b, n, c, h, block_kv=bkv, logits_dtype=dt, references=refs))
+                                out.append(Spec(f, b, n, c, h, block_kv=bkv, logits_dtype=dt, references=refs,
+                                                eager=False))
     return out
 
 
@@ -283,7 +285,7 @@ def cases(*, on_gpu: bool, device: str, shapes=None, fmts=("fp8",), sweep: bool 
     if sweep and on_gpu:
         specs = sweep_specs(fmts, shapes)
     elif sweep:
-        specs = [Spec(f, b, n, c, CPU_HEADS, block_kv=bkv, logits_dtype=dt) for f in fmts
+        specs = [Spec(f, b, n, c, CPU_HEADS, block_kv=bkv, logits_dtype=dt, eager=False) for f in fmts
                  for b, n, c in (shapes or CPU_ROWS[1:]) for bkv in SWEEP_BLOCK_KV for dt in SWEEP_LOGITS]
     else:
         rows = shapes or (GPU_ROWS if on_gpu else CPU_ROWS)
