@@ -126,11 +126,13 @@ def _run_bench(suite: str, args) -> int:
     progress = report.Progress(len(cases), enabled=not args.quiet)
     if not gpu:
         progress.note("no CUDA device: tiny shapes through the Triton interpreter (not performance numbers)")
-    result = run_suite(name, cases, settings, progress=progress, extra_settings=extra)
+    path = None if args.no_output else (args.output or report.default_output_path(name, gpu_slug()))
+    # The rows done so far are kept in the file as the run goes: a run cut by a time limit keeps them.
+    partial = (lambda res: report.write_result(res, path)) if path is not None else None
+    result = run_suite(name, cases, settings, progress=progress, extra_settings=extra, partial=partial)
     if not args.quiet:
         print(report.results_table(result))
-    if not args.no_output:
-        path = args.output or report.default_output_path(name, gpu_slug())
+    if path is not None:
         print(f"results: {report.write_result(result, path)}", file=sys.stderr)
     if args.plot:
         from tilefuse.bench.plot import plot_result

@@ -1,5 +1,7 @@
 """The case runner: checks before and after timing, marked (never dropped) failures, metrics."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -158,6 +160,29 @@ def test_run_suite_result_is_complete(tmp_path):
     assert set(result["ceilings"]) == {ceil.FP8_MATMUL, ceil.BF16_MATMUL, ceil.COPY}
     if not torch.cuda.is_available():
         assert all(not c["available"] for c in result["ceilings"].values())
+
+
+def test_run_suite_keeps_partial_results(tmp_path):
+    # Each case's rows reach the partial writer before the next case runs (never after the last):
+    # a run cut by a time limit keeps a whole, valid file of what it finished.
+    from tilefuse.bench import report
+
+    be, log, seen = FakeBackend(), [], []
+    path = tmp_path / "r.json"
+
+    def partial(res):
+        seen.append(len(res["rows"]))
+        report.write_result(res, path)
+
+    cases = [dataclasses.replace(make_case(be, log), name=f"shape {i}") for i in range(3)]
+    result = run_suite("s", cases, Settings(samples=2, calls=1), backend=be, sampler_factory=no_clocks,
+                       partial=partial, checkpoint_s=0.0)
+    per_case = len(result["rows"]) // 3
+    assert seen == [per_case, 2 * per_case]
+    kept = report.load_result(path)
+    assert kept["settings"]["partial"] is True and len(kept["rows"]) == 2 * per_case
+    assert "partial" not in result["settings"]
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_landed_in_poison():

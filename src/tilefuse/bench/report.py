@@ -114,9 +114,12 @@ def write_result(result: dict, path: str | os.PathLike) -> Path:
     validate_result(result)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
+    # Written beside and renamed over: a run killed mid-write (a time limit) leaves the last whole file.
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
         json.dump(_json_safe(result), f, indent=1)
         f.write("\n")
+    os.replace(tmp, path)
     return path
 
 

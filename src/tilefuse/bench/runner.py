@@ -10,6 +10,7 @@ row and never drops it; an exception becomes an ``error`` row and the suite goes
 
 from __future__ import annotations
 
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -303,14 +304,21 @@ def run_cases(
     ceilings: dict,
     *,
     progress: Progress | None = None,
+    checkpoint: Callable[[list[dict]], None] | None = None,
+    checkpoint_s: float = 20.0,
     **kw,
 ) -> list[dict]:
-    """Rows of every case, with a progress step per case."""
+    """Rows of every case, with a progress step per case; ``checkpoint(rows so far)`` at most
+    every ``checkpoint_s`` seconds between cases."""
     rows: list[dict] = []
-    for case in cases:
+    last = time.monotonic()
+    for i, case in enumerate(cases):
         if progress is not None:
             progress.step(case.name)
         rows.extend(run_case(suite, case, settings, ceilings, **kw))
+        if checkpoint is not None and i + 1 < len(cases) and time.monotonic() - last >= checkpoint_s:
+            checkpoint(rows)
+            last = time.monotonic()
     return rows
 
 
@@ -322,16 +330,24 @@ def run_suite(
     ceilings: dict | None = None,
     progress: Progress | None = None,
     extra_settings: dict | None = None,
+    partial: Callable[[dict], None] | None = None,
     **kw,
 ) -> dict:
-    """A complete result: environment, the run's ceilings (measured now unless given), all rows."""
+    """A complete result: environment, the run's ceilings (measured now unless given), all rows.
+    ``partial``, when given, receives the result of the cases run so far now and then (settings
+    ``"partial": true``), so that a run stopped by a time limit keeps its rows."""
     from tilefuse.bench.env import environment
     from tilefuse.bench.report import make_result
 
     env = environment(settings.mode)
     if ceilings is None:
         ceilings = ceil.measure_ceilings(progress=progress.note if progress is not None else None)
-    rows = run_cases(suite, cases, settings, ceilings, progress=progress, **kw)
+    every = {**settings.to_dict(), **(extra_settings or {})}
+    checkpoint = None
+    if partial is not None:
+        def checkpoint(rows):
+            partial(make_result(suite, env, {**every, "partial": True}, ceilings, rows))
+    rows = run_cases(suite, cases, settings, ceilings, progress=progress, checkpoint=checkpoint, **kw)
     if progress is not None:
         progress.close()
-    return make_result(suite, env, {**settings.to_dict(), **(extra_settings or {})}, ceilings, rows)
+    return make_result(suite, env, every, ceilings, rows)
