@@ -48,11 +48,14 @@ def test_bench_indexer_tiny(tmp_path, capsys):
     res = report.load_result(out)
     assert res["suite"] == "indexer"
     names = {r["case"] for r in res["rows"]}
-    assert len(names) == 4  # the shape, plus no-clean, fewer heads and bf16 logits on it
+    assert len(names) == 6  # the shape, plus no-clean, fewer heads, bf16 logits, compressed and D 64 on it
     subject = [r for r in res["rows"] if r["impl"] == "tilefuse"]
     assert all(r["status"] == "ok" and r["check"]["passed"] and r["post_check"]["passed"] for r in subject)
     assert all(len(r["stats"]["samples_us"]) == 2 for r in subject)
     assert all(r["flops"] > 0 for r in subject)
+    assert {r["params"]["head_dim"] for r in subject} == {64, 128}
+    compressed = [r for r in res["rows"] if r["params"]["compressed"]]
+    assert {r["impl"] for r in compressed} == {"tilefuse", "deep_gemm"}  # no eager row: it writes full rows
     clean = [r for r in subject if r["params"]["clean_logits"]]
     assert all(r["check"]["mask_exact"] for r in clean)
     peers = {r["impl"]: r for r in res["rows"] if r["case"] == subject[0]["case"]}

@@ -2,7 +2,8 @@
 
 Rows (GPU): H=64, D=128, causal-tail windows, fp32 weights and logits, clean on, at
 (S_q, S_k) in (2048, 32768), (8192, 65536), (4096, 8192), (128, 32768), (16, 65536), for FP8,
-MXFP8 and MXFP4; at 2048 / 32768 also clean off, H=32 and bf16 logits. Each case times
+MXFP8 and MXFP4; at 2048 / 32768 also clean off, H=32, bf16 logits, the compressed layout
+(``max_seqlen_k``: rows as long as the longest window) and D=64. Each case times
 tilefuse beside DeepGEMM (when ``import deep_gemm`` works, FP8 only: its SM90 kernels have no
 MX formats) and the eager torch implementation. On a CPU machine the same rows run at tiny
 shapes through the Triton interpreter and are labelled as such.
@@ -56,6 +57,7 @@ class Spec:
     clean: bool = True
     logits_dtype: torch.dtype = torch.float32
     window: str = "causal"
+    compressed: bool = False  # [S_q, max window] logits (max_seqlen_k), not [S_q, S_k]
 
     @property
     def shape(self) -> str:
@@ -66,6 +68,8 @@ class Spec:
         parts = [] if self.clean else ["no-clean"]
         if self.logits_dtype == torch.bfloat16:
             parts.append("bf16-logits")
+        if self.compressed:
+            parts.append("compressed")
         return " ".join(parts)
 
     @property
@@ -83,6 +87,7 @@ class Spec:
             "logits_dtype": str(self.logits_dtype).removeprefix("torch."),
             "weights_dtype": "float32",
             "window": self.window,
+            "compressed": self.compressed,
         }
 
 
@@ -111,6 +116,8 @@ def default_specs(on_gpu: bool, shapes=None, fmts=FORMATS) -> list[Spec]:
             Spec("fp8", s_q, s_k, heads, clean=False),
             Spec("fp8", s_q, s_k, alt),
             Spec("fp8", s_q, s_k, heads, logits_dtype=torch.bfloat16),
+            Spec("fp8", s_q, s_k, heads, compressed=True),
+            Spec("fp8", s_q, s_k, heads, head_dim=HEAD_DIM // 2),
         ]
     return specs
 
@@ -269,20 +276,28 @@ def eager_impl(eager_bytes: int, call: Callable, check: Callable, of: str | None
 def _deep_gemm_fn(dg, spec: Spec, inp: Inputs) -> tuple[Callable | None, str | None]:
     if spec.fmt != "fp8":
         return None, NO_MX_ON_SM90
+    width = max_seqlen_k(spec, inp)
     if spec.logits_dtype == torch.float32:
-        fn = lambda: dg.fp8_mqa_logits(inp.qq[0], inp.kv, inp.weights, inp.ks, inp.ke, clean_logits=spec.clean)
+        fn = lambda: dg.fp8_mqa_logits(inp.qq[0], inp.kv, inp.weights, inp.ks, inp.ke, clean_logits=spec.clean,
+                                       max_seqlen_k=width)
         return fn, None
     if hasattr(dg, "fp8_fp4_mqa_logits"):
         return (
             lambda: dg.fp8_fp4_mqa_logits(
-                inp.qq, inp.kv, inp.weights, inp.ks, inp.ke, clean_logits=spec.clean, logits_dtype=spec.logits_dtype
+                inp.qq, inp.kv, inp.weights, inp.ks, inp.ke, clean_logits=spec.clean, max_seqlen_k=width,
+                logits_dtype=spec.logits_dtype
             )
         ), None
     return None, "skipped: this DeepGEMM has no logits_dtype"
 
 
-def _output_bytes(spec: Spec) -> int:
-    row = -(-spec.s_k // 16) * 16  # rows padded to 16 elements
+def max_seqlen_k(spec: Spec, inp: Inputs) -> int:
+    """The ``max_seqlen_k`` argument: the longest window when compressed, else 0 (full rows)."""
+    return int((inp.ke - inp.ks).max()) if spec.compressed else 0
+
+
+def _output_bytes(spec: Spec, width: int = 0) -> int:
+    row = -(-(width or spec.s_k) // 16) * 16  # rows padded to 16 elements
     return spec.s_q * row * torch.finfo(spec.logits_dtype).bits // 8
 
 
@@ -297,23 +312,27 @@ def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) 
 
     def build() -> list[Impl]:
         import tilefuse
-        from tilefuse.reference import fp8_fp4_mqa_logits_ref, mqa_logits_ref
+        from tilefuse.reference import compress_logits, fp8_fp4_mqa_logits_ref, mqa_logits_ref
 
         inp = make_inputs(spec, device)
-        ref = fp8_fp4_mqa_logits_ref(inp.qq, inp.kv, inp.weights, inp.ks, inp.ke, spec.clean, 0, torch.float32)
+        width = max_seqlen_k(spec, inp)
+        ref = fp8_fp4_mqa_logits_ref(inp.qq, inp.kv, inp.weights, inp.ks, inp.ke, spec.clean, width, torch.float32)
         ref_orig = mqa_logits_ref(inp.q, inp.k, inp.weights, inp.ks, inp.ke)
+        if width:
+            ref_orig = compress_logits(ref_orig, inp.ks, inp.ke, width)
         bf16 = spec.logits_dtype == torch.bfloat16
         limit = DEQUANT_LIMIT_BF16 if bf16 else DEQUANT_LIMIT_FP32
 
         def check(out, limit=limit):
             return check_logits(out, ref, spec.clean, limit, ref_orig, ORIGINAL_LIMIT[spec.fmt])
 
-        out_bytes = _output_bytes(spec)
+        out_bytes = _output_bytes(spec, width)
         impls = [
             Impl(
                 "tilefuse",
                 lambda: tilefuse.fp8_fp4_mqa_logits(
-                    inp.qq, inp.kv, inp.weights, inp.ks, inp.ke, clean_logits=spec.clean, logits_dtype=spec.logits_dtype
+                    inp.qq, inp.kv, inp.weights, inp.ks, inp.ke, clean_logits=spec.clean, max_seqlen_k=width,
+                    logits_dtype=spec.logits_dtype
                 ),
                 check,
                 out_bytes=out_bytes,
@@ -324,6 +343,8 @@ def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) 
             impls.append(Impl("deep_gemm", fn, check, skipped=skip, out_bytes=out_bytes))
         else:
             impls.append(Impl("deep_gemm", skipped=peer_skip))
+        if width:  # the eager row writes full rows: timed on the uncompressed rows only
+            return impls
         eager_bytes = 2 * spec.s_q * spec.heads * spec.s_k * 2
         impls.append(
             eager_impl(
