@@ -41,3 +41,17 @@ def test_sweep_runs_tiny_on_cpu(tmp_path, capsys):
     assert {r["params"]["logits_dtype"] for r in mine} == {"float32", "bfloat16"}
     assert {r["params"]["block_kv"] for r in mine} == {32, 64}
     assert {r["impl"] for r in res["rows"]} <= {"tilefuse", "deep_gemm"}
+
+
+def test_sweep_skips_what_deepgemm_sm90_does_not_run(monkeypatch):
+    # DeepGEMM's SM90 decode kernel asserts on pages other than 64 tokens and on next_n past 2:
+    # its row is a skip with the reason, never an error (which also failed the tilefuse rows
+    # checked against it).
+    monkeypatch.setattr(suite, "capability_major", lambda device: 9)
+    spec = lambda **kw: suite.Spec("fp8", 8, kw.pop("next_n", 1), 4096, 64, **kw)
+    assert suite.sm90_peer_skip(spec(), "cuda") is None
+    assert suite.sm90_peer_skip(spec(next_n=2), "cuda") is None
+    assert "next_n 1 or 2" in suite.sm90_peer_skip(spec(next_n=4), "cuda").skipped
+    assert "block_kv 64" in suite.sm90_peer_skip(spec(block_kv=32), "cuda").skipped
+    monkeypatch.setattr(suite, "capability_major", lambda device: 10)
+    assert suite.sm90_peer_skip(spec(next_n=4, block_kv=32), "cuda") is None

@@ -170,6 +170,18 @@ def _num_workers(device: str) -> int:
     return CPU_WORKERS
 
 
+def sm90_peer_skip(spec: Spec, device: str) -> Impl | None:
+    """DeepGEMM's row skipped where its SM90 kernel does not run ``spec``: pages of 64 tokens and
+    next_n 1 or 2 only (it asserts on the rest)."""
+    if capability_major(device) != 9:
+        return None
+    if spec.block_kv != 64:
+        return Impl("deep_gemm", skipped=f"skipped: DeepGEMM runs block_kv 64 only on SM90, not {spec.block_kv}")
+    if spec.next_n > 2:
+        return Impl("deep_gemm", skipped=f"skipped: DeepGEMM runs next_n 1 or 2 only on SM90, not {spec.next_n}")
+    return None
+
+
 def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) -> Case:
     lens, lens2d = context_lengths(spec)
 
@@ -216,9 +228,7 @@ def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) 
         out_bytes = spec.batch * spec.next_n * (-(-max_len // 16) * 16) * logits_dtype.itemsize
         peer_call = None
         impls = [Impl("tilefuse", tilefuse_call, check, out_bytes=out_bytes)]
-        skipped = skipped_peer("deep_gemm", peer, peer_skip, spec.fmt)
-        if skipped is None and spec.block_kv != 64 and capability_major(device) == 9:
-            skipped = Impl("deep_gemm", skipped=f"skipped: DeepGEMM runs block_kv 64 only on SM90, not {spec.block_kv}")
+        skipped = skipped_peer("deep_gemm", peer, peer_skip, spec.fmt) or sm90_peer_skip(spec, device)
         if skipped is not None:
             impls.append(skipped)
         else:
