@@ -275,10 +275,10 @@ def eager_impl(eager_bytes: int, call: Callable, check: Callable, of: str | None
     return Impl("torch eager", call, check, group="eager", samples=EAGER_SAMPLES)
 
 
-def _deep_gemm_fn(dg, spec: Spec, inp: Inputs) -> tuple[Callable | None, str | None]:
+def _deep_gemm_fn(dg, spec: Spec, inp: Inputs, width: int) -> tuple[Callable | None, str | None]:
+    """DeepGEMM's call for ``spec`` (``width``: its ``max_seqlen_k``), or why it has none."""
     if spec.fmt != "fp8":
         return None, NO_MX_ON_SM90
-    width = max_seqlen_k(spec, inp)
     if spec.logits_dtype == torch.float32:
         fn = lambda: dg.fp8_mqa_logits(inp.qq[0], inp.kv, inp.weights, inp.ks, inp.ke, clean_logits=spec.clean,
                                        max_seqlen_k=width)
@@ -341,7 +341,7 @@ def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) 
             )
         ]
         if peer is not None:
-            fn, skip = _deep_gemm_fn(peer, spec, inp)
+            fn, skip = _deep_gemm_fn(peer, spec, inp, width)
             impls.append(Impl("deep_gemm", fn, check, skipped=skip, out_bytes=out_bytes))
         else:
             impls.append(Impl("deep_gemm", skipped=peer_skip))
