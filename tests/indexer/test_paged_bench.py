@@ -55,3 +55,15 @@ def test_sweep_skips_what_deepgemm_sm90_does_not_run(monkeypatch):
     assert "block_kv 64" in suite.sm90_peer_skip(spec(block_kv=32), "cuda").skipped
     monkeypatch.setattr(suite, "capability_major", lambda device: 10)
     assert suite.sm90_peer_skip(spec(next_n=4, block_kv=32), "cuda") is None
+
+
+def test_unquantised_limit_loosens_only_for_few_query_rows():
+    # One request's few query rows decide the FP8 estimate by their own quantisation draws; from
+    # FEW_QUERY_ROWS rows on the check is DeepGEMM's 1e-3, and the MX limits never move.
+    spec = lambda fmt, b, n: suite.Spec(fmt, b, n, 4096, 64)
+    assert suite.original_limit(spec("fp8", 1, 1)) == suite.FEW_ROWS_ORIGINAL_LIMIT["fp8"]
+    assert suite.original_limit(spec("fp8", 1, 4)) == suite.FEW_ROWS_ORIGINAL_LIMIT["fp8"]
+    assert suite.original_limit(spec("fp8", 8, 1)) == 1e-3
+    assert suite.original_limit(spec("fp8", 2, 4)) == 1e-3
+    for fmt in ("mxfp8", "mxfp4"):
+        assert suite.original_limit(spec(fmt, 1, 1)) == suite.ORIGINAL_LIMIT[fmt]

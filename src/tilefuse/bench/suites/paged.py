@@ -56,6 +56,12 @@ HEAD_DIM = 128
 BLOCK_KV = 64
 SPREAD = (0.7, 1.3)
 CPU_WORKERS = 8  # metadata workers when there is no GPU to size them by
+# FP8 against the unquantised reference: DeepGEMM's 1e-3 sits near the mean of its estimate
+# (0.8-1.0e-3 at B >= 8), and with fewer query rows than this one row's quantisation draws
+# decide it (B1 next_n 1 rows read 1.02-1.15e-3 for both implementations alike), so those
+# checks take FEW_ROWS_ORIGINAL_LIMIT; a misread scale is off by orders of magnitude.
+FEW_QUERY_ROWS = 8
+FEW_ROWS_ORIGINAL_LIMIT = {"fp8": 1.5e-3}
 
 
 @dataclass(frozen=True)
@@ -170,6 +176,13 @@ def _num_workers(device: str) -> int:
     return CPU_WORKERS
 
 
+def original_limit(spec: Spec) -> float:
+    """The unquantised reference's ``calc_diff`` limit for ``spec``'s format and query rows."""
+    if spec.batch * spec.next_n < FEW_QUERY_ROWS:
+        return FEW_ROWS_ORIGINAL_LIMIT.get(spec.fmt, ORIGINAL_LIMIT[spec.fmt])
+    return ORIGINAL_LIMIT[spec.fmt]
+
+
 def sm90_peer_skip(spec: Spec, device: str) -> Impl | None:
     """DeepGEMM's row skipped where its SM90 kernel does not run ``spec``: pages of 64 tokens and
     next_n 1 or 2 only (it asserts on the rest)."""
@@ -215,7 +228,7 @@ def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) 
 
         if spec.references:
             def check(out):
-                return check_paged(out, ref, limit, ref_orig, ORIGINAL_LIMIT[spec.fmt])
+                return check_paged(out, ref, limit, ref_orig, original_limit(spec))
         else:  # too large for the torch references: against DeepGEMM's output, or tilefuse's
             other = {}
 
@@ -249,7 +262,7 @@ def make_case(spec: Spec, device: str, peer=None, peer_skip: str | None = None) 
             eager_impl(
                 eager_bytes,
                 lambda: eager_paged_logits(qq, cache, weights, ctx, table, max_len, spec.fmt, spec.head_dim),
-                lambda out: check_paged(out, ref, ORIGINAL_LIMIT[spec.fmt]),
+                lambda out: check_paged(out, ref, original_limit(spec)),
             )
         )
         return impls
