@@ -9,6 +9,7 @@ tilefuse row against the targets of the decode sweep:
 * at least 0.9 of the run's copy bandwidth at B >= 64 and mean context >= 8K;
 * next_n 2 and 4 within 1.15x the next_n 1 time of the same B, context, H, page size, dtype.
 
+Rows whose samples spread wide (p90 / p10 over 1.25, either implementation) are marked unsteady.
 Prints the counts, then every row that misses a target (the worst first); ``--output`` writes
 the per-row table as JSON, ``--plot`` speed against the cached tokens as a PNG::
 
@@ -31,6 +32,15 @@ SLOW_PEER_TBPS = 3.5
 FAST_OVER_SLOW_PEER = 1.1
 COPY_FRACTION = 0.9
 NEXT_N_GROWTH = 1.15
+# A row whose samples spread wider than this (p90 / p10, either implementation) is marked
+# unsteady: its verdicts rest on a median that moved within the run.
+UNSTEADY_SPREAD = 1.25
+
+
+def spread(row: dict) -> float:
+    """p90 / p10 of a timed row's samples."""
+    st = row["stats"]
+    return st["p90_us"] / st["p10_us"]
 
 
 def merged_rows(paths: list[str]) -> tuple[dict, list[dict]]:
@@ -54,13 +64,16 @@ def table(rows: list[dict]) -> list[dict]:
         e = {"case": r["case"], "status": r["status"], "batch": p["batch"], "next_n": p["next_n"],
              "mean_context": p["mean_context"], "heads": p["heads"], "block_kv": p["block_kv"],
              "logits_dtype": p["logits_dtype"], "tilefuse_us": None, "deep_gemm_us": None, "speed": None,
-             "copy_fraction": r.get("ratio_to_ceiling"), "deep_gemm_tbps": None, "misses": []}
+             "copy_fraction": r.get("ratio_to_ceiling"), "deep_gemm_tbps": None, "spread": None,
+             "unsteady": False, "misses": []}
         if r["status"] != "ok":
             e["misses"].append(f"not timed: {r['status']} {r.get('note') or ''}".strip())
             out.append(e)
             continue
         e["tilefuse_us"] = r["stats"]["median_us"]
         peer = peers.get(r["case"])
+        e["spread"] = max([spread(r)] + ([spread(peer)] if peer is not None else []))
+        e["unsteady"] = e["spread"] > UNSTEADY_SPREAD
         if peer is not None:
             e["deep_gemm_us"] = peer["stats"]["median_us"]
             e["deep_gemm_tbps"] = peer.get("tbps")
@@ -98,6 +111,9 @@ def summary(entries: list[dict]) -> list[str]:
     for label in ("slower than DeepGEMM", "where DeepGEMM <", "of copy bandwidth", "next_n", "not timed"):
         n = sum(any(label in m for m in e["misses"]) for e in entries)
         lines.append(f"  misses '{label}': {n}")
+    unsteady = [e for e in timed if e["unsteady"]]
+    lines.append(f"unsteady (samples' p90/p10 over {UNSTEADY_SPREAD}): {len(unsteady)} rows")
+    lines += [f"  {e['case']:<48} spread {e['spread']:.2f}" for e in sorted(unsteady, key=lambda e: -e["spread"])]
     return lines
 
 
@@ -138,7 +154,8 @@ def main(argv=None) -> int:
     for e in missed[: args.worst]:
         speed = f"{e['speed']:.2f}x" if e["speed"] is not None else "-"
         copy = f"{e['copy_fraction']:.2f}" if e["copy_fraction"] is not None else "-"
-        print(f"  {e['case']:<48} {e['tilefuse_us'] or 0:9.1f} us  {speed:>6}  copy {copy}  {'; '.join(e['misses'])}")
+        misses = "; ".join(e["misses"]) + ("  (unsteady)" if e["unsteady"] else "")
+        print(f"  {e['case']:<48} {e['tilefuse_us'] or 0:9.1f} us  {speed:>6}  copy {copy}  {misses}")
     if args.output:
         Path(args.output).write_text(json.dumps({"environment": env, "rows": entries}, indent=1) + "\n")
     if args.plot:
