@@ -1,16 +1,10 @@
 """``benchmarks/paged_sweep_report.py``: the targets read from a sweep's rows, unsteady rows marked."""
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "paged_sweep_report.py"
+from .scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("paged_sweep_report", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("paged_sweep_report")
 
 
 def _row(impl, batch, next_n, median, p10=None, p90=None, ratio=None, copy=0.95):

@@ -1,16 +1,10 @@
 """``benchmarks/topk_setting_ab.py``: each variant sets every setting that any variant names."""
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "topk_setting_ab.py"
+from .scripts import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("topk_setting_ab", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("topk_setting_ab")
 
 
 def test_a_setting_left_out_of_a_variant_keeps_its_value_before_the_run():
