@@ -66,8 +66,8 @@ def configs(next_n: int, heads: int = H, grid: str = "tuning") -> list[PagedConf
         out += [rep(num_stages=2, chunk=c) for c in (256, 1024)]
     if next_n > 1:
         out += [rep(rows=1, num_warps=4, num_stages=4)]
-    if next_n > 2:  # the previous default: two programs per key tile (the second read from L2)
-        out += [rep(rows=2, num_warps=4, num_stages=4)]
+    if next_n > 2:  # every row in one program (256 dot columns at H 64, 8 warps): slower at H 64
+        out += [rep(rows=1 << (next_n - 1).bit_length(), num_warps=8, num_stages=3)]
     return list(dict.fromkeys(out))
 
 

@@ -146,7 +146,7 @@ def test_dispatch_falls_back_to_the_triton_kernel(monkeypatch):
         "not sm_90": dict(sm90=False, config=_config(1, 64, 128, 64)),
         "mx format": dict(fmt="mxfp8", config=_config(1, 64, 128, 64)),
         "128-key tiles": dict(config=_config(1, 64, 128, 64, block_n=128)),
-        "256 columns": dict(next_n=4, config=_config(4, 64, 128, 64)),
+        "256 columns": dict(next_n=4, config=_config(4, 64, 128, 64, rows=4, num_warps=8)),
         "page stride": dict(page_pad=4, config=_config(1, 64, 128, 64)),
         "page size": dict(block_kv=48, config=_config(1, 64, 128, 48)),
     }

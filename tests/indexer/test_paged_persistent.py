@@ -170,7 +170,7 @@ def test_registered_compiles_keep_every_wgmma():
     spill under the register cap of three, two and one programs an SM."""
     reports = compiled_registered("indexer.paged_persistent", ("fp8 D128 H64 next_n1 kv64 buf4 regs80",
                                                                "fp8 D128 H64 next_n2 kv64 buf4 regs128",
-                                                               "fp8 D128 H64 next_n4 kv64 buf3 regs255"))
+                                                               "fp8 D128 H64 next_n4 kv64 buf4 regs255"))
     assert all(r.spill_stores == 0 for r in reports)
 
 

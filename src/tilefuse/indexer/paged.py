@@ -123,19 +123,22 @@ _MIN_CHUNK, _MAX_CHUNK = 512, 2048
 # Programs per SM that every default configuration holds resident at once (4-5 at 64-key
 # tiles, 3-4 at 128): a batch with fewer programs than this many per SM runs in one wave.
 _RESIDENT_PER_SM = 2
-# Dot columns (query rows x padded heads) one program takes at most, and from which size it
-# runs on 8 warps (two warpgroups share the accumulator).
-_MAX_DOT_COLUMNS = 256
+# Dot columns (query rows x padded heads) one program takes at most (a request's further rows go
+# to further programs; one row at least), and from which size it runs on 8 warps (two
+# warpgroups share the accumulator).
+_MAX_DOT_COLUMNS = 128
 _WIDE_DOT = 256
 
 
 def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, block_kv: int) -> PagedConfig:
-    """The defaults for one model configuration (measured on the H200: ``benchmarks/NOTES.md``,
-    paged rounds; the rules are stated here, the numbers live there).
+    """The defaults for one model configuration (measured on the H200 unless said:
+    ``benchmarks/NOTES.md``, paged rounds; the rules are stated here, the numbers live there).
 
-    * ``rows``: every query row of a request in one program while ``rows * next_pow2(H)`` fits
-      ``_MAX_DOT_COLUMNS`` dot columns, so each key tile is read once for next_n 1, 2 and 4 at
-      H = 64; 8 warps at 256 columns.
+    * ``rows``: a request's query rows in one program while ``rows * next_pow2(H)`` fits
+      ``_MAX_DOT_COLUMNS`` (128) dot columns, so next_n 1 and 2 at H = 64 read each key tile
+      once; past that, programs of 128 columns, each reading the tile (next_n 4 at H = 64 as
+      two programs of two rows: 11-15% faster than one program of four on 8 warps, on an
+      H100). 8 warps from 256 columns (one row at H >= 256).
     * FP8 with <= 32 dot columns: 128-key tiles, 3 stages; otherwise 64-key tiles, 4 stages
       (3 at 256 columns). At 64 columns (H 64, next_n 1) the 64-key tile streams 2-16% faster
       at B >= 8 and loses ~0.3 us at B 1 (two same-run sweeps beside DeepGEMM).
