@@ -404,10 +404,12 @@ case "$part" in
       --section SchedulerStats --section InstructionStats --section SourceCounters \
       python3 benchmarks/topk_merge_parts.py --rows 512 --samples 0
     ;;
-  topk)  # the fused top-k's speed beside the unfused pairs (its tests are in PART=tests)
+  topk)  # the fused top-k's speed beside the unfused pairs (its tests are in PART=tests);
+    # TOPK_SHAPES=grid: the whole default grid (the README's table)
     wait_deepgemm
-    step bench-topk "${TOPK_S:-150}" python3 -m tilefuse.cli bench topk -o "$OUT/topk.json" --samples 10 \
-      --shapes ${TOPK_SHAPES:-2048x32768 4096x65536 2048x131072 64x1x32768 256x2x65536}
+    shapes=(--shapes ${TOPK_SHAPES:-2048x32768 4096x65536 2048x131072 64x1x32768 256x2x65536})
+    [ "${TOPK_SHAPES:-}" = grid ] && shapes=()
+    step bench-topk "${TOPK_S:-150}" python3 -m tilefuse.cli bench topk -o "$OUT/topk.json" --samples 10 "${shapes[@]}"
     ;;
   final)  # after kernel-default and host-path changes: their GPU tests, the A/B, host cost, decode beside DeepGEMM
     step tests-paged 150 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_paged.py \
