@@ -866,6 +866,18 @@ def test_chunk_per_call_fills_the_gpu_before_it_grows():
     assert pages(1, 8192, 64, 64) == pages(1, 300, 64, 64) == 512 // 64
 
 
+def test_default_rows_per_program_stop_at_128_dot_columns():
+    """A request's query rows share a program up to 128 dot columns (rows x padded heads);
+    more rows take more programs of that width; one row wider than that runs on 8 warps."""
+    cfg = paged.default_paged_config
+    assert (cfg("fp8", 2, 64, 128, 64).rows, cfg("fp8", 2, 64, 128, 64).num_warps) == (2, 4)
+    assert (cfg("fp8", 4, 64, 128, 64).rows, cfg("fp8", 4, 64, 128, 64).num_warps) == (2, 4)
+    assert cfg("fp8", 3, 64, 128, 64).rows == 2 and cfg("fp8", 8, 32, 128, 64).rows == 4
+    assert cfg("fp8", 4, 16, 128, 64).rows == 4 and cfg("mxfp4", 4, 64, 128, 64).rows == 2
+    wide = cfg("fp8", 1, 256, 128, 64)
+    assert (wide.rows, wide.num_warps, wide.num_stages) == (1, 8, 3)
+
+
 def test_out_buffer_bad_layouts_raise():
     case = Case("fp8", lens=(70, 129), next_n=1, block_kv=32, seed=25)
     good = torch.empty(2, case.max_context_len, device=DEVICE)
