@@ -28,6 +28,7 @@ import torch
 import tilefuse
 from tilefuse import formats as F
 from tilefuse import reference as R
+from tilefuse._jit import next_power_of_2
 from tilefuse.bench import ceilings, env, timing
 from tilefuse.indexer.paged import PagedConfig, default_paged_config, make_paged_kv_cache
 
@@ -67,7 +68,7 @@ def configs(next_n: int, heads: int = H, grid: str = "tuning") -> list[PagedConf
     if next_n > 1:
         out += [rep(rows=1, num_warps=4, num_stages=4)]
     if next_n > 2:  # every row in one program (256 dot columns at H 64, 8 warps): slower at H 64
-        out += [rep(rows=1 << (next_n - 1).bit_length(), num_warps=8, num_stages=3)]
+        out += [rep(rows=next_power_of_2(next_n), num_warps=8, num_stages=3)]
     return list(dict.fromkeys(out))
 
 
