@@ -137,7 +137,7 @@ def default_paged_config(fmt: str, next_n: int, num_heads: int, head_dim: int, b
     * ``rows``: a request's query rows in one program while ``rows * next_pow2(H)`` fits
       ``_MAX_DOT_COLUMNS`` (128) dot columns, so next_n 1 and 2 at H = 64 read each key tile
       once; past that, programs of 128 columns, each reading the tile (next_n 4 at H = 64 as
-      two programs of two rows: 11-15% faster than one program of four on 8 warps, on an
+      two programs of two rows: 10-15% less time than one program of four on 8 warps, on an
       H100). 8 warps from 256 columns (one row at H >= 256).
     * FP8 with <= 32 dot columns: 128-key tiles, 3 stages; otherwise 64-key tiles, 4 stages
       (3 at 256 columns). At 64 columns (H 64, next_n 1) the 64-key tile streams 2-16% faster
