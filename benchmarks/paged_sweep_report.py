@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -98,6 +99,23 @@ def table(rows: list[dict]) -> list[dict]:
     return out
 
 
+# Cached-token ranges (B x mean context) the speed is summarised over: one request's short rows,
+# the middle rows (a few programs an SM, caches that stay in L2 when one is replayed), the rest.
+TOKEN_RANGES = ((0, 2**14, "under 2^14"), (2**14, 2**20, "2^14 to under 2^20"), (2**20, None, "2^20 and over"))
+
+
+def by_cached_tokens(beside: list[dict]) -> list[str]:
+    """Speed over DeepGEMM by cached tokens: rows, range, median, rows ahead."""
+    lines = []
+    for lo, hi, label in TOKEN_RANGES:
+        speeds = sorted(e["speed"] for e in beside
+                        if lo <= e["batch"] * e["mean_context"] and (hi is None or e["batch"] * e["mean_context"] < hi))
+        if speeds:
+            lines.append(f"  cached tokens {label}: {len(speeds)} rows, {speeds[0]:.2f}-{speeds[-1]:.2f}x, "
+                         f"median {statistics.median(speeds):.2f}x, ahead at {sum(s > 1.0 for s in speeds)}")
+    return lines
+
+
 def summary(entries: list[dict]) -> list[str]:
     timed = [e for e in entries if e["tilefuse_us"] is not None]
     beside = [e for e in timed if e["speed"] is not None]
@@ -108,6 +126,7 @@ def summary(entries: list[dict]) -> list[str]:
         ahead = sum(s > 1.0 for s in speeds)
         lines.append(f"speed over DeepGEMM: {speeds[0]:.2f}-{speeds[-1]:.2f}x, median {speeds[len(speeds) // 2]:.2f}x, "
                      f"ahead at {ahead}/{len(beside)}")
+        lines += by_cached_tokens(beside)
     for label in ("slower than DeepGEMM", "where DeepGEMM <", "of copy bandwidth", "next_n", "not timed"):
         n = sum(any(label in m for m in e["misses"]) for e in entries)
         lines.append(f"  misses '{label}': {n}")

@@ -35,3 +35,6 @@ def test_targets_and_unsteady_rows():
     assert any("copy bandwidth" in m for m in alone["misses"])
     lines = rep.summary(list(entries.values()))
     assert any(line.startswith("unsteady") and ": 1 rows" in line for line in lines)
+    # B64 x 8192 = 2^19 cached tokens: both rows beside DeepGEMM fall in the middle range
+    assert "  cached tokens 2^14 to under 2^20: 2 rows, 0.90-1.20x, median 1.05x, ahead at 1" in lines
+    assert not any("2^20 and over" in line for line in lines)
