@@ -10,8 +10,9 @@ tilefuse row against the targets of the decode sweep:
 * next_n 2 and 4 within 1.15x the next_n 1 time of the same B, context, H, page size, dtype.
 
 Rows whose samples spread wide (p90 / p10 over 1.25, either implementation) are marked unsteady.
-Prints the counts (the speed over DeepGEMM also by cached-token range), then every row that misses a target (the worst first); ``--output`` writes
-the per-row table as JSON, ``--plot`` speed against the cached tokens as a PNG::
+Prints the counts (the speed over DeepGEMM also by cached-token range), then every row that
+misses a target (the worst first); ``--output`` writes the per-row table as JSON, ``--plot``
+speed against the cached tokens as a PNG::
 
     python benchmarks/paged_sweep_report.py benchmarks/results/h100/indexer-paged-sweep-*.json \
         --output report.json --plot report.png
