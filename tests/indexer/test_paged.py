@@ -864,6 +864,13 @@ def test_chunk_per_call_fills_the_gpu_before_it_grows():
     # Row groups count as programs; no device (wave 0) keeps 512 keys.
     assert pages(1, 65536, 64, 64, wave=264, groups=2) == 512 // 64
     assert pages(1, 8192, 64, 64) == pages(1, 300, 64, 64) == 512 // 64
+    # ``few``: halving down to 128 keys while the halved chunk gives at most that many programs,
+    # then the wave's rule; off (0) by default.
+    assert pages(8, 10140, 64, 64, wave=264, few=528) == 256 // 64  # 317 programs of 256 keys
+    assert pages(8, 10140, 64, 64, wave=264, few=792) == 128 // 64
+    assert pages(32, 5300, 64, 64, wave=264, few=528) == 512 // 64  # 331 programs of 512 already
+    assert pages(1, 8192, 64, 64, wave=264, few=792) == 1  # the wave's rule still goes to one tile
+    assert pages(8, 10140, 64, 128, wave=264, few=10**6) == 128 // 64  # never below one tile
 
 
 def test_default_rows_per_program_stop_at_128_dot_columns():

@@ -120,6 +120,8 @@ _TARGET_PROGRAMS = 2048
 # Chunk sizes the per-call choice moves between, in keys (down to one tile where a batch is
 # too small to fill the GPU: see chunk_pages_for).
 _MIN_CHUNK, _MAX_CHUNK = 512, 2048
+# The smallest chunk ``chunk_pages_for(few=...)`` halves to.
+_FEW_CHUNK = 128
 # Programs per SM that every default configuration holds resident at once (4-5 at 64-key
 # tiles, 3-4 at 128): a batch with fewer programs than this many per SM runs in one wave.
 _RESIDENT_PER_SM = 2
@@ -168,15 +170,19 @@ def _pages_for(keys: int, block_kv: int, block_n: int) -> int:
 
 
 def chunk_pages_for(batch: int, max_context_len: int, block_kv: int, block_n: int, wave: int = 0,
-                    groups: int = 1) -> int:
+                    groups: int = 1, few: int = 0) -> int:
     """Pages per program for this call (whole pages, a power of two of them): the largest chunk
     in [512, 2048] keys that still gives about ``_TARGET_PROGRAMS`` programs over the batch;
     below 512 keys, down to one tile, the smallest chunk that gives at most ``wave`` programs
     (the GPU's resident programs, ``_RESIDENT_PER_SM`` an SM): every program of such a batch
     runs at once, and its time is one program's tiles one after another. ``groups``: programs
-    per (request, chunk), the query rows' groups."""
+    per (request, chunk), the query rows' groups. ``few`` (0: off): before that, halve down to
+    ``_FEW_CHUNK`` keys while the halved chunk gives at most ``few`` programs (the rule
+    ``benchmarks/paged_chunk_rule.py`` weighs against fixed chunks)."""
     keys = max(1, batch) * max(1, max_context_len)
     target = _MIN_CHUNK
+    while target > max(block_n, _FEW_CHUNK) and keys * groups // (target // 2) <= few:
+        target //= 2
     while target > block_n and keys * groups // (target // 2) <= wave:
         target //= 2
     while target < _MAX_CHUNK and keys // (2 * target) >= _TARGET_PROGRAMS:
