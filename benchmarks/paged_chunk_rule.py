@@ -1,15 +1,23 @@
 """The decode chunk rule weighed against fixed chunks, from a ``paged_sweep.py --grid schedule`` run.
 
-The per-call chunk (``chunk_pages_for``) halves below 512 keys only while the batch leaves
-fewer than ``_RESIDENT_PER_SM`` programs an SM. The candidate rule also halves, down to
-128 keys, while the halved chunk gives at most ``few`` programs an SM. A fixed
+The per-call chunk (``chunk_pages_for``) halves below 512 keys while the batch leaves fewer than
+``_RESIDENT_PER_SM`` programs an SM, and (two or more requests) down to 128 keys while the
+halved chunk gives at most ``few`` programs an SM (``_FEW_PER_SM`` by default). A fixed
 ``PagedConfig(chunk=...)`` runs the same compiled kernel as the per-call choice of that chunk,
-so the schedule grid's fixed-chunk rows time every pick of every threshold. For each row of
-the given files (the default configuration's tile, rows, warps and stages) this prints the
-time at the current pick, at each threshold's pick and at the best fixed chunk, then per
-threshold the median and worst time against the current pick::
+so the schedule grid's fixed-chunk rows time the pick of every threshold. For each row of the
+given files (the default configuration's tile, rows, warps and stages) this prints the time
+at the wave's rule alone (``few 0``), at each threshold's pick and at the best fixed chunk,
+then per threshold the median and worst time against ``few 0``'s (``current``: the default).
+Every pick is timed by its fixed-chunk row (a run's per-call row ran the rule of its commit)::
 
     python benchmarks/paged_chunk_rule.py benchmarks/results/h100/indexer-paged-schedule-*.json
+
+With ``--sweep-ab``: the files are whole decode sweeps (``tilefuse bench paged --sweep``) of one
+rule, baseline runs first and the run of another rule last; ``--few`` names the threshold that
+last run took. Each tilefuse row's time over the baselines' geometric mean, by class: one
+request, and two or more split by whether ``few`` moves the pick (the sweep's own lengths)::
+
+    python benchmarks/paged_chunk_rule.py --sweep-ab --few 4 base.json base-again.json few4.json
 """
 
 from __future__ import annotations
@@ -26,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from paged_sweep import BLOCK_KV, D, name_of  # noqa: E402
 
-from tilefuse.indexer.paged import _RESIDENT_PER_SM, chunk_pages_for, default_paged_config  # noqa: E402
+from tilefuse.indexer.paged import _FEW_PER_SM, _RESIDENT_PER_SM, chunk_pages_for, default_paged_config  # noqa: E402
 
-THRESHOLDS = (3, 4, 6, 8)  # programs an SM for ``few``
+THRESHOLDS = (0, 3, 4, 6, 8)  # programs an SM for ``few``
 _FIXED = re.compile(r"(.*) chunk(\d+) (.*)")
 
 
@@ -44,15 +52,15 @@ def fixed_chunk_times(rows: list[dict], default_name: str) -> dict[int, float]:
 
 
 def picks(row: dict, block_n: int, groups: int, sms: int) -> dict:
-    """The chunk in keys the current rule and each threshold pick for this row."""
+    """The chunk in keys the default and each threshold pick for this row."""
     def keys(few: int) -> int:
         return BLOCK_KV * chunk_pages_for(row["batch"], row["max_context_len"], BLOCK_KV, block_n,
                                           _RESIDENT_PER_SM * sms, groups, few * sms)
-    return {"current": keys(0), **{f"few {s}": keys(s) for s in THRESHOLDS}}
+    return {"current": keys(_FEW_PER_SM), **{f"few {s}": keys(s) for s in THRESHOLDS}}
 
 
 def weigh(paths: list[str], sms: int | None = None) -> tuple[list[dict], dict]:
-    """Per row the picks and their times; per threshold the time against the current pick."""
+    """Per row the picks and their times; per threshold the time against ``few 0``'s pick."""
     groups_of_rows: dict[tuple, list[dict]] = {}
     layers = {}
     for p in paths:
@@ -67,31 +75,71 @@ def weigh(paths: list[str], sms: int | None = None) -> tuple[list[dict], dict]:
         b, next_n, ctx, heads, nlayers = key
         cfg = default_paged_config("fp8", next_n, heads, D, BLOCK_KV)
         times = fixed_chunk_times(rows, name_of(cfg))
-        if 0 not in times:
+        ref = next((r for r in rows if r["config"] == name_of(cfg)), None)
+        if ref is None:
             continue
-        ref = next(r for r in rows if r["config"] == name_of(cfg))
         groups = -(-next_n // cfg.rows)
         pick = picks(ref, cfg.block_n, groups, sms)
         entry = {"batch": b, "next_n": next_n, "mean_context": ctx, "heads": heads, "layers": nlayers,
                  "max_context_len": ref["max_context_len"], "times_us": times, "picks": pick}
+        base = times.get(pick["few 0"])
         for name, chunk in pick.items():
-            t = times[0] if chunk == pick["current"] else times.get(chunk)
-            entry[name] = None if t is None else {"chunk": chunk, "us": t, "vs_current": t / times[0]}
+            t = times.get(chunk)
+            entry[name] = None if t is None or base is None else {"chunk": chunk, "us": t, "vs_wave_rule": t / base}
         best = min((c for c in times if c), key=times.get, default=None)
-        entry["best_fixed"] = None if best is None else {"chunk": best, "us": times[best],
-                                                         "vs_current": times[best] / times[0]}
+        entry["best_fixed"] = None if best is None or base is None else {
+            "chunk": best, "us": times[best], "vs_wave_rule": times[best] / base}
         table.append(entry)
     summary = {}
-    for s in THRESHOLDS:
-        ratios = [e[f"few {s}"]["vs_current"] for e in table if e[f"few {s}"]]
-        moved = [e for e in table if e[f"few {s}"] and e["picks"][f"few {s}"] != e["picks"]["current"]]
-        summary[f"few {s}"] = {
+    for name in ("current", *(f"few {s}" for s in THRESHOLDS if s)):
+        ratios = [e[name]["vs_wave_rule"] for e in table if e[name]]
+        moved = [e for e in table if e[name] and e["picks"][name] != e["picks"]["few 0"]]
+        summary[name] = {
             "rows": len(ratios), "rows_moved": len(moved),
-            "unmeasured": sum(1 for e in table if not e[f"few {s}"]),
-            "median_vs_current": statistics.median(ratios) if ratios else None,
-            "worst_vs_current": max(ratios) if ratios else None,
-            "best_vs_current": min(ratios) if ratios else None}
+            "unmeasured": sum(1 for e in table if not e[name]),
+            "median_vs_wave_rule": statistics.median(ratios) if ratios else None,
+            "worst_vs_wave_rule": max(ratios) if ratios else None,
+            "best_vs_wave_rule": min(ratios) if ratios else None}
     return table, summary
+
+
+def sweep_ab(paths: list[str], few: int, sms: int = 132) -> dict:
+    """Per class of rows (one request; two or more, pick unmoved or moved) the count, median,
+    geometric mean, best and worst of the last run's time over the baselines'."""
+    from tilefuse.bench.report import load_result
+    from tilefuse.bench.suites.paged import Spec, context_lengths
+
+    def times(path):
+        return {r["case"]: (r["stats"]["median_us"], r["params"]) for r in load_result(path)["rows"]
+                if r["impl"] == "tilefuse" and r.get("stats")}
+
+    *bases, variant = [times(p) for p in paths]
+
+    def pick(p, few_per_sm):
+        spec = Spec(p["format"], p["batch"], p["next_n"], p["mean_context"], p["heads"], p["head_dim"], p["block_kv"])
+        lens, _ = context_lengths(spec)
+        cfg = default_paged_config(p["format"], p["next_n"], p["heads"], p["head_dim"], p["block_kv"])
+        return chunk_pages_for(p["batch"], int(lens.max()), p["block_kv"], cfg.block_n, _RESIDENT_PER_SM * sms,
+                               -(-p["next_n"] // cfg.rows), few_per_sm * sms)
+
+    # (one request takes the wave's rule whatever ``few``: its rows are a class of their own)
+    classes: dict[str, list[tuple[float, str]]] = {"one request": [], "two or more, pick unmoved": [],
+                                                   "two or more, pick moved": []}
+    for case, (t, p) in variant.items():
+        if not all(case in b for b in bases):
+            continue
+        base = statistics.geometric_mean([b[case][0] for b in bases])
+        name = ("one request" if p["batch"] == 1 else
+                "two or more, pick moved" if pick(p, few) != pick(p, 0) else "two or more, pick unmoved")
+        classes[name].append((t / base, case))
+    out = {}
+    for name, rows in classes.items():
+        if rows:
+            r = sorted(rows)
+            out[name] = {"rows": len(r), "median": statistics.median(v for v, _ in r),
+                         "geomean": statistics.geometric_mean(v for v, _ in r),
+                         "best": r[0], "worst": r[-1], "over_1.02": sum(v > 1.02 for v, _ in r)}
+    return out
 
 
 def main() -> None:
@@ -99,9 +147,21 @@ def main() -> None:
     ap.add_argument("files", nargs="+")
     ap.add_argument("--sms", type=int, default=None, help="SM count (default: the run's)")
     ap.add_argument("--output", help="write the per-row table and the summary as JSON")
+    ap.add_argument("--sweep-ab", action="store_true", help="the files are whole sweeps: baselines, then a variant")
+    ap.add_argument("--few", type=int, default=_FEW_PER_SM, help="with --sweep-ab: the variant's programs an SM")
     args = ap.parse_args()
+    if args.sweep_ab:
+        result = sweep_ab(args.files, args.few, args.sms or 132)
+        for name, c in result.items():
+            print(f"{name}: {c['rows']} rows, time over the baselines median {c['median']:.3f}, geomean"
+                  f" {c['geomean']:.3f}, best {c['best'][0]:.3f} ({c['best'][1]}), worst {c['worst'][0]:.3f}"
+                  f" ({c['worst'][1]}), {c['over_1.02']} over 1.02")
+        if args.output:
+            record = {"files": args.files, "few": args.few, "classes": result}
+            Path(args.output).write_text(json.dumps(record, indent=1))
+        return
     table, summary = weigh(args.files, args.sms)
-    cols = ["current", *(f"few {s}" for s in THRESHOLDS), "best_fixed"]
+    cols = [*(f"few {s}" for s in THRESHOLDS), "current", "best_fixed"]
     print(f"{'row':<28}" + "".join(f"{c:>16}" for c in cols))
     for e in table:
         name = f"B{e['batch']} n{e['next_n']} ctx{e['mean_context']} H{e['heads']} L{e['layers']}"
@@ -109,9 +169,9 @@ def main() -> None:
         print(f"{name:<28}" + "".join(f"{c:>16}" for c in cells))
     for name, s in summary.items():
         if s["rows"]:
-            print(f"{name}: {s['rows_moved']} of {s['rows']} rows moved, median {s['median_vs_current']:.3f}x,"
-                  f" best {s['best_vs_current']:.3f}x, worst {s['worst_vs_current']:.3f}x the current pick's time"
-                  f" ({s['unmeasured']} rows whose pick was not timed)")
+            print(f"{name}: {s['rows_moved']} of {s['rows']} rows moved, median {s['median_vs_wave_rule']:.3f}x,"
+                  f" best {s['best_vs_wave_rule']:.3f}x, worst {s['worst_vs_wave_rule']:.3f}x the time at the"
+                  f" wave's rule alone ({s['unmeasured']} rows whose pick was not timed)")
     if args.output:
         Path(args.output).write_text(json.dumps({"files": args.files, "rows": table, "summary": summary}, indent=1))
 

@@ -15,15 +15,46 @@ def test_picks_are_timed_from_the_fixed_chunks(tmp_path):
     rows = [_row(8, 1, 10140, f"n64 r1 chunk{c} w4 st4", t)
             for c, t in ((0, 6.7), (512, 6.8), (256, 5.9), (128, 5.4), (1024, 7.5))]
     rows += [_row(8, 1, 10140, "n64 r1 chunk256 w4 st2", 1.0)]  # another pipeline: not read
-    rows += [_row(32, 2, 5300, f"n64 r2 chunk{c} w4 st4", t) for c, t in ((0, 10.6), (256, 11.2))]
+    rows += [_row(32, 2, 5300, f"n64 r2 chunk{c} w4 st4", t) for c, t in ((0, 10.6), (512, 10.6), (256, 11.2))]
     path = tmp_path / "grid.json"
     path.write_text(json.dumps({"environment": {"sm_count": 132}, "layers": 1, "rows": rows}))
     table, summary = rule.weigh([str(path)])
     by_batch = {e["batch"]: e for e in table}
     eight, wide = by_batch[8], by_batch[32]
-    assert eight["picks"]["current"] == 512 and eight["current"]["us"] == 6.7
-    assert eight["few 4"] == {"chunk": 256, "us": 5.9, "vs_current": 5.9 / 6.7}
+    # every pick timed by its fixed-chunk row, against the wave's rule alone (512 keys here)
+    assert eight["picks"]["few 0"] == 512 and eight["few 0"]["us"] == 6.8
+    assert eight["few 4"] == eight["current"] == {"chunk": 256, "us": 5.9, "vs_wave_rule": 5.9 / 6.8}
     assert eight["few 6"]["chunk"] == 128 and eight["best_fixed"]["chunk"] == 128
     # B32 next_n 2: 331 programs of 512 keys; at 6 an SM the pick halves, and is slower
-    assert wide["few 4"]["chunk"] == 512 and wide["few 6"]["vs_current"] > 1
-    assert summary["few 4"]["rows_moved"] == 1 and summary["few 6"]["worst_vs_current"] == 11.2 / 10.6
+    assert wide["few 4"]["chunk"] == 512 and wide["few 6"]["vs_wave_rule"] > 1
+    assert summary["few 4"]["rows_moved"] == 1 and summary["few 6"]["worst_vs_wave_rule"] == 11.2 / 10.6
+
+
+def test_sweep_ab_splits_one_request_and_moved_picks(tmp_path):
+    from .results_factory import result, row
+
+    rule = load_script("paged_chunk_rule")
+    params = {"format": "fp8", "next_n": 1, "heads": 64, "head_dim": 128, "block_kv": 64}
+    # B8 ctx 8K: 512 keys at the wave's rule, 256 at 4 an SM; B256 ctx 8K: unmoved; B1: its own class
+    shapes = {"B8": (8, 8192), "B256": (256, 8192), "B1": (1, 65536)}
+
+    def sweep(name, times):
+        rows = []
+        for case, us in times.items():
+            r = row(f"{case} | tilefuse", [us] * 3)
+            b, ctx = shapes[case]
+            r["params"] = {**params, "batch": b, "mean_context": ctx}
+            rows.append(r)
+        path = tmp_path / name
+        path.write_text(json.dumps(result(rows)))
+        return str(path)
+
+    files = [sweep("a.json", {"B8": 8.0, "B256": 100.0, "B1": 5.0}),
+             sweep("b.json", {"B8": 8.0, "B256": 100.0, "B1": 5.0}),
+             sweep("few.json", {"B8": 6.0, "B256": 101.0, "B1": 5.5})]
+    out = rule.sweep_ab(files, 4)
+    assert out["two or more, pick moved"]["rows"] == 1
+    assert abs(out["two or more, pick moved"]["median"] - 0.75) < 1e-9
+    worst = out["two or more, pick unmoved"]["worst"]
+    assert worst[1] == "B256" and abs(worst[0] - 1.01) < 1e-9
+    assert out["one request"]["over_1.02"] == 1

@@ -848,7 +848,8 @@ def test_batch_size_and_width_changing_every_call():
 def test_chunk_per_call_fills_the_gpu_before_it_grows():
     """The per-call chunk: 512-2048 keys aiming at ``_TARGET_PROGRAMS`` programs, and smaller
     chunks, down to one tile, while they give at most the device's resident programs
-    (``wave``); whole pages, a power of two of them."""
+    (``wave``), down to 128 keys while they give at most ``few``; whole pages, a power of two
+    of them."""
     pages = paged.chunk_pages_for
     # Large batches: the rule aimed at _TARGET_PROGRAMS programs, whatever the wave.
     assert pages(256, 8192, 64, 64, wave=264) == pages(256, 8192, 64, 64) == 1024 // 64
@@ -864,13 +865,14 @@ def test_chunk_per_call_fills_the_gpu_before_it_grows():
     # Row groups count as programs; no device (wave 0) keeps 512 keys.
     assert pages(1, 65536, 64, 64, wave=264, groups=2) == 512 // 64
     assert pages(1, 8192, 64, 64) == pages(1, 300, 64, 64) == 512 // 64
-    # ``few``: halving down to 128 keys while the halved chunk gives at most that many programs,
-    # then the wave's rule; off (0) by default.
+    # ``few`` (a batch of two or more): halving down to 128 keys while the halved chunk gives at
+    # most that many programs, then the wave's rule; one request takes the wave's rule alone.
     assert pages(8, 10140, 64, 64, wave=264, few=528) == 256 // 64  # 317 programs of 256 keys
     assert pages(8, 10140, 64, 64, wave=264, few=792) == 128 // 64
     assert pages(32, 5300, 64, 64, wave=264, few=528) == 512 // 64  # 331 programs of 512 already
     assert pages(1, 8192, 64, 64, wave=264, few=792) == 1  # the wave's rule still goes to one tile
     assert pages(8, 10140, 64, 128, wave=264, few=10**6) == 128 // 64  # never below one tile
+    assert pages(1, 65536, 64, 64, wave=264, few=10**6) == pages(1, 65536, 64, 64, wave=264) == 256 // 64
 
 
 def test_default_rows_per_program_stop_at_128_dot_columns():

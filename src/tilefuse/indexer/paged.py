@@ -120,7 +120,10 @@ _TARGET_PROGRAMS = 2048
 # Chunk sizes the per-call choice moves between, in keys (down to one tile where a batch is
 # too small to fill the GPU: see chunk_pages_for).
 _MIN_CHUNK, _MAX_CHUNK = 512, 2048
-# The smallest chunk ``chunk_pages_for(few=...)`` halves to.
+# Programs per SM up to which a batch of two or more requests takes chunks below 512 keys, down
+# to _FEW_CHUNK (``chunk_pages_for``'s ``few``): a batch that gives about one program an SM at 512
+# keys is a program's latency, and shorter chunks spread it (benchmarks/NOTES.md, round (31)).
+_FEW_PER_SM = 4
 _FEW_CHUNK = 128
 # Programs per SM that every default configuration holds resident at once (4-5 at 64-key
 # tiles, 3-4 at 128): a batch with fewer programs than this many per SM runs in one wave.
@@ -176,13 +179,15 @@ def chunk_pages_for(batch: int, max_context_len: int, block_kv: int, block_n: in
     below 512 keys, down to one tile, the smallest chunk that gives at most ``wave`` programs
     (the GPU's resident programs, ``_RESIDENT_PER_SM`` an SM): every program of such a batch
     runs at once, and its time is one program's tiles one after another. ``groups``: programs
-    per (request, chunk), the query rows' groups. ``few`` (0: off): before that, halve down to
-    ``_FEW_CHUNK`` keys while the halved chunk gives at most ``few`` programs (the rule
-    ``benchmarks/paged_chunk_rule.py`` weighs against fixed chunks)."""
+    per (request, chunk), the query rows' groups. ``few`` (the launch passes ``_FEW_PER_SM`` an
+    SM; 0: off): before that, a batch of two or more requests halves down to ``_FEW_CHUNK``
+    keys while the halved chunk gives at most ``few`` programs. (One request keeps the wave's
+    rule: its halvings at 4 an SM measured up to 13% slower with 32-token pages.)"""
     keys = max(1, batch) * max(1, max_context_len)
     target = _MIN_CHUNK
-    while target > max(block_n, _FEW_CHUNK) and keys * groups // (target // 2) <= few:
-        target //= 2
+    if batch > 1:
+        while target > max(block_n, _FEW_CHUNK) and keys * groups // (target // 2) <= few:
+            target //= 2
     while target > block_n and keys * groups // (target // 2) <= wave:
         target //= 2
     while target < _MAX_CHUNK and keys // (2 * target) >= _TARGET_PROGRAMS:
@@ -603,6 +608,7 @@ class _Plan:
     cfg: PagedConfig
     chunk_pages: int  # pages per program fixed by ``cfg.chunk``; 0: picked per call (chunk_pages_for)
     wave: int  # programs the device holds at once (chunk_pages_for); 0 on the CPU
+    few: int  # programs up to which a batch takes chunks below 512 keys (chunk_pages_for); 0 on the CPU
     groups: int
     page_unit: int
     q_unit: int
@@ -755,9 +761,10 @@ def _make_plan(fmt, next_n, h, d, block_kv, q, kv_cache, context_lens, indices, 
     at = tail.index("kv_desc")
     before, after = tuple(consts[n] for n in tail[:at]), tuple(consts[n] for n in tail[at + 1:])
     launch_key = (gluon, before, after, cfg.num_warps, cfg.num_stages)
-    wave = (sm_count(q.device) or 0) * _RESIDENT_PER_SM
+    sms = sm_count(q.device) or 0
     persistent = _persistent_plan(cfg, fmt, next_n, h, d, block_kv, q, kv_cache, context_lens, indices, clean_logits)
-    return _Plan(next_n, block_kv, cfg, chunk_pages, wave, groups, page_unit, q_unit, consts, tma, before, after,
+    return _Plan(next_n, block_kv, cfg, chunk_pages, sms * _RESIDENT_PER_SM, sms * _FEW_PER_SM, groups, page_unit,
+                 q_unit, consts, tma, before, after,
                  launch_key, options, gluon, launcher, kv_descriptor, persistent)
 
 
@@ -977,7 +984,7 @@ def _launch(plan: _Plan, q, q_sf, kv_cache, weights, context_lens, block_table, 
         return
     b = q.shape[0]
     chunk_pages = plan.chunk_pages or chunk_pages_for(b, max_context_len, plan.block_kv, plan.cfg.block_n,
-                                                      plan.wave, plan.groups)
+                                                      plan.wave, plan.groups, plan.few)
     chunks_per_request = cdiv(max_context_len, chunk_pages * plan.block_kv)
     programs = plan.groups * b * chunks_per_request
     # Besides the plan: what Triton specialises on that the plan's layout key leaves open.
