@@ -62,14 +62,12 @@ def picks(row: dict, block_n: int, groups: int, sms: int) -> dict:
 def weigh(paths: list[str], sms: int | None = None) -> tuple[list[dict], dict]:
     """Per row the picks and their times; per threshold the time against ``few 0``'s pick."""
     groups_of_rows: dict[tuple, list[dict]] = {}
-    layers = {}
     for p in paths:
         res = json.loads(Path(p).read_text())
         sms = sms or res["environment"].get("sm_count") or 132
         for r in res["rows"]:
             key = (r["batch"], r["next_n"], r["mean_context"], r["heads"], res.get("layers", 1))
             groups_of_rows.setdefault(key, []).append(r)
-            layers[key] = res.get("layers", 1)
     table = []
     for key, rows in sorted(groups_of_rows.items()):
         b, next_n, ctx, heads, nlayers = key

@@ -764,8 +764,7 @@ def _make_plan(fmt, next_n, h, d, block_kv, q, kv_cache, context_lens, indices, 
     sms = sm_count(q.device) or 0
     persistent = _persistent_plan(cfg, fmt, next_n, h, d, block_kv, q, kv_cache, context_lens, indices, clean_logits)
     return _Plan(next_n, block_kv, cfg, chunk_pages, sms * _RESIDENT_PER_SM, sms * _FEW_PER_SM, groups, page_unit,
-                 q_unit, consts, tma, before, after,
-                 launch_key, options, gluon, launcher, kv_descriptor, persistent)
+                 q_unit, consts, tma, before, after, launch_key, options, gluon, launcher, kv_descriptor, persistent)
 
 
 @dataclasses.dataclass(frozen=True)
