@@ -18,6 +18,11 @@ last run took. Each tilefuse row's time over the baselines' geometric mean, by c
 request, and two or more split by whether ``few`` moves the pick (the sweep's own lengths)::
 
     python benchmarks/paged_chunk_rule.py --sweep-ab --few 4 base.json base-again.json few4.json
+
+With ``--run-sweep FILE`` (a GPU): the decode sweep at ``--few`` programs an SM (the launch's
+``_FEW_PER_SM`` replaced for the run), written to FILE with the threshold in its settings::
+
+    python benchmarks/paged_chunk_rule.py --run-sweep few6.json --few 6 -- --samples 10
 """
 
 from __future__ import annotations
@@ -140,14 +145,44 @@ def sweep_ab(paths: list[str], few: int, sms: int = 132) -> dict:
     return out
 
 
+def run_sweep(path: str, few: int, sweep_args: list[str]) -> int:
+    """``tilefuse bench paged --sweep`` with ``few`` programs an SM, the threshold recorded in
+    the result's settings (``chunk_rule``)."""
+    from tilefuse import cli
+    from tilefuse.indexer import paged
+
+    paged._FEW_PER_SM = few  # read when a call's plan is made: before the first call
+    rc = cli.main(["bench", "paged", "--sweep", *sweep_args, "-o", path])
+    if Path(path).exists():
+        record_threshold(path, few)
+    return rc
+
+
+def record_threshold(path: str, few: int) -> None:
+    """The threshold a sweep ran at, in its result file's settings."""
+    from tilefuse.bench.report import load_result, write_result
+
+    result = load_result(path)
+    result["settings"]["chunk_rule"] = (f"chunk_pages_for(few={few} programs an SM) for two or more requests,"
+                                        f" set for this run (the default: {_FEW_PER_SM})")
+    write_result(result, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("files", nargs="+")
+    ap.add_argument("files", nargs="*")
     ap.add_argument("--sms", type=int, default=None, help="SM count (default: the run's)")
     ap.add_argument("--output", help="write the per-row table and the summary as JSON")
     ap.add_argument("--sweep-ab", action="store_true", help="the files are whole sweeps: baselines, then a variant")
-    ap.add_argument("--few", type=int, default=_FEW_PER_SM, help="with --sweep-ab: the variant's programs an SM")
-    args = ap.parse_args()
+    ap.add_argument("--few", type=int, default=_FEW_PER_SM,
+                    help="with --sweep-ab: the variant's programs an SM; with --run-sweep: the run's")
+    ap.add_argument("--run-sweep", metavar="FILE", help="run the decode sweep at --few into FILE (arguments"
+                    " after -- go to tilefuse bench paged --sweep)")
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if args.run_sweep:
+        sys.exit(run_sweep(args.run_sweep, args.few, extra))
     if args.sweep_ab:
         result = sweep_ab(args.files, args.few, args.sms or 132)
         for name, c in result.items():

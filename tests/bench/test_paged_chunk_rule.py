@@ -58,3 +58,15 @@ def test_sweep_ab_splits_one_request_and_moved_picks(tmp_path):
     worst = out["two or more, pick unmoved"]["worst"]
     assert worst[1] == "B256" and abs(worst[0] - 1.01) < 1e-9
     assert out["one request"]["over_1.02"] == 1
+
+
+def test_a_sweep_run_at_another_threshold_records_it(tmp_path):
+    from tilefuse.bench.report import load_result
+
+    from .results_factory import result, row
+
+    rule = load_script("paged_chunk_rule")
+    path = tmp_path / "few6.json"
+    path.write_text(json.dumps(result([row("B8 | tilefuse", [1.0, 1.1])])))
+    rule.record_threshold(str(path), 6)
+    assert "few=6 programs an SM" in load_result(path)["settings"]["chunk_rule"]
