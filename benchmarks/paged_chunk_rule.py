@@ -168,6 +168,11 @@ def record_threshold(path: str, few: int) -> None:
     write_result(result, path)
 
 
+def environment_of(paths: list[str]) -> dict:
+    """The GPU and software of the runs read (the last file's environment)."""
+    return json.loads(Path(paths[-1]).read_text()).get("environment", {})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("files", nargs="*")
@@ -190,7 +195,8 @@ def main() -> None:
                   f" {c['geomean']:.3f}, best {c['best'][0]:.3f} ({c['best'][1]}), worst {c['worst'][0]:.3f}"
                   f" ({c['worst'][1]}), {c['over_1.02']} over 1.02")
         if args.output:
-            record = {"files": args.files, "few": args.few, "classes": result}
+            record = {"environment": environment_of(args.files), "files": args.files, "few": args.few,
+                      "classes": result}
             Path(args.output).write_text(json.dumps(record, indent=1))
         return
     table, summary = weigh(args.files, args.sms)
@@ -206,7 +212,8 @@ def main() -> None:
                   f" best {s['best_vs_wave_rule']:.3f}x, worst {s['worst_vs_wave_rule']:.3f}x the time at the"
                   f" wave's rule alone ({s['unmeasured']} rows whose pick was not timed)")
     if args.output:
-        Path(args.output).write_text(json.dumps({"files": args.files, "rows": table, "summary": summary}, indent=1))
+        record = {"environment": environment_of(args.files), "files": args.files, "rows": table, "summary": summary}
+        Path(args.output).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":
