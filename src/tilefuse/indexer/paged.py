@@ -182,7 +182,7 @@ def chunk_pages_for(batch: int, max_context_len: int, block_kv: int, block_n: in
     per (request, chunk), the query rows' groups. ``few`` (the launch passes ``_FEW_PER_SM`` an
     SM; 0: off): before that, a batch of two or more requests halves down to ``_FEW_CHUNK``
     keys while the halved chunk gives at most ``few`` programs. (One request keeps the wave's
-    rule: its halvings at 4 an SM measured up to 13% slower with 32-token pages.)"""
+    rule: halved further it measured slower, benchmarks/NOTES.md round (31).)"""
     keys = max(1, batch) * max(1, max_context_len)
     target = _MIN_CHUNK
     if batch > 1:
