@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from paged_sweep import BLOCK_KV, D, name_of  # noqa: E402
 
+from tilefuse._jit import cdiv  # noqa: E402
 from tilefuse.indexer.paged import _FEW_PER_SM, _RESIDENT_PER_SM, chunk_pages_for, default_paged_config  # noqa: E402
 
 THRESHOLDS = (0, 3, 4, 6, 8)  # programs an SM for ``few``
@@ -81,8 +82,7 @@ def weigh(paths: list[str], sms: int | None = None) -> tuple[list[dict], dict]:
         ref = next((r for r in rows if r["config"] == name_of(cfg)), None)
         if ref is None:
             continue
-        groups = -(-next_n // cfg.rows)
-        pick = picks(ref, cfg.block_n, groups, sms)
+        pick = picks(ref, cfg.block_n, cdiv(next_n, cfg.rows), sms)
         entry = {"batch": b, "next_n": next_n, "mean_context": ctx, "heads": heads, "layers": nlayers,
                  "max_context_len": ref["max_context_len"], "times_us": times, "picks": pick}
         base = times.get(pick["few 0"])
@@ -118,12 +118,14 @@ def sweep_ab(paths: list[str], few: int, sms: int = 132) -> dict:
 
     *bases, variant = [times(p) for p in paths]
 
-    def pick(p, few_per_sm):
+    def moved(p) -> bool:
+        """Whether ``few`` moves this row's pick (the sweep's lengths drawn once)."""
         spec = Spec(p["format"], p["batch"], p["next_n"], p["mean_context"], p["heads"], p["head_dim"], p["block_kv"])
         lens, _ = context_lengths(spec)
         cfg = default_paged_config(p["format"], p["next_n"], p["heads"], p["head_dim"], p["block_kv"])
-        return chunk_pages_for(p["batch"], int(lens.max()), p["block_kv"], cfg.block_n, _RESIDENT_PER_SM * sms,
-                               -(-p["next_n"] // cfg.rows), few_per_sm * sms)
+        args = (p["batch"], int(lens.max()), p["block_kv"], cfg.block_n, _RESIDENT_PER_SM * sms,
+                cdiv(p["next_n"], cfg.rows))
+        return chunk_pages_for(*args, few * sms) != chunk_pages_for(*args, 0)
 
     # (one request takes the wave's rule whatever ``few``: its rows are a class of their own)
     classes: dict[str, list[tuple[float, str]]] = {"one request": [], "two or more, pick unmoved": [],
@@ -133,7 +135,7 @@ def sweep_ab(paths: list[str], few: int, sms: int = 132) -> dict:
             continue
         base = statistics.geometric_mean([b[case][0] for b in bases])
         name = ("one request" if p["batch"] == 1 else
-                "two or more, pick moved" if pick(p, few) != pick(p, 0) else "two or more, pick unmoved")
+                "two or more, pick moved" if moved(p) else "two or more, pick unmoved")
         classes[name].append((t / base, case))
     out = {}
     for name, rows in classes.items():
