@@ -862,8 +862,12 @@ def test_chunk_per_call_fills_the_gpu_before_it_grows():
     assert pages(1, 8192, 64, 128, wave=264) == 2  # one 128-key tile
     assert pages(1, 8192, 32, 64, wave=264) == 2  # one tile of two 32-token pages
     assert pages(1, 8192, 128, 64, wave=264) == 1  # one page is the smallest chunk
-    # Row groups count as programs; no device (wave 0) keeps 512 keys.
+    # Row groups count as programs, on the way up as on the way down; no device (wave 0) keeps
+    # 512 keys.
     assert pages(1, 65536, 64, 64, wave=264, groups=2) == 512 // 64
+    assert pages(128, 8192, 64, 64, wave=264) == 512 // 64
+    assert pages(128, 8192, 64, 64, wave=264, groups=2) == 1024 // 64
+    assert pages(512, 8192, 64, 64, wave=264, groups=2) == pages(1024, 8192, 64, 64, wave=264) == 2048 // 64
     assert pages(1, 8192, 64, 64) == pages(1, 300, 64, 64) == 512 // 64
     # ``few`` (a batch of two or more): halving down to 128 keys while the halved chunk gives at
     # most that many programs, then the wave's rule; one request takes the wave's rule alone.

@@ -175,7 +175,8 @@ def _pages_for(keys: int, block_kv: int, block_n: int) -> int:
 def chunk_pages_for(batch: int, max_context_len: int, block_kv: int, block_n: int, wave: int = 0,
                     groups: int = 1, few: int = 0) -> int:
     """Pages per program for this call (whole pages, a power of two of them): the largest chunk
-    in [512, 2048] keys that still gives about ``_TARGET_PROGRAMS`` programs over the batch;
+    in [512, 2048] keys that still gives about ``_TARGET_PROGRAMS`` programs over the batch
+    (row groups counted);
     below 512 keys, down to one tile, the smallest chunk that gives at most ``wave`` programs
     (the GPU's resident programs, ``_RESIDENT_PER_SM`` an SM): every program of such a batch
     runs at once, and its time is one program's tiles one after another. ``groups``: programs
@@ -190,7 +191,7 @@ def chunk_pages_for(batch: int, max_context_len: int, block_kv: int, block_n: in
             target //= 2
     while target > block_n and keys * groups // (target // 2) <= wave:
         target //= 2
-    while target < _MAX_CHUNK and keys // (2 * target) >= _TARGET_PROGRAMS:
+    while target < _MAX_CHUNK and keys * groups // (2 * target) >= _TARGET_PROGRAMS:
         target *= 2
     key = (target, block_kv, block_n)  # (a few values of each: per call a lookup)
     pages = _CHUNK_PAGES.get(key)
