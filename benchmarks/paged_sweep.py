@@ -44,8 +44,8 @@ H, D, BLOCK_KV = 64, 128, 64
 
 def configs(next_n: int, heads: int = H, grid: str = "tuning") -> list[PagedConfig]:
     """``default``: the default alone; ``tuning``: the default and its neighbours; ``schedule``:
-    also 128-key tiles on 4 or 8 warps where the default's are 64, the chunk per program
-    (64-4096 keys), the head sum on the tensor cores and two warpgroups per 128-key tile;
+    also the chunk per program (64-4096 keys), the head sum on the tensor cores and two
+    warpgroups per 128-key tile (128-key tiles where the default's are 64 lost: NOTES round (32));
     ``persistent``: the default beside the persistent kernel at
     one to three programs an SM, rings of 4 to 8 buffers and (next_n > 1) its MMA split by rows."""
     base = default_paged_config("fp8", next_n, heads, D, BLOCK_KV)
@@ -62,8 +62,6 @@ def configs(next_n: int, heads: int = H, grid: str = "tuning") -> list[PagedConf
     out = [base] + [rep(chunk=c) for c in (512, 1024, 2048)]
     out += [rep(block_n=64, num_stages=4), rep(num_stages=2), rep(num_stages=4), rep(num_warps=8)]
     if grid == "schedule":
-        if base.block_n == 64:  # 128-key tiles: each tile's fixed work over twice the keys
-            out += [rep(block_n=128, num_stages=3), rep(block_n=128, num_warps=8, num_stages=3)]
         out += [rep(chunk=c) for c in (64, 128, 256, 4096)]
         out += [rep(head_sum_mma=True), rep(head_sum_mma=True, chunk=1024)]
         out += [rep(num_warps=8, chunk=c) for c in (256, 1024)]
