@@ -19,6 +19,12 @@ request, and two or more split by whether ``few`` moves the pick (the sweep's ow
 
     python benchmarks/paged_chunk_rule.py --sweep-ab --few 4 base.json base-again.json few4.json
 
+Between two trees (``--base-src``: the baselines' ``src`` folder; ``--variants N``: the last N
+files are this tree's runs), the rows split by whether this tree's rule moves their chunk::
+
+    python benchmarks/paged_chunk_rule.py --sweep-ab --base-src .ab/base/src --variants 2 \
+        base-1.json base-2.json new-1.json new-2.json
+
 With ``--run-sweep FILE`` (a GPU): the decode sweep at ``--few`` programs an SM (the launch's
 ``_FEW_PER_SM`` replaced for the run), written to FILE with the threshold in its settings::
 
@@ -31,6 +37,7 @@ import argparse
 import json
 import re
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -106,9 +113,32 @@ def weigh(paths: list[str], sms: int | None = None) -> tuple[list[dict], dict]:
     return table, summary
 
 
-def sweep_ab(paths: list[str], few: int, sms: int = 132) -> dict:
-    """Per class of rows (one request; two or more, pick unmoved or moved) the count, median,
-    geometric mean, best and worst of the last run's time over the baselines'."""
+_BASE_PICKS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from tilefuse.indexer import paged
+few = getattr(paged, "_FEW_PER_SM", 0)
+print(json.dumps([paged.chunk_pages_for(*c[:6], few * c[6]) if few else paged.chunk_pages_for(*c[:6])
+                  for c in json.loads(sys.stdin.read())]))
+"""
+
+
+def base_picks(src: str, calls: list[tuple]) -> list[int]:
+    """Pages per program that the tree at ``src`` (its ``src`` folder) picks for each
+    ``(batch, max_context_len, block_kv, block_n, wave, groups, sms)``, at its own defaults
+    (read in a process of its own: two trees' packages do not share one)."""
+    run = subprocess.run([sys.executable, "-c", _BASE_PICKS, src], input=json.dumps(calls),
+                         capture_output=True, text=True, check=True)
+    return json.loads(run.stdout)
+
+
+def sweep_ab(paths: list[str], few: int, sms: int = 132, base_src: str | None = None, variants: int = 1) -> dict:
+    """Per class of rows the count, median, geometric mean, best and worst of the variant's
+    time (the geometric mean of the last ``variants`` runs) over the baselines' (the runs
+    before). Classes: one request, and two or more split by whether ``few`` moves the pick;
+    with ``base_src`` (the baselines' tree, its ``src`` folder) the rows whose chunk this
+    tree's rule moves against that tree's, and the others. ``bases agree``: the p10, median
+    and p90 over the rows of the last baseline's time over the first's."""
     from tilefuse.bench.report import load_result
     from tilefuse.bench.suites.paged import Spec, context_lengths
 
@@ -116,27 +146,33 @@ def sweep_ab(paths: list[str], few: int, sms: int = 132) -> dict:
         return {r["case"]: (r["stats"]["median_us"], r["params"]) for r in load_result(path)["rows"]
                 if r["impl"] == "tilefuse" and r.get("stats")}
 
-    *bases, variant = [times(p) for p in paths]
+    runs = [times(p) for p in paths]
+    bases, tried = runs[:-variants], runs[-variants:]
+    cases = [c for c in tried[0] if all(c in r for r in runs)]
 
-    def moved(p) -> bool:
-        """Whether ``few`` moves this row's pick (the sweep's lengths drawn once)."""
+    def call(p) -> tuple:
+        """The row's ``chunk_pages_for`` arguments (the sweep's lengths drawn once)."""
         spec = Spec(p["format"], p["batch"], p["next_n"], p["mean_context"], p["heads"], p["head_dim"], p["block_kv"])
         lens, _ = context_lengths(spec)
         cfg = default_paged_config(p["format"], p["next_n"], p["heads"], p["head_dim"], p["block_kv"])
-        args = (p["batch"], int(lens.max()), p["block_kv"], cfg.block_n, _RESIDENT_PER_SM * sms,
+        return (p["batch"], int(lens.max()), p["block_kv"], cfg.block_n, _RESIDENT_PER_SM * sms,
                 cdiv(p["next_n"], cfg.rows))
-        return chunk_pages_for(*args, few * sms) != chunk_pages_for(*args, 0)
 
-    # (one request takes the wave's rule whatever ``few``: its rows are a class of their own)
-    classes: dict[str, list[tuple[float, str]]] = {"one request": [], "two or more, pick unmoved": [],
-                                                   "two or more, pick moved": []}
-    for case, (t, p) in variant.items():
-        if not all(case in b for b in bases):
-            continue
-        base = statistics.geometric_mean([b[case][0] for b in bases])
-        name = ("one request" if p["batch"] == 1 else
-                "two or more, pick moved" if moved(p) else "two or more, pick unmoved")
-        classes[name].append((t / base, case))
+    calls = {c: call(tried[0][c][1]) for c in cases}
+    if base_src:
+        before = dict(zip(cases, base_picks(base_src, [(*calls[c], sms) for c in cases])))
+        now = {c: chunk_pages_for(*calls[c], _FEW_PER_SM * sms) for c in cases}
+        classes: dict[str, list[tuple[float, str]]] = {"chunk unmoved": [], "chunk moved": []}
+        name_of_case = {c: "chunk moved" if now[c] != before[c] else "chunk unmoved" for c in cases}
+    else:
+        # (one request takes the wave's rule whatever ``few``: its rows are a class of their own)
+        classes = {"one request": [], "two or more, pick unmoved": [], "two or more, pick moved": []}
+        name_of_case = {c: "one request" if calls[c][0] == 1 else "two or more, pick moved"
+                        if chunk_pages_for(*calls[c], few * sms) != chunk_pages_for(*calls[c], 0)
+                        else "two or more, pick unmoved" for c in cases}
+    for c in cases:
+        base = statistics.geometric_mean([b[c][0] for b in bases])
+        classes[name_of_case[c]].append((statistics.geometric_mean([r[c][0] for r in tried]) / base, c))
     out = {}
     for name, rows in classes.items():
         if rows:
@@ -144,6 +180,12 @@ def sweep_ab(paths: list[str], few: int, sms: int = 132) -> dict:
             out[name] = {"rows": len(r), "median": statistics.median(v for v, _ in r),
                          "geomean": statistics.geometric_mean(v for v, _ in r),
                          "best": r[0], "worst": r[-1], "over_1.02": sum(v > 1.02 for v, _ in r)}
+            if base_src and name == "chunk moved":
+                out[name]["per_row"] = [{"case": c, "time_over_base": v, "chunk_keys_base": before[c] * calls[c][2],
+                                         "chunk_keys": now[c] * calls[c][2]} for v, c in r]
+    if len(bases) > 1:
+        agree = sorted(bases[-1][c][0] / bases[0][c][0] for c in cases)
+        out["bases agree"] = [agree[len(agree) // 10], statistics.median(agree), agree[9 * len(agree) // 10]]
     return out
 
 
@@ -183,6 +225,10 @@ def main() -> None:
     ap.add_argument("--sweep-ab", action="store_true", help="the files are whole sweeps: baselines, then a variant")
     ap.add_argument("--few", type=int, default=_FEW_PER_SM,
                     help="with --sweep-ab: the variant's programs an SM; with --run-sweep: the run's")
+    ap.add_argument("--base-src", help="with --sweep-ab: the baselines' tree (its src folder); the rows split by"
+                    " whether this tree's chunk rule moves their chunk against that tree's")
+    ap.add_argument("--variants", type=int, default=1, help="with --sweep-ab: how many of the last files are the"
+                    " variant's runs (default 1)")
     ap.add_argument("--run-sweep", metavar="FILE", help="run the decode sweep at --few into FILE (arguments"
                     " after -- go to tilefuse bench paged --sweep)")
     argv = sys.argv[1:]
@@ -191,14 +237,18 @@ def main() -> None:
     if args.run_sweep:
         sys.exit(run_sweep(args.run_sweep, args.few, extra))
     if args.sweep_ab:
-        result = sweep_ab(args.files, args.few, args.sms or 132)
+        result = sweep_ab(args.files, args.few, args.sms or 132, args.base_src, args.variants)
         for name, c in result.items():
+            if name == "bases agree":
+                print(f"last baseline over the first, p10 / median / p90: {' / '.join(f'{v:.3f}' for v in c)}")
+                continue
             print(f"{name}: {c['rows']} rows, time over the baselines median {c['median']:.3f}, geomean"
                   f" {c['geomean']:.3f}, best {c['best'][0]:.3f} ({c['best'][1]}), worst {c['worst'][0]:.3f}"
                   f" ({c['worst'][1]}), {c['over_1.02']} over 1.02")
         if args.output:
             record = {"environment": environment_of(args.files), "files": args.files, "few": args.few,
-                      "classes": result}
+                      "commits": [json.loads(Path(f).read_text())["environment"].get("commit") for f in args.files],
+                      "base_src": args.base_src, "variants": args.variants, "classes": result}
             Path(args.output).write_text(json.dumps(record, indent=1))
         return
     table, summary = weigh(args.files, args.sms)

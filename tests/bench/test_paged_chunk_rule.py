@@ -70,3 +70,40 @@ def test_a_sweep_run_at_another_threshold_records_it(tmp_path):
     path.write_text(json.dumps(result([row("B8 | tilefuse", [1.0, 1.1])])))
     rule.record_threshold(str(path), 6)
     assert "few=6 programs an SM" in load_result(path)["settings"]["chunk_rule"]
+
+
+def test_sweep_ab_against_another_trees_rule(tmp_path):
+    from .results_factory import result, row
+
+    rule = load_script("paged_chunk_rule")
+    # A stand-in for the baselines' tree: its rule gives 1024 keys (16 pages of 64) everywhere.
+    pkg = tmp_path / "src" / "tilefuse" / "indexer"
+    pkg.mkdir(parents=True)
+    (pkg.parent / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "paged.py").write_text("def chunk_pages_for(*args):\n    return 16\n")
+    params = {"format": "fp8", "next_n": 1, "heads": 64, "head_dim": 128, "block_kv": 64}
+    shapes = {"B8": (8, 8192), "B256": (256, 8192), "B1": (1, 65536)}  # here 256, 1024, 512 keys
+
+    def sweep(name, times):
+        rows = []
+        for case, us in times.items():
+            r = row(f"{case} | tilefuse", [us] * 3)
+            r["params"] = {**params, "batch": shapes[case][0], "mean_context": shapes[case][1]}
+            rows.append(r)
+        path = tmp_path / name
+        path.write_text(json.dumps(result(rows)))
+        return str(path)
+
+    files = [sweep("base1.json", {"B8": 8.0, "B256": 100.0, "B1": 5.0}),
+             sweep("new1.json", {"B8": 6.0, "B256": 101.0, "B1": 5.0}),
+             sweep("base2.json", {"B8": 8.0, "B256": 102.0, "B1": 5.0}),
+             sweep("new2.json", {"B8": 6.0, "B256": 101.0, "B1": 5.0})]
+    out = rule.sweep_ab([files[0], files[2], files[1], files[3]], 4, base_src=str(tmp_path / "src"), variants=2)
+    moved = out["chunk moved"]
+    assert moved["rows"] == 2 and {r["case"] for r in moved["per_row"]} == {"B8", "B1"}
+    assert {r["chunk_keys_base"] for r in moved["per_row"]} == {1024}
+    assert abs(moved["best"][0] - 0.75) < 1e-9
+    unmoved = out["chunk unmoved"]
+    assert unmoved["rows"] == 1 and abs(unmoved["median"] - 101.0 / (100.0 * 102.0) ** 0.5) < 1e-9
+    assert abs(out["bases agree"][1] - 1.0) < 1e-9
