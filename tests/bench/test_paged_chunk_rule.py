@@ -10,6 +10,23 @@ def _row(batch, next_n, max_len, config, median):
             "max_context_len": max_len, "stats": {"median_us": median}}
 
 
+_PARAMS = {"format": "fp8", "next_n": 1, "heads": 64, "head_dim": 128, "block_kv": 64}
+
+
+def _sweep_file(path, times: dict, shapes: dict) -> str:
+    """A decode sweep result of tilefuse rows named by ``times``' keys, ``shapes[case]`` its
+    (B, mean ctx)."""
+    from .results_factory import result, row
+
+    rows = []
+    for case, us in times.items():
+        r = row(f"{case} | tilefuse", [us] * 3)
+        r["params"] = {**_PARAMS, "batch": shapes[case][0], "mean_context": shapes[case][1]}
+        rows.append(r)
+    path.write_text(json.dumps(result(rows)))
+    return str(path)
+
+
 def test_picks_are_timed_from_the_fixed_chunks(tmp_path):
     rule = load_script("paged_chunk_rule")
     rows = [_row(8, 1, 10140, f"n64 r1 chunk{c} w4 st4", t)
@@ -31,23 +48,12 @@ def test_picks_are_timed_from_the_fixed_chunks(tmp_path):
 
 
 def test_sweep_ab_splits_one_request_and_moved_picks(tmp_path):
-    from .results_factory import result, row
-
     rule = load_script("paged_chunk_rule")
-    params = {"format": "fp8", "next_n": 1, "heads": 64, "head_dim": 128, "block_kv": 64}
     # B8 ctx 8K: 512 keys at the wave's rule, 256 at 4 an SM; B256 ctx 8K: unmoved; B1: its own class
     shapes = {"B8": (8, 8192), "B256": (256, 8192), "B1": (1, 65536)}
 
     def sweep(name, times):
-        rows = []
-        for case, us in times.items():
-            r = row(f"{case} | tilefuse", [us] * 3)
-            b, ctx = shapes[case]
-            r["params"] = {**params, "batch": b, "mean_context": ctx}
-            rows.append(r)
-        path = tmp_path / name
-        path.write_text(json.dumps(result(rows)))
-        return str(path)
+        return _sweep_file(tmp_path / name, times, shapes)
 
     files = [sweep("a.json", {"B8": 8.0, "B256": 100.0, "B1": 5.0}),
              sweep("b.json", {"B8": 8.0, "B256": 100.0, "B1": 5.0}),
@@ -73,8 +79,6 @@ def test_a_sweep_run_at_another_threshold_records_it(tmp_path):
 
 
 def test_sweep_ab_against_another_trees_rule(tmp_path):
-    from .results_factory import result, row
-
     rule = load_script("paged_chunk_rule")
     # A stand-in for the baselines' tree: its rule gives 1024 keys (16 pages of 64) everywhere.
     pkg = tmp_path / "src" / "tilefuse" / "indexer"
@@ -82,18 +86,10 @@ def test_sweep_ab_against_another_trees_rule(tmp_path):
     (pkg.parent / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
     (pkg / "paged.py").write_text("def chunk_pages_for(*args):\n    return 16\n")
-    params = {"format": "fp8", "next_n": 1, "heads": 64, "head_dim": 128, "block_kv": 64}
     shapes = {"B8": (8, 8192), "B256": (256, 8192), "B1": (1, 65536)}  # here 256, 1024, 512 keys
 
     def sweep(name, times):
-        rows = []
-        for case, us in times.items():
-            r = row(f"{case} | tilefuse", [us] * 3)
-            r["params"] = {**params, "batch": shapes[case][0], "mean_context": shapes[case][1]}
-            rows.append(r)
-        path = tmp_path / name
-        path.write_text(json.dumps(result(rows)))
-        return str(path)
+        return _sweep_file(tmp_path / name, times, shapes)
 
     files = [sweep("base1.json", {"B8": 8.0, "B256": 100.0, "B1": 5.0}),
              sweep("new1.json", {"B8": 6.0, "B256": 101.0, "B1": 5.0}),
