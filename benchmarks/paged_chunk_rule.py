@@ -138,15 +138,14 @@ def sweep_ab(paths: list[str], few: int, sms: int = 132, base_src: str | None = 
     before). Classes: one request, and two or more split by whether ``few`` moves the pick;
     with ``base_src`` (the baselines' tree, its ``src`` folder) the rows whose chunk this
     tree's rule moves against that tree's, and the others. ``bases agree``: the p10, median
-    and p90 over the rows of the last baseline's time over the first's."""
+    and p90 over the rows of the last baseline's time over the first's; ``commits``: each
+    file's tree."""
     from tilefuse.bench.report import load_result
     from tilefuse.bench.suites.paged import Spec, context_lengths
 
-    def times(path):
-        return {r["case"]: (r["stats"]["median_us"], r["params"]) for r in load_result(path)["rows"]
-                if r["impl"] == "tilefuse" and r.get("stats")}
-
-    runs = [times(p) for p in paths]
+    results = [load_result(p) for p in paths]
+    runs = [{r["case"]: (r["stats"]["median_us"], r["params"]) for r in res["rows"]
+             if r["impl"] == "tilefuse" and r.get("stats")} for res in results]
     bases, tried = runs[:-variants], runs[-variants:]
     cases = [c for c in tried[0] if all(c in r for r in runs)]
 
@@ -186,6 +185,7 @@ def sweep_ab(paths: list[str], few: int, sms: int = 132, base_src: str | None = 
     if len(bases) > 1:
         agree = sorted(bases[-1][c][0] / bases[0][c][0] for c in cases)
         out["bases agree"] = [agree[len(agree) // 10], statistics.median(agree), agree[9 * len(agree) // 10]]
+    out["commits"] = [res["environment"].get("commit") for res in results]
     return out
 
 
@@ -238,6 +238,7 @@ def main() -> None:
         sys.exit(run_sweep(args.run_sweep, args.few, extra))
     if args.sweep_ab:
         result = sweep_ab(args.files, args.few, args.sms or 132, args.base_src, args.variants)
+        commits = result.pop("commits")
         for name, c in result.items():
             if name == "bases agree":
                 print(f"last baseline over the first, p10 / median / p90: {' / '.join(f'{v:.3f}' for v in c)}")
@@ -247,7 +248,7 @@ def main() -> None:
                   f" ({c['worst'][1]}), {c['over_1.02']} over 1.02")
         if args.output:
             record = {"environment": environment_of(args.files), "files": args.files, "few": args.few,
-                      "commits": [json.loads(Path(f).read_text())["environment"].get("commit") for f in args.files],
+                      "commits": commits,
                       "base_src": args.base_src, "variants": args.variants, "classes": result}
             Path(args.output).write_text(json.dumps(record, indent=1))
         return

@@ -103,3 +103,4 @@ def test_sweep_ab_against_another_trees_rule(tmp_path):
     unmoved = out["chunk unmoved"]
     assert unmoved["rows"] == 1 and abs(unmoved["median"] - 101.0 / (100.0 * 102.0) ** 0.5) < 1e-9
     assert abs(out["bases agree"][1] - 1.0) < 1e-9
+    assert len(out["commits"]) == 4
