@@ -184,14 +184,14 @@ def chunk_pages_for(batch: int, max_context_len: int, block_kv: int, block_n: in
     SM; 0: off): before that, a batch of two or more requests halves down to ``_FEW_CHUNK``
     keys while the halved chunk gives at most ``few`` programs. (One request keeps the wave's
     rule: halved further it measured slower, benchmarks/NOTES.md round (31).)"""
-    keys = max(1, batch) * max(1, max_context_len)
+    work = max(1, batch) * max(1, max_context_len) * groups  # programs at a chunk of one key
     target = _MIN_CHUNK
     if batch > 1:
-        while target > max(block_n, _FEW_CHUNK) and keys * groups // (target // 2) <= few:
+        while target > max(block_n, _FEW_CHUNK) and work // (target // 2) <= few:
             target //= 2
-    while target > block_n and keys * groups // (target // 2) <= wave:
+    while target > block_n and work // (target // 2) <= wave:
         target //= 2
-    while target < _MAX_CHUNK and keys * groups // (2 * target) >= _TARGET_PROGRAMS:
+    while target < _MAX_CHUNK and work // (2 * target) >= _TARGET_PROGRAMS:
         target *= 2
     key = (target, block_kv, block_n)  # (a few values of each: per call a lookup)
     pages = _CHUNK_PAGES.get(key)
