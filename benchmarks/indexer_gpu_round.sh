@@ -14,7 +14,7 @@
 #     $AB_PREV, the schedule grid beside DeepGEMM; PART=decode-profile: the decode GPU tests over
 #     processes, then Nsight Compute on the decode kernels (tilefuse's, DeepGEMM's) at $PROFILE_ROWS
 #   PART=table: bench paged at the decode table's rows beside DeepGEMM; PART=paged-sweep: the whole
-#     decode sweep beside DeepGEMM, read against the targets
+#     decode sweep beside DeepGEMM, read against the targets; PART=prefill-rows: bench indexer's rows
 #   PART=closing: the README's two commands side by side (test suite, demo), then top-k speed and
 #     the top-k A/B over $AB_TREES
 #   PART=eager: the eager cost per call (launch cost taken apart, decode and prefill) beside DeepGEMM,
@@ -139,7 +139,7 @@ wait_deepgemm() {  # the background build's result, then its environment in this
   source "$PEERS/build.sh" >>"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
   python3 -c "import deep_gemm" 2>/dev/null && echo "deep_gemm imports" | tee -a "$OUT/summary.txt"
 }
-if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|decode-ab|decode-profile|persistent|persistent-contract|table|host|topk|topk-check|topk-open|topk-verify|eager|serving|host-calls|dgtests|paged-sweep|small|bf16|pick)\  ]]; then
+if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|decode-ab|decode-profile|persistent|persistent-contract|table|host|topk|topk-check|topk-open|topk-verify|eager|serving|host-calls|dgtests|paged-sweep|prefill-rows|small|bf16|pick)\  ]]; then
   # the first steps need no DeepGEMM: it builds meanwhile (wait_deepgemm)
   if [ -f "$PEERS/build.sh" ]; then
     touch "$LOGS/.deepgemm-building"
@@ -358,6 +358,10 @@ case "$part" in
       -q -o "$OUT/paged-sweep.json"
     step paged-sweep-report 30 python3 benchmarks/paged_sweep_report.py "$OUT/paged-sweep.json" \
       --output "$OUT/paged-sweep-report.json" --plot "$OUT/paged-sweep.png"
+    ;;
+  prefill-rows)  # the prefill rows of bench indexer beside DeepGEMM (the prefill targets' table)
+    wait_deepgemm
+    step bench-indexer "${INDEXER_S:-150}" python3 -m tilefuse.cli bench indexer --samples 20 -q -o "$OUT/indexer.json"
     ;;
   dgtests)  # DeepGEMM's own tests, a new sample of $DG_CASES cases each, one process after another
     # (side by side, a paged process holding ~100 GiB left a prefill process out of memory: NOTES;
