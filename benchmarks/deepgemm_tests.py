@@ -21,6 +21,10 @@ leaves the tree in ``$DEEPGEMM_BUILD_DIR``, default ``/tmp/deepgemm``)::
 200 cases can be split over runs that each fit a machine's time (its larger paged cases take
 up to ~90 GiB of GPU memory, so processes that share one GPU run out of it; the allocator's
 cache is released before every case, so one prefill process fits beside one paged process).
+On a GPU with less memory than its largest cases, ``--per-case`` runs each sampled case in a
+call of its own and counts a case that runs out of GPU memory as skipped, not failed::
+
+    python benchmarks/deepgemm_tests.py --tests paged --cases 200 --per-case   # an 80 GB GPU
 """
 
 from __future__ import annotations
@@ -79,6 +83,54 @@ def install_sampler(module, seed: int, num_cases: int, shard: tuple[int, int] = 
     module.sample_mqa_cases = sample
 
 
+class _Sampled(Exception):
+    """Raised by the sampler of :func:`sampled_cases`: the sample is drawn, no case is run."""
+
+
+def sampled_cases(module, test: str, seed: int, num_cases: int, shard: tuple[int, int]) -> list:
+    """The cases one round's sampler would run for ``test`` (drawn by calling the test with a
+    sampler that stops it before its first case)."""
+    drawn = []
+
+    def draw(name, cases):
+        rng = random.Random(f"{seed}:{name}")
+        drawn.extend(rng.sample(cases, min(num_cases, len(cases)))[shard[0]::shard[1]])
+        raise _Sampled
+
+    module.sample_mqa_cases = draw
+    try:
+        getattr(module, TESTS[test])()
+    except _Sampled:
+        pass
+    return drawn
+
+
+def run_per_case(module, test: str, seed: int, num_cases: int, shard: tuple[int, int]) -> tuple[int, int, int]:
+    """Each sampled case of ``test`` in a call of its own: (passed, skipped for memory, failed)."""
+    import torch
+
+    cases = sampled_cases(module, test, seed, num_cases, shard)
+    print(f" > {test}: running {len(cases)} cases one at a time (seed {seed}, shard {shard[0]}/{shard[1]})",
+          flush=True)
+    passed = skipped = failed = 0
+    for i, case in enumerate(cases):
+        module.sample_mqa_cases = lambda name, _cases, case=case: [case]
+        torch.cuda.empty_cache()
+        torch.manual_seed(seed * 1000 + i)
+        try:
+            getattr(module, TESTS[test])()
+            passed += 1
+        except torch.OutOfMemoryError:
+            skipped += 1
+            print(f"case {i} {case}: out of GPU memory, skipped", flush=True)
+        except Exception:
+            failed += 1
+            print(f"case {i} {case}: FAILED", flush=True)
+            traceback.print_exc()
+    print(f"{test}: {passed} passed, {skipped} skipped (out of GPU memory), {failed} failed", flush=True)
+    return passed, skipped, failed
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deepgemm-root", default=os.environ.get("DEEPGEMM_BUILD_DIR", "/tmp/deepgemm"))
@@ -89,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arch-cases", type=int, choices=(9, 10), default=10,
                     help="whose case matrix: 10 = Blackwell's (default), 9 = DeepGEMM's SM90 list")
     ap.add_argument("--shard", default="0/1", help="i/n: every n-th case of each round's sample from the i-th")
+    ap.add_argument("--per-case", action="store_true",
+                    help="each case in a call of its own; one that runs out of GPU memory is skipped, not failed")
     args = ap.parse_args(argv)
     tests = [t.strip() for t in args.tests.split(",") if t.strip()]
     if not tests or any(t not in TESTS for t in tests):
@@ -114,13 +168,18 @@ def main(argv=None) -> int:
         for t in tests:
             torch.manual_seed(seed + r)
             print(f"round {r} (seed {seed + r}): {TESTS[t]}", flush=True)
+            if args.per_case:
+                if run_per_case(module, t, seed + r, args.cases, shard)[2]:
+                    failures.append((seed + r, t))
+                continue
             try:
                 getattr(module, TESTS[t])()
             except Exception:  # report the round and go on with the others
                 traceback.print_exc()
                 failures.append((seed + r, t))
     for s, t in failures:
-        print(f"FAILED: {t} with --seed {s} --cases {args.cases} --arch-cases {args.arch_cases}", file=sys.stderr)
+        print(f"FAILED: {t} with --seed {s} --cases {args.cases} --arch-cases {args.arch_cases}"
+              f"{' --per-case' if args.per_case else ''}", file=sys.stderr)
     print(f"{len(failures)} failed of {args.rounds * len(tests)} test runs")
     return 1 if failures else 0
 

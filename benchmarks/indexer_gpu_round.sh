@@ -367,11 +367,12 @@ case "$part" in
     # (side by side, a paged process holding ~100 GiB left a prefill process out of memory: NOTES;
     # alone, 200 prefill cases took 160 s, 200 paged ~200 s); $DG_SHARD (i/n) splits the sample
     # over runs (the same $SEED in each); $DG_TESTS and $DG_SHARDS pick the processes, e.g.
-    # DG_TESTS=paged DG_SHARDS="0/2 1/2"
+    # DG_TESTS=paged DG_SHARDS="0/2 1/2"; DG_PER_CASE=1: each case alone, one out of GPU memory
+    # skipped (an 80 GB GPU under the largest paged cases)
     wait_deepgemm
     for t in ${DG_TESTS:-prefill paged}; do for shard in ${DG_SHARDS:-${DG_SHARD:-0/1}}; do
       step "deepgemm-$t-${shard/\//of}" "${DG_S:-250}" python3 benchmarks/deepgemm_tests.py --tests "$t" \
-        --cases "${DG_CASES:-200}" --seed "${SEED:-1}" --shard "$shard"
+        --cases "${DG_CASES:-200}" --seed "${SEED:-1}" --shard "$shard" ${DG_PER_CASE:+--per-case}
     done; done
     ;;
   eager)  # the eager cost per call beside DeepGEMM and cuBLAS (after the other parts: timed alone)
