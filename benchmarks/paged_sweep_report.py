@@ -137,7 +137,12 @@ def summary(entries: list[dict]) -> list[str]:
     return lines
 
 
-def plot(entries: list[dict], path: str) -> None:
+def run_line(env: dict) -> str:
+    """The GPU and software a result came from, as one line."""
+    return f"{env.get('gpu')}, tilefuse {env.get('commit')}, torch {env.get('torch')}, triton {env.get('triton')}"
+
+
+def plot(entries: list[dict], path: str, env: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -153,7 +158,7 @@ def plot(entries: list[dict], path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("cached tokens (B x mean context)")
     ax.set_ylabel("DeepGEMM time / tilefuse time")
-    ax.set_title("decode sweep, same run")
+    ax.set_title("decode sweep beside DeepGEMM, same run" + (f"\n{run_line(env)}" if env else ""), fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -168,7 +173,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     env, rows = merged_rows(args.results)
     entries = table(rows)
-    print(f"{env.get('gpu')}, tilefuse {env.get('commit')}, torch {env.get('torch')}, triton {env.get('triton')}")
+    print(run_line(env))
     print("\n".join(summary(entries)))
     missed = sorted((e for e in entries if e["misses"]), key=lambda e: e["speed"] if e["speed"] is not None else 9.0)
     for e in missed[: args.worst]:
@@ -179,7 +184,7 @@ def main(argv=None) -> int:
     if args.output:
         Path(args.output).write_text(json.dumps({"environment": env, "rows": entries}, indent=1) + "\n")
     if args.plot:
-        plot(entries, args.plot)
+        plot(entries, args.plot, env)
     return 0
 
 
