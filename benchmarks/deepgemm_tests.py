@@ -69,13 +69,19 @@ class _Released(list):
             yield case
 
 
+def draw_sample(seed: int, name: str, cases: list, num_cases: int, shard: tuple[int, int]) -> list:
+    """The cases of DeepGEMM's list ``cases`` for test ``name`` that a round of ``seed`` runs:
+    ``num_cases`` of them, every n-th from the i-th for a shard ``(i, n)``."""
+    rng = random.Random(f"{seed}:{name}")
+    return rng.sample(cases, min(num_cases, len(cases)))[shard[0]::shard[1]]
+
+
 def install_sampler(module, seed: int, num_cases: int, shard: tuple[int, int] = (0, 1)) -> None:
     """DeepGEMM samples with fixed seeds (0 and 100000); each round here draws its own, and a
     shard ``(i, n)`` runs every n-th case of it from the i-th."""
 
     def sample(name, cases):
-        rng = random.Random(f"{seed}:{name}")
-        selected = _Released(rng.sample(cases, min(num_cases, len(cases)))[shard[0]::shard[1]])
+        selected = _Released(draw_sample(seed, name, cases, num_cases, shard))
         print(f" > {name}: running {len(selected)}/{len(cases)} cases (seed {seed}, shard {shard[0]}/{shard[1]})",
               flush=True)
         return selected
@@ -93,8 +99,7 @@ def sampled_cases(module, test: str, seed: int, num_cases: int, shard: tuple[int
     drawn = []
 
     def draw(name, cases):
-        rng = random.Random(f"{seed}:{name}")
-        drawn.extend(rng.sample(cases, min(num_cases, len(cases)))[shard[0]::shard[1]])
+        drawn.extend(draw_sample(seed, name, cases, num_cases, shard))
         raise _Sampled
 
     module.sample_mqa_cases = draw
