@@ -145,7 +145,8 @@ if [[ " ${PART:-checks} " =~ \ (verify|ab-peer|final|tests|suite|closing|decode|
     touch "$LOGS/.deepgemm-building"
     (source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1; rm -f "$LOGS/.deepgemm-building") &
   fi
-elif [ -f "$PEERS/build.sh" ]; then
+elif [ -f "$PEERS/build.sh" ] && [[ ! "${PART:-checks}" =~ ^(sweep-all|prefill-sweep|topk-sweep)$ ]]; then
+  # (the contract sweeps alone need no DeepGEMM)
   # shellcheck disable=SC1091
   source "$PEERS/build.sh" >"$LOGS/deepgemm-build.log" 2>&1 || echo "DeepGEMM build failed" | tee -a "$OUT/summary.txt"
 fi
@@ -286,19 +287,20 @@ case "$part" in
   sweep-all)  # round $SWEEP_ROUND of $SWEEP_ROUNDS (default 4) of the whole decode contract product:
     # cases i with i % (P x rounds) in this round's P = $SWEEP_PROCS (default 8) shards, one process
     # each (compile-bound: ~9.7 cases/s with 8 processes, so ~400 s a round of four)
-    rounds=${SWEEP_ROUNDS:-4}; r=${SWEEP_ROUND:-0}; procs=${SWEEP_PROCS:-8}
+    # (each shard's own budget under the step's limit, so that it prints its count before the cut)
+    rounds=${SWEEP_ROUNDS:-4}; r=${SWEEP_ROUND:-0}; procs=${SWEEP_PROCS:-8}; limit=$(budget "${SWEEP_S:-560}")
     for ((i = 0; i < procs; i++)); do
-      step "sweep-all-$r-$i" "${SWEEP_S:-560}" python3 -m tests.indexer.gpu_sweep --all --budget-s $(( ${SWEEP_S:-560} - 40 )) \
+      step "sweep-all-$r-$i" "$limit" python3 -m tests.indexer.gpu_sweep --all --budget-s $((limit > 60 ? limit - 40 : 20)) \
         --shard $((r * procs + i))/$((rounds * procs)) $([ "$r$i" = 00 ] && echo --large) &
     done
     wait
     ;;
   prefill-sweep)  # the whole prefill contract product (3456 cases) over $SWEEP_PROCS (default 16) processes;
     # SWEEP_FIRST=K: each shard from its K-th case (the rest of a cut run; no large cases then)
-    procs=${SWEEP_PROCS:-16}; first=${SWEEP_FIRST:-0}
+    procs=${SWEEP_PROCS:-16}; first=${SWEEP_FIRST:-0}; limit=$(budget "${SWEEP_S:-560}")
     for ((i = 0; i < procs; i++)); do
-      step "prefill-sweep-$i" "${SWEEP_S:-560}" python3 -m tests.indexer.prefill_gpu_sweep --all --first "$first" \
-        --budget-s $(( ${SWEEP_S:-560} - 40 )) --shard "$i/$procs" $([ "$i$first" = 00 ] && echo --large) &
+      step "prefill-sweep-$i" "$limit" python3 -m tests.indexer.prefill_gpu_sweep --all --first "$first" \
+        --budget-s $((limit > 60 ? limit - 40 : 20)) --shard "$i/$procs" $([ "$i$first" = 00 ] && echo --large) &
     done
     wait
     ;;

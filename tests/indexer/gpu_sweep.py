@@ -98,19 +98,27 @@ def pick_cases(cases: list, args) -> tuple[list, float | None]:
     return cases[index::count], args.budget_s
 
 
+# seconds between the progress lines of a sweep
+PROGRESS_S = 60.0
+
+
 def run_cases(cases: list, run_one, budget_s: float | None, first: int = 0) -> tuple[int, list[str]]:
     """``run_one(i, case)`` for each case from the ``first``-th until the budget has passed, then
     ``tilefuse.check_errors()``; every failure is printed and named in the result, and a CUDA
     error ends the sweep (the context is gone). Returns (cases run, names of those that failed)."""
     import tilefuse
 
-    t0 = time.perf_counter()
+    t0 = last_note = time.perf_counter()
     failed, done = [], 0
     for i, case in enumerate(cases):
         if i < first:
             continue
-        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+        now = time.perf_counter()
+        if budget_s is not None and now - t0 > budget_s:
             break
+        if now - last_note > PROGRESS_S:  # a run killed from outside still says how far it got
+            print(f"... {done} cases run, {len(failed)} failed, {now - t0:.0f} s (the rest: --first {i})", flush=True)
+            last_note = now
         try:
             run_one(i, case)
             tilefuse.check_errors()
