@@ -148,6 +148,18 @@ def test_sweep_resumes_a_cut_shard_with_the_same_case_seeds():
     assert seen == [(i, full[i]) for i in range(5, 9)]
 
 
+def test_sweep_progress_names_the_resume_point(monkeypatch, capsys):
+    """A shard killed from outside has said how far it got: each progress line gives the count
+    run so far and the ``--first`` that runs the rest."""
+    monkeypatch.setattr(gpu_sweep, "PROGRESS_S", -1.0)  # a line before every case
+    cases = gpu_sweep.contract_cases()[:4]
+    done, failed = gpu_sweep.run_cases(cases, lambda i, c: None, None, first=1)
+    assert (done, failed) == (3, [])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" (the rest: ")[1] for line in lines] == ["--first 1)", "--first 2)", "--first 3)"]
+    assert [line.split()[1] for line in lines] == ["0", "1", "2"]
+
+
 @needs_interpreter
 def test_large_offset_cases_at_small_sizes():
     """The sweep's >4 GiB cache and >2^31-element logits cases, scaled down to run here."""
