@@ -287,11 +287,14 @@ case "$part" in
   sweep-all)  # round $SWEEP_ROUND of $SWEEP_ROUNDS (default 4) of the whole decode contract product:
     # cases i with i % (P x rounds) in this round's P = $SWEEP_PROCS (default 8) shards, one process
     # each (compile-bound: ~9.7 cases/s with 8 processes, so ~400 s a round of four)
-    # (each shard's own budget under the step's limit, so that it prints its count before the cut)
+    # (each shard's own budget under the step's limit, so that it prints its count before the cut);
+    # SWEEP_FIRSTS="K0 K1 ...": shard i from its Ki-th case (the rest of a cut round, its counts)
     rounds=${SWEEP_ROUNDS:-4}; r=${SWEEP_ROUND:-0}; procs=${SWEEP_PROCS:-8}; limit=$(budget "${SWEEP_S:-560}")
+    read -r -a firsts <<<"${SWEEP_FIRSTS:-}"
     for ((i = 0; i < procs; i++)); do
+      first=${firsts[$i]:-0}
       step "sweep-all-$r-$i" "$limit" python3 -m tests.indexer.gpu_sweep --all --budget-s $((limit > 60 ? limit - 40 : 20)) \
-        --shard $((r * procs + i))/$((rounds * procs)) $([ "$r$i" = 00 ] && echo --large) &
+        --shard $((r * procs + i))/$((rounds * procs)) --first "$first" $([ "$r$i$first" = 000 ] && echo --large) &
     done
     wait
     ;;
