@@ -58,6 +58,11 @@ budget() {  # budget LIMIT: LIMIT cut to the time left before DEADLINE (0: none 
   ((left < 15)) && left=0
   echo $(($1 < left ? $1 : left))
 }
+within() {  # within LIMIT MARGIN: a command's own time budget, MARGIN seconds under the limit that
+  # step gives it (LIMIT cut by budget), so that it reports what it ran before the cut
+  local limit; limit=$(budget "$1")
+  echo $((limit > $2 + 20 ? limit - $2 : 20))
+}
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, one summary line
   local name=$1 limit; limit=$(budget "$2"); shift 2
   local t0=$SECONDS
@@ -182,10 +187,10 @@ case "$part" in
   suite)  # the README's test command on the whole suite, the contract sweeps beside it
     python3 -c "import xdist" 2>/dev/null && echo "pytest-xdist: installed" | tee -a "$OUT/summary.txt" \
       || echo "pytest-xdist: not installed" | tee -a "$OUT/summary.txt"
-    (step gpu-sweep "${SWEEP_S:-120}" python3 -m tests.indexer.gpu_sweep --budget-s $(( ${SWEEP_S:-120} - 20 )) \
+    (step gpu-sweep "${SWEEP_S:-120}" python3 -m tests.indexer.gpu_sweep --budget-s "$(within "${SWEEP_S:-120}" 20)" \
       --seed "${SEED:-1}" --large
      step topk-sweep "${TOPK_SWEEP_S:-120}" python3 -m tests.indexer.topk_gpu_sweep \
-      --budget-s $(( ${TOPK_SWEEP_S:-120} - 20 )) --seed "${SEED:-1}") &
+      --budget-s "$(within "${TOPK_SWEEP_S:-120}" 20)" --seed "${SEED:-1}") &
     if python3 -c "import xdist" 2>/dev/null; then
       step readme-tests "${TESTS_S:-400}" bash scripts/test.sh
     else
@@ -204,10 +209,10 @@ case "$part" in
       --output "$OUT/topk-ab.json"
     ;;
   sweeps)  # the contract sweeps (decode logits, fused top-k), a new sample each round ($SEED), and DeepGEMM's tests
-    step gpu-sweep "${SWEEP_S:-150}" python3 -m tests.indexer.gpu_sweep --budget-s $(( ${SWEEP_S:-150} - 20 )) \
+    step gpu-sweep "${SWEEP_S:-150}" python3 -m tests.indexer.gpu_sweep --budget-s "$(within "${SWEEP_S:-150}" 20)" \
       --seed "${SEED:-1}" --large
     step topk-sweep "${TOPK_SWEEP_S:-150}" python3 -m tests.indexer.topk_gpu_sweep \
-      --budget-s $(( ${TOPK_SWEEP_S:-150} - 20 )) --seed "${SEED:-1}"
+      --budget-s "$(within "${TOPK_SWEEP_S:-150}" 20)" --seed "${SEED:-1}"
     wait_deepgemm
     step deepgemm-tests "${DG_S:-150}" python3 benchmarks/deepgemm_tests.py --cases "${DG_CASES:-200}" \
       --seed "${SEED:-1}"
@@ -222,7 +227,7 @@ case "$part" in
     # builds, the default config against $AB_PREV (a src tree), then the schedule grid beside DeepGEMM
     step tests-paged 150 python3 -m pytest -q -p no:cacheprovider -x tests/indexer/test_paged.py \
       tests/indexer/test_paged_bounds.py tests/indexer/test_paged_gluon.py
-    step gpu-sweep 70 python3 -m tests.indexer.gpu_sweep --budget-s 50 --seed "${SEED:-1}" --large
+    step gpu-sweep 70 python3 -m tests.indexer.gpu_sweep --budget-s "$(within 70 20)" --seed "${SEED:-1}" --large
     step paged-ab 120 python3 benchmarks/prefill_ab.py "${AB_PREV:-.ab/prev}" . --op paged --rounds 2 \
       --output "$OUT/paged-ab.json"
     wait_deepgemm
@@ -241,7 +246,7 @@ case "$part" in
   persistent-contract)  # the decode contract (a sample, the large cases) with the persistent kernel
     # asked for everywhere it applies, and DeepGEMM's paged tests under it
     step gpu-sweep-persistent "${SWEEP_S:-300}" env TILEFUSE_PAGED_CONFIG=persistent=1,num_stages=4 \
-      python3 -m tests.indexer.gpu_sweep --budget-s "$((${SWEEP_S:-300} - 30))" --seed "${SEED:-1}" --large
+      python3 -m tests.indexer.gpu_sweep --budget-s "$(within "${SWEEP_S:-300}" 30)" --seed "${SEED:-1}" --large
     wait_deepgemm
     step deepgemm-paged-persistent "${DG_S:-250}" env TILEFUSE_PAGED_CONFIG=persistent=1,num_stages=4 \
       python3 benchmarks/deepgemm_tests.py --tests paged --cases "${DG_CASES:-200}" --seed "${SEED:-1}"
@@ -287,14 +292,13 @@ case "$part" in
   sweep-all)  # round $SWEEP_ROUND of $SWEEP_ROUNDS (default 4) of the whole decode contract product:
     # cases i with i % (P x rounds) in this round's P = $SWEEP_PROCS (default 8) shards, one process
     # each (compile-bound: ~9.7 cases/s with 8 processes, ~13.8 with 16 on 16 cores, so a round of
-    # two at 16 processes leaves ~400 of its 7776 cases past a 535 s budget: SWEEP_FIRSTS)
-    # (each shard's own budget under the step's limit, so that it prints its count before the cut);
-    # SWEEP_FIRSTS="K0 K1 ...": shard i from its Ki-th case (the rest of a cut round, its counts)
+    # two at 16 processes leaves ~400 of its 7776 cases past a 535 s budget: SWEEP_FIRSTS="K0 K1 ...",
+    # shard i from its Ki-th case, runs the rest)
     rounds=${SWEEP_ROUNDS:-4}; r=${SWEEP_ROUND:-0}; procs=${SWEEP_PROCS:-8}; limit=$(budget "${SWEEP_S:-560}")
     read -r -a firsts <<<"${SWEEP_FIRSTS:-}"
     for ((i = 0; i < procs; i++)); do
       first=${firsts[$i]:-0}
-      step "sweep-all-$r-$i" "$limit" python3 -m tests.indexer.gpu_sweep --all --budget-s $((limit > 60 ? limit - 40 : 20)) \
+      step "sweep-all-$r-$i" "$limit" python3 -m tests.indexer.gpu_sweep --all --budget-s "$(within "$limit" 40)" \
         --shard $((r * procs + i))/$((rounds * procs)) --first "$first" $([ "$r$i$first" = 000 ] && echo --large) &
     done
     wait
@@ -304,7 +308,7 @@ case "$part" in
     procs=${SWEEP_PROCS:-16}; first=${SWEEP_FIRST:-0}; limit=$(budget "${SWEEP_S:-560}")
     for ((i = 0; i < procs; i++)); do
       step "prefill-sweep-$i" "$limit" python3 -m tests.indexer.prefill_gpu_sweep --all --first "$first" \
-        --budget-s $((limit > 60 ? limit - 40 : 20)) --shard "$i/$procs" $([ "$i$first" = 00 ] && echo --large) &
+        --budget-s "$(within "$limit" 40)" --shard "$i/$procs" $([ "$i$first" = 00 ] && echo --large) &
     done
     wait
     ;;
@@ -327,7 +331,7 @@ case "$part" in
     step topk-warmup "${TOPK_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/indexer/test_warmup.py -k topk &
     step topk-sweep "${TOPK_SWEEP_S:-150}" python3 -m tests.indexer.topk_gpu_sweep \
-      --budget-s $(( ${TOPK_SWEEP_S:-150} - 20 )) --seed "${SEED:-1}" &
+      --budget-s "$(within "${TOPK_SWEEP_S:-150}" 20)" --seed "${SEED:-1}" &
     for sc in ${SWEEP_CASES:-}; do
       step "prefill-case-${sc/:/-}" 90 python3 -m tests.indexer.prefill_gpu_sweep --all --shard "${sc%%:*}/16" \
         --first "${sc##*:}" --budget-s 1 &
@@ -336,7 +340,7 @@ case "$part" in
     ;;
   topk-sweep)  # the fused top-k's contract sweep alone, a new sample ($SEED)
     step topk-sweep "${TOPK_SWEEP_S:-150}" python3 -m tests.indexer.topk_gpu_sweep \
-      --budget-s $(( ${TOPK_SWEEP_S:-150} - 20 )) --seed "${SEED:-1}"
+      --budget-s "$(within "${TOPK_SWEEP_S:-150}" 20)" --seed "${SEED:-1}"
     ;;
   probe)  # the decode key-loop probe: warp-specialised against one partition (compiles, checks, times)
     step ws-probe "${PROBE_S:-60}" python3 benchmarks/paged_ws_probe.py
@@ -454,7 +458,7 @@ case "$part" in
     step host-prefill 35 python3 benchmarks/prefill_host_cost.py --output "$OUT/prefill-host-cost.json"
     step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
     step deepgemm-tests 90 python3 benchmarks/deepgemm_tests.py --cases "${DG_CASES:-50}"
-    step gpu-sweep 50 python3 -m tests.indexer.gpu_sweep --budget-s 35 --seed "${SEED:-1}"
+    step gpu-sweep 50 python3 -m tests.indexer.gpu_sweep --budget-s "$(within 50 15)" --seed "${SEED:-1}"
     ;;
   timing)
     step host-paged 35 python3 benchmarks/paged_host_cost.py --output "$OUT/paged-host-cost.json"
