@@ -291,9 +291,9 @@ case "$part" in
     ;;
   sweep-all)  # round $SWEEP_ROUND of $SWEEP_ROUNDS (default 4) of the whole decode contract product:
     # cases i with i % (P x rounds) in this round's P = $SWEEP_PROCS (default 8) shards, one process
-    # each (compile-bound: ~9.7 cases/s with 8 processes, ~13.8 with 16 on 16 cores, so a round of
-    # two at 16 processes leaves ~400 of its 7776 cases past a 535 s budget: SWEEP_FIRSTS="K0 K1 ...",
-    # shard i from its Ki-th case, runs the rest)
+    # each (compile-bound: ~9.7 cases/s with 8 processes, 13.2-13.8 with 16 on 16 cores, so a round
+    # of two at 16 processes leaves 400-750 of its 7776 cases past a 535 s budget: SWEEP_FIRSTS="K0
+    # K1 ...", shard i from its Ki-th case, runs the rest, about two minutes)
     rounds=${SWEEP_ROUNDS:-4}; r=${SWEEP_ROUND:-0}; procs=${SWEEP_PROCS:-8}; limit=$(budget "${SWEEP_S:-560}")
     read -r -a firsts <<<"${SWEEP_FIRSTS:-}"
     for ((i = 0; i < procs; i++)); do
